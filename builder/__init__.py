@@ -1,0 +1,1 @@
+"""Kiln builder: trace -> IR -> passes -> engine files, and the build-engine CLI."""

@@ -1,0 +1,80 @@
+"""Load a Hugging Face checkpoint folder (config.json + one or several safetensors files) into
+Kiln's model definition."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from models.config import CheckpointError, ModelConfig, read_config
+from models.llama import LlamaForCausalLM
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Tensors some exporters save that the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def safetensors_files(checkpoint_dir: Path) -> list[Path]:
+    index = checkpoint_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from None
+        files = [checkpoint_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} lists shards that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(checkpoint_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"{checkpoint_dir} has no *.safetensors files: Kiln reads safetensors checkpoints "
+            "(re-save a .bin checkpoint with save_pretrained(..., safe_serialization=True))")
+    return files
+
+
+def iter_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(checkpoint_dir):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (OSError, RuntimeError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"cannot read {path}: {e}") from None
+
+
+def load(checkpoint_dir: str | Path, dtype: str = "float32", max_positions: int | None = None
+         ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build Kiln's model for a checkpoint and fill it with the checkpoint's weights in `dtype`."""
+    checkpoint_dir = Path(checkpoint_dir)
+    cfg = read_config(checkpoint_dir)
+    if dtype not in DTYPES:
+        raise CheckpointError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, DTYPES[dtype], max_positions)
+    expected = dict(model.named_parameters())
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in iter_tensors(checkpoint_dir):
+        if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        if name not in expected:
+            raise CheckpointError(f"{checkpoint_dir}: unexpected tensor {name!r} for a {cfg.architecture} "
+                                  "with this config.json (is config.json from another model?)")
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(f"{checkpoint_dir}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                  f"config.json implies {tuple(expected[name].shape)}")
+        state[name] = tensor.to(DTYPES[dtype])
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise CheckpointError(f"{checkpoint_dir}: missing tensors {', '.join(missing[:5])}"
+                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval(), cfg

@@ -1,0 +1,54 @@
+"""Building blocks for model definitions, each a thin nn.Module over one Kiln op.
+
+Model code is written only with these (or with `plugins.op`), so a `torch.fx` trace of a model
+is a graph of Kiln ops. Parameters are created empty; the checkpoint loader fills them.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from plugins import op
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). `parallel` ("column", "row" or "none") and `heads` tell the sharding
+    pass how to split the weight for tensor parallelism."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 parallel: str = "none", heads: int = 0, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.parallel = parallel
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return op("linear")(x, self.weight, self.bias, self.parallel, self.heads, False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
+        self.eps = eps
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return op("rms_norm")(x, self.weight, self.eps)
+
+
+class HeadRMSNorm(RMSNorm):
+    """RMSNorm over each head of a [T, heads*head_dim] tensor (Qwen3's q_norm and k_norm)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return op("head_rms_norm")(x, self.weight, self.eps, self.dim)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num: int, dim: int, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num, dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return op("embedding")(ids, self.weight)

@@ -1,0 +1,323 @@
+"""Small random Hugging Face checkpoints for demos and tests.
+
+``make demo`` and the test-suite need real-looking checkpoints (config.json,
+sharded safetensors, tokenizer files) for every model family Kiln supports,
+without downloading anything. This module builds them from a ``transformers``
+config with random weights and a byte-level BPE tokenizer trained locally on
+the inline corpus below. ``transformers`` is imported lazily: it is a
+test/demo dependency, never a runtime one.
+
+Rope keys in config.json: the family configs are built from the legacy
+``rope_theta`` / ``rope_scaling`` kwargs, which every transformers release
+accepts. transformers 5.x (checked with 5.17 and 5.24) converts them and
+writes only a ``rope_parameters`` object, with ``rope_theta`` inside it and no
+top-level ``rope_theta`` or ``rope_scaling``::
+
+    llama2, mistral, qwen2, qwen3: {"rope_type": "default", "rope_theta": ...}
+    llama3, llama3.2:  {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": max_pos // 4}
+    llama-linear-rope: {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+
+transformers 4.x writes the old form instead (top-level ``rope_theta``, and
+``rope_scaling`` null, absent (mistral) or the dict without ``rope_theta``), as
+do most published checkpoints, so Kiln's config reader must accept both.
+
+With tied embeddings transformers leaves ``lm_head.weight`` out of the
+safetensors files; loaders must fall back to ``model.embed_tokens.weight``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+if TYPE_CHECKING:
+    import tokenizers
+
+FAMILIES: tuple[str, ...] = (
+    "llama2", "llama3", "llama3.2", "llama-linear-rope", "mistral", "qwen2", "qwen3",
+)
+DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+
+BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
+# Listed first so they get ids 0, 1, 2 whatever the corpus contains.
+SPECIAL_TOKENS: tuple[str, ...] = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
+
+_CORPUS = """\
+The kiln was built at the edge of the village, where the clay from the river bank
+was dug every spring. Potters carried their bowls, jugs and tiles up the hill in
+wooden carts, and the fire was kept burning for three days and two nights.
+Nobody slept much; someone always had to feed the flames and watch the colour of
+the smoke, which turned from black to grey to almost nothing when the heat was right.
+
+A compiler is a patient machine. It reads a description of a program, checks that
+every piece fits, and then rewrites the whole thing in a language that the
+hardware understands. Good compilers do their work ahead of time, so that the
+program itself can run quickly and predictably when it finally meets real data.
+
+Language models predict the next token from the tokens they have already seen.
+Each layer mixes information across positions with attention, then transforms
+every position on its own with a small feed-forward network. The weights are just
+numbers: billions of them, stored in files, loaded into memory, multiplied again
+and again until a sentence appears, one word at a time.
+
+On Tuesday, 14 March 2023, at 09:45, the train from Lyon arrived 17 minutes late.
+Tickets cost 42.50 euros (or $45.99); seats 1-128 were reserved, 129-256 were not!
+Is it 3.14159, 2.71828 or 1.41421? Call +1 (555) 010-2024, ext. 7; e-mail: hi@ex.org.
+Prices rose by 12% in Q3 -- "unexpectedly", said the report; see section [4.2] & {notes}.
+
+She ordered a café au lait and a croissant, and asked the naïve question everybody
+wanted to ask: why is the crème brûlée always gone by noon? The waiter, a former
+jalapeño farmer from Zürich, shrugged. In 日本 they drink green tea; 東京 is busy,
+and the word for thank you is ありがとう. Good morning in Greek is Καλημέρα, in
+Russian доброе утро, and the symbols €, £, ¥, °, ±, → and ✓ all need several bytes.
+
+Quick brown foxes jump over lazy dogs; def f(x): return x * 2  # 0123456789
+"""
+
+
+def train_tokenizer(vocab_size: int = 384) -> "tokenizers.Tokenizer":
+    """Train a deterministic byte-level BPE tokenizer on the inline corpus.
+
+    The corpus is small: `vocab_size` is a ceiling, reached up to a few hundred.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=1, special_tokens=list(SPECIAL_TOKENS),
+        # The full byte alphabet makes any UTF-8 input encodable, even bytes
+        # that never occur in the corpus.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    # Paragraph-sized chunks; one per line would cut words at the line breaks.
+    tokenizer.train_from_iterator(_CORPUS.split("\n\n"), trainer=trainer)
+    bos_id = tokenizer.token_to_id(BOS_TOKEN)
+    # Prepend BOS like the Llama tokenizers do, so `add_special_tokens` behaves
+    # the same as on a real checkpoint.
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+        special_tokens=[(BOS_TOKEN, bos_id)])
+    return tokenizer
+
+
+def _family_config(family: str, size: dict[str, Any], tie: bool | None) -> Any:
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    head_dim = size["hidden_size"] // size["num_attention_heads"]
+    llama3_rope = {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        # Far below max_position_embeddings so that, even at head_dim 16, some
+        # frequencies are kept, some interpolated and some divided by `factor`.
+        "original_max_position_embeddings": max(1, size["max_position_embeddings"] // 4),
+    }
+    specs: dict[str, tuple[type, dict[str, Any]]] = {
+        "llama2": (LlamaConfig, dict(rope_theta=10000.0, rms_norm_eps=1e-5)),
+        "llama3": (LlamaConfig, dict(rope_theta=500000.0, rope_scaling=llama3_rope, rms_norm_eps=1e-5)),
+        "llama3.2": (LlamaConfig, dict(rope_theta=500000.0, rope_scaling=llama3_rope,
+                                       rms_norm_eps=1e-5, tie_word_embeddings=True)),
+        "llama-linear-rope": (LlamaConfig, dict(rope_theta=10000.0, rms_norm_eps=1e-5,
+                                                rope_scaling={"rope_type": "linear", "factor": 2.0})),
+        "mistral": (MistralConfig, dict(rope_theta=1e6, sliding_window=None, head_dim=head_dim,
+                                        rms_norm_eps=1e-5)),
+        "qwen2": (Qwen2Config, dict(rope_theta=1e6, use_sliding_window=False, rms_norm_eps=1e-6,
+                                    max_window_layers=size["num_hidden_layers"])),
+        "qwen3": (Qwen3Config, dict(rope_theta=1e6, head_dim=head_dim, attention_bias=False,
+                                    use_sliding_window=False, rms_norm_eps=1e-6,
+                                    max_window_layers=size["num_hidden_layers"])),
+    }
+    if family not in specs:
+        raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
+    config_cls, extra = specs[family]
+    extra.setdefault("tie_word_embeddings", False)
+    if tie is not None:
+        extra["tie_word_embeddings"] = tie
+    return config_cls(**size, **extra, hidden_act="silu", attn_implementation="eager")
+
+
+def _randomize(model: Any) -> None:
+    """Replace the default init with one that gives non-trivial logits."""
+    import torch
+
+    with torch.no_grad():
+        # named_parameters() yields a tied embedding once, so it is drawn once.
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                # Far from 1 so that a wrong norm fold shows up in the logits.
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+            elif "embed_tokens" in name:
+                param.normal_(0.0, 0.1)
+            else:
+                # ~1/sqrt(fan_in) keeps activations O(1), so fp16 does not overflow
+                # at demo sizes; clamped so tiny models still have visible attention.
+                fan_in = param.shape[-1]
+                param.normal_(0.0, min(0.1, max(0.02, fan_in ** -0.5)))
+
+
+def _check_target(output_dir: Path, overwrite: bool) -> None:
+    if output_dir.exists() and not output_dir.is_dir():
+        raise FileExistsError(f"{output_dir} exists and is not a directory")
+    if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f"{output_dir} is not empty")
+
+
+def write_random_checkpoint(
+    output_dir: str | Path,
+    family: str = "llama3",
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    vocab_size: int = 512,
+    max_position_embeddings: int = 256,
+    dtype: str = "float32",
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    tie_word_embeddings: bool | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a random `family` checkpoint plus tokenizer to `output_dir`.
+
+    The directory must be absent or empty unless `overwrite` is set, in which
+    case it is replaced. Files are written to a temporary sibling directory
+    that is renamed at the end, so a failure leaves nothing half-written.
+    `max_shard_size` (e.g. "20KB") splits the weights over several files.
+    Returns the resolved output path.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    output_dir = Path(output_dir).resolve()
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    if hidden_size % num_heads or num_heads % num_kv_heads:
+        raise ValueError("hidden_size must be divisible by num_heads, and num_heads by num_kv_heads")
+    _check_target(output_dir, overwrite)
+    tokenizer = train_tokenizer()
+    if vocab_size < tokenizer.get_vocab_size():
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's "
+                         f"{tokenizer.get_vocab_size()} tokens")
+
+    size = dict(hidden_size=hidden_size, num_hidden_layers=num_layers,
+                num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                intermediate_size=intermediate_size, vocab_size=vocab_size,
+                max_position_embeddings=max_position_embeddings,
+                bos_token_id=tokenizer.token_to_id(BOS_TOKEN),
+                eos_token_id=tokenizer.token_to_id(EOS_TOKEN))
+    config = _family_config(family, size, tie_word_embeddings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    _randomize(model)
+    model.to(getattr(torch, dtype)).eval()
+
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+    try:
+        save_kwargs: dict[str, Any] = {}
+        if max_shard_size is not None:
+            save_kwargs["max_shard_size"] = max_shard_size
+        # transformers 4.x defaults to pickle unless asked; 5.x always writes
+        # safetensors and silently swallows the unknown keyword.
+        if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+            save_kwargs["safe_serialization"] = True
+        # Its per-shard progress bar would drown the CLI's one-line summary.
+        was_enabled = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            model.save_pretrained(staging, **save_kwargs)
+        finally:
+            if was_enabled:
+                hf_logging.enable_progress_bar()
+        _save_tokenizer(tokenizer, staging, max_position_embeddings)
+        _check_target(output_dir, overwrite)
+        if output_dir.exists():
+            shutil.rmtree(output_dir)
+        staging.rename(output_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return output_dir
+
+
+def _save_tokenizer(tokenizer: "tokenizers.Tokenizer", directory: Path, max_length: int) -> None:
+    tokenizer.save(str(directory / "tokenizer.json"))
+    special = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **special,
+                        "model_max_length": max_length, "clean_up_tokenization_spaces": False}
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+
+
+def _count_parameters(directory: Path) -> int:
+    # Counted from the files, so a tied embedding counts once, as it is stored.
+    from safetensors import safe_open
+
+    total = 0
+    for shard in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():
+                total += math.prod(f.get_slice(key).get_shape())
+    return total
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--family", type=click.Choice(FAMILIES), default="llama3", show_default=True,
+              help="Model family whose config.json layout to reproduce.")
+@click.option("--output", "output", type=click.Path(file_okay=False, path_type=Path),
+              required=True, help="Directory to create.")
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
+@click.option("--hidden-size", type=int, default=64, show_default=True)
+@click.option("--layers", type=int, default=2, show_default=True)
+@click.option("--heads", type=int, default=4, show_default=True)
+@click.option("--kv-heads", type=int, default=2, show_default=True)
+@click.option("--intermediate-size", type=int, default=128, show_default=True)
+@click.option("--vocab-size", type=int, default=512, show_default=True,
+              help="Embedding rows; at least the tokenizer's 384 tokens.")
+@click.option("--max-position-embeddings", type=int, default=256, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--max-shard-size", default=None,
+              help='Split the weights into shards of at most this size, e.g. "100KB".')
+@click.option("--tie-word-embeddings/--untie-word-embeddings", default=None,
+              help="Override the family's default (tied only for llama3.2).")
+@click.option("--force", is_flag=True, help="Replace OUTPUT if it is not empty.")
+def main(family: str, output: Path, dtype: str, hidden_size: int, layers: int, heads: int,
+         kv_heads: int, intermediate_size: int, vocab_size: int, max_position_embeddings: int,
+         seed: int, max_shard_size: str | None, tie_word_embeddings: bool | None,
+         force: bool) -> None:
+    """Write a small Hugging Face checkpoint with random weights.
+
+    For demos and tests only: the weights are random, the byte-level BPE
+    tokenizer is trained on a few built-in paragraphs of text, and nothing is
+    downloaded. The result loads with transformers' AutoModelForCausalLM and
+    AutoTokenizer, and with Kiln's checkpoint loader.
+    """
+    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not force:
+        raise click.UsageError(f"{output} exists and is not empty; pass --force to replace it")
+    try:
+        path = write_random_checkpoint(
+            output, family, hidden_size=hidden_size, num_layers=layers, num_heads=heads,
+            num_kv_heads=kv_heads, intermediate_size=intermediate_size, vocab_size=vocab_size,
+            max_position_embeddings=max_position_embeddings, dtype=dtype, seed=seed,
+            max_shard_size=max_shard_size, tie_word_embeddings=tie_word_embeddings,
+            overwrite=force)
+    except (ValueError, FileExistsError) as exc:
+        raise click.UsageError(str(exc)) from exc
+    click.echo(f"{family}: {_count_parameters(path):,} parameters, {dtype} -> {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,10 @@
+"""Plugin `gelu`: GELU activation for MLPs that are not gated, [T, I] -> [T, I]."""
+from plugins.gelu.reference import gelu
+from plugins.registry import PluginSpec, register
+
+SPEC = register(PluginSpec(
+    name="gelu", version=1,
+    inputs=("x",), attrs={},
+    shape=lambda s, a: s["x"],
+    dtype="x", reference=gelu,
+))

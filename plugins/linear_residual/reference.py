@@ -1,0 +1,12 @@
+"""PyTorch reference for the fused `linear_residual`: residual + x W^T (+ b), the projection
+all-reduced first when it is row-parallel."""
+from typing import Optional
+
+import torch
+
+from plugins.linear.reference import linear
+
+
+def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    residual: torch.Tensor, parallel: str, heads: int, all_reduce: bool) -> torch.Tensor:
+    return residual + linear(x, weight, bias, parallel, heads, all_reduce)

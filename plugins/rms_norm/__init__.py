@@ -1,0 +1,10 @@
+"""Plugin `rms_norm`: RMSNorm over the hidden dim, [T, H] -> [T, H]."""
+from plugins.registry import PluginSpec, register
+from plugins.rms_norm.reference import rms_norm
+
+SPEC = register(PluginSpec(
+    name="rms_norm", version=1,
+    inputs=("x", "weight?"), attrs={"eps": float},
+    shape=lambda s, a: s["x"],
+    dtype="x", reference=rms_norm,
+))

@@ -1,0 +1,16 @@
+"""PyTorch reference for `rms_norm`, computed in float32 like Hugging Face's LlamaRMSNorm."""
+from typing import Optional
+
+import torch
+
+
+def normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) over the last dim, in float32, cast back to x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    y = normalize(x, eps)
+    # A folded norm (weight None) leaves the scale to the projection that follows.
+    return y * weight if weight is not None else y

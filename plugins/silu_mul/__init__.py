@@ -1,0 +1,10 @@
+"""Plugin `silu_mul`: silu(gate) * up, [T, I] x [T, I] -> [T, I]."""
+from plugins.registry import PluginSpec, register
+from plugins.silu_mul.reference import silu_mul
+
+SPEC = register(PluginSpec(
+    name="silu_mul", version=1,
+    inputs=("gate", "up"), attrs={},
+    shape=lambda s, a: s["gate"],
+    dtype="gate", reference=silu_mul,
+))

@@ -1,0 +1,10 @@
+"""Plugin `take_rows`: [T, H] and row indices [L] -> [L, H] (last token of each sequence)."""
+from plugins.registry import PluginSpec, register
+from plugins.take_rows.reference import take_rows
+
+SPEC = register(PluginSpec(
+    name="take_rows", version=1,
+    inputs=("x", "indices"), attrs={},
+    shape=lambda s, a: (s["indices"][0], s["x"][1]),
+    dtype="x", reference=take_rows,
+))

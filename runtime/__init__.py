@@ -1,0 +1,1 @@
+"""Kiln runtime: loads engines and serves requests."""
