@@ -1,0 +1,172 @@
+"""The build: model -> trace -> fusion -> per rank (shard, fold, plan memory) -> engine folder.
+
+The output folder is assembled in a temporary sibling and renamed into place at the end, so
+a failed build leaves nothing half-written.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch import nn
+from tqdm import tqdm
+
+import models
+from builder.config import BuildConfig
+from builder.ir import Graph
+from builder.passes import FUSIONS, fold_weights, plan_memory, shard
+from builder.trace import trace
+from plugins import get_plugin
+from runtime.engine_file import write_engine_file
+
+KILN_VERSION = "0.1.0"
+FUSED_OPS = ("norm_qkv_rope", "attention_o_proj", "norm_swiglu", "linear_residual")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "tokenizer.model")
+
+
+class BuildError(ValueError):
+    """The build cannot go on; the message says why and what to do."""
+
+
+@dataclass
+class BuildSummary:
+    output: Path
+    layers: int
+    fusions_per_layer: dict[str, int]
+    op_counts: dict[str, int]
+    weight_bytes: list[int]
+    arena_bytes: list[int]
+    targets: list[str]
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def render(self) -> str:
+        fused = ", ".join(f"{op} x{n}" for op, n in self.fusions_per_layer.items()) or "none"
+        lines = [
+            f"engine      {self.output}",
+            f"ranks       {len(self.weight_bytes)}   targets {', '.join(self.targets)}",
+            f"layers      {self.layers}   fused ops per layer: {fused}",
+            f"plan        {sum(self.op_counts.values())} ops: "
+            + ", ".join(f"{op} {n}" for op, n in sorted(self.op_counts.items())),
+            f"weights     {_mib(self.weight_bytes[0])} per rank ({_mib(sum(self.weight_bytes))} total)",
+            f"arena       {_mib(self.arena_bytes[0])} per rank (activations and step inputs)",
+            f"time        {self.seconds:.1f} s",
+        ]
+        return "\n".join(lines + [f"note        {n}" for n in self.notes])
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def layer_of(source: str) -> int | None:
+    m = re.search(r"\blayers\.(\d+)\b", source)
+    return int(m.group(1)) if m else None
+
+
+def lower_rank(graph: Graph, cfg: BuildConfig, rank: int) -> tuple[Graph, dict]:
+    """One rank's graph, with weights folded, and its memory plan."""
+    g = fold_weights(shard(graph, rank, cfg.tp_size))
+    return g, plan_memory(g, cfg.bounds)
+
+
+def manifest_for(graph: Graph, memory: dict, cfg: BuildConfig, model_info: dict, rank: int) -> dict:
+    kv_shape = graph.tensors["kv_cache"].shape
+    return {
+        "kiln_version": KILN_VERSION,
+        "model": model_info,
+        "build": cfg.to_dict(),
+        "targets": list(cfg.targets),
+        "rank": rank,
+        "world_size": cfg.tp_size,
+        "inputs": graph.inputs,
+        "outputs": graph.outputs,
+        "tensors": {name: {"shape": list(t.shape), "dtype": t.dtype, "kind": t.kind}
+                    for name, t in graph.tensors.items() if t.kind != "weight"},
+        "plan": [{"op": n.op, "version": get_plugin(n.op).version, "inputs": n.inputs, "attrs": n.attrs,
+                  "output": n.output, "source": n.source} for n in graph.nodes],
+        "memory_plan": memory,
+        "kv_cache": {"num_layers": kv_shape[0], "block_size": cfg.kv_block_size, "num_kv_heads": kv_shape[4],
+                     "head_dim": kv_shape[5], "dtype": graph.tensors["kv_cache"].dtype},
+    }
+
+
+def _fusions_per_layer(graph: Graph) -> tuple[int, dict[str, int]]:
+    layers = {layer_of(n.source) for n in graph.nodes} - {None}
+    counts: dict[str, int] = {}
+    for n in graph.nodes:
+        if n.op in FUSED_OPS and layer_of(n.source) is not None:
+            counts[n.op] = counts.get(n.op, 0) + 1
+    return len(layers), {op: c // max(len(layers), 1) for op, c in counts.items()}
+
+
+def _prepare_output(output: Path) -> Path:
+    if output.exists() and not output.is_dir():
+        raise BuildError(f"--output {output} is a file, not a folder")
+    if output.is_dir() and any(output.iterdir()) and not (output / "rank0.engine").exists():
+        raise BuildError(f"--output {output} is not empty and holds no engine: choose an empty or new folder")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    return Path(str(output.parent / f".{output.name}.tmp-{time.time_ns()}"))
+
+
+def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, model_info: dict,
+                     extra_files: tuple[Path, ...] = (), progress: bool = False) -> BuildSummary:
+    """Compile an in-memory model definition into an engine folder."""
+    start = time.time()
+    output = Path(output)
+    tmp = _prepare_output(output)
+    steps = ["trace", *[f.__name__ for f in FUSIONS]]
+    for r in range(cfg.tp_size):
+        steps += [f"rank {r}: shard+fold+plan", f"rank {r}: write"]
+    bar = tqdm(total=len(steps), desc="build-engine", unit="step", disable=not progress)
+    try:
+        tmp.mkdir()
+        bar.set_postfix_str("trace")
+        graph = trace(model)
+        bar.update()
+        for fusion in FUSIONS:
+            bar.set_postfix_str(fusion.__name__)
+            graph = fusion(graph)
+            bar.update()
+        layers, fusions = _fusions_per_layer(graph)
+        weight_bytes, arena_bytes = [], []
+        for rank in range(cfg.tp_size):
+            bar.set_postfix_str(f"rank {rank}: shard, fold, plan memory")
+            g, memory = lower_rank(graph, cfg, rank)
+            bar.update()
+            bar.set_postfix_str(f"rank {rank}: write {len(g.weights)} weights")
+            write_engine_file(tmp / f"rank{rank}.engine", manifest_for(g, memory, cfg, model_info, rank), g.weights)
+            bar.update()
+            weight_bytes.append(sum(w.numel() * w.element_size() for w in g.weights.values()))
+            arena_bytes.append(memory["arena_bytes"])
+        for f in extra_files:
+            shutil.copy2(f, tmp / f.name)
+        if output.exists():
+            shutil.rmtree(output)
+        tmp.rename(output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+    return BuildSummary(output, layers, fusions, graph.count_ops(), weight_bytes, arena_bytes,
+                        list(cfg.targets), time.time() - start)
+
+
+def build_engine(checkpoint: str | Path, output: str | Path, cfg: BuildConfig, progress: bool = False) -> BuildSummary:
+    """Build an engine folder from a Hugging Face checkpoint folder."""
+    checkpoint = Path(checkpoint)
+    model, mcfg = models.load(checkpoint, cfg.dtype, max_positions=cfg.max_seq_len)
+    notes = []
+    if cfg.max_seq_len > mcfg.max_position_embeddings:
+        notes.append(f"--max-seq-len {cfg.max_seq_len} exceeds the model's max_position_embeddings "
+                     f"({mcfg.max_position_embeddings}): quality past it is not guaranteed")
+    extra = [checkpoint / "config.json"] + [checkpoint / f for f in TOKENIZER_FILES if (checkpoint / f).is_file()]
+    summary = build_from_model(model, output, cfg, {"source": str(checkpoint), **mcfg.to_dict()},
+                               tuple(extra), progress)
+    summary.notes += notes
+    return summary

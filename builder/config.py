@@ -1,0 +1,66 @@
+"""Build configuration: the flags of `build-engine`, checked once where they enter."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+TARGETS = ("cpu", "sm_80", "sm_89", "sm_90", "sm_100")
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+class BuildConfigError(ValueError):
+    """A build flag with a value that cannot work; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    dtype: str = "float32"
+    tp_size: int = 1
+    max_batch_size: int = 8
+    max_seq_len: int = 256
+    max_num_tokens: int = 256
+    kv_block_size: int = 16
+    targets: tuple[str, ...] = field(default=("cpu",))
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise BuildConfigError(f"--dtype {self.dtype}: choose one of {', '.join(DTYPES)}")
+        for flag, value in (("--tp-size", self.tp_size), ("--max-batch-size", self.max_batch_size),
+                            ("--max-seq-len", self.max_seq_len), ("--max-num-tokens", self.max_num_tokens),
+                            ("--kv-block-size", self.kv_block_size)):
+            if not isinstance(value, int) or value < 1:
+                raise BuildConfigError(f"{flag} must be a positive integer, got {value!r}")
+        if self.kv_block_size & (self.kv_block_size - 1):
+            raise BuildConfigError(f"--kv-block-size must be a power of two, got {self.kv_block_size}")
+        if not self.targets:
+            raise BuildConfigError("at least one --target is needed")
+        unknown = [t for t in self.targets if t not in TARGETS]
+        if unknown:
+            raise BuildConfigError(f"--target {unknown[0]}: choose from {', '.join(TARGETS)}")
+        gpu = [t for t in self.targets if t != "cpu"]
+        if gpu:
+            raise BuildConfigError(f"--target {gpu[0]}: this Kiln builds CPU engines only so far "
+                                   "(GPU kernels are not written yet); use --target cpu")
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return -(-self.max_seq_len // self.kv_block_size)
+
+    @property
+    def bounds(self) -> dict[str, int]:
+        return {"T": self.max_num_tokens, "S": self.max_batch_size, "L": self.max_batch_size,
+                "B": self.blocks_per_seq}
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "targets": list(self.targets)}
+
+
+def default_targets() -> tuple[str, ...]:
+    """This machine's GPU architecture if it has one, else the CPU."""
+    try:
+        import torch
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return (f"sm_{major}{minor}",)
+    except Exception:  # a broken CUDA setup should not stop a CPU build
+        pass
+    return ("cpu",)

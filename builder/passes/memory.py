@@ -1,0 +1,48 @@
+"""Activation memory planning: one arena, an offset per tensor, from lifetimes in plan order.
+
+Step inputs and activations are sized for the build's bounds (T = max_num_tokens, S and L =
+max_batch_size, B = blocks per sequence). Two tensors share bytes only when their lifetimes
+[first write, last read] do not overlap; an op's output never aliases its inputs.
+"""
+from __future__ import annotations
+
+import math
+
+from builder.ir import Graph
+
+ALIGN = 256
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
+
+
+def nbytes(shape: tuple, dtype: str, bounds: dict[str, int]) -> int:
+    return math.prod(bounds[d] if isinstance(d, str) else d for d in shape) * DTYPE_BYTES[dtype]
+
+
+def plan_memory(graph: Graph, bounds: dict[str, int]) -> dict:
+    """Returns {"arena_bytes", "bounds", "tensors": {name: {"offset", "nbytes"}}}."""
+    end = len(graph.nodes)
+    life: dict[str, list[int]] = {}
+    for name in graph.inputs:
+        if graph.tensors[name].kind == "input":
+            life[name] = [-1, -1]
+    for i, node in enumerate(graph.nodes):
+        for t in node.tensor_inputs():
+            if t in life:
+                life[t][1] = i
+        life[node.output] = [i, i]
+    for name in graph.outputs:
+        life[name][1] = end
+    placed: list[tuple[int, int, int, int]] = []  # offset, size, first, last
+    tensors = {}
+    for name, (first, last) in life.items():
+        info = graph.tensors[name]
+        size = -(-nbytes(info.shape, info.dtype, bounds) // ALIGN) * ALIGN
+        offset = 0
+        for o, s, f, l in sorted((p for p in placed if not (p[3] < first or last < p[2]))):
+            if offset + size <= o:
+                break
+            offset = max(offset, o + s)
+        placed.append((offset, size, first, last))
+        tensors[name] = {"offset": offset, "nbytes": size}
+    arena = max((o + s for o, s, _, _ in placed), default=0)
+    return {"arena_bytes": arena, "bounds": dict(bounds), "tensors": tensors}

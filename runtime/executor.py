@@ -1,0 +1,64 @@
+"""The CPU executor: runs an engine's plan for one step with the plugins' PyTorch references.
+
+All step inputs and activations live in one arena allocated when the executor is built, at
+the offsets of the engine's memory plan; the KV cache is one pool of blocks, also allocated
+once. Bfloat16 and float32 engines both run here.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from plugins import STEP_INPUTS
+from runtime.engine import Engine
+from runtime.step import StepInputs
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "int32": torch.int32, "int64": torch.int64}
+
+
+class CpuExecutor:
+    def __init__(self, engine: Engine, num_kv_blocks: int):
+        self.engine = engine
+        kv = engine.kv_cache
+        self.kv_cache = torch.zeros(kv["num_layers"], 2, num_kv_blocks, kv["block_size"], kv["num_kv_heads"],
+                                    kv["head_dim"], dtype=DTYPES[kv["dtype"]])
+        self.arena = torch.zeros(engine.manifest["memory_plan"]["arena_bytes"], dtype=torch.uint8)
+        self.layout = engine.manifest["memory_plan"]["tensors"]
+        self.output = engine.manifest["outputs"][0]
+
+    def _view(self, name: str, dims: dict[str, int]) -> torch.Tensor:
+        info = self.engine.tensors[name]
+        shape = [dims[d] if isinstance(d, str) else d for d in info["shape"]]
+        dtype = DTYPES[info["dtype"]]
+        offset = self.layout[name]["offset"]
+        size = math.prod(shape) * dtype.itemsize
+        return self.arena[offset:offset + size].view(dtype).view(shape)
+
+    def _dims(self, step: StepInputs) -> dict[str, int]:
+        bounds = self.engine.bounds
+        dims = {"T": step.num_tokens, "S": step.query_lens.shape[0], "L": step.logits_indices.shape[0],
+                "B": bounds["B"]}
+        for d, what in (("T", "tokens"), ("S", "sequences"), ("L", "logit rows")):
+            if dims[d] > bounds[d]:
+                raise ValueError(f"step has {dims[d]} {what}; the engine was built for at most {bounds[d]}")
+        if step.block_tables.shape[1] != bounds["B"]:
+            raise ValueError(f"block tables must have {bounds['B']} columns, got {step.block_tables.shape[1]}")
+        return dims
+
+    def run(self, step: StepInputs) -> torch.Tensor:
+        """Run one step; returns the logits of the requested rows, [L, vocab] in float32."""
+        dims = self._dims(step)
+        values: dict[str, torch.Tensor] = {"kv_cache": self.kv_cache}
+        for spec in STEP_INPUTS:
+            view = self._view(spec.name, dims)
+            view.copy_(getattr(step, spec.name))
+            values[spec.name] = view
+        weights = self.engine.weights
+        for op in self.engine.plan:
+            args = [None if t is None else values[t] if t in values else weights[t] for t in op.inputs.values()]
+            out = self._view(op.output, dims)
+            out.copy_(op.spec.call_reference(args, op.attrs))
+            values[op.output] = out
+        return values[self.output].float().clone()
