@@ -43,6 +43,8 @@ class ModelConfig:
     sliding_window: int | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    dtype: str
+
 
     @property
     def family(self) -> str:
@@ -64,6 +66,12 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
         raise CheckpointError(
             f"rope type {rope_type!r} is not supported; Kiln supports {', '.join(SUPPORTED_ROPE_TYPES)}")
     return theta, (None if rope_type == "default" else {"rope_type": rope_type, **merged})
+
+
+def _checkpoint_dtype(raw: dict) -> str:
+    """The dtype the checkpoint was saved in (`torch_dtype`, or `dtype` in transformers 5)."""
+    dtype = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").removeprefix("torch.")
+    return dtype if dtype in ("float32", "float16", "bfloat16") else "float32"
 
 
 def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
@@ -104,6 +112,7 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
             sliding_window=int(window) if window else None,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos])),
+            dtype=_checkpoint_dtype(raw),
         )
     except KeyError as e:
         raise CheckpointError(f"{source}: missing required key {e.args[0]!r}") from None
