@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from models.config import CheckpointError, ModelConfig, read_config
 from models.llama import LlamaForCausalLM
@@ -43,10 +43,8 @@ def iter_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
-        except (OSError, RuntimeError) as e:
-            if isinstance(e, CheckpointError):
-                raise
-            raise CheckpointError(f"cannot read {path}: {e}") from None
+        except (OSError, RuntimeError, SafetensorError) as e:
+            raise CheckpointError(f"cannot read {path}: {e} (re-copy or re-download the checkpoint)") from None
 
 
 def load(checkpoint_dir: str | Path, dtype: str = "float32", max_positions: int | None = None

@@ -1,0 +1,46 @@
+"""Shared fixtures: small random checkpoints and engines, made once per test session."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from builder.build import build_engine
+from builder.config import BuildConfig
+from models.random_checkpoint import write_random_checkpoint
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(2)
+
+# A build small enough for every test: 2 sequences of up to 24 tokens in one step.
+SMALL_BUILD = dict(max_batch_size=32, max_seq_len=64, max_num_tokens=64, kv_block_size=4)
+
+
+class Factory:
+    """Makes checkpoints and engines under one session folder, each at most once."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.cache: dict[tuple, Path] = {}
+
+    def checkpoint(self, family: str, **kwargs) -> Path:
+        key = ("ckpt", family, tuple(sorted(kwargs.items())))
+        if key not in self.cache:
+            path = self.root / f"ckpt-{len(self.cache)}-{family}"
+            self.cache[key] = write_random_checkpoint(path, family, **kwargs)
+        return self.cache[key]
+
+    def engine(self, checkpoint: Path, **build) -> Path:
+        key = ("engine", checkpoint, tuple(sorted(build.items())))
+        if key not in self.cache:
+            path = self.root / f"engine-{len(self.cache)}"
+            build_engine(checkpoint, path, BuildConfig(**{**SMALL_BUILD, **build}))
+            self.cache[key] = path
+        return self.cache[key]
+
+
+@pytest.fixture(scope="session")
+def factory(tmp_path_factory) -> Factory:
+    return Factory(tmp_path_factory.mktemp("kiln"))
