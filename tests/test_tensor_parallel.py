@@ -110,7 +110,8 @@ def run_tp(engine_dir: Path, world_size: int, out_dir: Path) -> list[dict]:
              for r in range(world_size)]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    started = time.monotonic()
+    deadline = started + JOIN_TIMEOUT_S
     try:
         # Stop waiting as soon as one rank fails: the others would block in a collective.
         while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
@@ -119,6 +120,7 @@ def run_tp(engine_dir: Path, world_size: int, out_dir: Path) -> list[dict]:
             multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()],
                                             timeout=min(1.0, max(0.0, deadline - time.monotonic())))
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        elapsed = time.monotonic() - started
         failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
     finally:
         for p in procs:
@@ -131,8 +133,8 @@ def run_tp(engine_dir: Path, world_size: int, out_dir: Path) -> list[dict]:
     if failed or hung:
         errors = "\n".join(f"--- rank {r}:\n{Path(str(o) + '.err').read_text()}"
                            for r, o in enumerate(outs) if Path(str(o) + ".err").is_file())
-        pytest.fail(f"tp {world_size}: ranks exited non-zero {failed}, ranks still running (killed) {hung} "
-                    f"after {JOIN_TIMEOUT_S} s\n{errors}")
+        pytest.fail(f"tp {world_size}: (rank, exit code) of failed ranks {failed}; ranks still running after "
+                    f"{elapsed:.0f} s (limit {JOIN_TIMEOUT_S} s), terminated: {hung}\n{errors}")
     return [torch.load(o) for o in outs]
 
 

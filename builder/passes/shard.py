@@ -17,12 +17,13 @@ class ShardError(ValueError):
     """The model's shape cannot be split over the requested number of ranks."""
 
 
-def _heads(total: int, rank: int, world: int, what: str) -> tuple[int, int]:
-    """(first head, count) of this rank's heads; kv heads are replicated when too few."""
+def _heads(total: int, rank: int, world: int, what: str, replicate: bool = True) -> tuple[int, int]:
+    """(first head, count) of this rank's heads. kv heads are replicated when too few;
+    attention (q) heads never are (`replicate=False`)."""
     if total % world == 0:
         per = total // world
         return rank * per, per
-    if total < world and world % total == 0:
+    if replicate and total < world and world % total == 0:
         return rank // (world // total), 1
     raise ShardError(f"{total} {what} cannot be split over --tp-size {world}: "
                      f"use a tp size that divides {total} (or that {total} divides, for kv heads)")
@@ -73,7 +74,7 @@ def shard(graph: Graph, rank: int, world_size: int) -> Graph:
             a["all_reduce"] = True
         elif node.op == "norm_qkv_rope":
             hd = a["head_dim"]
-            q0, qn = _heads(a["num_heads"], rank, world_size, "attention heads")
+            q0, qn = _heads(a["num_heads"], rank, world_size, "attention heads", replicate=False)
             k0, kn = _heads(a["num_kv_heads"], rank, world_size, "kv heads")
             q_rows, kv_rows = a["num_heads"] * hd, a["num_kv_heads"] * hd
 
@@ -84,7 +85,7 @@ def shard(graph: Graph, rank: int, world_size: int) -> Graph:
                 put(name, pick, f"qkv {rank}/{world_size}")
             a["num_heads"], a["num_kv_heads"] = qn, kn
         elif node.op in ("attention", "attention_o_proj"):
-            _, qn = _heads(a["num_heads"], rank, world_size, "attention heads")
+            _, qn = _heads(a["num_heads"], rank, world_size, "attention heads", replicate=False)
             _, kn = _heads(a["num_kv_heads"], rank, world_size, "kv heads")
             if node.op == "attention_o_proj":
                 start, cols = rank * qn * a["head_dim"], qn * a["head_dim"]

@@ -1,0 +1,146 @@
+"""Token sampling for one engine step: a [B, V] logits tensor in, one token per row out.
+
+Each row belongs to one sequence and is processed in this order:
+
+  (a) repetition_penalty over every token seen in prompt + output (HF semantics: a positive
+      logit is divided by the penalty, a negative one multiplied);
+  (b) presence_penalty / frequency_penalty over output tokens only (OpenAI semantics:
+      logit -= presence * (count > 0) + frequency * count);
+  (c) while fewer than min_tokens tokens have been generated, the eos ids and the row's
+      stop_token_ids get -inf (ignore_eos only changes when a sequence stops, so eos is
+      masked here either way);
+  (d) greedy rows (temperature 0 or top_k 1) take the argmax;
+  (e) other rows divide by temperature, keep the top_k most likely tokens, then the smallest
+      most-likely set whose cumulative probability reaches top_p (at least one token), then
+      drop tokens with probability < min_p * the largest probability, renormalise, and draw
+      with `torch.multinomial` from the row's own generator.
+
+Rows are sampled one at a time and a seeded row draws only from its own generator, so a
+seeded request gets the same tokens whatever else shares its batch.
+
+Logprobs come from the log-softmax of the logits after (a)-(c) and temperature (temperature 0
+counts as 1) but before top-k/top-p/min-p truncation: truncation would give every dropped
+token -inf, which tells the client nothing about the model's preferences.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleResult:
+    """One step's picks: `tokens[i]` for row i, and `logprobs[i]` when row i asked for them.
+
+    A logprobs entry is `{"token": id, "logprob": float, "top": [(id, logprob), ...]}`, with
+    `top` holding the request's N most likely tokens in descending order.
+    """
+
+    tokens: list[int]
+    logprobs: list[dict | None]
+
+
+def make_generator(seed: int | None) -> torch.Generator | None:
+    """A CPU generator seeded with `seed`, or None (draw from torch's global RNG) without one."""
+    if seed is None:
+        return None
+    gen = torch.Generator(device="cpu")
+    # torch takes seeds in [0, 2**64); folding keeps negative and huge seeds usable and distinct
+    # from each other within that range.
+    gen.manual_seed(seed % 2**64)
+    return gen
+
+
+def apply_penalties(logits_row: torch.Tensor, params: SamplingParams, prompt_tokens: list[int],
+                    output_tokens: list[int]) -> torch.Tensor:
+    """Steps (a) and (b) on one [V] row; returns a new tensor and leaves the input alone."""
+    row = logits_row.to(torch.float32, copy=True)
+    penalty = params.repetition_penalty
+    if penalty != 1.0:
+        seen = set(prompt_tokens)
+        seen.update(output_tokens)
+        if seen:
+            idx = torch.tensor(sorted(seen), dtype=torch.long)
+            vals = row[idx]
+            row[idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    if output_tokens and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.tensor(output_tokens, dtype=torch.long), minlength=row.numel())
+        counts = counts.to(torch.float32)
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(torch.float32)
+    return row
+
+
+def sampling_distribution(logits_row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The [V] probabilities step (e) draws from, given penalised logits.
+
+    Temperature 0 gives a one-hot on the argmax, which is what greedy rows pick.
+    """
+    if params.temperature == 0:
+        return torch.zeros_like(logits_row).scatter_(0, torch.argmax(logits_row).view(1), 1.0)
+    probs = torch.softmax(logits_row / params.temperature, dim=-1)
+    if params.top_k == 0 and params.top_p == 1.0 and params.min_p == 0.0:
+        return probs
+    # Stable sort so ties truncate the same way on every run.
+    sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+    if params.top_k > 0:
+        keep[params.top_k:] = False
+    if params.top_p < 1.0:
+        # top_p is measured on what top_k left, renormalised.
+        kept = torch.where(keep, sorted_probs, 0.0)
+        kept = kept / kept.sum()
+        mass_before = torch.cumsum(kept, dim=0) - kept
+        keep &= mass_before < params.top_p
+    if params.min_p > 0.0:
+        # The ratio to the top token is unchanged by renormalisation, so raw probs do.
+        keep &= sorted_probs >= params.min_p * sorted_probs[0]
+    keep[0] = True
+    truncated = torch.zeros_like(probs).scatter_(0, order, torch.where(keep, sorted_probs, 0.0))
+    return truncated / truncated.sum()
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           output_tokens: list[list[int]], prompt_tokens: list[list[int]], num_generated: list[int],
+           eos_ids: tuple[int, ...]) -> SampleResult:
+    """Pick one token for each row of `logits` ([B, V]); every list argument is indexed by row.
+
+    `generators[i]` should come from `make_generator(params[i].seed)`; a row with None draws
+    from torch's global RNG. Neither `logits` nor the token lists are modified.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
+    batch, vocab = logits.shape
+    for name, seq in (("params", params), ("generators", generators), ("output_tokens", output_tokens),
+                      ("prompt_tokens", prompt_tokens), ("num_generated", num_generated)):
+        if len(seq) != batch:
+            raise ValueError(f"{name} has {len(seq)} entries for {batch} logits rows")
+
+    tokens: list[int] = []
+    logprobs: list[dict | None] = []
+    for i, p in enumerate(params):
+        row = apply_penalties(logits[i], p, prompt_tokens[i], output_tokens[i])
+        if num_generated[i] < p.min_tokens:
+            banned = [t for t in (*eos_ids, *p.stop_token_ids) if 0 <= t < vocab]
+            if banned:
+                row[torch.tensor(banned, dtype=torch.long)] = float("-inf")
+        if p.greedy:
+            token = int(torch.argmax(row))
+        else:
+            probs = sampling_distribution(row, p)
+            token = int(torch.multinomial(probs, 1, generator=generators[i]))
+        tokens.append(token)
+        logprobs.append(None if p.logprobs is None else _token_logprobs(row, p, token))
+    return SampleResult(tokens, logprobs)
+
+
+def _token_logprobs(row: torch.Tensor, params: SamplingParams, token: int) -> dict:
+    logp = torch.log_softmax(row / (params.temperature or 1.0), dim=-1)
+    top_vals, top_ids = torch.topk(logp, min(params.logprobs, logp.numel()))
+    return {
+        "token": token,
+        "logprob": float(logp[token]),
+        "top": [(int(t), float(v)) for t, v in zip(top_ids, top_vals)],
+    }

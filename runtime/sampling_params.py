@@ -1,0 +1,122 @@
+"""Per-request sampling settings (temperature, top-k/top-p/min-p, penalties, stop rules, logprobs).
+
+`SamplingParams` is immutable and checked when built, so the sampler and the scheduler can
+trust every field without re-validating it on each step.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True, init=False)
+class SamplingParams:
+    """How one request picks its tokens and when it stops.
+
+    Build with keyword arguments only; unknown names and out-of-range values raise
+    `ValueError` naming the field. `top_k=0` turns top-k off; `logprobs=N` asks for the top-N
+    logprobs of each generated token (0: only the chosen token's).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __init__(self, **kwargs: Any) -> None:
+        # Hand-written so an unknown name is a ValueError (a bad request), not the TypeError
+        # the generated __init__ would raise.
+        known = {f.name: f for f in fields(self)}
+        unknown = sorted(set(kwargs) - set(known))
+        if unknown:
+            raise ValueError(f"unknown sampling parameter {unknown[0]!r}; known: {', '.join(known)}")
+        for name, f in known.items():
+            object.__setattr__(self, name, kwargs.get(name, f.default))
+        self.__post_init__()
+
+    def __post_init__(self) -> None:
+        for name in ("n", "top_k", "min_tokens", "max_tokens"):
+            _require_int(name, getattr(self, name))
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            _require_number(name, getattr(self, name))
+        for name in ("seed", "logprobs"):
+            if getattr(self, name) is not None:
+                _require_int(name, getattr(self, name))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        object.__setattr__(self, "stop", _normalise_stop(self.stop))
+        object.__setattr__(self, "stop_token_ids", _normalise_token_ids(self.stop_token_ids))
+
+        # Written as `not (in range)` so NaN fails every check.
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the pick is the argmax: temperature 0 or top_k 1."""
+        return self.temperature == 0 or self.top_k == 1
+
+
+def _require_int(name: str, value: object) -> None:
+    # bool is an int subclass, but `seed=True` is a caller's mistake, not a seed.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+
+
+def _require_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+
+
+def _normalise_stop(stop: str | Iterable[str]) -> tuple[str, ...]:
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    items = tuple(stop)
+    for s in items:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {s!r}")
+    return items
+
+
+def _normalise_token_ids(ids: Iterable[int]) -> tuple[int, ...]:
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
+    items = tuple(ids)
+    for t in items:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"stop_token_ids must be non-negative ints, got {t!r}")
+    return items
