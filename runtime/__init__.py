@@ -1,1 +1,9 @@
-"""Kiln runtime: loads engines and serves requests."""
+"""Kiln runtime: loads engines and serves requests.
+
+`Session(engine_dir)` is the public API; `SamplingParams` configures a request.
+"""
+from runtime.outputs import CompletionOutput, RequestOutput
+from runtime.sampling_params import SamplingParams
+from runtime.session import Session
+
+__all__ = ["Session", "SamplingParams", "RequestOutput", "CompletionOutput"]

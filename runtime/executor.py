@@ -62,3 +62,8 @@ class CpuExecutor:
             out.copy_(op.spec.call_reference(args, op.attrs))
             values[op.output] = out
         return values[self.output].float().clone()
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: give a sequence its own copy of a shared, partly filled block."""
+        for src, dst in copies:
+            self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])

@@ -1,0 +1,203 @@
+"""The engine loop's body, single-threaded: admit requests, run a step, hand tokens back.
+
+A step reads as three verbs: the scheduler picks the chunks, the executor runs them, and
+`_postprocess` samples, appends and finishes sequences. `Session` drives this from a
+background thread; nothing here knows about threads.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from runtime.engine import load_engine
+from runtime.executor import CpuExecutor
+from runtime.kv_cache import BlockManager, blocks_for_memory, bytes_per_block
+from runtime.outputs import CompletionOutput, RequestOutput
+from runtime.sampler import make_generator, sample
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import ScheduledChunk, Scheduler
+from runtime.sequence import Request, Sequence, Status
+from runtime.step import SequenceChunk, pack_step
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _available_memory() -> int:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class EngineCore:
+    def __init__(self, engine_dir: str | Path, device: str | None = None, kv_cache_fraction: float | None = None,
+                 max_kv_tokens: int | None = None, policy: str = "max_utilization"):
+        if device not in (None, "cpu"):
+            raise ValueError(f"device {device!r}: this Kiln runs engines on the CPU only so far; use device='cpu'")
+        self.engine = load_engine(engine_dir)
+        if self.engine.world_size != 1:
+            raise ValueError(f"{engine_dir} has {self.engine.world_size} ranks; the Session runs 1-rank engines "
+                             "so far: rebuild with --tp-size 1")
+        kv, build = self.engine.kv_cache, self.engine.build
+        self.block_size = kv["block_size"]
+        self.max_seq_len = build["max_seq_len"]
+        per_block = bytes_per_block(kv["num_layers"], kv["num_kv_heads"], kv["head_dim"], self.block_size,
+                                    DTYPE_BYTES[kv["dtype"]])
+        if max_kv_tokens is not None:
+            if max_kv_tokens < self.block_size:
+                raise ValueError(f"max_kv_tokens {max_kv_tokens} is less than one KV block ({self.block_size} tokens)")
+            num_blocks = max_kv_tokens // self.block_size
+        elif kv_cache_fraction is not None:
+            num_blocks = blocks_for_memory(_available_memory(), kv_cache_fraction, per_block)
+        else:
+            # On the CPU, enough for every sequence of a full batch at full length.
+            num_blocks = build["max_batch_size"] * self.engine.bounds["B"]
+        self.executor = CpuExecutor(self.engine, num_blocks)
+        self.blocks = BlockManager(num_blocks, self.block_size)
+        self.scheduler = Scheduler(self.blocks, build["max_num_tokens"], build["max_batch_size"], policy)
+        self.vocab_size = self.engine.tensors[self.engine.manifest["outputs"][0]]["shape"][-1]
+        self.eos_ids = tuple(self.engine.manifest["model"].get("eos_token_ids", ()))
+        tokenizer_file = Path(engine_dir) / "tokenizer.json"
+        self.tokenizer = Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.is_file() else None
+        self.requests: dict[str, Request] = {}
+
+    # -- admission -----------------------------------------------------------------------------
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this engine folder has no tokenizer.json: pass prompt_token_ids instead of text")
+        return self.tokenizer.encode(prompt).ids
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Refuse what can never be served, before anything runs."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if len(prompt_ids) > self.max_seq_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the engine's max_seq_len is {self.max_seq_len}")
+        if len(prompt_ids) + params.max_tokens > self.max_seq_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"engine's max_seq_len {self.max_seq_len}: lower max_tokens")
+        worst = self.blocks.blocks_needed(len(prompt_ids) + params.max_tokens) * params.n
+        if worst > self.blocks.num_blocks:
+            raise ValueError(f"this request needs up to {worst} KV blocks but the pool has {self.blocks.num_blocks}: "
+                             "lower max_tokens or n, or give the Session more max_kv_tokens")
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        self.validate(prompt_ids, params)
+        request = Request(request_id, list(prompt_ids), params, priority)
+        request.seqs.append(Sequence(request, 0, list(prompt_ids), make_generator(params.seed)))
+        self.requests[request_id] = request
+        self.scheduler.add(request.seqs[0])
+        return request
+
+    def cancel(self, request_id: str) -> Request | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if seq.status is not Status.FINISHED:
+                self._finish(seq, "cancelled")
+        request.forked = True  # no samples will be forked from a cancelled request
+        return request
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """Run one step; returns the requests that got new tokens or finished."""
+        batch, copies = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("the scheduler cannot admit any waiting request (KV pool too small)")
+            return []
+        self.executor.copy_blocks(copies)
+        chunks = [SequenceChunk(c.seq.token_ids[c.seq.num_cached:c.seq.num_cached + c.num_tokens], c.seq.num_cached,
+                                self.blocks.table(c.seq.seq_id)) for c in batch]
+        logits = self.executor.run(pack_step(chunks, self.block_size, self.engine.bounds["B"]))
+        return self._postprocess(batch, logits)
+
+    def _postprocess(self, batch: list[ScheduledChunk], logits) -> list[Request]:
+        rows: list[tuple[int, Sequence]] = []
+        for i, c in enumerate(batch):
+            samples = c.samples
+            c.seq.num_cached += c.num_tokens
+            if samples:
+                rows.append((i, c.seq))
+                rows += [(i, child) for child in self._fork(c.seq)]
+        if not rows:
+            return []
+        seqs = [s for _, s in rows]
+        result = sample(logits[[i for i, _ in rows]], [s.request.params for s in seqs], [s.generator for s in seqs],
+                        [s.output_ids for s in seqs], [s.token_ids[:s.num_prompt] for s in seqs],
+                        [len(s.output_ids) for s in seqs], self.eos_ids)
+        for seq, token, logprob in zip(seqs, result.tokens, result.logprobs):
+            seq.token_ids.append(token)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            self._check_finished(seq, token)
+        return list({id(s.request): s.request for s in seqs}.values())
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """After the prompt's prefill, the other n-1 samples share its blocks."""
+        request = parent.request
+        if request.forked or request.params.n == 1:
+            return []
+        request.forked = True
+        seed = request.params.seed
+        children = []
+        for index in range(1, request.params.n):
+            child = Sequence(request, index, list(parent.token_ids),
+                             make_generator(None if seed is None else seed + index), num_cached=parent.num_cached)
+            self.blocks.fork(parent.seq_id, child.seq_id)
+            self.scheduler.add_running(child)
+            request.seqs.append(child)
+            children.append(child)
+        return children
+
+    def _check_finished(self, seq: Sequence, token: int) -> None:
+        params = seq.request.params
+        generated = len(seq.output_ids)
+        # The sampler masks eos and stop tokens until min_tokens are out, so no check here.
+        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            self._update_text(seq, final=True, drop_last=True)
+            return self._finish(seq, "stop")
+        self._update_text(seq, final=False)
+        for stop in params.stop:
+            at = seq.text.find(stop)
+            if at >= 0:
+                seq.text = seq.text[:at]
+                return self._finish(seq, "stop")
+        if generated >= params.max_tokens or seq.num_tokens >= self.max_seq_len:
+            self._update_text(seq, final=True)
+            self._finish(seq, "length")
+
+    def _update_text(self, seq: Sequence, final: bool, drop_last: bool = False) -> None:
+        """Decode the output so far; hold back a trailing partial UTF-8 character mid-stream."""
+        if self.tokenizer is None:
+            return
+        ids = seq.output_ids[:-1] if drop_last else seq.output_ids
+        text = self.tokenizer.decode(ids)
+        if final or not text.endswith("\ufffd"):
+            seq.text = text
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        if seq.request.finished:
+            self.requests.pop(seq.request.request_id, None)
+
+    # -- outputs -------------------------------------------------------------------------------
+
+    @staticmethod
+    def snapshot(request: Request) -> RequestOutput:
+        outs = [CompletionOutput(s.index, s.text, list(s.output_ids), s.finish_reason,
+                                 list(s.logprobs) if s.request.params.logprobs is not None else None)
+                for s in sorted(request.seqs, key=lambda s: s.index)]
+        return RequestOutput(request.request_id, list(request.prompt_ids), outs, request.finished)

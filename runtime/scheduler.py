@@ -1,0 +1,122 @@
+"""In-flight batching: which sequences run in the next step, and how many tokens each.
+
+Every step packs decode tokens of running sequences and prefill chunks of the others into at
+most `max_num_tokens` tokens and `max_batch_size` sequences, with no padding. A long prompt is
+prefilled in chunks, so it never stalls the decoding of others.
+
+Policies:
+- `max_utilization`: admit eagerly; when the pool runs out of blocks, preempt the
+  lowest-priority, newest running sequence by recompute (its blocks are freed and it goes back
+  to waiting, to be prefilled again with the tokens it already has).
+- `guaranteed_no_evict`: admit a request only when the worst case of every admitted request
+  (prompt + max_tokens, for each of its samples) fits, so nothing is ever preempted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runtime.kv_cache import BlockManager
+from runtime.sequence import Sequence, Status
+
+POLICIES = ("max_utilization", "guaranteed_no_evict")
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence's tokens, so its last row's
+        logits give the next token."""
+        return self.seq.num_cached + self.num_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_tokens: int, max_batch_size: int,
+                 policy: str = "max_utilization"):
+        if policy not in POLICIES:
+            raise ValueError(f"policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        self.blocks = blocks
+        self.max_num_tokens = max_num_tokens
+        self.max_batch_size = max_batch_size
+        self.policy = policy
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+        self.waiting.sort(key=lambda s: s.sort_key)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked sample: its blocks are already shared with its parent."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or cancelled sequence and free its blocks."""
+        for queue in (self.waiting, self.running):
+            if seq in queue:
+                queue.remove(seq)
+        self.blocks.free(seq.seq_id)
+
+    def _worst_case_blocks(self, seq: Sequence) -> int:
+        params = seq.request.params
+        return self.blocks.blocks_needed(seq.num_prompt + params.max_tokens) * params.n
+
+    def _reserved_blocks(self) -> int:
+        """Blocks the running requests may still claim before they finish (no-evict policy)."""
+        requests = {id(s.request): s.request for s in self.running}.values()
+        held = sum(len(self.blocks.table(s.seq_id)) for s in self.running)
+        return sum(self._worst_case_blocks(r.seqs[0]) for r in requests) - held
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.num_cached = 0
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def schedule(self) -> tuple[list[ScheduledChunk], list[tuple[int, int]]]:
+        """The next step's chunks, and the block copies (copy-on-write) to do before it."""
+        budget, batch, copies = self.max_num_tokens, [], []
+        scheduled: set[int] = set()
+        for seq in sorted(self.running, key=lambda s: s.sort_key):
+            if seq not in self.running:
+                continue  # preempted while making room for an earlier sequence
+            if len(batch) == self.max_batch_size or budget == 0:
+                break
+            n = min(seq.num_tokens - seq.num_cached, budget)
+            while not self.blocks.can_append(seq.seq_id, seq.num_cached + n):
+                victims = [s for s in self.running if s.seq_id not in scheduled]
+                victim = max(victims, key=lambda s: s.sort_key)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            copies += self.blocks.append(seq.seq_id, seq.num_cached + n)
+            batch.append(ScheduledChunk(seq, n))
+            scheduled.add(seq.seq_id)
+            budget -= n
+        while self.waiting and budget > 0 and len(batch) < self.max_batch_size:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens, budget)
+            if self.policy == "guaranteed_no_evict" and seq.num_cached == 0 and not seq.request.forked:
+                if self.blocks.num_free - self._reserved_blocks() < self._worst_case_blocks(seq):
+                    break
+            if not self.blocks.can_allocate(n):
+                break
+            self.blocks.allocate(seq.seq_id, n)
+            self.waiting.pop(0)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.append(ScheduledChunk(seq, n))
+            budget -= n
+        return batch, copies

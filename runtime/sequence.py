@@ -1,0 +1,70 @@
+"""Requests and their sequences: the state the scheduler and the engine loop share.
+
+A `Request` is what a caller submitted (prompt, sampling parameters, priority); it owns one
+`Sequence` per parallel sample (`n`). A sequence holds its tokens, how many of them are in the
+KV cache, and its decoding state; the block manager alone owns its blocks.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from runtime.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: "Request"
+    index: int
+    token_ids: list[int]
+    generator: torch.Generator | None
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    num_cached: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    text: str = ""
+    logprobs: list[dict] = field(default_factory=list)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt:]
+
+    @property
+    def sort_key(self) -> tuple:
+        """Scheduling order: higher priority first, then first come first served."""
+        return (-self.request.priority, self.request.arrival, self.index)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is Status.FINISHED for s in self.seqs) and (self.forked or self.params.n == 1)

@@ -1,0 +1,196 @@
+"""The public Python API: `Session` serves many callers at once from one engine.
+
+The engine loop runs on a background thread; callers on any thread (or asyncio task) submit
+requests and receive `RequestOutput`s through their own sink. Bad requests are refused with a
+`ValueError` in the caller's thread before anything runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from pathlib import Path
+from typing import AsyncIterator, Callable, Iterator, Sequence as Seq
+
+from runtime.engine_core import EngineCore
+from runtime.outputs import RequestOutput
+from runtime.sampling_params import SamplingParams
+
+Sink = Callable[[RequestOutput | BaseException], None]
+
+
+class Session:
+    def __init__(self, engine_dir: str | Path, device: str | None = None, kv_cache_fraction: float | None = None,
+                 max_kv_tokens: int | None = None, policy: str = "max_utilization"):
+        self._core = EngineCore(engine_dir, device, kv_cache_fraction, max_kv_tokens, policy)
+        self._lock = threading.Condition()
+        self._sinks: dict[str, Sink] = {}
+        self._ids = itertools.count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="kiln-engine-loop", daemon=True)
+        self._thread.start()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the engine loop; requests still in flight end as cancelled."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for rid in list(self._sinks):
+                self._cancel_locked(rid)
+            self._lock.notify_all()
+        self._thread.join()
+
+    @property
+    def stats(self) -> dict:
+        with self._lock:
+            blocks = self._core.blocks
+            return {"kv_blocks_total": blocks.num_blocks, "kv_blocks_used": blocks.used_blocks(),
+                    "running": len(self._core.scheduler.running), "waiting": len(self._core.scheduler.waiting),
+                    "preemptions": self._core.scheduler.num_preemptions}
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and not self._core.has_work():
+                    self._lock.wait()
+                if self._closed:
+                    return
+                try:
+                    updated = self._core.step()
+                except Exception as e:  # a failed step must not leave callers waiting forever
+                    for rid in list(self._sinks):
+                        self._core.cancel(rid)
+                        self._sinks.pop(rid)(e)
+                    continue
+                for request in updated:
+                    out = self._core.snapshot(request)
+                    sink = self._sinks.pop(request.request_id) if out.finished else self._sinks[request.request_id]
+                    sink(out)
+
+    # -- submitting ----------------------------------------------------------------------------
+
+    def _submit(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams | None,
+                sink: Sink, priority: int) -> str:
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of a prompt text or prompt_token_ids")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        ids = self._core.encode(prompt) if prompt is not None else list(prompt_token_ids)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the session is closed")
+            rid = f"req-{next(self._ids)}"
+            self._core.add_request(rid, ids, params, priority)
+            self._sinks[rid] = sink
+            self._lock.notify_all()
+        return rid
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request; its blocks are freed and its stream ends with finish_reason 'cancelled'."""
+        with self._lock:
+            self._cancel_locked(request_id)
+
+    def _cancel_locked(self, request_id: str) -> None:
+        request = self._core.cancel(request_id)
+        sink = self._sinks.pop(request_id, None)
+        if request is not None and sink is not None:
+            sink(self._core.snapshot(request))
+
+    # -- blocking and streaming ----------------------------------------------------------------
+
+    def generate(self, prompts: str | Seq[str] | None = None,
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 prompt_token_ids: Seq[int] | Seq[Seq[int]] | None = None, priority: int = 0) -> list[RequestOutput]:
+        """Run a batch of prompts (text or token ids) to completion; outputs in input order.
+        Every request is validated before any is submitted."""
+        texts, token_lists = _as_batch(prompts, prompt_token_ids)
+        n = len(texts or token_lists)
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * n
+        if len(params) != n:
+            raise ValueError(f"{len(params)} sampling_params for {n} prompts")
+        for i in range(n):
+            ids = self._core.encode(texts[i]) if texts else list(token_lists[i])
+            self._core.validate(ids, params[i] or SamplingParams())
+        queues = [queue.Queue() for _ in range(n)]
+        for i in range(n):
+            self._submit(texts[i] if texts else None, None if texts else token_lists[i], params[i],
+                         queues[i].put, priority)
+        return [_final(q) for q in queues]
+
+    def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
+               prompt_token_ids: Seq[int] | None = None, priority: int = 0) -> Iterator[RequestOutput]:
+        """Yield a `RequestOutput` as each token arrives; the last has `finished=True`.
+        Stopping the iteration early cancels the request."""
+        q: queue.Queue = queue.Queue()
+        rid = self._submit(prompt, prompt_token_ids, sampling_params, q.put, priority)
+        return self._drain(rid, q)
+
+    def _drain(self, rid: str, q: queue.Queue) -> Iterator[RequestOutput]:
+        try:
+            while True:
+                out = q.get()
+                if isinstance(out, BaseException):
+                    raise RuntimeError(f"request {rid} failed: {out}") from out
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self.cancel(rid)
+
+    # -- asyncio -------------------------------------------------------------------------------
+
+    async def stream_async(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
+                           prompt_token_ids: Seq[int] | None = None, priority: int = 0
+                           ) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        aq: asyncio.Queue = asyncio.Queue()
+        rid = self._submit(prompt, prompt_token_ids, sampling_params,
+                           lambda out: loop.call_soon_threadsafe(aq.put_nowait, out), priority)
+        try:
+            while True:
+                out = await aq.get()
+                if isinstance(out, BaseException):
+                    raise RuntimeError(f"request {rid} failed: {out}") from out
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self.cancel(rid)
+
+    async def generate_async(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
+                             prompt_token_ids: Seq[int] | None = None, priority: int = 0) -> RequestOutput:
+        last = None
+        async for out in self.stream_async(prompt, sampling_params, prompt_token_ids, priority):
+            last = out
+        return last
+
+
+def _as_batch(prompts, prompt_token_ids) -> tuple[list[str] | None, list[list[int]] | None]:
+    if (prompts is None) == (prompt_token_ids is None):
+        raise ValueError("give exactly one of prompts or prompt_token_ids")
+    if prompts is not None:
+        return ([prompts] if isinstance(prompts, str) else list(prompts)), None
+    ids = list(prompt_token_ids)
+    return None, ([ids] if ids and isinstance(ids[0], int) else [list(p) for p in ids])
+
+
+def _final(q: queue.Queue) -> RequestOutput:
+    while True:
+        out = q.get()
+        if isinstance(out, BaseException):
+            raise RuntimeError(f"request failed: {out}") from out
+        if out.finished:
+            return out
