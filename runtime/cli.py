@@ -1,54 +1,226 @@
-"""`run-engine`: generate text from an engine folder on this machine (CPU executor, greedy)."""
+"""`run-engine`: generate text from an engine folder through a `Session`.
+
+Without `--stream` every prompt is submitted before any is read back, so the scheduler batches
+them in flight; with `--stream` prompts run one after another and text prints as it arrives.
+"""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Iterator, TextIO
 
 import click
-from tokenizers import Tokenizer
 
-from runtime.engine import load_engine
 from runtime.engine_file import EngineFileError
-from runtime.executor import CpuExecutor
-from runtime.greedy import greedy_generate
+from runtime.outputs import CompletionOutput, RequestOutput
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import POLICIES
+from runtime.session import Session
+
+
+@dataclass(frozen=True)
+class _Result:
+    """One prompt's final output and what `--stats` needs from its run."""
+
+    prompt: str
+    output: RequestOutput
+    ttft: float | None  # seconds from submission to the first token; None if none came
+
+
+class _StreamEcho:
+    """Prints a streamed completion's new text as each output arrives (the Session's streamed
+    text only ever grows: partial characters and possible stop-string starts are held back)."""
+
+    def __init__(self) -> None:
+        self.printed = 0
+
+    def __call__(self, out: RequestOutput) -> None:
+        text = out.outputs[0].text
+        click.echo(text[self.printed:], nl=False)
+        self.printed = len(text)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--engine", "engine_dir", required=True, type=click.Path(path_type=Path),
               help="Engine folder written by build-engine.")
-@click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text; repeat for several.")
-@click.option("--max-tokens", type=int, default=32, show_default=True, help="Tokens to generate per prompt.")
-def run_engine(engine_dir: Path, prompts: tuple[str, ...], max_tokens: int) -> None:
-    """Generate text greedily from a Kiln engine, one prompt after another.
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text; repeat for several.")
+@click.option("--prompt-file", type=click.File(encoding="utf-8"),
+              help="File with one prompt per line (blank lines skipped); - reads stdin.")
+@click.option("--max-tokens", type=int, default=32, show_default=True, help="Most tokens per completion.")
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="0 is greedy (always the most likely token); above 0 samples.")
+@click.option("--top-k", type=int, help="Sample from the K most likely tokens only [default: 0, off].")
+@click.option("--top-p", type=float, help="Sample from the likeliest tokens that sum to P [default: 1, off].")
+@click.option("--min-p", type=float, help="Drop tokens less likely than P x the most likely one [default: 0].")
+@click.option("--repetition-penalty", type=float, help="Above 1 discourages tokens seen so far [default: 1].")
+@click.option("--presence-penalty", type=float, help="Lowers tokens already generated, -2..2 [default: 0].")
+@click.option("--frequency-penalty", type=float, help="Lowers tokens per time generated, -2..2 [default: 0].")
+@click.option("--seed", type=int, help="Seed for sampling, so a run can be repeated.")
+@click.option("--stop", multiple=True, help="Stop when the text contains this string (left out); repeatable.")
+@click.option("--stop-token-id", "stop_token_ids", type=int, multiple=True, help="Stop at this token id; repeatable.")
+@click.option("--min-tokens", type=int, help="Generate at least this many tokens before any stop [default: 0].")
+@click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens.")
+@click.option("--n", type=int, help="Completions per prompt [default: 1].")
+@click.option("--logprobs", type=int, metavar="N", help="Print each token's logprob and the N likeliest ones.")
+@click.option("--max-kv-tokens", type=click.IntRange(min=1),
+              help="KV cache size in tokens [default: a full batch at max_seq_len].")
+@click.option("--policy", type=click.Choice(POLICIES), default=POLICIES[0], show_default=True,
+              help="max_utilization admits eagerly and may preempt; guaranteed_no_evict never preempts.")
+@click.option("--stream", is_flag=True, help="Print text as it arrives, one prompt after another (n must be 1).")
+@click.option("--stats", is_flag=True, help="Then print token counts, tokens/s, time to first token, KV use.")
+@click.pass_context
+def run_engine(ctx: click.Context, engine_dir: Path, prompts: tuple[str, ...], prompt_file: TextIO | None,
+               max_kv_tokens: int | None, policy: str, stream: bool, stats: bool, **sampling: Any) -> None:
+    """Generate text from a Kiln engine.
+
+    All prompts are submitted together and batched in flight. Sampling is greedy unless
+    --temperature is above 0.
 
     \b
-    Example:
-      run-engine --engine engines/demo --prompt "The kiln" --max-tokens 24
+    Examples:
+      run-engine --engine engines/demo --prompt "The kiln was hot" --prompt "Once upon a time"
+      run-engine --engine engines/demo --prompt-file prompts.txt --stats
+      run-engine --engine engines/demo --prompt "Hello" --stream --max-tokens 64
+      run-engine --engine engines/demo --prompt "Hello" --temperature 0.8 --top-p 0.95 --n 3 --seed 1
     """
-    if max_tokens < 1:
-        raise click.BadParameter("must be at least 1", param_hint="--max-tokens")
+    texts = _read_prompts(prompts, prompt_file)
+    params = _sampling_params(ctx, sampling)
+    if stream and params.n != 1:
+        raise click.UsageError("--stream prints one completion per prompt: drop --n or --stream")
     try:
-        engine = load_engine(engine_dir)
-    except EngineFileError as e:
+        session = Session(engine_dir, max_kv_tokens=max_kv_tokens, policy=policy)
+    except (EngineFileError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
-    if engine.world_size != 1:
-        raise click.ClickException(f"{engine_dir} is a {engine.world_size}-rank engine; run-engine runs 1-rank "
-                                   "engines for now: rebuild with --tp-size 1")
-    tokenizer_file = engine_dir / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        raise click.ClickException(f"{engine_dir} has no tokenizer.json: rebuild from a checkpoint that has one")
-    tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    eos = tuple(engine.manifest["model"].get("eos_token_ids", ()))
-    blocks = -(-engine.build["max_seq_len"] // engine.kv_cache["block_size"])
-    executor = CpuExecutor(engine, num_kv_blocks=blocks)
-    for prompt in prompts:
-        ids = tokenizer.encode(prompt).ids
+    with session:
+        # Checked here, not per prompt, because the Session's own message suggests token ids,
+        # which this command does not take.
+        if not (engine_dir / "tokenizer.json").is_file():
+            raise click.ClickException(f"{engine_dir} has no tokenizer.json: rebuild from a checkpoint that has one")
         start = time.perf_counter()
         try:
-            out = greedy_generate(executor, ids, max_tokens, eos)
-        except ValueError as e:
-            raise click.ClickException(f"prompt {prompt!r}: {e}") from None
-        seconds = time.perf_counter() - start
-        click.echo(f"{prompt}{tokenizer.decode(out)}")
-        click.echo(click.style(f"  [{len(ids)} prompt + {len(out)} generated tokens, "
-                               f"{len(out) / seconds:.1f} tok/s]", dim=True), err=True)
+            results = _run_streaming(session, texts, params) if stream else _run_batch(session, texts, params)
+        except RuntimeError as e:  # the engine loop failed a step
+            raise click.ClickException(str(e)) from None
+        wall = time.perf_counter() - start
+        if not stream:
+            for result in results:
+                _echo_result(result)
+        if stats:
+            _echo_stats(results, wall, session.stats)
+
+
+def _read_prompts(prompts: tuple[str, ...], prompt_file: TextIO | None) -> list[str]:
+    if bool(prompts) == (prompt_file is not None):
+        raise click.UsageError("give --prompt (repeatable) or --prompt-file, not both and not neither")
+    if prompts:
+        return list(prompts)
+    texts = [line.rstrip("\r\n") for line in prompt_file if line.strip()]
+    if not texts:
+        raise click.BadParameter(f"{prompt_file.name} holds no prompts", param_hint="'--prompt-file'")
+    return texts
+
+
+def _sampling_params(ctx: click.Context, sampling: dict[str, Any]) -> SamplingParams:
+    try:
+        # Unset flags are left out so SamplingParams' own defaults apply.
+        return SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
+    except ValueError as e:
+        # SamplingParams' messages start with the field's name; point at that flag.
+        field = str(e).split(" ", 1)[0]
+        param = next((p for p in ctx.command.params if p.name == field), None)
+        raise click.BadParameter(str(e), ctx=ctx, param=param) from None
+
+
+def _submit(session: Session, index: int, prompt: str, params: SamplingParams) -> Iterator[RequestOutput]:
+    """Start one request (stream() submits at once, before its first output is read)."""
+    try:
+        return session.stream(prompt, params)
+    except ValueError as e:
+        shown = prompt if len(prompt) <= 40 else prompt[:37] + "..."
+        raise click.ClickException(f"prompt {index + 1} ({shown!r}) was refused: {e}") from None
+
+
+def _consume(prompt: str, outputs: Iterator[RequestOutput], submitted: float,
+             on_output: Callable[[RequestOutput], None] | None = None) -> _Result:
+    ttft, last = None, None
+    for out in outputs:
+        if ttft is None and any(c.token_ids for c in out.outputs):
+            ttft = time.perf_counter() - submitted
+        if on_output is not None:
+            on_output(out)
+        last = out
+    return _Result(prompt, last, ttft)
+
+
+def _run_batch(session: Session, prompts: list[str], params: SamplingParams) -> list[_Result]:
+    submitted = time.perf_counter()
+    streams = [_submit(session, i, p, params) for i, p in enumerate(prompts)]
+    # One reader per request, so each first token is timed when it arrives rather than when
+    # the requests before it finish.
+    pool = ThreadPoolExecutor(max_workers=len(streams), thread_name_prefix="run-engine-reader")
+    try:
+        return list(pool.map(lambda p, s: _consume(p, s, submitted), prompts, streams))
+    except BaseException:
+        session.close()  # on Ctrl-C too: cancelling every request lets the readers return now
+        raise
+    finally:
+        pool.shutdown()
+
+
+def _run_streaming(session: Session, prompts: list[str], params: SamplingParams) -> list[_Result]:
+    results = []
+    for i, prompt in enumerate(prompts):
+        submitted = time.perf_counter()
+        outputs = _submit(session, i, prompt, params)
+        click.echo(click.style(prompt, bold=True), nl=False)
+        result = _consume(prompt, outputs, submitted, _StreamEcho())
+        completion = result.output.outputs[0]
+        click.echo(_finish_note(completion))
+        _echo_logprobs(completion)
+        results.append(result)
+    return results
+
+
+def _finish_note(completion: CompletionOutput) -> str:
+    note = completion.finish_reason
+    if completion.logprobs:
+        note += f", logprob {sum(lp['logprob'] for lp in completion.logprobs):.2f}"
+    return click.style(f"  [{note}]", dim=True)
+
+
+def _echo_logprobs(completion: CompletionOutput) -> None:
+    for lp in completion.logprobs or ():
+        top = "  ".join(f"{token}:{logprob:.3f}" for token, logprob in lp["top"])
+        click.echo(click.style(f"    token {lp['token']}: {lp['logprob']:.3f}" + (f"  top {top}" if top else ""),
+                               dim=True))
+
+
+def _echo_result(result: _Result) -> None:
+    completions = result.output.outputs
+    if len(completions) == 1:
+        click.echo(click.style(result.prompt, bold=True) + completions[0].text + _finish_note(completions[0]))
+        _echo_logprobs(completions[0])
+        return
+    click.echo(click.style(result.prompt, bold=True))
+    for c in completions:
+        click.echo(f"  [n={c.index}] {c.text}" + _finish_note(c))
+        _echo_logprobs(c)
+
+
+def _echo_stats(results: list[_Result], wall: float, session_stats: dict) -> None:
+    generated = sum(len(c.token_ids) for r in results for c in r.output.outputs)
+    ttfts = [r.ttft for r in results if r.ttft is not None]
+    rows = [
+        ("requests", f"{len(results)}"),
+        ("prompt tokens", f"{sum(len(r.output.prompt_token_ids) for r in results)}"),
+        ("generated tokens", f"{generated}"),
+        ("wall time", f"{wall:.2f} s"),
+        ("throughput", f"{generated / wall:.1f} generated tokens/s"),
+        ("time to first token", f"{1000 * sum(ttfts) / len(ttfts):.1f} ms mean" if ttfts else "none"),
+        ("KV blocks used", f"{session_stats['kv_blocks_peak']} peak / {session_stats['kv_blocks_total']} total"),
+        ("preemptions", f"{session_stats['preemptions']}"),
+    ]
+    for name, value in rows:
+        click.echo(click.style(f"{name:<21}", dim=True) + value, err=True)

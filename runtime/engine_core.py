@@ -59,6 +59,7 @@ class EngineCore:
         tokenizer_file = Path(engine_dir) / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.is_file() else None
         self.requests: dict[str, Request] = {}
+        self.peak_blocks = 0
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -116,6 +117,7 @@ class EngineCore:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("the scheduler cannot admit any waiting request (KV pool too small)")
             return []
+        self.peak_blocks = max(self.peak_blocks, self.blocks.used_blocks())
         self.executor.copy_blocks(copies)
         chunks = [SequenceChunk(c.seq.token_ids[c.seq.num_cached:c.seq.num_cached + c.num_tokens], c.seq.num_cached,
                                 self.blocks.table(c.seq.seq_id)) for c in batch]
@@ -178,13 +180,21 @@ class EngineCore:
             self._finish(seq, "length")
 
     def _update_text(self, seq: Sequence, final: bool, drop_last: bool = False) -> None:
-        """Decode the output so far; hold back a trailing partial UTF-8 character mid-stream."""
+        """Decode the output so far. Mid-stream, hold back a trailing partial UTF-8 character and
+        any tail that could be the start of a stop string, so streamed text only ever grows."""
         if self.tokenizer is None:
             return
         ids = seq.output_ids[:-1] if drop_last else seq.output_ids
         text = self.tokenizer.decode(ids)
-        if final or not text.endswith("\ufffd"):
+        seq.full_text = text
+        if final:
             seq.text = text
+            return
+        if text.endswith("\ufffd"):
+            return
+        hold = max((k for stop in seq.request.params.stop for k in range(1, len(stop))
+                    if text.endswith(stop[:k])), default=0)
+        seq.text = text[:len(text) - hold]
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED

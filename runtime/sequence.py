@@ -34,7 +34,8 @@ class Sequence:
     num_cached: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    text: str = ""
+    text: str = ""  # what callers see: held back mid-stream, cut at a stop string
+    full_text: str = ""
     logprobs: list[dict] = field(default_factory=list)
 
     @property

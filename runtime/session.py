@@ -7,6 +7,7 @@ requests and receive `RequestOutput`s through their own sink. Bad requests are r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import queue
 import threading
@@ -25,6 +26,11 @@ class Session:
                  max_kv_tokens: int | None = None, policy: str = "max_utilization"):
         self._core = EngineCore(engine_dir, device, kv_cache_fraction, max_kv_tokens, policy)
         self._lock = threading.Condition()
+        # Python's locks are not fair: the loop takes `_lock` again right after each step, before
+        # a woken caller can, so a cancel, submit or close could wait until all work is done.
+        # Everyone takes `_lock` through this turnstile (see `_locked`), which lets a waiting
+        # caller in after the current step.
+        self._turnstile = threading.Lock()
         self._sinks: dict[str, Sink] = {}
         self._ids = itertools.count()
         self._closed = False
@@ -41,7 +47,7 @@ class Session:
 
     def close(self) -> None:
         """Stop the engine loop; requests still in flight end as cancelled."""
-        with self._lock:
+        with self._locked():
             if self._closed:
                 return
             self._closed = True
@@ -52,17 +58,26 @@ class Session:
 
     @property
     def stats(self) -> dict:
-        with self._lock:
+        with self._locked():
             blocks = self._core.blocks
             return {"kv_blocks_total": blocks.num_blocks, "kv_blocks_used": blocks.used_blocks(),
                     "running": len(self._core.scheduler.running), "waiting": len(self._core.scheduler.waiting),
-                    "preemptions": self._core.scheduler.num_preemptions}
+                    "preemptions": self._core.scheduler.num_preemptions, "kv_blocks_peak": self._core.peak_blocks}
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._turnstile:
+            self._lock.acquire()
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     # -- the loop ------------------------------------------------------------------------------
 
     def _loop(self) -> None:
         while True:
-            with self._lock:
+            with self._locked():
                 while not self._closed and not self._core.has_work():
                     self._lock.wait()
                 if self._closed:
@@ -72,12 +87,22 @@ class Session:
                 except Exception as e:  # a failed step must not leave callers waiting forever
                     for rid in list(self._sinks):
                         self._core.cancel(rid)
-                        self._sinks.pop(rid)(e)
+                        self._deliver(rid, e)
                     continue
                 for request in updated:
                     out = self._core.snapshot(request)
-                    sink = self._sinks.pop(request.request_id) if out.finished else self._sinks[request.request_id]
-                    sink(out)
+                    self._deliver(request.request_id, out)
+
+    def _deliver(self, request_id: str, out: RequestOutput | BaseException) -> None:
+        final = isinstance(out, BaseException) or out.finished
+        sink = self._sinks.pop(request_id, None) if final else self._sinks.get(request_id)
+        if sink is None:
+            return
+        try:
+            sink(out)
+        except Exception:  # a caller that went away (say, its event loop closed) must not stop the loop
+            self._core.cancel(request_id)
+            self._sinks.pop(request_id, None)
 
     # -- submitting ----------------------------------------------------------------------------
 
@@ -85,11 +110,9 @@ class Session:
                 sink: Sink, priority: int) -> str:
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of a prompt text or prompt_token_ids")
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params = _sampling_params(params)
         ids = self._core.encode(prompt) if prompt is not None else list(prompt_token_ids)
-        with self._lock:
+        with self._locked():
             if self._closed:
                 raise RuntimeError("the session is closed")
             rid = f"req-{next(self._ids)}"
@@ -100,14 +123,13 @@ class Session:
 
     def cancel(self, request_id: str) -> None:
         """Stop a request; its blocks are freed and its stream ends with finish_reason 'cancelled'."""
-        with self._lock:
+        with self._locked():
             self._cancel_locked(request_id)
 
     def _cancel_locked(self, request_id: str) -> None:
         request = self._core.cancel(request_id)
-        sink = self._sinks.pop(request_id, None)
-        if request is not None and sink is not None:
-            sink(self._core.snapshot(request))
+        if request is not None:
+            self._deliver(request_id, self._core.snapshot(request))
 
     # -- blocking and streaming ----------------------------------------------------------------
 
@@ -121,9 +143,10 @@ class Session:
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * n
         if len(params) != n:
             raise ValueError(f"{len(params)} sampling_params for {n} prompts")
+        params = [_sampling_params(p) for p in params]
         for i in range(n):
             ids = self._core.encode(texts[i]) if texts else list(token_lists[i])
-            self._core.validate(ids, params[i] or SamplingParams())
+            self._core.validate(ids, params[i])
         queues = [queue.Queue() for _ in range(n)]
         for i in range(n):
             self._submit(texts[i] if texts else None, None if texts else token_lists[i], params[i],
@@ -176,6 +199,16 @@ class Session:
         async for out in self.stream_async(prompt, sampling_params, prompt_token_ids, priority):
             last = out
         return last
+
+
+def _sampling_params(params: SamplingParams | None) -> SamplingParams:
+    # Checked here, not in EngineCore.validate, so a wrong type is a clear ValueError in
+    # `generate`'s up-front validation too, not an AttributeError from inside it.
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+    return params
 
 
 def _as_batch(prompts, prompt_token_ids) -> tuple[list[str] | None, list[list[int]] | None]:

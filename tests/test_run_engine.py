@@ -1,0 +1,123 @@
+"""run-engine as a user meets it: batched and streamed output agree with `Session.generate`, and
+bad flags, refused prompts and missing engines give a clear message with no traceback."""
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from runtime.cli import run_engine
+from runtime.sampling_params import SamplingParams
+from runtime.session import Session
+
+PROMPTS = ["The kiln was hot", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def engine(factory):
+    return factory.engine(factory.checkpoint("llama3"), dtype="float32")
+
+
+def invoke(engine, *args):
+    return CliRunner().invoke(run_engine, ["--engine", str(engine), *[str(a) for a in args]])
+
+
+def prompt_args(prompts=PROMPTS):
+    return [arg for p in prompts for arg in ("--prompt", p)]
+
+
+@pytest.fixture(scope="module")
+def plain(engine):
+    """The batched greedy run most tests compare against."""
+    result = invoke(engine, *prompt_args(), "--max-tokens", 12)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_plain_run_prints_each_prompt_with_its_completion(plain):
+    lines = plain.output.splitlines()
+    assert len(lines) == 2
+    for line, prompt in zip(lines, PROMPTS):
+        assert line.startswith(prompt) and line.endswith("]")
+
+
+def test_greedy_output_matches_session_generate(engine, plain):
+    with Session(engine) as session:
+        outs = session.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))
+    for prompt, out in zip(PROMPTS, outs):
+        c = out.outputs[0]
+        assert f"{prompt}{c.text}  [{c.finish_reason}]" in plain.output.splitlines()
+
+
+def test_stream_prints_the_same_text(engine, plain):
+    streamed = invoke(engine, *prompt_args(), "--max-tokens", 12, "--stream")
+    assert streamed.exit_code == 0, streamed.output
+    assert streamed.output == plain.output
+
+
+def test_stream_holds_back_a_stop_string_until_it_is_cut(engine, plain):
+    completion = plain.output.splitlines()[0][len(PROMPTS[0]):]
+    stop = completion[4:7]  # somewhere inside the greedy text, so the stop does fire
+    args = [*prompt_args(PROMPTS[:1]), "--max-tokens", 12, "--stop", stop]
+    batched, streamed = invoke(engine, *args), invoke(engine, *args, "--stream")
+    assert batched.exit_code == 0 and streamed.exit_code == 0, batched.output + streamed.output
+    assert "[stop]" in batched.output and streamed.output == batched.output
+
+
+def test_prompt_file_skips_blank_lines(engine, plain, tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text(f"{PROMPTS[0]}\n\n   \n{PROMPTS[1]}\n", encoding="utf-8")
+    result = invoke(engine, "--prompt-file", path, "--max-tokens", 12)
+    assert result.exit_code == 0, result.output
+    assert result.output == plain.output
+
+
+def test_n_labels_each_completion(engine):
+    result = invoke(engine, *prompt_args(PROMPTS[:1]), "--max-tokens", 4, "--n", 2, "--temperature", 1,
+                    "--seed", 0, "--logprobs", 2)
+    assert result.exit_code == 0, result.output
+    assert "[n=0]" in result.output and "[n=1]" in result.output and "logprob" in result.output
+
+
+def test_stats_report_throughput_and_kv_use(engine):
+    result = invoke(engine, *prompt_args(), "--max-tokens", 8, "--stats")
+    assert result.exit_code == 0, result.output
+    for word in ("requests", "generated tokens", "tokens/s", "time to first token", "preemptions"):
+        assert word in result.output
+    kv_line = next(line for line in result.output.splitlines() if line.startswith("KV blocks used"))
+    peak, total = kv_line.split()[3], kv_line.split()[6]
+    assert 0 < int(peak) <= int(total), kv_line
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--prompt", "Hi", "--temperature", -1], ["--temperature", "temperature must be >= 0"]),
+    (["--prompt", "Hi", "--min-tokens", 9, "--max-tokens", 4], ["--min-tokens", "min_tokens"]),
+    (["--prompt", "Hi", "--stream", "--n", 2], ["--stream"]),
+    ([], ["--prompt"]),
+    (["--prompt", "Hi", "--prompt-file", "-"], ["--prompt-file"]),
+])
+def test_bad_flags_are_usage_errors(engine, args, words):
+    result = invoke(engine, *args)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    for word in words:
+        assert word in result.output
+
+
+def test_prompt_too_long_is_refused_by_name(engine):
+    result = invoke(engine, "--prompt", "Hi", "--prompt", " ".join(["kiln"] * 200))
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
+    assert "prompt 2 ('kiln kiln" in result.output and "max_seq_len is 64" in result.output
+
+
+def test_missing_engine_folder(tmp_path):
+    result = CliRunner().invoke(run_engine, ["--engine", str(tmp_path / "nope"), "--prompt", "Hi"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+    assert "does not exist" in result.output and "build-engine" in result.output
+
+
+def test_help_teaches_by_example():
+    result = CliRunner().invoke(run_engine, ["--help"])
+    assert result.exit_code == 0
+    assert "Examples:" in result.output and "run-engine --engine engines/demo --prompt-file" in result.output
+    assert "greedy" in result.output

@@ -1,0 +1,229 @@
+"""`Scheduler` on its own: a `BlockManager` and hand-made requests, no engine.
+
+`step` stands in for the engine: it runs the scheduler, then advances every chunk the way
+`EngineCore._postprocess` does (the chunk's tokens are now cached; a chunk that reaches the
+end of its sequence samples one token), and finishes sequences at max_tokens.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from runtime.kv_cache import BlockManager
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import POLICIES, ScheduledChunk, Scheduler
+from runtime.sequence import Request, Sequence, Status
+
+BLOCK = 4
+
+
+def make_seq(prompt_len: int, arrival: float, max_tokens: int = 4, priority: int = 0) -> Sequence:
+    # Explicit arrivals: two requests made in a row may read the same monotonic clock.
+    request = Request(f"r{arrival}", list(range(3, 3 + prompt_len)), SamplingParams(max_tokens=max_tokens),
+                      priority, arrival=arrival)
+    seq = Sequence(request, 0, list(request.prompt_ids), None)
+    request.seqs.append(seq)
+    return seq
+
+
+def step(sched: Scheduler) -> list[tuple[Sequence, int, bool]]:
+    """One step; returns (sequence, chunk tokens, whether the chunk sampled) per chunk."""
+    batch, copies = sched.schedule()
+    assert copies == []  # nothing is forked here, so nothing is ever shared
+    done = []
+    for c in batch:
+        assert isinstance(c, ScheduledChunk)
+        assert len(sched.blocks.table(c.seq.seq_id)) * BLOCK >= c.seq.num_cached + c.num_tokens
+        done.append((c.seq, c.num_tokens, c.samples))
+        c.seq.num_cached += c.num_tokens
+        if done[-1][2]:
+            c.seq.token_ids.append(7)
+            if len(c.seq.output_ids) == c.seq.request.params.max_tokens:
+                c.seq.status = Status.FINISHED
+                sched.remove(c.seq)
+    return done
+
+
+def run_to_completion(sched: Scheduler, seqs: list[Sequence], max_steps: int = 500) -> list[list[tuple]]:
+    steps = []
+    while sched.has_work():
+        assert len(steps) < max_steps, "the scheduler stopped making progress"
+        steps.append(step(sched))
+        assert steps[-1], "an empty step with work left"
+    for seq in seqs:
+        assert seq.status is Status.FINISHED
+        assert len(seq.output_ids) == seq.request.params.max_tokens
+    assert sched.blocks.used_blocks() == 0
+    return steps
+
+
+def test_invalid_policy_raises():
+    with pytest.raises(ValueError, match="policy 'fifo'.*max_utilization"):
+        Scheduler(BlockManager(8, BLOCK), 16, 4, policy="fifo")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_budget_and_batch_size_are_respected(policy):
+    rng = random.Random(0)
+    sched = Scheduler(BlockManager(40, BLOCK), max_num_tokens=16, max_batch_size=4, policy=policy)
+    seqs = [make_seq(rng.randint(1, 30), arrival=i, max_tokens=rng.randint(1, 8)) for i in range(12)]
+    for seq in seqs:
+        sched.add(seq)
+    steps = run_to_completion(sched, seqs)
+    for batch in steps:
+        assert sum(n for _, n, _ in batch) <= 16
+        assert len(batch) <= 4
+        assert len({seq.seq_id for seq, _, _ in batch}) == len(batch)
+        assert all(n >= 1 for _, n, _ in batch)
+    # The pool is big enough for every request's worst case here: nothing is ever preempted.
+    assert sched.num_preemptions == 0
+
+
+def test_long_prompt_is_chunked_over_several_steps():
+    sched = Scheduler(BlockManager(16, BLOCK), max_num_tokens=8, max_batch_size=4)
+    seq = make_seq(25, arrival=0, max_tokens=3)
+    sched.add(seq)
+    steps = run_to_completion(sched, [seq])
+    assert [[(n, samples) for _, n, samples in b] for b in steps] == [
+        [(8, False)], [(8, False)], [(8, False)], [(1, True)],  # the prompt: 8 + 8 + 8 + 1
+        [(1, True)], [(1, True)],  # two more tokens, one per step
+    ]
+
+
+def test_decodes_are_scheduled_before_new_prefills():
+    sched = Scheduler(BlockManager(32, BLOCK), max_num_tokens=6, max_batch_size=4)
+    a, b = make_seq(3, arrival=0, max_tokens=8), make_seq(2, arrival=1, max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    assert [(seq, n) for seq, n, _ in step(sched)] == [(a, 3), (b, 2)]
+    late = make_seq(20, arrival=2, max_tokens=8)
+    sched.add(late)
+    # a and b decode one token each; the new prompt gets only what is left of the budget.
+    assert [(seq, n) for seq, n, _ in step(sched)] == [(a, 1), (b, 1), (late, 4)]
+    # The half-prefilled prompt goes on after the decodes; a newer prompt waits for budget.
+    later = make_seq(2, arrival=3, max_tokens=8)
+    sched.add(later)
+    for _ in range(4):
+        assert [(seq, n) for seq, n, _ in step(sched)] == [(a, 1), (b, 1), (late, 4)]
+    assert late.num_cached == late.num_tokens - 1 == 20  # its last chunk sampled a token
+    assert [(seq, n) for seq, n, _ in step(sched)] == [(a, 1), (b, 1), (late, 1), (later, 2)]
+
+
+def test_priority_orders_admission():
+    sched = Scheduler(BlockManager(32, BLOCK), max_num_tokens=64, max_batch_size=1)
+    low, high, mid = (make_seq(4, arrival=i, priority=p) for i, p in enumerate((0, 5, 1)))
+    for seq in (low, high, mid):
+        sched.add(seq)
+    assert sched.waiting == [high, mid, low]
+    assert [seq for seq, _, _ in step(sched)] == [high]
+    # Equal priorities: first come, first served.
+    early = make_seq(4, arrival=-1, priority=1)
+    sched.add(early)
+    assert sched.waiting == [early, mid, low]
+
+
+def test_preemption_picks_the_lowest_priority_newest_sequence():
+    # 6 blocks: three 8-token prompts take 2 blocks each, and then nobody can grow.
+    sched = Scheduler(BlockManager(6, BLOCK), max_num_tokens=64, max_batch_size=8)
+    old = make_seq(8, arrival=0, priority=0)
+    new = make_seq(8, arrival=1, priority=0)
+    urgent = make_seq(8, arrival=2, priority=2)
+    for seq in (old, new, urgent):
+        sched.add(seq)
+    assert {seq for seq, _, _ in step(sched)} == {old, new, urgent}
+    assert sched.blocks.num_free == 0
+    # Each now holds 9 tokens and needs a third block. `urgent` goes first and evicts `new`
+    # (lowest priority, and newer than `old`); `old` then takes the other freed block.
+    assert [(seq, n) for seq, n, _ in step(sched)] == [(urgent, 1), (old, 1)]
+    assert sched.num_preemptions == 1
+    assert new.status is Status.WAITING and new.num_cached == 0 and sched.waiting == [new]
+    with pytest.raises(KeyError):
+        sched.blocks.table(new.seq_id)
+    # Recompute: once blocks are free again, `new` is prefilled with the token it already had.
+    steps = run_to_completion(sched, [old, new, urgent])
+    assert [(n, samples) for b in steps for seq, n, samples in b if seq is new][0] == (9, True)
+
+
+def test_forked_samples_copy_on_write_and_are_preempted_alone():
+    blocks = BlockManager(4, BLOCK)
+    sched = Scheduler(blocks, max_num_tokens=64, max_batch_size=8)
+    request = Request("r", list(range(3, 9)), SamplingParams(n=2, max_tokens=6), arrival=0)
+    parent = Sequence(request, 0, list(request.prompt_ids), None)
+    request.seqs.append(parent)
+    sched.add(parent)
+    assert step(sched) == [(parent, 6, True)]
+    # What EngineCore._fork does after the prompt's prefill: the child shares both blocks.
+    child = Sequence(request, 1, list(parent.token_ids[:-1]) + [8], None, num_cached=6)
+    blocks.fork(parent.seq_id, child.seq_id)
+    sched.add_running(child)
+    request.seqs.append(child)
+    request.forked = True
+    shared = blocks.table(parent.seq_id)
+
+    batch, copies = sched.schedule()
+    # The parent writes token 7 first into the shared, partly filled block: it gets a copy.
+    # The child is then the block's only holder and writes in place.
+    assert [(c.seq, c.num_tokens) for c in batch] == [(parent, 1), (child, 1)]
+    [(src, dst)] = copies
+    assert src == shared[1] and blocks.table(parent.seq_id) == [shared[0], dst]
+    assert blocks.table(child.seq_id) == shared and blocks.ref_count(shared[0]) == 2
+    for c in batch:
+        c.seq.num_cached += 1
+        c.seq.token_ids.append(7)
+
+    assert step(sched) == [(parent, 1, True), (child, 1, True)]  # 8 tokens: still 2 blocks each
+    # Token 9 needs a third block each, and one is free: the child (the newer sample) is
+    # preempted, and the block it shared stays with the parent.
+    assert step(sched) == [(parent, 1, True)]
+    assert sched.num_preemptions == 1 and child.status is Status.WAITING
+    assert blocks.ref_count(shared[0]) == 1
+    run_to_completion(sched, [parent, child])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_no_evict_refuses_admission_when_the_worst_case_does_not_fit(policy):
+    sched = Scheduler(BlockManager(8, BLOCK), max_num_tokens=64, max_batch_size=8, policy=policy)
+    a = make_seq(4, arrival=0, max_tokens=12)  # worst case 16 tokens: 4 blocks
+    b = make_seq(4, arrival=1, max_tokens=12)
+    c = make_seq(4, arrival=2, max_tokens=12)
+    for seq in (a, b, c):
+        sched.add(seq)
+    admitted = [seq for seq, _, _ in step(sched)]
+    if policy == "guaranteed_no_evict":
+        # 6 blocks are free right now, but a and b may still claim all of them.
+        assert admitted == [a, b] and sched.waiting == [c]
+    else:
+        assert admitted == [a, b, c]
+    run_to_completion(sched, [a, b, c])
+    assert (sched.num_preemptions == 0) == (policy == "guaranteed_no_evict")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_random_workload_on_a_tight_pool(policy):
+    """Many requests through a pool far too small for all of them at once."""
+    rng = random.Random(1)
+    sched = Scheduler(BlockManager(12, BLOCK), max_num_tokens=12, max_batch_size=5, policy=policy)
+    seqs = []
+    for i in range(40):
+        # Every request fits the pool on its own (48 tokens), as EngineCore.validate ensures.
+        prompt_len = rng.randint(1, 24)
+        seqs.append(make_seq(prompt_len, arrival=i, max_tokens=rng.randint(1, 48 - prompt_len),
+                             priority=rng.choice((0, 0, 1))))
+    pending = list(seqs)
+    steps = []
+    while pending or sched.has_work():
+        for _ in range(rng.randint(0, 2)):
+            if pending:
+                sched.add(pending.pop(0))
+        if sched.has_work():
+            steps.append(step(sched))
+            assert steps[-1], "an empty step with work left"
+            assert sum(n for _, n, _ in steps[-1]) <= 12 and len(steps[-1]) <= 5
+        assert len(steps) < 2000
+    assert all(s.status is Status.FINISHED and len(s.output_ids) == s.request.params.max_tokens for s in seqs)
+    assert sched.blocks.used_blocks() == 0
+    if policy == "guaranteed_no_evict":
+        assert sched.num_preemptions == 0
+    else:
+        assert sched.num_preemptions > 0
