@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 
 from runtime.engine import load_engine
 from runtime.executor import CpuExecutor
+from runtime.tp_executor import TensorParallelExecutor
 from runtime.kv_cache import BlockManager, blocks_for_memory, bytes_per_block
 from runtime.outputs import CompletionOutput, RequestOutput
 from runtime.sampler import make_generator, sample
@@ -30,13 +31,10 @@ def _available_memory() -> int:
 
 class EngineCore:
     def __init__(self, engine_dir: str | Path, device: str | None = None, kv_cache_fraction: float | None = None,
-                 max_kv_tokens: int | None = None, policy: str = "max_utilization"):
+                 max_kv_tokens: int | None = None, policy: str = "max_utilization", worker_timeout: float = 60.0):
         if device not in (None, "cpu"):
             raise ValueError(f"device {device!r}: this Kiln runs engines on the CPU only so far; use device='cpu'")
         self.engine = load_engine(engine_dir)
-        if self.engine.world_size != 1:
-            raise ValueError(f"{engine_dir} has {self.engine.world_size} ranks; the Session runs 1-rank engines "
-                             "so far: rebuild with --tp-size 1")
         kv, build = self.engine.kv_cache, self.engine.build
         self.block_size = kv["block_size"]
         self.max_seq_len = build["max_seq_len"]
@@ -51,7 +49,9 @@ class EngineCore:
         else:
             # On the CPU, enough for every sequence of a full batch at full length.
             num_blocks = build["max_batch_size"] * self.engine.bounds["B"]
-        self.executor = CpuExecutor(self.engine, num_blocks)
+        world = self.engine.world_size
+        self.executor = (CpuExecutor(self.engine, num_blocks) if world == 1
+                         else TensorParallelExecutor(engine_dir, world, num_blocks, worker_timeout))
         self.blocks = BlockManager(num_blocks, self.block_size)
         self.scheduler = Scheduler(self.blocks, build["max_num_tokens"], build["max_batch_size"], policy)
         self.vocab_size = self.engine.tensors[self.engine.manifest["outputs"][0]]["shape"][-1]
@@ -108,6 +108,9 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def close(self) -> None:
+        self.executor.close()
+
     # -- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
@@ -118,10 +121,9 @@ class EngineCore:
                 raise RuntimeError("the scheduler cannot admit any waiting request (KV pool too small)")
             return []
         self.peak_blocks = max(self.peak_blocks, self.blocks.used_blocks())
-        self.executor.copy_blocks(copies)
         chunks = [SequenceChunk(c.seq.token_ids[c.seq.num_cached:c.seq.num_cached + c.num_tokens], c.seq.num_cached,
                                 self.blocks.table(c.seq.seq_id)) for c in batch]
-        logits = self.executor.run(pack_step(chunks, self.block_size, self.engine.bounds["B"]))
+        logits = self.executor.run(pack_step(chunks, self.block_size, self.engine.bounds["B"]), copies)
         return self._postprocess(batch, logits)
 
     def _postprocess(self, batch: list[ScheduledChunk], logits) -> list[Request]:

@@ -47,8 +47,10 @@ class CpuExecutor:
             raise ValueError(f"block tables must have {bounds['B']} columns, got {step.block_tables.shape[1]}")
         return dims
 
-    def run(self, step: StepInputs) -> torch.Tensor:
-        """Run one step; returns the logits of the requested rows, [L, vocab] in float32."""
+    def run(self, step: StepInputs, copies: list[tuple[int, int]] = ()) -> torch.Tensor:
+        """Run one step, after the copy-on-write block copies the scheduler asked for; returns
+        the logits of the requested rows, [L, vocab] in float32."""
+        self.copy_blocks(copies)
         dims = self._dims(step)
         values: dict[str, torch.Tensor] = {"kv_cache": self.kv_cache}
         for spec in STEP_INPUTS:
@@ -67,3 +69,7 @@ class CpuExecutor:
         """Copy-on-write: give a sequence its own copy of a shared, partly filled block."""
         for src, dst in copies:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+
+    def close(self) -> None:
+        """Release the arena and the KV pool."""
+        self.arena = self.kv_cache = None

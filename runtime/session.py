@@ -22,9 +22,14 @@ Sink = Callable[[RequestOutput | BaseException], None]
 
 
 class Session:
+    """Serve an engine folder. A tensor-parallel engine starts one worker process per rank
+    (spawned, so a script that creates a Session needs the `if __name__ == "__main__":` guard);
+    a rank that dies or does not answer within `worker_timeout` seconds fails the requests in
+    flight with an error naming it."""
+
     def __init__(self, engine_dir: str | Path, device: str | None = None, kv_cache_fraction: float | None = None,
-                 max_kv_tokens: int | None = None, policy: str = "max_utilization"):
-        self._core = EngineCore(engine_dir, device, kv_cache_fraction, max_kv_tokens, policy)
+                 max_kv_tokens: int | None = None, policy: str = "max_utilization", worker_timeout: float = 60.0):
+        self._core = EngineCore(engine_dir, device, kv_cache_fraction, max_kv_tokens, policy, worker_timeout)
         self._lock = threading.Condition()
         # Python's locks are not fair: the loop takes `_lock` again right after each step, before
         # a woken caller can, so a cancel, submit or close could wait until all work is done.
@@ -34,6 +39,7 @@ class Session:
         self._sinks: dict[str, Sink] = {}
         self._ids = itertools.count()
         self._closed = False
+        self._failed: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="kiln-engine-loop", daemon=True)
         self._thread.start()
 
@@ -55,6 +61,7 @@ class Session:
                 self._cancel_locked(rid)
             self._lock.notify_all()
         self._thread.join()
+        self._core.close()
 
     @property
     def stats(self) -> dict:
@@ -85,6 +92,7 @@ class Session:
                 try:
                     updated = self._core.step()
                 except Exception as e:  # a failed step must not leave callers waiting forever
+                    self._failed = e
                     for rid in list(self._sinks):
                         self._core.cancel(rid)
                         self._deliver(rid, e)
@@ -115,6 +123,8 @@ class Session:
         with self._locked():
             if self._closed:
                 raise RuntimeError("the session is closed")
+            if self._failed is not None:
+                raise RuntimeError(f"the session failed ({self._failed}); close it and start a new one")
             rid = f"req-{next(self._ids)}"
             self._core.add_request(rid, ids, params, priority)
             self._sinks[rid] = sink

@@ -1,0 +1,132 @@
+"""The executor for a tensor-parallel engine: one worker process per rank.
+
+The Session's process schedules; each step it sends the packed step inputs to every rank and
+waits for all of them with a deadline. A rank that dies, hangs or fails is named in the error,
+the step fails (so the Session fails the requests in flight) and `close()` reaps every worker.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+from multiprocessing.connection import wait
+from pathlib import Path
+
+import torch
+
+from runtime.step import StepInputs
+from runtime.tp_worker import worker_main
+
+STARTUP_TIMEOUT = 120.0
+STEP_TIMEOUT = 60.0
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel rank died, hung or failed; the message names it."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TensorParallelExecutor:
+    def __init__(self, engine_dir: str | Path, world_size: int, num_kv_blocks: int,
+                 step_timeout: float = STEP_TIMEOUT):
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.step_timeout = step_timeout
+        self.conns, self.pings, self.procs = [], [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            ping_parent, ping_child = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, name=f"kiln-tp-rank{rank}", daemon=True,
+                               args=(str(engine_dir), rank, world_size, port, num_kv_blocks, child, ping_child))
+            proc.start()
+            child.close()
+            ping_child.close()
+            self.conns.append(parent)
+            self.pings.append(ping_parent)
+            self.procs.append(proc)
+        try:
+            self._gather(STARTUP_TIMEOUT, "starting")
+        except WorkerError:
+            self.close()
+            raise
+
+    def _gather(self, timeout: float, doing: str) -> list:
+        """Wait for one reply from every rank; raise naming the first rank that failed."""
+        replies: dict[int, object] = {}
+        deadline = time.monotonic() + timeout
+        while len(replies) < len(self.conns):
+            pending = {c: r for r, c in enumerate(self.conns) if r not in replies}
+            ready = wait(list(pending) + [self.procs[r].sentinel for r in pending.values()],
+                         max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise self._timeout(sorted(pending.values()), timeout, doing)
+            for rank in sorted(pending.values()):
+                conn = self.conns[rank]
+                if conn in ready:
+                    try:
+                        status, payload = conn.recv()
+                    except (EOFError, OSError):  # the pipe closes or resets when the rank's process dies
+                        status, payload = "died", None
+                    if status != "ok" and status != "ready":
+                        raise self._failure(rank, status, payload, doing)
+                    replies[rank] = payload
+                elif self.procs[rank].sentinel in ready and not conn.poll():
+                    raise self._failure(rank, "died", None, doing)
+        return [replies[r] for r in range(len(self.conns))]
+
+    def _timeout(self, late: list[int], timeout: float, doing: str) -> WorkerError:
+        """Tell a hung rank from the ranks blocked in a collective waiting for it."""
+        for rank in late:
+            try:
+                self.pings[rank].send("ping")
+            except OSError:
+                pass
+        deadline = time.monotonic() + 2.0
+        alive = set()
+        for rank in late:
+            if self.pings[rank].poll(max(0.0, deadline - time.monotonic())):
+                try:
+                    self.pings[rank].recv()
+                    alive.add(rank)
+                except (EOFError, OSError):
+                    pass
+        hung = [r for r in late if r not in alive] or late
+        names = ", ".join(str(r) for r in hung)
+        waiting = sorted(alive - set(hung))
+        also = f" (rank {', '.join(map(str, waiting))} waiting on it)" if waiting else ""
+        return WorkerError(f"tensor-parallel rank {names} did not answer within {timeout:.0f} s while {doing}{also}")
+
+    def _failure(self, rank: int, status: str, payload, doing: str) -> WorkerError:
+        if status == "error":
+            return WorkerError(f"tensor-parallel rank {rank} failed while {doing}:\n{payload}")
+        self.procs[rank].join(1)
+        return WorkerError(f"tensor-parallel rank {rank} died while {doing} (exit code {self.procs[rank].exitcode})")
+
+    def run(self, step: StepInputs, copies: list[tuple[int, int]] = ()) -> torch.Tensor:
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send(("run", (step, list(copies))))
+            except (BrokenPipeError, OSError):
+                raise self._failure(rank, "died", None, "receiving a step") from None
+        return self._gather(self.step_timeout, "running a step")[0]
+
+    def close(self) -> None:
+        """Stop every worker; ones stuck in a collective with a dead peer are killed."""
+        for conn in self.conns:
+            try:
+                conn.send(("stop", None))
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self.procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for conn in self.conns + self.pings:
+            conn.close()
+        self.conns, self.pings, self.procs = [], [], []

@@ -1,0 +1,100 @@
+"""Tensor-parallel serving on the CPU: a Session over a TP engine starts one gloo worker per
+rank, gives the same greedy tokens as TP=1 with in-flight batching, and survives a worker that
+dies or hangs by failing the requests in flight with an error naming the rank."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from runtime import SamplingParams, Session
+from runtime.cli import run_engine
+
+BUILD = dict(dtype="float32", max_batch_size=8, max_num_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(factory):
+    # 8 heads and 2 kv heads: TP=4 replicates kv heads, TP=2 splits them.
+    return factory.checkpoint("qwen2", num_heads=8, num_kv_heads=2)
+
+
+def mixed_requests(n: int = 32) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 380) for _ in range(rng.randrange(2, 20))] for _ in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randrange(1, 12), ignore_eos=True) for _ in range(n)]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def tp1_tokens(factory, checkpoint):
+    prompts, params = mixed_requests()
+    with Session(factory.engine(checkpoint, **BUILD)) as s:
+        return [o.outputs[0].token_ids for o in s.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_engine_matches_tp1_with_inflight_batching(factory, checkpoint, tp1_tokens, tp):
+    prompts, params = mixed_requests()
+    with Session(factory.engine(checkpoint, tp_size=tp, **BUILD)) as s:
+        outs = s.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert s.stats["kv_blocks_used"] == 0
+    assert [o.outputs[0].token_ids for o in outs] == tp1_tokens
+
+
+def _alive(procs) -> list[int]:
+    return [p.pid for p in procs if p.is_alive()]
+
+
+def _start_long_stream(session: Session):
+    it = session.stream(prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(temperature=0, max_tokens=40,
+                                                                                   ignore_eos=True))
+    next(it)
+    return it
+
+
+def test_killed_worker_fails_requests_naming_the_rank(factory, checkpoint):
+    session = Session(factory.engine(checkpoint, tp_size=2, **BUILD))
+    procs = list(session._core.executor.procs)
+    try:
+        it = _start_long_stream(session)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 died"):
+            for _ in it:
+                pass
+        assert time.monotonic() - start < 30
+        with pytest.raises(RuntimeError, match="session failed"):
+            session.generate(prompt_token_ids=[[5, 6]])
+    finally:
+        session.close()
+    assert _alive(procs) == []
+
+
+def test_hung_worker_is_reported_within_the_timeout(factory, checkpoint):
+    session = Session(factory.engine(checkpoint, tp_size=2, **BUILD), worker_timeout=3)
+    procs = list(session._core.executor.procs)
+    try:
+        it = _start_long_stream(session)
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 did not answer within 3 s .*\(rank 0 waiting"):
+            for _ in it:
+                pass
+        assert time.monotonic() - start < 15
+    finally:
+        session.close()  # SIGKILL reaps a stopped process; SIGTERM at exit would not
+    assert _alive(procs) == []
+
+
+def test_run_engine_takes_tp_engines_without_extra_flags(factory, checkpoint):
+    tp1 = CliRunner().invoke(run_engine, ["--engine", str(factory.engine(checkpoint, **BUILD)),
+                                          "--prompt", "The kiln", "--max-tokens", "6"])
+    tp2 = CliRunner().invoke(run_engine, ["--engine", str(factory.engine(checkpoint, tp_size=2, **BUILD)),
+                                          "--prompt", "The kiln", "--max-tokens", "6"])
+    assert tp1.exit_code == 0 and tp2.exit_code == 0, tp2.output
+    assert tp2.output == tp1.output
