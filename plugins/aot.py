@@ -1,0 +1,43 @@
+"""Ahead-of-time compilation of a plugin's Triton kernels into cubins, without a GPU.
+
+A plugin's `kernels.py` describes each kernel it needs for given shapes as an `AotKernel`
+(the jit function, the signature, the constexpr values, launch options); `compile_cubin`
+turns one into a cubin for a target such as "sm_90" with `triton.compile`, which needs no GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+TARGET_CC = {"sm_80": 80, "sm_89": 89, "sm_90": 90, "sm_100": 100}
+
+
+@dataclass(frozen=True)
+class AotKernel:
+    fn: Any                          # a @triton.jit function
+    signature: dict[str, str]        # every parameter: "*bf16", "*fp32", "*i32", "i32", "fp32", or "constexpr"
+    constexprs: dict[str, Any]       # values of the constexpr parameters
+    num_warps: int = 4
+    num_stages: int = 3
+    meta: dict[str, Any] = field(default_factory=dict)  # what a launcher needs (grid rule, block sizes)
+
+
+@dataclass(frozen=True)
+class Cubin:
+    name: str          # entry point in the cubin
+    binary: bytes
+    shared_bytes: int
+    num_warps: int
+
+
+def compile_cubin(kernel: AotKernel, target: str) -> Cubin:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if target not in TARGET_CC:
+        raise ValueError(f"no GPU target {target!r}; choose one of {', '.join(TARGET_CC)}")
+    src = ASTSource(fn=kernel.fn, signature=kernel.signature, constexprs=kernel.constexprs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", TARGET_CC[target], 32),
+                              options={"num_warps": kernel.num_warps, "num_stages": kernel.num_stages})
+    return Cubin(compiled.metadata.name, compiled.asm["cubin"], compiled.metadata.shared, compiled.metadata.num_warps)
