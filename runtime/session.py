@@ -174,9 +174,7 @@ class Session:
     def _drain(self, rid: str, q: queue.Queue) -> Iterator[RequestOutput]:
         try:
             while True:
-                out = q.get()
-                if isinstance(out, BaseException):
-                    raise RuntimeError(f"request {rid} failed: {out}") from out
+                out = _checked(rid, q.get())
                 yield out
                 if out.finished:
                     return
@@ -194,9 +192,7 @@ class Session:
                            lambda out: loop.call_soon_threadsafe(aq.put_nowait, out), priority)
         try:
             while True:
-                out = await aq.get()
-                if isinstance(out, BaseException):
-                    raise RuntimeError(f"request {rid} failed: {out}") from out
+                out = _checked(rid, await aq.get())
                 yield out
                 if out.finished:
                     return
@@ -209,6 +205,13 @@ class Session:
         async for out in self.stream_async(prompt, sampling_params, prompt_token_ids, priority):
             last = out
         return last
+
+
+def _checked(rid: str, out: RequestOutput | BaseException) -> RequestOutput:
+    """An output, or the failure of the step that should have made it, raised in the caller."""
+    if isinstance(out, BaseException):
+        raise RuntimeError(f"request {rid} failed: {out}") from out
+    return out
 
 
 def _sampling_params(params: SamplingParams | None) -> SamplingParams:
