@@ -1,0 +1,78 @@
+"""Loading cubins and launching their kernels with the CUDA driver API (`cuda.bindings`).
+
+The runtime never compiles a kernel: `build-engine` puts cubins in the engine, and this
+module loads them into the current CUDA context (torch's primary context) and launches them
+on a stream. A launch is plain driver calls with no Python per thread block, so it can be
+captured into a CUDA graph.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+# ctypes type for each Triton signature type of a kernel parameter.
+_ARG_TYPES = {"i1": ctypes.c_int8, "i8": ctypes.c_int8, "i16": ctypes.c_int16, "i32": ctypes.c_int32,
+              "i64": ctypes.c_int64, "u32": ctypes.c_uint32, "u64": ctypes.c_uint64, "fp32": ctypes.c_float,
+              "fp64": ctypes.c_double}
+# Triton 3.6 kernels take two more pointers after their own parameters (global and profile
+# scratch); with no scratch in use they are null.
+_TRAILING_NULLS = 2
+_MAX_STATIC_SHARED = 48 * 1024
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed; the message names the call and the driver's error."""
+
+
+def _driver():
+    from cuda.bindings import driver
+    return driver
+
+
+def _check(result, call: str):
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    driver = _driver()
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        raise CudaError(f"{call} failed: {name.decode() if isinstance(name, bytes) else name}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+@dataclass
+class CudaKernel:
+    function: object
+    name: str
+    signature: list[str]   # Triton types of the non-constexpr parameters, in order
+    num_warps: int
+    shared_bytes: int
+
+    def launch(self, grid: tuple[int, int, int], args: list, stream: int = 0) -> None:
+        """Launch on `stream` (a raw CUstream handle; 0 is the legacy default stream).
+        Pointer arguments are device addresses (ints, e.g. `tensor.data_ptr()`)."""
+        if len(args) != len(self.signature):
+            raise ValueError(f"kernel {self.name} takes {len(self.signature)} arguments, got {len(args)}")
+        values = [ctypes.c_uint64(a) if t.startswith("*") else _ARG_TYPES[t](a) for t, a in zip(self.signature, args)]
+        values += [ctypes.c_uint64(0) for _ in range(_TRAILING_NULLS)]
+        pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        driver = _driver()
+        _check(driver.cuLaunchKernel(self.function, grid[0], grid[1], grid[2], 32 * self.num_warps, 1, 1,
+                                     self.shared_bytes, stream, ctypes.addressof(pointers), 0),
+               f"cuLaunchKernel({self.name})")
+
+
+def load_kernel(cubin: bytes, name: str, signature: list[str], num_warps: int, shared_bytes: int) -> CudaKernel:
+    """Load one kernel of a cubin into the current context (create it first, e.g. via torch)."""
+    driver = _driver()
+    module = _check(driver.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
+    function = _check(driver.cuModuleGetFunction(module, name.encode()), f"cuModuleGetFunction({name})")
+    if shared_bytes > _MAX_STATIC_SHARED:
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        _check(driver.cuFuncSetAttribute(function, attr, shared_bytes), f"cuFuncSetAttribute({name})")
+    return CudaKernel(function, name, signature, num_warps, shared_bytes)
+
+
+def device_arch() -> str:
+    """This machine's GPU as a build target, e.g. "sm_90"."""
+    import torch
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"

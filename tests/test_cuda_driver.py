@@ -1,0 +1,53 @@
+"""Cubins compiled here without a GPU load and run through the driver API, also inside a CUDA
+graph (GPU only: `pytest -m gpu`)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from plugins.aot import AotKernel, compile_cubin  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@triton.jit
+def _axpy(x, y, out, a, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out + offs, a * tl.load(x + offs, mask=mask) + tl.load(y + offs, mask=mask), mask=mask)
+
+
+def _kernel():
+    from runtime.cuda_driver import device_arch, load_kernel
+    sig = {"x": "*fp32", "y": "*fp32", "out": "*fp32", "a": "fp32", "n": "i32", "BLOCK": "constexpr"}
+    cubin = compile_cubin(AotKernel(_axpy, sig, {"BLOCK": 256}), device_arch())
+    return load_kernel(cubin.binary, cubin.name, ["*fp32", "*fp32", "*fp32", "fp32", "i32"], cubin.num_warps,
+                       cubin.shared_bytes)
+
+
+def test_aot_cubin_runs_through_the_driver_api():
+    kernel = _kernel()
+    x, y = torch.randn(1000, device="cuda"), torch.randn(1000, device="cuda")
+    out = torch.empty_like(x)
+    stream = torch.cuda.current_stream().cuda_stream
+    kernel.launch((4, 1, 1), [x.data_ptr(), y.data_ptr(), out.data_ptr(), 2.5, 1000], stream)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, 2.5 * x + y)
+
+
+def test_driver_launch_is_captured_by_a_cuda_graph():
+    kernel = _kernel()
+    x, y = torch.randn(1000, device="cuda"), torch.randn(1000, device="cuda")
+    out = torch.zeros_like(x)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(graph, stream=side):
+            kernel.launch((4, 1, 1), [x.data_ptr(), y.data_ptr(), out.data_ptr(), -1.0, 1000], side.cuda_stream)
+    x.copy_(torch.arange(1000.0, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, y - x)
