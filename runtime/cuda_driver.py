@@ -60,8 +60,20 @@ class CudaKernel:
                f"cuLaunchKernel({self.name})")
 
 
+def _ensure_context() -> None:
+    """Make the device's primary context (the one torch uses) current on this thread."""
+    import torch
+    driver = _driver()
+    _check(driver.cuInit(0), "cuInit")
+    if int(_check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")) == 0:
+        device = _check(driver.cuDeviceGet(torch.cuda.current_device()), "cuDeviceGet")
+        context = _check(driver.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+        _check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+
+
 def load_kernel(cubin: bytes, name: str, signature: list[str], num_warps: int, shared_bytes: int) -> CudaKernel:
-    """Load one kernel of a cubin into the current context (create it first, e.g. via torch)."""
+    """Load one kernel of a cubin into the current device's primary context."""
+    _ensure_context()
     driver = _driver()
     module = _check(driver.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
     function = _check(driver.cuModuleGetFunction(module, name.encode()), f"cuModuleGetFunction({name})")

@@ -8,7 +8,8 @@ mkdir -p "$out"
 export PYTHONPATH=$PWD
 {
   date -u +"date %Y-%m-%dT%H:%M:%SZ"
-  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  # The GPU machine gets a copy of the tree without .git: pass KILN_COMMIT from here.
+  echo "commit ${KILN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } > "$out/environment.txt" 2>&1
