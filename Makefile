@@ -6,16 +6,22 @@ BIN := $(VENV)/bin
 DEMO_CKPT := engines/demo-checkpoint
 DEMO_ENGINE := engines/demo
 
-.PHONY: install demo test clean
+ENGINE ?= $(DEMO_ENGINE)
+
+.PHONY: install demo test serve clean
 
 install: $(VENV)/.installed
 
 # torch is pinned to the CPU build kept on this machine's disk; the GPU machine brings its own.
-$(VENV)/.installed: pyproject.toml
+# nvidia-pytriton is only there for the tritonserver binary inside its wheel: --no-deps keeps its
+# Python API's dependencies (and their numpy 2) out. The stamp depends on this Makefile too, so a
+# changed install recipe is rerun in an existing .venv.
+$(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps nvidia-pytriton==0.7.0
 	touch $@
 
 demo: install
@@ -23,6 +29,14 @@ demo: install
 	$(BIN)/build-engine --checkpoint $(DEMO_CKPT) --output $(DEMO_ENGINE) --dtype float32 \
 		--max-seq-len 128 --max-num-tokens 128 --target cpu
 	$(BIN)/run-engine --engine $(DEMO_ENGINE) --prompt "The kiln was hot" --prompt "Once upon a time" --max-tokens 24
+
+# Serves ENGINE (default: the demo engine) through a real tritonserver on 127.0.0.1; Ctrl-C stops it.
+serve: install
+	@if [ ! -f $(ENGINE)/rank0.engine ]; then \
+		if [ "$(ENGINE)" = "$(DEMO_ENGINE)" ]; then $(MAKE) demo; \
+		else echo "$(ENGINE) has no rank0.engine: build it with build-engine, or run 'make serve' for the demo engine" >&2; exit 1; fi; \
+	fi
+	$(BIN)/serve-triton --engine $(ENGINE)
 
 test: install
 	$(PY) -m pytest -q

@@ -12,6 +12,7 @@ from builder.passes import ShardError
 from builder.trace import TraceError
 from models import CheckpointError, read_config
 from runtime.engine_file import EngineFileError, read_engine_file
+from runtime.triton.repo import RepoError, write_repo
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -34,10 +35,12 @@ from runtime.engine_file import EngineFileError, read_engine_file
               help="Tokens per paged KV-cache block (a power of two).")
 @click.option("--target", "targets", multiple=True, type=click.Choice(TARGETS),
               help="Hardware to build for; repeat for several. Default: this machine's GPU, else cpu.")
+@click.option("--triton-repo", type=click.Path(path_type=Path),
+              help="Then write a Triton Inference Server model repository for the engine here (see triton-repo).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_batch_size: int,
                  max_seq_len: int | None, max_num_tokens: int, kv_block_size: int, targets: tuple[str, ...],
-                 quiet: bool) -> None:
+                 triton_repo: Path | None, quiet: bool) -> None:
     """Compile a Hugging Face checkpoint into a Kiln engine folder.
 
     Traces Kiln's definition of the model, fuses each decoder layer (RMSNorm+QKV+RoPE,
@@ -70,6 +73,13 @@ def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_b
     except (BuildError, TraceError, BuildConfigError) as e:
         raise click.UsageError(str(e)) from None
     click.echo(summary.render())
+    if triton_repo is not None:
+        try:
+            write_repo(output, triton_repo)
+        except RepoError as e:
+            raise click.BadParameter(str(e), param_hint="--triton-repo") from None
+        click.echo(f"triton repository {triton_repo}: serve it with "
+                   f"serve-triton --engine {output} --repo {triton_repo}")
 
 
 def _shape(shape: list) -> str:

@@ -8,7 +8,8 @@ Each row belongs to one sequence and is processed in this order:
       logit -= presence * (count > 0) + frequency * count);
   (c) while fewer than min_tokens tokens have been generated, the eos ids and the row's
       stop_token_ids get -inf (ignore_eos only changes when a sequence stops, so eos is
-      masked here either way);
+      masked here either way); each bad word whose tokens but the last end the output so far
+      gets its last token set to -inf (a one-token bad word always does);
   (d) greedy rows (temperature 0 or top_k 1) take the argmax;
   (e) other rows divide by temperature, keep the top_k most likely tokens, then the smallest
       most-likely set whose cumulative probability reaches top_p (at least one token), then
@@ -126,6 +127,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             banned = [t for t in (*eos_ids, *p.stop_token_ids) if 0 <= t < vocab]
             if banned:
                 row[torch.tensor(banned, dtype=torch.long)] = float("-inf")
+        if p.bad_words:
+            banned = _banned_by_bad_words(p.bad_words, output_tokens[i], vocab)
+            if banned:
+                row[torch.tensor(banned, dtype=torch.long)] = float("-inf")
         if p.greedy:
             token = int(torch.argmax(row))
         else:
@@ -134,6 +139,18 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         tokens.append(token)
         logprobs.append(None if p.logprobs is None else _token_logprobs(row, p, token))
     return SampleResult(tokens, logprobs)
+
+
+def _banned_by_bad_words(bad_words: tuple[tuple[int, ...], ...], output: list[int], vocab: int) -> list[int]:
+    """The tokens that would complete a bad word right now. Ids outside the vocabulary can never
+    be generated, so they need no mask."""
+    banned = []
+    for word in bad_words:
+        *prefix, last = word
+        tail = output[len(output) - len(prefix):] if prefix else []
+        if 0 <= last < vocab and tail == prefix:
+            banned.append(last)
+    return banned
 
 
 def _token_logprobs(row: torch.Tensor, params: SamplingParams, token: int) -> dict:

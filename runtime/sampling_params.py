@@ -1,4 +1,5 @@
-"""Per-request sampling settings (temperature, top-k/top-p/min-p, penalties, stop rules, logprobs).
+"""Per-request sampling settings (temperature, top-k/top-p/min-p, penalties, stop rules, bad words,
+logprobs).
 
 `SamplingParams` is immutable and checked when built, so the sampler and the scheduler can
 trust every field without re-validating it on each step.
@@ -16,7 +17,9 @@ class SamplingParams:
 
     Build with keyword arguments only; unknown names and out-of-range values raise
     `ValueError` naming the field. `top_k=0` turns top-k off; `logprobs=N` asks for the top-N
-    logprobs of each generated token (0: only the chosen token's).
+    logprobs of each generated token (0: only the chosen token's). `bad_words` are token-id
+    sequences that are never generated: a word's last token is banned whenever the output so
+    far ends with the rest of it (a one-token word is always banned).
     """
 
     n: int = 1
@@ -30,6 +33,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
     min_tokens: int = 0
     max_tokens: int = 16
     ignore_eos: bool = False
@@ -58,7 +62,8 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
-        object.__setattr__(self, "stop_token_ids", _normalise_token_ids(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", _normalise_token_ids("stop_token_ids", self.stop_token_ids))
+        object.__setattr__(self, "bad_words", _normalise_bad_words(self.bad_words))
 
         # Written as `not (in range)` so NaN fails every check.
         if not self.temperature >= 0:
@@ -112,11 +117,20 @@ def _normalise_stop(stop: str | Iterable[str]) -> tuple[str, ...]:
     return items
 
 
-def _normalise_token_ids(ids: Iterable[int]) -> tuple[int, ...]:
+def _normalise_token_ids(name: str, ids: Iterable[int]) -> tuple[int, ...]:
     if not isinstance(ids, (list, tuple)):
-        raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
+        raise ValueError(f"{name} must be a list of ints, got {ids!r}")
     items = tuple(ids)
     for t in items:
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise ValueError(f"stop_token_ids must be non-negative ints, got {t!r}")
+            raise ValueError(f"{name} must be non-negative ints, got {t!r}")
+    return items
+
+
+def _normalise_bad_words(words: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
+    if not isinstance(words, (list, tuple)):
+        raise ValueError(f"bad_words must be a list of token-id lists, got {words!r}")
+    items = tuple(_normalise_token_ids("bad_words", w) for w in words)
+    if any(not w for w in items):
+        raise ValueError("bad_words must not hold an empty token-id list")
     return items

@@ -185,3 +185,31 @@ def test_make_generator():
     a, b = make_generator(5), make_generator(5)
     assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
     assert make_generator(-1) is not None
+
+
+def test_bad_words_ban_the_last_token_after_their_prefix():
+    # LOGITS' order is 3 > 0 > 5 > 2 > 1 > 4.
+    single = SamplingParams(temperature=0, bad_words=[[3]])
+    assert _one(LOGITS, single)[0] == 0 and _one(LOGITS, single, output=[1, 2])[0] == 0
+    phrase = SamplingParams(temperature=0, bad_words=[[2, 5, 3]], logprobs=6)
+    assert _one(LOGITS, phrase, output=[1, 5])[0] == 3  # the output does not end with 2, 5
+    token, lp = _one(LOGITS, phrase, output=[1, 2, 5])
+    assert token == 0 and dict(lp["top"])[3] == -math.inf
+    # The prefix is looked for in the generated tokens only, not in the prompt.
+    assert _one(LOGITS, phrase, prompt=[2, 5], output=[])[0] == 3
+    # Two words banning the top two tokens, and one whose token lies outside the vocabulary.
+    both = SamplingParams(temperature=0, bad_words=[[3], [4, 0], [99]])
+    assert _one(LOGITS, both, output=[4])[0] == 5
+    for seed in range(20):
+        assert _one(LOGITS, SamplingParams(bad_words=[[3], [0]]), seed=seed)[0] not in (0, 3)
+
+
+@pytest.mark.parametrize("value", [[[]], [[-1]], [[1.5]], [[True]], [3], "ab", [[1], "x"]])
+def test_bad_words_must_be_lists_of_non_negative_ints(value):
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=value)
+
+
+def test_bad_words_normalise_to_tuples():
+    assert SamplingParams(bad_words=[[1, 2], (3,)]).bad_words == ((1, 2), (3,))
+    assert SamplingParams().bad_words == ()
