@@ -12,6 +12,10 @@ from builder.config import BuildConfig
 from models.random_checkpoint import write_random_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Without a GPU, Triton kernels run in its interpreter on the CPU. The mode is fixed when
+# `triton` is first imported, so it is chosen here, before any test module imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(2)
 
 # A build small enough for every test: 2 sequences of up to 24 tokens in one step.

@@ -1,0 +1,300 @@
+"""Triton kernels for `attention`: KV-cache write, paged flash attention, split-KV combine.
+
+Programs map to work straight from the step inputs, with no derived buffers: along grid axis 0,
+sequence s owns the program ids from `cu[s] * G // BLOCK_M + s` on (cu = packed start of its
+queries, G = query heads per kv head), which leaves room for its `ceil(n * G / BLOCK_M)` query
+blocks; each program finds its sequence by a prefix sum over `query_lens` (O(S) int loads).
+A block's rows are (query token, head of the group) pairs in that order, so every program
+shares one kv head's K/V tiles across its whole GQA group. Grid axis 1 is the kv head; axis 2
+splits the key range of each block (split-KV, for decode steps with few sequences), the parts
+being merged by `_combine_splits_kernel`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from plugins.aot import AotKernel
+
+POINTER_TYPES = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}
+MAX_SPLITS = 32             # S=1, 8192 keys on an H200: 16 splits give 1.7 TB/s, 32 give 2.1
+SPLIT_MIN_KEYS = 256        # fewer keys per split than this cost more to merge than they save
+TARGET_PROGRAMS = 512       # about 4 programs per SM on an H100/H200: enough to fill the GPU
+SEQ_CHUNK = 128             # sequences read per step of the in-kernel prefix sum
+PREFILL = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+DECODE = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_stride, v_stride,
+                     ROW: tl.constexpr, BLOCK: tl.constexpr):
+    tok = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < ROW
+    # int64: a large cache pool has more than 2**31 elements.
+    dst = tl.load(slot_mapping_ptr + tok).to(tl.int64) * ROW + cols
+    k = tl.load(k_ptr + tok * k_stride + cols, mask=ok)
+    v = tl.load(v_ptr + tok * v_stride + cols, mask=ok)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _dot(a, b, INTERPRETER: tl.constexpr):
+    # Triton's interpreter multiplies bf16 tiles as their raw uint16 bits (triton-lang/triton
+    # #11584); fp32 copies hold the same values, so the products and fp32 sums do not change.
+    if INTERPRETER:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _find_sequence(query_lens_ptr, num_seqs, pid, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                   SEQ_CHUNK: tl.constexpr):
+    """(sequence, first packed query row, query count) of the sequence that owns program `pid`."""
+    count = tl.full([], 0, tl.int32)
+    q_start = tl.full([], 0, tl.int32)
+    q_end = tl.full([], 0, tl.int32)
+    carry = tl.full([], 0, tl.int32)
+    for base in range(0, num_seqs, SEQ_CHUNK):
+        idx = base + tl.arange(0, SEQ_CHUNK)
+        valid = idx < num_seqs
+        lens = tl.load(query_lens_ptr + idx, mask=valid, other=0)
+        incl = tl.cumsum(lens, 0) + carry
+        excl = incl - lens
+        owned = valid & (excl * GROUP // BLOCK_M + idx <= pid)
+        count += tl.sum(owned.to(tl.int32), 0)
+        # Starts only grow with idx, so the largest owned one belongs to the last owner.
+        q_start = tl.maximum(q_start, tl.max(tl.where(owned, excl, 0), 0))
+        q_end = tl.maximum(q_end, tl.max(tl.where(owned, incl, 0), 0))
+        carry += tl.sum(lens, 0)
+    return count - 1, q_start, q_end - q_start
+
+
+@triton.jit
+def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_ptr,
+                      block_tables_ptr, query_lens_ptr, context_lens_ptr,
+                      num_seqs, q_stride, out_stride, table_stride, scale, window,
+                      NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_D: tl.constexpr, SEQ_CHUNK: tl.constexpr, SPLIT: tl.constexpr,
+                      INTERPRETER: tl.constexpr):
+    GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
+    kv_head = tl.program_id(1)
+    seq, q_start, q_len = _find_sequence(query_lens_ptr, num_seqs, tl.program_id(0), GROUP,
+                                         BLOCK_M, SEQ_CHUNK)
+    block = tl.program_id(0) - (q_start * GROUP // BLOCK_M + seq)
+    if block * BLOCK_M >= q_len * GROUP:
+        return  # spare program: the grid is sized for the worst packing
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = tok < q_len
+    first_pos = tl.load(context_lens_ptr + seq) - q_len  # position of the sequence's first query
+    pos = first_pos + tok
+    # Keys this block can see: up to its last query, from its first query's window start.
+    hi = first_pos + tl.minimum(q_len - 1, (block * BLOCK_M + BLOCK_M - 1) // GROUP) + 1
+    lo = tl.where(window > 0, tl.maximum(first_pos + block * BLOCK_M // GROUP - window + 1, 0), 0)
+    if SPLIT:
+        chunk = tl.cdiv(tl.cdiv(hi - lo, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        lo = lo + tl.program_id(2) * chunk
+        hi = tl.minimum(hi, lo + chunk)
+
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q_rows = q_start + tok
+    q = tl.load(q_ptr + q_rows[:, None] * q_stride + head[:, None] * HEAD_DIM + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    # A finite floor keeps rows whose keys are all masked so far free of inf - inf.
+    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    qk_scale = scale * 1.4426950408889634  # exp2 instead of exp
+    table = block_tables_ptr + seq.to(tl.int64) * table_stride
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_ok = keys < hi
+        page = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0)
+        slot = page.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
+        kv_off = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM
+        k_t = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None],
+                      mask=d_ok[:, None] & key_ok[None, :], other=0.0)
+        s = _dot(q, k_t.to(q.dtype), INTERPRETER) * qk_scale
+        seen = (keys[None, :] <= pos[:, None]) & key_ok[None, :]
+        seen = seen & ((window <= 0) | (pos[:, None] - keys[None, :] < window))
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :],
+                    mask=key_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, INTERPRETER)
+        m = m_new
+
+    if SPLIT:
+        # Unnormalised partial result and its (max, sum) for _combine_splits_kernel.
+        part = (q_rows.to(tl.int64) * NUM_HEADS + head) * tl.num_programs(2) + tl.program_id(2)
+        tl.store(part_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(stats_ptr + part * 2, m, mask=row_ok)
+        tl.store(stats_ptr + part * 2 + 1, l, mask=row_ok)
+    else:
+        o = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(out_ptr + q_rows[:, None] * out_stride + head[:, None] * HEAD_DIM + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _combine_splits_kernel(part_ptr, stats_ptr, out_ptr, out_stride, num_splits,
+                           NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                           MAX_SPLITS: tl.constexpr):
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    sp = tl.arange(0, MAX_SPLITS)
+    sp_ok = sp < num_splits
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    part = (tok.to(tl.int64) * NUM_HEADS + head) * num_splits + sp
+    m = tl.load(stats_ptr + part * 2, mask=sp_ok, other=float("-inf"))
+    l = tl.load(stats_ptr + part * 2 + 1, mask=sp_ok, other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))
+    acc = tl.load(part_ptr + part[:, None] * HEAD_DIM + d[None, :],
+                  mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
+    o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + tok * out_stride + head * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def _row_block(width: int) -> int:
+    return min(triton.next_power_of_2(width), 1024)
+
+
+def _head_block(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs 16 or more
+
+
+def _check_layout(kv_cache: torch.Tensor, *rows: torch.Tensor) -> None:
+    # The kernels compute cache offsets from its shape and step along rows by one element.
+    if not kv_cache.is_contiguous() or any(t.stride(-1) != 1 for t in rows):
+        raise ValueError("attention needs a contiguous kv_cache and q, k, v, out rows with "
+                         "contiguous columns")
+
+
+def write_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Copy each token's k and v rows [T, kv_heads*head_dim] into its cache slot."""
+    _check_layout(kv_cache, k, v)
+    row = kv_cache.shape[-2] * kv_cache.shape[-1]
+    block = _row_block(row)
+    _write_kv_kernel[(k.shape[0], triton.cdiv(row, block))](
+        k, v, kv_cache[layer, 0], kv_cache[layer, 1], slot_mapping, k.stride(0), v.stride(0),
+        ROW=row, BLOCK=block)
+
+
+def choose_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, max_keys: int) -> int:
+    """How many parts to split each block's keys into: only for pure decode steps (one token
+    per sequence, known from shapes alone), when too few programs would otherwise run."""
+    if num_tokens != num_seqs:
+        return 1
+    by_length = triton.cdiv(max_keys, SPLIT_MIN_KEYS)
+    by_occupancy = TARGET_PROGRAMS // max(num_seqs * kv_heads, 1)
+    return max(1, min(MAX_SPLITS, by_length, by_occupancy))
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                    query_lens: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor,
+                    attrs: dict, num_splits: int = 1, config: dict | None = None) -> None:
+    """Attention of q over the cache into out; `num_splits` > 1 takes the split-KV path."""
+    heads, kv_heads, head_dim = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be within 1..{MAX_SPLITS}, got {num_splits}")
+    _check_layout(kv_cache, q, out)
+    tokens, seqs = q.shape[0], query_lens.shape[0]
+    cfg = config or (DECODE if tokens == seqs else PREFILL)
+    block_m, group = cfg["BLOCK_M"], heads // kv_heads
+    grid = (tokens * group // block_m + seqs, kv_heads, num_splits)
+    split = num_splits > 1
+    part = stats = None
+    if split:
+        part = torch.empty(tokens, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        stats = torch.empty(tokens, heads, num_splits, 2, dtype=torch.float32, device=q.device)
+    layer = attrs["layer"]
+    _attention_kernel[grid](
+        q, kv_cache[layer, 0], kv_cache[layer, 1], out, part, stats,
+        block_tables, query_lens, context_lens,
+        seqs, q.stride(0), out.stride(0), block_tables.stride(0), attrs["scale"], attrs["window"],
+        NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[3],
+        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=_head_block(head_dim), SEQ_CHUNK=SEQ_CHUNK,
+        SPLIT=split, INTERPRETER=isinstance(_attention_kernel, InterpretedFunction),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split:
+        _combine_splits_kernel[(tokens, heads)](
+            part, stats, out, out.stride(0), num_splits, NUM_HEADS=heads, HEAD_DIM=head_dim,
+            BLOCK_D=_head_block(head_dim), MAX_SPLITS=MAX_SPLITS)
+
+
+def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
+    """inputs: q, k?, v?, kv_cache, slot_mapping, block_tables, query_lens, context_lens."""
+    q, k, v, kv_cache, slot_mapping, block_tables, query_lens, context_lens = inputs
+    # The launches are stream-ordered, so every cache write lands before attention reads.
+    if k is not None and v is not None:
+        write_kv(kv_cache, attrs["layer"], k, v, slot_mapping)
+    max_keys = block_tables.shape[1] * kv_cache.shape[3]
+    splits = choose_num_splits(q.shape[0], query_lens.shape[0], attrs["num_kv_heads"], max_keys)
+    paged_attention(q, kv_cache, block_tables, query_lens, context_lens, out, attrs, splits)
+
+
+def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
+    """Kernels for `shapes` keys heads, kv_heads, head_dim, block_size (cache block).
+
+    The launcher passes kv_cache + (2 * layer + 0 or 1) * num_blocks * block_size * kv_heads *
+    head_dim elements as the k and v cache pointers, and step inputs as they are. With num_splits
+    > 1 it also passes fp32 workspaces part [T, heads, num_splits, head_dim] and stats
+    [T, heads, num_splits, 2], and launches the combine kernel after the attention kernel.
+    """
+    ptr = POINTER_TYPES[dtype]
+    heads, kv_heads, head_dim = shapes["heads"], shapes["kv_heads"], shapes["head_dim"]
+    row = kv_heads * head_dim
+    common = {"NUM_HEADS": heads, "NUM_KV_HEADS": kv_heads, "HEAD_DIM": head_dim,
+              "BLOCK_D": _head_block(head_dim)}
+    write = AotKernel(
+        _write_kv_kernel,
+        {"k_ptr": ptr, "v_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr, "slot_mapping_ptr": "*i32",
+         "k_stride": "i32", "v_stride": "i32", "ROW": "constexpr", "BLOCK": "constexpr"},
+        {"ROW": row, "BLOCK": _row_block(row)},
+        meta={"role": "write_kv", "grid": f"(T, {triton.cdiv(row, _row_block(row))}, 1)",
+              "when": "k and v are given; before the attention kernel"})
+    attention_sig = {
+        "q_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr, "out_ptr": ptr,
+        "part_ptr": "*fp32", "stats_ptr": "*fp32", "block_tables_ptr": "*i32",
+        "query_lens_ptr": "*i32", "context_lens_ptr": "*i32", "num_seqs": "i32", "q_stride": "i32",
+        "out_stride": "i32", "table_stride": "i32", "scale": "fp32", "window": "i32",
+        **{name: "constexpr" for name in ("NUM_HEADS", "NUM_KV_HEADS", "HEAD_DIM", "BLOCK_SIZE",
+                                          "BLOCK_M", "BLOCK_N", "BLOCK_D", "SEQ_CHUNK", "SPLIT",
+                                          "INTERPRETER")}}
+    kernels = [write]
+    group = heads // kv_heads
+    for role, cfg, split, when in (
+            ("prefill", PREFILL, False, "T > S"),
+            ("decode", DECODE, False, "T == S and choose_num_splits(...) == 1"),
+            ("decode_split", DECODE, True, "T == S and num_splits = choose_num_splits(...) > 1")):
+        kernels.append(AotKernel(
+            _attention_kernel, attention_sig,
+            {**common, "BLOCK_SIZE": shapes["block_size"], "BLOCK_M": cfg["BLOCK_M"],
+             "BLOCK_N": cfg["BLOCK_N"], "SEQ_CHUNK": SEQ_CHUNK, "SPLIT": split, "INTERPRETER": False},
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            meta={"role": role, "when": when, "grid": f"(T * {group} // {cfg['BLOCK_M']} + S, "
+                                                      f"{kv_heads}, {'num_splits' if split else 1})"}))
+    kernels.append(AotKernel(
+        _combine_splits_kernel,
+        {"part_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": ptr, "out_stride": "i32",
+         "num_splits": "i32", "NUM_HEADS": "constexpr", "HEAD_DIM": "constexpr",
+         "BLOCK_D": "constexpr", "MAX_SPLITS": "constexpr"},
+        {"NUM_HEADS": heads, "HEAD_DIM": head_dim, "BLOCK_D": _head_block(head_dim),
+         "MAX_SPLITS": MAX_SPLITS},
+        meta={"role": "combine_splits", "grid": f"(T, {heads}, 1)",
+              "when": "after a decode_split attention kernel"}))
+    return kernels

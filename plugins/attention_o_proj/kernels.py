@@ -1,0 +1,33 @@
+"""Triton kernels for `attention_o_proj`: the `attention` kernels into a [T, heads*head_dim]
+scratch buffer, then `linear_residual`'s GEMM with the residual add in its epilogue.
+
+As for `linear_residual`, `all_reduce` is the runtime's business: each rank's GEMM gives its
+partial o_proj, and with more than one rank the runtime passes b_o and the residual to one
+rank's launch only, then sums the partials.
+"""
+from __future__ import annotations
+
+import torch
+
+from plugins.aot import AotKernel
+from plugins.attention import kernels as attention
+from plugins.linear_residual import kernels as linear_residual
+
+
+def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
+    """inputs: the 8 of `attention` (q, k?, v?, kv_cache, slot_mapping, block_tables,
+    query_lens, context_lens), then w_o [hidden, heads*head_dim], b_o? [hidden], residual."""
+    q, w_o, b_o, residual = inputs[0], *inputs[8:]
+    attn = torch.empty_like(q)
+    attention.run(inputs[:8], attrs, attn)
+    linear_residual.run([attn, w_o, b_o, residual],
+                        {"parallel": "row", "heads": 0, "all_reduce": attrs["all_reduce"]}, out)
+
+
+def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
+    """`shapes` keys: those of `attention.aot_kernels` (heads, kv_heads, head_dim, block_size),
+    hidden (o_proj's output width) and bias (whether b_o is given; default False). The launcher
+    provides a [T, heads*head_dim] scratch buffer between the two stages."""
+    gemm = {"K": shapes["heads"] * shapes["head_dim"], "N": shapes["hidden"],
+            "bias": shapes.get("bias", False)}
+    return attention.aot_kernels(dtype, shapes) + linear_residual.aot_kernels(dtype, gemm)

@@ -1,0 +1,230 @@
+"""Triton kernels for `linear`: y = x W^T (+ bias) (+ residual), and the GEMM core that the
+fused plugins (linear_residual, norm_swiglu, norm_qkv_rope) share.
+
+Layout: x [T, K], W [N, K] and the output [T, N] are row-major and contiguous. N and K are
+constexprs (an engine knows its weight shapes when it is built), T is the only runtime size.
+Each program computes one [BLOCK_M, BLOCK_N] output tile over the whole K loop, with fp32
+accumulation. The grid is (cdiv(T, BLOCK_M), cdiv(N, BLOCK_N)) with the row blocks varying
+fastest, so the programs that share a weight tile run together: with T <= BLOCK_M (the
+decode tiles) every weight tile is streamed from memory exactly once, and for prefill the
+neighbours of a weight tile find it in L2. TILES holds the shape buckets (decode T <= 16,
+small T <= 64, prefill); `aot_kernels` gives one kernel per bucket, its meta naming the rows
+it serves and the grid.
+
+`all_reduce` is not the kernel's business: a kernel computes one rank's partial product and
+the runtime sums the partials across ranks afterwards. The reference adds the bias (and, for
+linear_residual, the residual) once, after the sum, so on more than one rank the runtime
+passes bias and residual to one rank's kernel only and None to the others.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from plugins.aot import AotKernel
+
+# Pointer types of the signatures AOT compilation needs, per engine dtype.
+POINTER = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
+ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# Shared memory for the software pipeline's x and W buffers: sm_89 has 99 KiB per block, the
+# smallest of the targets; the rest is left for the epilogue's layout conversions.
+PIPELINE_SMEM = 80 * 1024
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One shape bucket's tiling. `block_n` counts weight rows per tile (a fused kernel that
+    pairs rows gives each side half of them); `block_k` is for 2-byte types and halves for
+    fp32 so the shared-memory footprint does not depend on the dtype."""
+
+    name: str
+    max_rows: int | None     # largest T the bucket serves; None: no limit
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+TILES = (
+    # Decode: the 16 rows are tl.dot's minimum; narrow tiles give many programs, so enough
+    # SMs stream the weights at once; long K tiles keep many loads in flight per program.
+    Tile("decode", 16, 16, 32, 128, 4),
+    Tile("small", 64, 64, 64, 64, 4),
+    Tile("prefill", None, 128, 128, 64, 8),
+)
+
+
+def pick_tile(rows: int) -> Tile:
+    return next(t for t in TILES if t.max_rows is None or rows <= t.max_rows)
+
+
+def block_k(tile: Tile, element_bytes: int) -> int:
+    return tile.block_k * 2 // element_bytes
+
+
+def num_stages(block_m: int, weight_rows: int, bk: int, element_bytes: int) -> int:
+    """Pipeline depth that keeps the x and W buffers within PIPELINE_SMEM on sm_80/sm_89,
+    where Triton keeps num_stages - 1 of them (sm_90+ keeps num_stages, with room to spare)."""
+    per_stage = (block_m + weight_rows) * bk * element_bytes
+    return max(2, min(4, 1 + PIPELINE_SMEM // per_stage))
+
+
+def aligned(k: int, *tensors: torch.Tensor) -> bool:
+    """Whether [., k] rows of these tensors all start on 16 bytes (see gemm_tile)."""
+    return all(t.data_ptr() % 16 == 0 and k * t.element_size() % 16 == 0 for t in tensors)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def upcast_dot(x: torch.Tensor) -> bool:
+    """Triton's interpreter multiplies bf16 tiles as their raw uint16 bits (triton-lang/triton
+    #11584), so there the tiles go to fp32 before tl.dot. The result is the same: a product
+    of two bf16 values is exact in fp32 and the sums are fp32 either way."""
+    return interpreting() and x.dtype == torch.bfloat16
+
+
+def aot_aligned(k: int, element_bytes: int) -> bool:
+    """AOT kernels assume 16-byte aligned pointers (the launcher's contract, in their meta)
+    whenever K keeps every row aligned too."""
+    return k * element_bytes % 16 == 0
+
+
+def launch_meta(tile: Tile, column_tiles: str) -> dict:
+    """What a launcher that only knows T needs: the bucket's row range and the grid, as
+    expressions in T, (row blocks, column tiles) with the row blocks varying fastest."""
+    return {"bucket": tile.name, "max_rows": tile.max_rows, "pointer_alignment": 16,
+            "grid": (f"cdiv(T, {tile.block_m})", column_tiles)}
+
+
+@triton.jit
+def gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, mask_n,
+              K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              ROW_SCALE: tl.constexpr, ALIGNED: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """x[offs_m] (times norm_ptr's weights when given) against the weight rows `rows`: returns
+    (acc [BLOCK_M, BLOCK_N] in fp32, the sum of x^2 per row when ROW_SCALE). ALIGNED: x and W
+    start on 16 bytes and K keeps their rows so.
+
+    The fused kernels gather the two row sets they pair (gate and up, a head's two halves)
+    into one tile and split the accumulator afterwards, rather than run two dots on one x
+    tile: one wider MMA, and on sm_90 Triton 3.6 got the second of two such dots wrong."""
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :]
+    w_ptrs = w_ptr + rows.to(tl.int64)[None, :] * K + offs_k[:, None]
+    if ALIGNED:
+        # An AOT-compiled kernel knows nothing of its pointers' alignment (the JIT learns it
+        # from the arguments); without this the loads are scalar and never pipelined.
+        x_ptrs = tl.multiple_of(x_ptrs, [16, 16])
+        w_ptrs = tl.multiple_of(w_ptrs, [16, 16])
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    sumsq = tl.zeros((BLOCK_M,), tl.float32)
+    # The row sum reads x through loads of its own, one iteration ahead so their latency
+    # hides behind a step of the GEMM (the cache modifier keeps them apart from the dot's
+    # loads): on sm_90, Triton 3.6 races when one pipelined tile feeds both the wgmma and
+    # register arithmetic (wrong results at BLOCK_M = 128 on an H200).
+    if ROW_SCALE:
+        x_sq = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0, cache_modifier=".cg")
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = offs_k < K - k0
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if ROW_SCALE:
+            x_next = tl.load(x_ptrs + BLOCK_K, mask=mask_m[:, None] & (offs_k < K - k0 - BLOCK_K)[None, :],
+                             other=0.0, cache_modifier=".cg")
+            xf = x_sq.to(tl.float32)
+            sumsq += tl.sum(xf * xf, axis=1)
+            x_sq = x_next
+        if norm_ptr is not None:
+            # Unfolded RMSNorm weight: the reference multiplies the normalised x by it, and
+            # scaling columns commutes with the row scale applied after the loop.
+            g = tl.load(norm_ptr + k0 + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) * g[None, :]).to(x_ptr.dtype.element_ty)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if UPCAST_DOT:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        # "ieee" only affects fp32 tiles: fp32 engines exist for exact parity, so no TF32.
+        acc = tl.dot(x, w, acc, input_precision="ieee")
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc, sumsq
+
+
+@triton.jit
+def split_halves(acc, BLOCK_M: tl.constexpr, HALF: tl.constexpr):
+    """[BLOCK_M, 2 * HALF] -> (its first HALF columns, its last HALF columns)."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+
+
+@triton.jit
+def linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, T,
+                  N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < T
+    mask_n = offs_n < N
+    acc, _ = gemm_tile(x_ptr, None, w_ptr, offs_m, mask_m, offs_n, mask_n,
+                       K, BLOCK_M, BLOCK_N, BLOCK_K, False, ALIGNED, UPCAST_DOT)
+    if bias_ptr is not None:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if residual_ptr is not None:
+        acc += tl.load(residual_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  residual: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out = x weight^T (+ bias) (+ residual), through Triton's JIT launch."""
+    t, k = x.shape
+    n = weight.shape[0]
+    tile = pick_tile(t)
+    bk = block_k(tile, x.element_size())
+    x, weight = x.contiguous(), weight.contiguous()
+    grid = (triton.cdiv(t, tile.block_m), triton.cdiv(n, tile.block_n))
+    linear_kernel[grid](
+        x, weight, bias, None if residual is None else residual.contiguous(), out, t,
+        N=n, K=k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=bk,
+        ALIGNED=aligned(k, x, weight), UPCAST_DOT=upcast_dot(x), num_warps=tile.num_warps,
+        num_stages=num_stages(tile.block_m, tile.block_n, bk, x.element_size()))
+
+
+def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool) -> list[AotKernel]:
+    """One linear_kernel per shape bucket of TILES."""
+    ptr, size = POINTER[dtype], ELEMENT_BYTES[dtype]
+    kernels = []
+    for tile in TILES:
+        bk = block_k(tile, size)
+        signature = {"x_ptr": ptr, "w_ptr": ptr, "bias_ptr": ptr if bias else "constexpr",
+                     "residual_ptr": ptr if residual else "constexpr", "out_ptr": ptr, "T": "i32",
+                     "N": "constexpr", "K": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+                     "BLOCK_K": "constexpr", "ALIGNED": "constexpr", "UPCAST_DOT": "constexpr"}
+        constexprs = {"N": n, "K": k, "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": bk,
+                      "ALIGNED": aot_aligned(k, size), "UPCAST_DOT": False}
+        if not bias:
+            constexprs["bias_ptr"] = None
+        if not residual:
+            constexprs["residual_ptr"] = None
+        kernels.append(AotKernel(
+            linear_kernel, signature, constexprs, num_warps=tile.num_warps,
+            num_stages=num_stages(tile.block_m, tile.block_n, bk, size),
+            meta=launch_meta(tile, str(triton.cdiv(n, tile.block_n)))))
+    return kernels
+
+
+def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
+    """inputs: x [T, K], weight [N, K], bias [N] or None. `all_reduce` is left to the caller
+    (see the module docstring); `parallel` and `heads` only matter to the shard pass."""
+    x, weight, bias = inputs
+    launch_linear(x, weight, bias, None, out)
+
+
+def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
+    """shapes: {"K": in features, "N": out features, "bias": bool (default False)}."""
+    return linear_aot_kernels(dtype, shapes["N"], shapes["K"], shapes.get("bias", False), residual=False)

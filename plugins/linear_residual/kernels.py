@@ -1,0 +1,25 @@
+"""Triton kernel for `linear_residual`: y = residual + x W^T (+ bias).
+
+It is `linear`'s kernel with the residual read in the epilogue (the kernel's `residual_ptr`
+given instead of None), so the sum costs one extra read of [T, N] and no extra pass. As for
+`linear`, `all_reduce` is left to the runtime: with more than one rank it passes residual and
+bias to one rank's kernel only, since the reference adds them once, after the reduction.
+"""
+from __future__ import annotations
+
+import torch
+
+from plugins.aot import AotKernel
+from plugins.linear.kernels import launch_linear, linear_aot_kernels
+
+
+def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
+    """inputs: x [T, K], weight [N, K], bias [N] or None, residual [T, N]."""
+    x, weight, bias, residual = inputs
+    launch_linear(x, weight, bias, residual, out)
+
+
+def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
+    """shapes: {"K": in features, "N": out features, "bias": bool (default False)}. The
+    kernels are `linear_kernel` with a residual pointer, one per shape bucket."""
+    return linear_aot_kernels(dtype, shapes["N"], shapes["K"], shapes.get("bias", False), residual=True)

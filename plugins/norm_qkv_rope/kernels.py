@@ -1,0 +1,147 @@
+"""Triton kernel for `norm_qkv_rope`: RMSNorm + q/k/v projection + bias + per-head q/k RMSNorm
++ rotate-half RoPE, q to the output and k, v straight into their paged KV-cache slots.
+
+The K loop multiplies x by W_qkv's rows and also sums x^2 per row; the epilogue applies the
+row scale rsqrt(mean(x^2) + eps) (a folded norm weight is inside W_qkv; an unfolded one
+multiplies the x tiles as they are loaded). RoPE pairs column j of a head with column
+j + D/2, so a program owns matching column chunks of both halves of one head: its weight
+tile is the chunk's rows of the first half followed by those of the second, one dot gives
+both, and the epilogue splits them and rotates elementwise. The per-head q/k norm needs the
+whole head, so with q/k norm a program owns whole heads (HEAD_SPLIT = 1); without it a head
+is split over HEAD_SPLIT programs, so that decode has enough programs to stream W_qkv with
+the whole GPU. head_dim must be a power of two.
+
+Program (m, h * HEAD_SPLIT + part) writes q head h when h < H, k head h - H when
+h < H + KVH, else v head h - H - KVH. The KV cache is
+[layers, 2, num_slots / block_size, block_size, KVH, D] and contiguous, so token t's k row
+for head g of layer l starts at ((l * 2 + 0) * num_slots + slot_mapping[t]) * KVH * D + g * D.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from plugins.aot import AotKernel
+from plugins.linear.kernels import (ELEMENT_BYTES, POINTER, TILES, Tile, aligned, aot_aligned, block_k,
+                                    gemm_tile, launch_meta, num_stages, pick_tile, split_halves,
+                                    upcast_dot)
+
+
+@triton.jit
+def _norm_rope(lo, hi, weight_ptr, pos, mask_m, rope_ptr, eps, j, D: tl.constexpr):
+    """Optional RMSNorm over the head (given only with HEAD_SPLIT 1, when lo and hi are its
+    whole halves), then RoPE at positions `pos` for columns j and j + D/2."""
+    HALF: tl.constexpr = D // 2
+    if weight_ptr is not None:
+        scale = tl.rsqrt((tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)) / D + eps)[:, None]
+        lo = lo * scale * tl.load(weight_ptr + j).to(tl.float32)[None, :]
+        hi = hi * scale * tl.load(weight_ptr + HALF + j).to(tl.float32)[None, :]
+    row = rope_ptr + pos.to(tl.int64)[:, None] * D + j[None, :]
+    cos = tl.load(row, mask=mask_m[:, None], other=0.0)
+    sin = tl.load(row + HALF, mask=mask_m[:, None], other=0.0)
+    return lo * cos - hi * sin, hi * cos + lo * sin
+
+
+@triton.jit
+def _store_head(ptrs, lo, hi, mask, HALF: tl.constexpr):
+    tl.store(ptrs, lo.to(ptrs.dtype.element_ty), mask=mask)
+    tl.store(ptrs + HALF, hi.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def norm_qkv_rope_kernel(x_ptr, norm_ptr, w_ptr, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr,
+                         kv_ptr, slot_ptr, out_ptr, T, num_slots, layer, eps,
+                         K: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
+                         HEAD_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                         ALIGNED: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    HALF: tl.constexpr = D // 2
+    CHUNK: tl.constexpr = HALF // HEAD_SPLIT
+    h = tl.program_id(1) // HEAD_SPLIT
+    j = (tl.program_id(1) % HEAD_SPLIT) * CHUNK + tl.arange(0, CHUNK)   # columns in each half
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < T
+    i = tl.arange(0, 2 * CHUNK)
+    rows = h * D + (i // CHUNK) * HALF + (tl.program_id(1) % HEAD_SPLIT) * CHUNK + i % CHUNK
+    acc, sumsq = gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, rows < (H + 2 * KVH) * D,
+                           K, BLOCK_M, 2 * CHUNK, BLOCK_K, True, ALIGNED, UPCAST_DOT)
+    acc *= tl.rsqrt(sumsq / K + eps)[:, None]
+    if bias_ptr is not None:
+        acc += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
+    lo, hi = split_halves(acc, BLOCK_M, CHUNK)
+    mask = mask_m[:, None]
+    pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0)
+    if h < H:
+        lo, hi = _norm_rope(lo, hi, q_norm_ptr, pos, mask_m, rope_ptr, eps, j, D)
+        _store_head(out_ptr + offs_m.to(tl.int64)[:, None] * (H * D) + h * D + j[None, :], lo, hi, mask, HALF)
+    else:
+        slot = tl.load(slot_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        if h < H + KVH:
+            lo, hi = _norm_rope(lo, hi, k_norm_ptr, pos, mask_m, rope_ptr, eps, j, D)
+            # tl.cast, not .to: the JIT passes layer 1 as a constexpr int.
+            row = tl.cast(layer * 2, tl.int64) * num_slots + slot
+            _store_head(kv_ptr + row[:, None] * (KVH * D) + (h - H) * D + j[None, :], lo, hi, mask, HALF)
+        else:
+            row = tl.cast(layer * 2 + 1, tl.int64) * num_slots + slot
+            _store_head(kv_ptr + row[:, None] * (KVH * D) + (h - H - KVH) * D + j[None, :], lo, hi, mask, HALF)
+
+
+def head_split(tile: Tile, head_dim: int, qk_norm: bool) -> int:
+    """Programs per head: the tile's weight rows per program, unless q/k norm needs it whole."""
+    return 1 if qk_norm else max(1, head_dim // tile.block_n)
+
+
+def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
+    """inputs in the spec's order: x, norm_weight?, w_qkv, b_qkv?, q_norm?, k_norm?, positions,
+    rope_cache, kv_cache (written in place), slot_mapping. q/k norm applies when both are
+    given, as in the reference."""
+    x, norm_weight, w_qkv, b_qkv, q_norm, k_norm, positions, rope_cache, kv_cache, slot_mapping = inputs
+    if q_norm is None or k_norm is None:
+        q_norm = k_norm = None
+    if not kv_cache.is_contiguous():
+        raise ValueError("norm_qkv_rope's kernel writes a contiguous KV cache")
+    x, w_qkv = x.contiguous(), w_qkv.contiguous()
+    t, k = x.shape
+    heads, kv_heads, d = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
+    tile = pick_tile(t)
+    bk = block_k(tile, x.element_size())
+    split = head_split(tile, d, q_norm is not None)
+    grid = (triton.cdiv(t, tile.block_m), (heads + 2 * kv_heads) * split)
+    norm_qkv_rope_kernel[grid](
+        x, norm_weight, w_qkv, b_qkv, q_norm, k_norm, positions.contiguous(), rope_cache.contiguous(),
+        kv_cache, slot_mapping.contiguous(), out, t, kv_cache.shape[2] * kv_cache.shape[3],
+        attrs["layer"], attrs["eps"], K=k, H=heads, KVH=kv_heads, D=d, HEAD_SPLIT=split,
+        BLOCK_M=tile.block_m, BLOCK_K=bk, ALIGNED=aligned(k, x, w_qkv), UPCAST_DOT=upcast_dot(x),
+        num_warps=tile.num_warps, num_stages=num_stages(tile.block_m, d // split, bk, x.element_size()))
+
+
+def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
+    """shapes: {"K": hidden size, "num_heads", "num_kv_heads" (this rank's), "head_dim",
+    "bias": bool, "qk_norm": bool, "norm_weight": bool (defaults False; False norm_weight
+    means folded)}. One kernel per shape bucket; num_slots (KV-cache blocks * block size),
+    layer and eps are runtime arguments, positions and slot_mapping int32, rope_cache fp32."""
+    ptr, size = POINTER[dtype], ELEMENT_BYTES[dtype]
+    k, heads, kv_heads, d = shapes["K"], shapes["num_heads"], shapes["num_kv_heads"], shapes["head_dim"]
+    qk_norm = shapes.get("qk_norm", False)
+    optional = {"norm_ptr": shapes.get("norm_weight", False), "bias_ptr": shapes.get("bias", False),
+                "q_norm_ptr": qk_norm, "k_norm_ptr": qk_norm}
+    kernels = []
+    for tile in TILES:
+        bk, split = block_k(tile, size), head_split(tile, d, qk_norm)
+        signature = {"x_ptr": ptr, "norm_ptr": ptr, "w_ptr": ptr, "bias_ptr": ptr, "q_norm_ptr": ptr,
+                     "k_norm_ptr": ptr, "pos_ptr": "*i32", "rope_ptr": "*fp32", "kv_ptr": ptr,
+                     "slot_ptr": "*i32", "out_ptr": ptr, "T": "i32", "num_slots": "i32", "layer": "i32",
+                     "eps": "fp32", "K": "constexpr", "H": "constexpr", "KVH": "constexpr", "D": "constexpr",
+                     "HEAD_SPLIT": "constexpr", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
+                     "ALIGNED": "constexpr", "UPCAST_DOT": "constexpr"}
+        constexprs = {"K": k, "H": heads, "KVH": kv_heads, "D": d, "HEAD_SPLIT": split, "BLOCK_M": tile.block_m,
+                      "BLOCK_K": bk, "ALIGNED": aot_aligned(k, size), "UPCAST_DOT": False}
+        for name, present in optional.items():
+            if not present:
+                signature[name] = "constexpr"
+                constexprs[name] = None
+        kernels.append(AotKernel(
+            norm_qkv_rope_kernel, signature, constexprs, num_warps=tile.num_warps,
+            num_stages=num_stages(tile.block_m, d // split, bk, size),
+            meta=launch_meta(tile, str((heads + 2 * kv_heads) * split))))
+    return kernels

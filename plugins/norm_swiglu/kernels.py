@@ -1,0 +1,89 @@
+"""Triton kernel for `norm_swiglu`: y = silu(g) * u with [g u] = RMSNorm(x) W_gu^T.
+
+One GEMM pass: the K loop that multiplies x by the gate and up weights also sums x^2 per
+row, and the epilogue applies the row scale rsqrt(mean(x^2) + eps) to the accumulator
+(scaling rows commutes with the product), then forms silu(g) * u. A folded norm weight is
+already inside W_gu; an unfolded one (norm_weight given) multiplies each x tile as it is
+loaded.
+
+Each program owns BLOCK_N output columns and gathers their gate and up rows into one weight
+tile: output column j's gate row is (j // block) * 2 * block + j % block of the interleaved
+W_gu ([g0 u0 g1 u1 ...], blocks of `block` rows) and its up row is `block` after it. One dot
+gives [gate | up] for the tile's columns, split in the epilogue. Every row of W_gu is read
+once per row block; when BLOCK_N is a multiple of `block` the gathered rows are runs of whole
+blocks. This works for any `block` and BLOCK_N, and `block` = 0 (plain [W_gate; W_up]) is
+the same rule with block = I.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from plugins.aot import AotKernel
+from plugins.linear.kernels import (ELEMENT_BYTES, POINTER, TILES, aligned, aot_aligned, block_k,
+                                    gemm_tile, launch_meta, num_stages, pick_tile, split_halves,
+                                    upcast_dot)
+
+
+@triton.jit
+def norm_swiglu_kernel(x_ptr, norm_ptr, w_ptr, out_ptr, T, eps,
+                       I: tl.constexpr, K: tl.constexpr, GU_BLOCK: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       ALIGNED: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < T
+    # Tile rows: the gate rows of the tile's columns, then their up rows.
+    i = tl.arange(0, 2 * BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_N + i % BLOCK_N
+    rows = (cols // GU_BLOCK) * (2 * GU_BLOCK) + cols % GU_BLOCK + (i // BLOCK_N) * GU_BLOCK
+    acc, sumsq = gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, cols < I,
+                           K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, True, ALIGNED, UPCAST_DOT)
+    gate, up = split_halves(acc * tl.rsqrt(sumsq / K + eps)[:, None], BLOCK_M, BLOCK_N)
+    y = gate * tl.sigmoid(gate) * up
+    mask = mask_m[:, None] & (offs_n < I)[None, :]
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * I + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
+    """inputs: x [T, K], norm_weight [K] or None (folded), w_gu [2I, K]; attrs eps, block."""
+    x, norm_weight, w_gu = inputs
+    x, w_gu = x.contiguous(), w_gu.contiguous()
+    t, k = x.shape
+    inter = w_gu.shape[0] // 2
+    tile = pick_tile(t)
+    bk = block_k(tile, x.element_size())
+    # Half of the tile's weight rows are gate rows, half up rows.
+    bn = tile.block_n // 2
+    grid = (triton.cdiv(t, tile.block_m), triton.cdiv(inter, bn))
+    norm_swiglu_kernel[grid](
+        x, norm_weight, w_gu, out, t, attrs["eps"], I=inter, K=k, GU_BLOCK=attrs["block"] or inter,
+        BLOCK_M=tile.block_m, BLOCK_N=bn, BLOCK_K=bk, ALIGNED=aligned(k, x, w_gu),
+        UPCAST_DOT=upcast_dot(x), num_warps=tile.num_warps,
+        num_stages=num_stages(tile.block_m, tile.block_n, bk, x.element_size()))
+
+
+def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
+    """shapes: {"K": hidden size, "I": intermediate size (this rank's), "block": gate/up
+    interleave block (0: not interleaved), "norm_weight": bool (default False: folded)}.
+    One kernel per shape bucket; eps is a runtime argument."""
+    ptr, size = POINTER[dtype], ELEMENT_BYTES[dtype]
+    k, inter, norm = shapes["K"], shapes["I"], shapes.get("norm_weight", False)
+    kernels = []
+    for tile in TILES:
+        bk, bn = block_k(tile, size), tile.block_n // 2
+        signature = {"x_ptr": ptr, "norm_ptr": ptr if norm else "constexpr", "w_ptr": ptr, "out_ptr": ptr,
+                     "T": "i32", "eps": "fp32", "I": "constexpr", "K": "constexpr", "GU_BLOCK": "constexpr",
+                     "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+                     "ALIGNED": "constexpr", "UPCAST_DOT": "constexpr"}
+        constexprs = {"I": inter, "K": k, "GU_BLOCK": shapes["block"] or inter, "BLOCK_M": tile.block_m,
+                      "BLOCK_N": bn, "BLOCK_K": bk, "ALIGNED": aot_aligned(k, size), "UPCAST_DOT": False}
+        if not norm:
+            constexprs["norm_ptr"] = None
+        kernels.append(AotKernel(
+            norm_swiglu_kernel, signature, constexprs, num_warps=tile.num_warps,
+            num_stages=num_stages(tile.block_m, tile.block_n, bk, size),
+            meta=launch_meta(tile, str(triton.cdiv(inter, bn)))))
+    return kernels

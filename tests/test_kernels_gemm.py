@@ -1,0 +1,202 @@
+"""The GEMM-family Triton kernels (linear, linear_residual, norm_swiglu, norm_qkv_rope) against
+their plugins' PyTorch references on the CPU, and their AOT compilation to cubins.
+
+Parity runs under Triton's interpreter and AOT compilation needs compiled-mode kernels; the
+mode is fixed when the kernel modules are imported. This module asks for the interpreter
+before anything imports triton; a test whose mode this process does not have (another module
+imported the kernels first, or the AOT tests here) runs in one child pytest process per mode
+with TRITON_INTERPRET set accordingly, and reports the child's outcome for the same test.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import functools  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import xml.etree.ElementTree as ET  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+import plugins.linear.kernels as linear_kernels  # noqa: E402
+import plugins.linear_residual.kernels as linear_residual_kernels  # noqa: E402
+import plugins.norm_qkv_rope.kernels as norm_qkv_rope_kernels  # noqa: E402
+import plugins.norm_swiglu.kernels as norm_swiglu_kernels  # noqa: E402
+from plugins import get_plugin  # noqa: E402
+from plugins.aot import compile_cubin  # noqa: E402
+
+KERNELS = {"linear": linear_kernels, "linear_residual": linear_residual_kernels,
+           "norm_swiglu": norm_swiglu_kernels, "norm_qkv_rope": norm_qkv_rope_kernels}
+# True: every kernel was imported in interpreter mode; False: none was; None: a mix.
+_MODES = {isinstance(f, InterpretedFunction) for f in (
+    linear_kernels.gemm_tile, linear_kernels.linear_kernel, norm_swiglu_kernels.norm_swiglu_kernel,
+    norm_qkv_rope_kernels.norm_qkv_rope_kernel)}
+INTERPRETED = _MODES.pop() if len(_MODES) == 1 else None
+CHILD = "KILN_GEMM_TEST_CHILD"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+EPS = 1e-5
+
+# Llama-3-8B-like shapes, one projection of each kind.
+LLAMA = {"linear": {"K": 4096, "N": 4096},
+         "linear_residual": {"K": 14336, "N": 4096},
+         "norm_swiglu": {"K": 4096, "I": 14336, "block": 64},
+         "norm_qkv_rope": {"K": 4096, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128}}
+# Every optional input present (Qwen2/Qwen3-like, unfolded norms), on one target.
+ALL_OPTIONAL = {"linear": {"K": 4096, "N": 1024, "bias": True},
+                "norm_swiglu": {"K": 4096, "I": 1536, "block": 0, "norm_weight": True},
+                "norm_qkv_rope": {"K": 2048, "num_heads": 16, "num_kv_heads": 2, "head_dim": 128, "bias": True,
+                                  "qk_norm": True, "norm_weight": True}}
+# Shared memory per block on each target (sm_89's 99 KiB is the tightest).
+SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024, "sm_100": 227 * 1024}
+
+
+@functools.cache
+def child_outcomes(interpret: bool) -> tuple[dict[str, str], str]:
+    """Run this module's tests that need the other Triton mode in a fresh process; returns
+    {test name: "passed" or the failure text} and the child's output."""
+    if os.environ.get(CHILD):
+        pytest.fail(f"the kernels were imported with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']} "
+                    "in a child process that set it: something imported them before this module")
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.xml"
+        env = {**os.environ, "TRITON_INTERPRET": "1" if interpret else "0", CHILD: "1"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+             "-k", "parity" if interpret else "aot", f"--junitxml={report}"],
+            env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
+        outcomes = {}
+        if report.exists():
+            for case in ET.parse(report).iter("testcase"):
+                problems = [f"{p.tag}: {p.get('message')}" for p in case]
+                outcomes[case.get("name")] = "; ".join(problems) or "passed"
+    return outcomes, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def in_mode(request, interpret: bool, body) -> None:
+    """Run `body` here when this process has the wanted Triton mode, else take this test's
+    outcome from a child process that has it."""
+    if INTERPRETED is interpret:
+        body()
+        return
+    outcomes, log = child_outcomes(interpret)
+    outcome = outcomes.get(request.node.name, "not run")
+    assert outcome == "passed", f"in a TRITON_INTERPRET={int(interpret)} child: {outcome}\n{log}"
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    else:
+        err = (out.float() - ref.float()).abs().max().item()
+        assert err <= 2e-2 * ref.float().abs().max().item(), f"max error {err}"
+
+
+def rand(*shape, dtype, scale=1.0) -> torch.Tensor:
+    return (torch.randn(*shape) * scale).to(dtype)
+
+
+def check(name: str, inputs: list, attrs: dict, out_shape: tuple, ref_inputs: list | None = None) -> None:
+    """Run the kernel on `inputs` and the reference on `ref_inputs` (default: the same)."""
+    ref = get_plugin(name).call_reference(inputs if ref_inputs is None else ref_inputs, attrs)
+    out = torch.full(out_shape, float("nan"), dtype=ref.dtype)
+    KERNELS[name].run(inputs, attrs, out)
+    assert_matches(out, ref)
+
+
+def with_norm(w: torch.Tensor, folded: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(norm_weight, projection): the RMSNorm weight given, or multiplied into W as fold does."""
+    g = 1 + 0.2 * torch.randn(w.shape[1])
+    if folded:
+        return None, (w.float() * g).to(w.dtype)
+    return g.to(w.dtype), w
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,k", [(1, 32), (3, 64), (17, 32)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("name", ["linear", "linear_residual"])
+def test_parity_linear(request, name, bias, t, k, dtype):
+    def body():
+        torch.manual_seed(t * k)
+        n = 40
+        inputs = [rand(t, k, dtype=dtype), rand(n, k, dtype=dtype, scale=k ** -0.5),
+                  rand(n, dtype=dtype) if bias else None]
+        if name == "linear_residual":
+            inputs.append(rand(t, n, dtype=dtype))
+        check(name, inputs, {"parallel": "none", "heads": 0, "all_reduce": False}, (t, n))
+    in_mode(request, True, body)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,k", [(1, 64), (3, 32), (17, 64)])
+@pytest.mark.parametrize("folded", [True, False])
+@pytest.mark.parametrize("block", [0, 8])
+def test_parity_norm_swiglu(request, block, folded, t, k, dtype):
+    def body():
+        torch.manual_seed(t * k + block)
+        inter = 24
+        norm_weight, w_gu = with_norm(rand(2 * inter, k, dtype=dtype, scale=k ** -0.5), folded)
+        check("norm_swiglu", [rand(t, k, dtype=dtype, scale=3.0), norm_weight, w_gu],
+              {"eps": EPS, "block": block}, (t, inter))
+    in_mode(request, True, body)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+# head_dim 64 at decode sizes splits each head over two programs when there is no q/k norm.
+@pytest.mark.parametrize("t,k,d", [(1, 32, 16), (3, 64, 16), (17, 32, 16), (3, 32, 64)])
+@pytest.mark.parametrize("folded", [True, False])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_parity_norm_qkv_rope(request, qk_norm, bias, folded, t, k, d, dtype):
+    def body():
+        torch.manual_seed(t * k + d + 2 * bias + qk_norm)
+        heads, kv_heads, layer = 4, 2, 1
+        rows = (heads + 2 * kv_heads) * d
+        norm_weight, w_qkv = with_norm(rand(rows, k, dtype=dtype, scale=k ** -0.5), folded)
+        max_pos = 64
+        angles = torch.arange(max_pos)[:, None] * 10000.0 ** (-torch.arange(0, d, 2) / d)
+        kv_cache = rand(2, 2, 6, 4, kv_heads, d, dtype=dtype)   # 24 slots per layer
+        slots = torch.randperm(24)[:t].to(torch.int32)
+        inputs = [rand(t, k, dtype=dtype), norm_weight, w_qkv, rand(rows, dtype=dtype) if bias else None,
+                  1 + 0.2 * rand(d, dtype=dtype) if qk_norm else None,
+                  1 + 0.2 * rand(d, dtype=dtype) if qk_norm else None,
+                  torch.randint(0, max_pos, (t,), dtype=torch.int32),
+                  torch.cat([angles.cos(), angles.sin()], dim=1), kv_cache, slots]
+        attrs = {"eps": EPS, "layer": layer, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d}
+        before = kv_cache.clone()
+        ref_cache = kv_cache.clone()
+        check("norm_qkv_rope", inputs, attrs, (t, heads * d), inputs[:8] + [ref_cache] + inputs[9:])
+        # The kernel wrote the real cache: written slots match, everything else is untouched.
+        written = torch.zeros(2, 2, 24, dtype=torch.bool)
+        written[layer, :, slots.long()] = True
+        written = written.view(2, 2, 6, 4)
+        assert_matches(kv_cache[written], ref_cache[written])
+        assert torch.equal(kv_cache[~written], before[~written])
+    in_mode(request, True, body)
+
+
+def check_cubins(name: str, shapes: dict, targets) -> None:
+    kernels = KERNELS[name].aot_kernels("bfloat16", shapes)
+    assert len(kernels) == len(linear_kernels.TILES)
+    for kernel in kernels:
+        assert set(kernel.signature) == set(kernel.fn.arg_names)
+        assert len(kernel.meta["grid"]) == 2
+        for target in targets:
+            cubin = compile_cubin(kernel, target)
+            assert cubin.binary.startswith(b"\x7fELF") and cubin.name == kernel.fn.__name__
+            assert cubin.shared_bytes <= SMEM_LIMIT[target], (kernel.meta["bucket"], target, cubin.shared_bytes)
+
+
+@pytest.mark.parametrize("name", list(LLAMA))
+def test_aot_llama_shapes(request, name):
+    in_mode(request, False, lambda: check_cubins(name, LLAMA[name], list(SMEM_LIMIT)))
+
+
+@pytest.mark.parametrize("name", list(ALL_OPTIONAL))
+def test_aot_all_optional_inputs(request, name):
+    in_mode(request, False, lambda: check_cubins(name, ALL_OPTIONAL[name], ["sm_90"]))
