@@ -17,6 +17,7 @@ from tqdm import tqdm
 import models
 from builder.config import BuildConfig
 from builder.ir import Graph
+from builder.kernels import KernelError, compile_kernels
 from builder.passes import FUSIONS, fold_weights, plan_memory, shard
 from builder.trace import trace
 from plugins import get_plugin
@@ -41,6 +42,7 @@ class BuildSummary:
     weight_bytes: list[int]
     arena_bytes: list[int]
     targets: list[str]
+    kernels: list[int]
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -54,6 +56,7 @@ class BuildSummary:
             + ", ".join(f"{op} {n}" for op, n in sorted(self.op_counts.items())),
             f"weights     {_mib(self.weight_bytes[0])} per rank ({_mib(sum(self.weight_bytes))} total)",
             f"arena       {_mib(self.arena_bytes[0])} per rank (activations and step inputs)",
+            f"kernels     {self.kernels[0]} cubins per rank" + ("" if self.kernels[0] else " (CPU only: none needed)"),
             f"time        {self.seconds:.1f} s",
         ]
         return "\n".join(lines + [f"note        {n}" for n in self.notes])
@@ -74,7 +77,8 @@ def lower_rank(graph: Graph, cfg: BuildConfig, rank: int) -> tuple[Graph, dict]:
     return g, plan_memory(g, cfg.bounds)
 
 
-def manifest_for(graph: Graph, memory: dict, cfg: BuildConfig, model_info: dict, rank: int) -> dict:
+def manifest_for(graph: Graph, memory: dict, cfg: BuildConfig, model_info: dict, rank: int,
+                 kernel_keys: dict[str, dict]) -> dict:
     kv_shape = graph.tensors["kv_cache"].shape
     return {
         "kiln_version": KILN_VERSION,
@@ -88,7 +92,8 @@ def manifest_for(graph: Graph, memory: dict, cfg: BuildConfig, model_info: dict,
         "tensors": {name: {"shape": list(t.shape), "dtype": t.dtype, "kind": t.kind}
                     for name, t in graph.tensors.items() if t.kind != "weight"},
         "plan": [{"op": n.op, "version": get_plugin(n.op).version, "inputs": n.inputs, "attrs": n.attrs,
-                  "output": n.output, "source": n.source} for n in graph.nodes],
+                  "output": n.output, "source": n.source, "kernel_keys": kernel_keys.get(n.output, {})}
+                 for n in graph.nodes],
         "memory_plan": memory,
         "kv_cache": {"num_layers": kv_shape[0], "block_size": cfg.kv_block_size, "num_kv_heads": kv_shape[4],
                      "head_dim": kv_shape[5], "dtype": graph.tensors["kv_cache"].dtype},
@@ -121,7 +126,7 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
     tmp = _prepare_output(output)
     steps = ["trace", *[f.__name__ for f in FUSIONS]]
     for r in range(cfg.tp_size):
-        steps += [f"rank {r}: shard+fold+plan", f"rank {r}: write"]
+        steps += [f"rank {r}: shard+fold+plan", f"rank {r}: kernels", f"rank {r}: write"]
     bar = tqdm(total=len(steps), desc="build-engine", unit="step", disable=not progress)
     try:
         tmp.mkdir()
@@ -133,14 +138,19 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
             graph = fusion(graph)
             bar.update()
         layers, fusions = _fusions_per_layer(graph)
-        weight_bytes, arena_bytes = [], []
+        weight_bytes, arena_bytes, kernel_counts = [], [], []
         for rank in range(cfg.tp_size):
             bar.set_postfix_str(f"rank {rank}: shard, fold, plan memory")
             g, memory = lower_rank(graph, cfg, rank)
             bar.update()
-            bar.set_postfix_str(f"rank {rank}: write {len(g.weights)} weights")
-            write_engine_file(tmp / f"rank{rank}.engine", manifest_for(g, memory, cfg, model_info, rank), g.weights)
+            blobs, keys = compile_kernels(g, cfg.dtype, list(cfg.targets), cfg.kv_block_size,
+                                          lambda what, r=rank: bar.set_postfix_str(f"rank {r}: compile {what}"))
             bar.update()
+            bar.set_postfix_str(f"rank {rank}: write {len(g.weights)} weights")
+            write_engine_file(tmp / f"rank{rank}.engine", manifest_for(g, memory, cfg, model_info, rank, keys),
+                              g.weights, blobs)
+            bar.update()
+            kernel_counts.append(len(blobs))
             weight_bytes.append(sum(w.numel() * w.element_size() for w in g.weights.values()))
             arena_bytes.append(memory["arena_bytes"])
         for f in extra_files:
@@ -154,7 +164,7 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
     finally:
         bar.close()
     return BuildSummary(output, layers, fusions, graph.count_ops(), weight_bytes, arena_bytes,
-                        list(cfg.targets), time.time() - start)
+                        list(cfg.targets), kernel_counts, time.time() - start)
 
 
 def build_engine(checkpoint: str | Path, output: str | Path, cfg: BuildConfig, progress: bool = False) -> BuildSummary:

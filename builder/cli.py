@@ -8,6 +8,7 @@ import click
 
 from builder.build import BuildError, build_engine as run_build
 from builder.config import DTYPES, TARGETS, BuildConfig, BuildConfigError, default_targets
+from builder.kernels import KernelError
 from builder.passes import ShardError
 from builder.trace import TraceError
 from models import CheckpointError, read_config
@@ -70,7 +71,7 @@ def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_b
         raise click.BadParameter(str(e), param_hint="--checkpoint") from None
     except ShardError as e:
         raise click.BadParameter(str(e), param_hint="--tp-size") from None
-    except (BuildError, TraceError, BuildConfigError) as e:
+    except (BuildError, TraceError, BuildConfigError, KernelError) as e:
         raise click.UsageError(str(e)) from None
     click.echo(summary.render())
     if triton_repo is not None:
@@ -124,5 +125,10 @@ def inspect_engine(engine_dir: Path, rank: int, as_json: bool) -> None:
     kv = m["kv_cache"]
     click.echo(f"\nkv cache: {kv['num_layers']} layers x {kv['num_kv_heads']} kv heads x head_dim {kv['head_dim']}, "
                f"{kv['dtype']}, {kv['block_size']} tokens per block")
+    by_target: dict[str, int] = {}
+    for entry in m["kernels"].values():
+        by_target[entry["target"]] = by_target.get(entry["target"], 0) + 1
+    click.echo("kernels: " + (", ".join(f"{n} cubins for {t}" for t, n in sorted(by_target.items()))
+                              or "none (CPU engine)"))
     weights = m["weights"]
     click.echo(f"weights: {len(weights)} tensors, {sum(w['nbytes'] for w in weights.values()):,} bytes")

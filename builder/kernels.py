@@ -1,0 +1,129 @@
+"""Kernel compilation: every GPU kernel the plan needs, compiled ahead of time for each GPU
+target into a cubin that goes into the engine file.
+
+For each node the plugin's `kernels.aot_kernels(dtype, shapes)` lists the kernels for the
+node's shapes; each is compiled with `plugins.aot.compile_cubin` (no GPU needed). Identical
+kernels (same source, signature, constants, options and target) are compiled once per build
+and kept in an on-disk cache keyed by their content hash, so rebuilding is quick. An op that
+has no GPU kernel is a build error naming it and the module it came from: nothing falls back
+silently.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+from builder.ir import Graph, Node
+from plugins.aot import AotKernel, Cubin, compile_cubin
+
+
+class KernelError(ValueError):
+    """The plan cannot be compiled for a GPU target."""
+
+
+def _present(node: Node, name: str) -> bool:
+    return node.inputs.get(name) is not None
+
+
+def _shape(graph: Graph, node: Node, name: str) -> tuple:
+    return graph.tensors[node.inputs[name]].shape
+
+
+# What each plugin's aot_kernels needs to know about a node (keys are documented there).
+SHAPES: dict[str, Callable[[Graph, Node, int], dict]] = {
+    "embedding": lambda g, n, bs: {"hidden": _shape(g, n, "weight")[1]},
+    "take_rows": lambda g, n, bs: {"hidden": _shape(g, n, "x")[1]},
+    "rms_norm": lambda g, n, bs: {"hidden": _shape(g, n, "x")[1]},
+    "linear": lambda g, n, bs: {"K": _shape(g, n, "weight")[1], "N": _shape(g, n, "weight")[0],
+                                "bias": _present(n, "bias")},
+    "linear_residual": lambda g, n, bs: {"K": _shape(g, n, "weight")[1], "N": _shape(g, n, "weight")[0],
+                                         "bias": _present(n, "bias")},
+    "norm_swiglu": lambda g, n, bs: {"K": _shape(g, n, "w_gu")[1], "I": _shape(g, n, "w_gu")[0] // 2,
+                                     "block": n.attrs["block"], "norm_weight": _present(n, "norm_weight")},
+    "norm_qkv_rope": lambda g, n, bs: {"K": _shape(g, n, "w_qkv")[1], "num_heads": n.attrs["num_heads"],
+                                       "num_kv_heads": n.attrs["num_kv_heads"], "head_dim": n.attrs["head_dim"],
+                                       "bias": _present(n, "b_qkv"), "qk_norm": _present(n, "q_norm"),
+                                       "norm_weight": _present(n, "norm_weight")},
+    "attention": lambda g, n, bs: {"heads": n.attrs["num_heads"], "kv_heads": n.attrs["num_kv_heads"],
+                                   "head_dim": n.attrs["head_dim"], "block_size": bs},
+    "attention_o_proj": lambda g, n, bs: {"heads": n.attrs["num_heads"], "kv_heads": n.attrs["num_kv_heads"],
+                                          "head_dim": n.attrs["head_dim"], "block_size": bs,
+                                          "hidden": _shape(g, n, "w_o")[0], "bias": _present(n, "b_o")},
+}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KILN_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "kiln")
+    return Path(root).expanduser() / "kernels"
+
+
+def kernel_key(kernel: AotKernel, target: str) -> str:
+    """Content hash of everything that decides the cubin."""
+    import triton
+    ident = json.dumps([inspect.getsource(kernel.fn.fn if hasattr(kernel.fn, "fn") else kernel.fn),
+                        kernel.signature, {k: repr(v) for k, v in kernel.constexprs.items()},
+                        kernel.num_warps, kernel.num_stages, target, triton.__version__], sort_keys=True)
+    return hashlib.sha256(ident.encode()).hexdigest()[:20]
+
+
+def _compile_cached(kernel: AotKernel, target: str, key: str) -> Cubin:
+    path = _cache_dir() / f"{key}.cubin"
+    meta_path = path.with_suffix(".json")
+    if path.is_file() and meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        return Cubin(meta["name"], path.read_bytes(), meta["shared_bytes"], meta["num_warps"])
+    cubin = compile_cubin(kernel, target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Written under temporary names and renamed, so a concurrent build never reads half a file.
+    for dst, data in ((path, cubin.binary), (meta_path, json.dumps(
+            {"name": cubin.name, "shared_bytes": cubin.shared_bytes, "num_warps": cubin.num_warps}).encode())):
+        tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(dst)
+    return cubin
+
+
+def compile_kernels(graph: Graph, dtype: str, targets: list[str], block_size: int,
+                    progress: Callable[[str], None] = lambda _: None) -> tuple[dict, dict[str, dict]]:
+    """Compile the graph's kernels for every GPU target.
+
+    Returns the engine's kernel blobs `{key: (cubin, index entry)}` and, per node output, the
+    keys of its kernels per target (`{output: {target: [key, ...]}}`) for the plan.
+    """
+    gpu_targets = [t for t in targets if t != "cpu"]
+    blobs: dict[str, tuple[bytes, dict]] = {}
+    per_node: dict[str, dict] = {}
+    if not gpu_targets:
+        return blobs, per_node
+    for node in graph.nodes:
+        if node.op not in SHAPES:
+            raise KernelError(f"op {node.op!r} in module {node.source!r} has no GPU kernel: it cannot run on "
+                              f"{', '.join(gpu_targets)} (only fused Llama-family plans can for now); "
+                              "build with --target cpu")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise KernelError("TRITON_INTERPRET=1 is set: Triton's interpreter cannot compile cubins; "
+                          "unset it to build for a GPU target")
+    for node in graph.nodes:
+        module = importlib.import_module(f"plugins.{node.op}.kernels")
+        kernels = module.aot_kernels(dtype, SHAPES[node.op](graph, node, block_size))
+        per_node[node.output] = {}
+        for target in gpu_targets:
+            keys = []
+            for kernel in kernels:
+                key = kernel_key(kernel, target)
+                if key not in blobs:
+                    progress(f"{node.op} for {target}")
+                    cubin = _compile_cached(kernel, target, key)
+                    blobs[key] = (cubin.binary, {
+                        "plugin": node.op, "target": target, "entry": cubin.name,
+                        "signature": [t for t in kernel.signature.values() if t != "constexpr"],
+                        "num_warps": cubin.num_warps, "shared_bytes": cubin.shared_bytes,
+                        "launch": kernel.meta})
+                keys.append(key)
+            per_node[node.output][target] = keys
+    return blobs, per_node

@@ -1,0 +1,81 @@
+"""Engines for GPU targets build on this CPU-only machine: every kernel of the plan is compiled
+ahead of time for every target into the engine file, and the runtime refuses an engine whose
+targets do not include this machine."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from builder.build import build_from_model
+from builder.cli import inspect_engine
+from builder.config import BuildConfig
+from builder.kernels import KernelError
+from runtime.engine import EngineLoadError, load_engine
+from runtime.engine_file import read_engine_file
+from test_gelu_model import gelu_model
+
+GPU_TARGETS = ["sm_80", "sm_89", "sm_90", "sm_100"]
+
+
+def build_cli(checkpoint, output, targets, cache) -> subprocess.CompletedProcess:
+    """build-engine in a fresh process: AOT compilation needs Triton out of interpreter mode."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["KILN_CACHE"] = str(cache)
+    args = ["--checkpoint", str(checkpoint), "--output", str(output), "--dtype", "bfloat16", "--max-seq-len", "64",
+            "--max-num-tokens", "64", "--kv-block-size", "16", "--quiet"]
+    for t in targets:
+        args += ["--target", t]
+    code = "import sys; from builder.cli import build_engine; build_engine(sys.argv[1:])"
+    return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def all_targets(factory, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu-targets")
+    ckpt = factory.checkpoint("qwen3")
+    result = build_cli(ckpt, root / "engine", ["cpu", *GPU_TARGETS], root / "cache")
+    assert result.returncode == 0, result.stderr + result.stdout
+    return ckpt, root, result
+
+
+def test_every_plan_kernel_is_compiled_for_every_target(all_targets):
+    _, root, result = all_targets
+    m = read_engine_file(root / "engine" / "rank0.engine").manifest
+    assert m["targets"] == ["cpu", *GPU_TARGETS]
+    for op in m["plan"]:
+        assert set(op["kernel_keys"]) == set(GPU_TARGETS), op["op"]
+        for target, keys in op["kernel_keys"].items():
+            assert keys and all(m["kernels"][k]["target"] == target for k in keys)
+    blobs = read_engine_file(root / "engine" / "rank0.engine").kernels
+    assert all(blob[:4] == b"\x7fELF" for blob in blobs.values())
+    # Identical kernels are stored once (take_rows shares embedding's row gather).
+    assert {e["plugin"] for e in m["kernels"].values()} <= {op["op"] for op in m["plan"]}
+    assert f"kernels     {len(blobs)} cubins per rank" in result.stdout
+    shown = CliRunner().invoke(inspect_engine, [str(root / "engine")]).output
+    assert all(f"cubins for {t}" in shown for t in GPU_TARGETS)
+
+
+def test_engine_with_cpu_among_its_targets_runs_here(all_targets):
+    _, root, _ = all_targets
+    engine = load_engine(root / "engine")
+    assert engine.manifest["build"]["dtype"] == "bfloat16"
+
+
+def test_gpu_only_engine_is_refused_on_the_cpu(all_targets):
+    ckpt, root, _ = all_targets
+    # Same kernels as before: they come from the content-hashed cache.
+    result = build_cli(ckpt, root / "sm89", ["sm_89"], root / "cache")
+    assert result.returncode == 0, result.stderr
+    with pytest.raises(EngineLoadError, match="engine built for sm_89; this machine needs cpu: rebuild with --target cpu"):
+        load_engine(root / "sm89")
+
+
+def test_op_without_gpu_kernel_is_a_build_error_naming_it(tmp_path):
+    cfg = BuildConfig(max_batch_size=4, max_seq_len=32, max_num_tokens=32, kv_block_size=4, targets=("sm_90",))
+    with pytest.raises(KernelError, match=r"op 'gelu' in module 'model.layers.0.mlp' has no GPU kernel"):
+        build_from_model(gelu_model(), tmp_path / "gelu", cfg, {"architecture": "test-gelu"})
+    assert not (tmp_path / "gelu").exists()
