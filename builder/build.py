@@ -17,7 +17,7 @@ from tqdm import tqdm
 import models
 from builder.config import BuildConfig
 from builder.ir import Graph
-from builder.kernels import KernelError, compile_kernels
+from builder.kernels import compile_kernels
 from builder.passes import FUSIONS, fold_weights, plan_memory, shard
 from builder.trace import trace
 from plugins import get_plugin

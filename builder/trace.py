@@ -12,7 +12,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from builder.ir import Graph, Node, TensorInfo, dtype_name
+from builder.ir import Graph, Node, TensorInfo
 from plugins import STEP_INPUTS, get_plugin
 from plugins.registry import NAMESPACE
 from plugins.step_inputs import KV_CACHE
