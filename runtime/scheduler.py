@@ -87,7 +87,9 @@ class Scheduler:
         """The next step's chunks, and the block copies (copy-on-write) to do before it."""
         budget, batch, copies = self.max_num_tokens, [], []
         scheduled: set[int] = set()
-        for seq in sorted(self.running, key=lambda s: s.sort_key):
+        # Decode tokens first: a long prompt's remaining chunks must never stall decoding.
+        decoding_first = sorted(self.running, key=lambda s: (s.num_tokens - s.num_cached > 1, s.sort_key))
+        for seq in decoding_first:
             if seq not in self.running:
                 continue  # preempted while making room for an earlier sequence
             if len(batch) == self.max_batch_size or budget == 0:

@@ -227,3 +227,16 @@ def test_random_workload_on_a_tight_pool(policy):
         assert sched.num_preemptions == 0
     else:
         assert sched.num_preemptions > 0
+
+
+def test_newer_decodes_are_not_stalled_by_an_older_long_prefill():
+    sched = Scheduler(BlockManager(64, BLOCK), max_num_tokens=8, max_batch_size=4)
+    short = make_seq(2, arrival=1.0, max_tokens=8)
+    sched.add(short)
+    step(sched)                                   # the short prompt is prefilled and decoding
+    long_seq = make_seq(40, arrival=0.0)          # older (it arrived first), admitted later
+    sched.add(long_seq)
+    step(sched)                                   # its first chunk takes the rest of the budget
+    for _ in range(3):
+        chunks = {seq: n for seq, n, _ in step(sched)}
+        assert chunks[short] == 1 and chunks[long_seq] == 7
