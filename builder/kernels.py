@@ -63,11 +63,13 @@ def _cache_dir() -> Path:
 
 
 def kernel_key(kernel: AotKernel, target: str) -> str:
-    """Content hash of everything that decides the cubin."""
+    """Content hash of everything that decides the cubin, and of its launch rule (two ops that
+    share a kernel may launch it differently, so each keeps its own entry)."""
     import triton
     ident = json.dumps([inspect.getsource(kernel.fn.fn if hasattr(kernel.fn, "fn") else kernel.fn),
                         kernel.signature, {k: repr(v) for k, v in kernel.constexprs.items()},
-                        kernel.num_warps, kernel.num_stages, target, triton.__version__], sort_keys=True)
+                        kernel.num_warps, kernel.num_stages, target, triton.__version__, kernel.meta],
+                       sort_keys=True, default=repr)
     return hashlib.sha256(ident.encode()).hexdigest()[:20]
 
 

@@ -9,8 +9,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
 from tokenizers import Tokenizer
 
+from runtime.cuda_driver import device_arch
+from runtime.cuda_executor import CudaExecutor
 from runtime.engine import load_engine
 from runtime.executor import CpuExecutor
 from runtime.tp_executor import TensorParallelExecutor
@@ -32,9 +35,11 @@ def _available_memory() -> int:
 class EngineCore:
     def __init__(self, engine_dir: str | Path, device: str | None = None, kv_cache_fraction: float | None = None,
                  max_kv_tokens: int | None = None, policy: str = "max_utilization", worker_timeout: float = 60.0):
-        if device not in (None, "cpu"):
-            raise ValueError(f"device {device!r}: this Kiln runs engines on the CPU only so far; use device='cpu'")
-        self.engine = load_engine(engine_dir)
+        if device not in (None, "cpu", "cuda"):
+            raise ValueError(f"device {device!r}: choose 'cpu' or 'cuda'")
+        on_gpu = device == "cuda"
+        # A GPU runs the cubins built for its arch, so the engine must list that target.
+        self.engine = load_engine(engine_dir, target=device_arch() if on_gpu else "cpu")
         kv, build = self.engine.kv_cache, self.engine.build
         self.block_size = kv["block_size"]
         self.max_seq_len = build["max_seq_len"]
@@ -45,13 +50,19 @@ class EngineCore:
                 raise ValueError(f"max_kv_tokens {max_kv_tokens} is less than one KV block ({self.block_size} tokens)")
             num_blocks = max_kv_tokens // self.block_size
         elif kv_cache_fraction is not None:
-            num_blocks = blocks_for_memory(_available_memory(), kv_cache_fraction, per_block)
+            # On the GPU the weights and the arena are uploaded after this, out of the same memory.
+            free = (torch.cuda.mem_get_info()[0] - self.engine.manifest["memory_plan"]["arena_bytes"]
+                    - sum(w.nbytes for w in self.engine.weights.values())) if on_gpu else _available_memory()
+            num_blocks = blocks_for_memory(free, kv_cache_fraction, per_block)
         else:
-            # On the CPU, enough for every sequence of a full batch at full length.
+            # Enough for every sequence of a full batch at full length.
             num_blocks = build["max_batch_size"] * self.engine.bounds["B"]
         world = self.engine.world_size
-        self.executor = (CpuExecutor(self.engine, num_blocks) if world == 1
-                         else TensorParallelExecutor(engine_dir, world, num_blocks, worker_timeout))
+        if on_gpu:
+            self.executor = CudaExecutor(self.engine, num_blocks)
+        else:
+            self.executor = (CpuExecutor(self.engine, num_blocks) if world == 1
+                             else TensorParallelExecutor(engine_dir, world, num_blocks, worker_timeout))
         self.blocks = BlockManager(num_blocks, self.block_size)
         self.scheduler = Scheduler(self.blocks, build["max_num_tokens"], build["max_batch_size"], policy)
         self.vocab_size = self.engine.tensors[self.engine.manifest["outputs"][0]]["shape"][-1]

@@ -1,0 +1,72 @@
+"""Driver launch of `attention`'s AOT kernels: KV-cache write, paged attention (prefill,
+decode, or split-KV decode with its combine kernel), picked as `kernels.run` picks them.
+
+The split-KV workspaces come from the executor's scratch buffers, allocated once for the
+engine's bounds (`scratch_bytes`), so a step allocates nothing. See `plugins.linear.launch`
+for the launcher contract.
+"""
+from __future__ import annotations
+
+import torch
+
+from plugins.attention.kernels import choose_num_splits
+from plugins.linear.launch import grid, ptr
+
+FP32_BYTES = 4
+
+
+def _roles(metas: list[dict]) -> dict[str, int]:
+    """Index of each attention kernel by its meta's role (write_kv, prefill, decode, ...)."""
+    return {m["role"]: i for i, m in enumerate(metas) if "role" in m}
+
+
+def _max_split_rows(attrs: dict, limits: dict[str, int]) -> int:
+    """Most (token, split) pairs any step within the bounds can need: splits only happen in
+    pure decode steps (T == S), so this is the largest S * num_splits over S <= bounds."""
+    max_keys = limits["B"] * limits["block_size"]
+    return max(s * choose_num_splits(s, s, attrs["num_kv_heads"], max_keys)
+               for s in range(1, min(limits["S"], limits["T"]) + 1))
+
+
+def scratch_bytes(attrs: dict, limits: dict[str, int]) -> dict[str, int]:
+    """Split-KV workspaces: part [T, heads, splits, head_dim] and stats [T, heads, splits, 2]."""
+    rows = _max_split_rows(attrs, limits) * attrs["num_heads"]
+    return {"attention_part": rows * attrs["head_dim"] * FP32_BYTES, "attention_stats": rows * 2 * FP32_BYTES}
+
+
+def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
+           dims: dict[str, int], stream: int, scratch: dict[str, torch.Tensor]) -> None:
+    """inputs: q, k?, v?, kv_cache, slot_mapping, block_tables, query_lens, context_lens."""
+    q, k, v, kv_cache, slot_mapping, block_tables, query_lens, context_lens = inputs
+    if not kv_cache.is_contiguous() or any(t.stride(-1) != 1 for t in (q, out)):
+        raise ValueError("attention needs a contiguous kv_cache and q, out rows with contiguous columns")
+    roles = _roles(metas)
+    layer = attrs["layer"]
+    k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
+    tokens, seqs = q.shape[0], query_lens.shape[0]
+    names = {"T": tokens, "S": seqs}
+    # Stream order puts every cache write before the attention kernel reads it.
+    if k is not None and v is not None:
+        i = roles["write_kv"]
+        kernels[i].launch(grid(metas[i]["grid"], names),
+                          [k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                           slot_mapping.data_ptr(), k.stride(0), v.stride(0)], stream)
+    splits = choose_num_splits(tokens, seqs, attrs["num_kv_heads"], block_tables.shape[1] * kv_cache.shape[3])
+    part = stats = None
+    if tokens > seqs:
+        i = roles["prefill"]
+    elif splits == 1:
+        i = roles["decode"]
+    else:
+        i = roles["decode_split"]
+        count = tokens * attrs["num_heads"] * splits
+        part = scratch["attention_part"][:count * attrs["head_dim"] * FP32_BYTES]
+        stats = scratch["attention_stats"][:count * 2 * FP32_BYTES]
+    kernels[i].launch(grid(metas[i]["grid"], {**names, "num_splits": splits}),
+                      [q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), ptr(part), ptr(stats),
+                       block_tables.data_ptr(), query_lens.data_ptr(), context_lens.data_ptr(), seqs, q.stride(0),
+                       out.stride(0), block_tables.stride(0), attrs["scale"], attrs["window"]], stream)
+    if part is not None:
+        i = roles["combine_splits"]
+        kernels[i].launch(grid(metas[i]["grid"], names),
+                          [part.data_ptr(), stats.data_ptr(), out.data_ptr(), out.stride(0), splits], stream)

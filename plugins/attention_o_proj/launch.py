@@ -1,0 +1,31 @@
+"""Driver launch of `attention_o_proj`'s AOT kernels: `attention`'s kernels into a scratch
+buffer [T, heads*head_dim], then `linear_residual`'s GEMM (o_proj + residual) from it.
+
+Its kernels are attention's (their metas carry a `role`) followed by the GEMM buckets (their
+metas carry a `bucket`). See `plugins.linear.launch` for the launcher contract.
+"""
+from __future__ import annotations
+
+import torch
+
+from plugins.attention import launch as attention
+from plugins.linear.launch import launch_gemm
+
+
+def scratch_bytes(attrs: dict, limits: dict[str, int]) -> dict[str, int]:
+    """attention's split-KV workspaces plus the attention output between the two stages."""
+    width = attrs["num_heads"] * attrs["head_dim"]
+    return {**attention.scratch_bytes(attrs, limits),
+            "attention_o_proj_attn": limits["T"] * width * limits["element_bytes"]}
+
+
+def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
+           dims: dict[str, int], stream: int, scratch: dict[str, torch.Tensor]) -> None:
+    """inputs: the 8 of `attention`, then w_o [hidden, heads*head_dim], b_o? [hidden], residual."""
+    q, w_o, b_o, residual = inputs[0], *inputs[8:]
+    attn = scratch["attention_o_proj_attn"][:q.numel() * q.element_size()].view(q.dtype).view(q.shape)
+    attention_idx = [i for i, m in enumerate(metas) if "role" in m]
+    gemm_idx = [i for i, m in enumerate(metas) if "bucket" in m]
+    attention.launch([kernels[i] for i in attention_idx], [metas[i] for i in attention_idx], inputs[:8], attrs,
+                     attn, dims, stream, scratch)
+    launch_gemm([kernels[i] for i in gemm_idx], [metas[i] for i in gemm_idx], attn, w_o, b_o, residual, out, stream)

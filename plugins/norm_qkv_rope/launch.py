@@ -1,0 +1,30 @@
+"""Driver launch of `norm_qkv_rope`'s AOT kernels, one per GEMM shape bucket: q to the output,
+k and v straight into the KV cache. See `plugins.linear.launch` for the launcher contract."""
+from __future__ import annotations
+
+import torch
+
+from plugins.linear.launch import check_aligned, grid, pick_bucket
+
+
+def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
+           dims: dict[str, int], stream: int, scratch: dict[str, torch.Tensor]) -> None:
+    """inputs in the spec's order: x, norm_weight?, w_qkv, b_qkv?, q_norm?, k_norm?, positions,
+    rope_cache (fp32), kv_cache (written in place), slot_mapping. The kernels take the optional
+    pointers only when they were built with them (absent ones are constexpr None)."""
+    x, norm_weight, w_qkv, b_qkv, q_norm, k_norm, positions, rope_cache, kv_cache, slot_mapping = inputs
+    if (q_norm is None) != (k_norm is None):
+        # The kernel was built for both or neither; one alone has no kernel to match it.
+        raise ValueError("norm_qkv_rope needs both q_norm and k_norm, or neither")
+    if not kv_cache.is_contiguous():
+        raise ValueError("norm_qkv_rope's kernel writes a contiguous KV cache")
+    rows = x.shape[0]
+    i = pick_bucket(metas, rows)
+    check_aligned(metas[i], x, w_qkv)
+    args = [x.data_ptr()]
+    args += [norm_weight.data_ptr()] if norm_weight is not None else []
+    args += [w_qkv.data_ptr()]
+    args += [t.data_ptr() for t in (b_qkv, q_norm, k_norm) if t is not None]
+    args += [positions.data_ptr(), rope_cache.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(),
+             out.data_ptr(), rows, kv_cache.shape[2] * kv_cache.shape[3], attrs["layer"], attrs["eps"]]
+    kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)

@@ -1,0 +1,19 @@
+"""Driver launch of `norm_swiglu`'s AOT kernels, one per GEMM shape bucket. See
+`plugins.linear.launch` for the launcher contract."""
+from __future__ import annotations
+
+import torch
+
+from plugins.linear.launch import check_aligned, grid, pick_bucket
+
+
+def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
+           dims: dict[str, int], stream: int, scratch: dict[str, torch.Tensor]) -> None:
+    """inputs: x [T, K], norm_weight [K] or None (folded: not a kernel parameter), w_gu [2I, K]."""
+    x, norm_weight, w_gu = inputs
+    rows = x.shape[0]
+    i = pick_bucket(metas, rows)
+    check_aligned(metas[i], x, w_gu, out)
+    args = [x.data_ptr()] + ([norm_weight.data_ptr()] if norm_weight is not None else [])
+    kernels[i].launch(grid(metas[i]["grid"], {"T": rows}),
+                      args + [w_gu.data_ptr(), out.data_ptr(), rows, attrs["eps"]], stream)

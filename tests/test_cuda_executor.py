@@ -1,0 +1,152 @@
+"""The CUDA executor runs an engine's cubins and matches the CPU executor on the same engine
+(GPU only: `pytest -m gpu`).
+
+Each engine is built here for ["cpu", this GPU's arch]; both executors then run the same
+steps: a prefill step with every logit of one prompt (the GEMMs' prefill bucket), a mixed step
+(a new prompt's prefill beside two decodes: small bucket, prefill attention over cached keys)
+and pure decode steps (decode bucket; split-KV attention when the engine's max_seq_len gives
+more than 256 keys per sequence). The tokens fed back come from the CPU's logits, so both
+executors see identical inputs even where bf16 rounding would make greedy choices differ.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from runtime.engine import load_engine
+from runtime.executor import CpuExecutor
+from runtime.step import SequenceChunk, pack_step
+
+pytestmark = pytest.mark.gpu
+
+NUM_BLOCKS = 96
+DECODE_STEPS = 6
+# (family, dtype, max_seq_len, tolerance of max |gpu - cpu| / max |cpu|): 512 keys per
+# sequence take the split-KV decode path, 256 the plain one.
+CASES = [("qwen3", "float32", 512, 1e-4), ("llama3", "bfloat16", 256, 2e-2), ("qwen3", "bfloat16", 512, 2e-2)]
+
+
+def build(checkpoint, output, dtype: str, max_seq_len: int, targets: list[str], cache) -> None:
+    """build-engine in a fresh process (AOT compilation needs Triton out of interpreter mode)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["KILN_CACHE"] = str(cache)
+    args = ["--checkpoint", str(checkpoint), "--output", str(output), "--dtype", dtype,
+            "--max-seq-len", str(max_seq_len), "--max-num-tokens", "160", "--max-batch-size", "64",
+            "--kv-block-size", "16", "--quiet"]
+    for t in targets:
+        args += ["--target", t]
+    code = "import sys; from builder.cli import build_engine; build_engine(sys.argv[1:])"
+    result = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
+                            timeout=600, check=False)
+    assert result.returncode == 0, result.stderr + result.stdout
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def steps(engine) -> tuple[list[list[int]], list[list[int]], int, int]:
+    """The scenario's prompts and block tables, the engine's block size and blocks per sequence."""
+    bs, nb = engine.kv_cache["block_size"], engine.bounds["B"]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (100, 30, 20)]
+    # Interleaved, out-of-order blocks so that paging is exercised.
+    tables = [list(range(s, NUM_BLOCKS, 3))[::-1][:nb] for s in range(3)]
+    return prompts, tables, bs, nb
+
+
+def run_both(cpu: CpuExecutor, gpu, engine) -> list[tuple[str, float, torch.Tensor, torch.Tensor]]:
+    """Run the scenario on both executors: (step name, relative error, gpu logits, cpu logits)."""
+    prompts, tables, bs, nb = steps(engine)
+    results = []
+
+    def both(name, chunks):
+        step = pack_step(chunks, bs, nb)
+        want, got = cpu.run(step), gpu.run(step)
+        results.append((name, rel_err(got, want), got, want))
+        return want
+
+    logits = both("prefill", [SequenceChunk(prompts[0], 0, tables[0]),
+                              SequenceChunk(prompts[1], 0, tables[1], all_logits=True)])
+    tokens = [prompts[0] + [int(logits[0].argmax())], prompts[1] + [int(logits[-1].argmax())], list(prompts[2])]
+    logits = both("mixed", [SequenceChunk(tokens[0][-1:], len(tokens[0]) - 1, tables[0]),
+                            SequenceChunk(tokens[1][-1:], len(tokens[1]) - 1, tables[1]),
+                            SequenceChunk(prompts[2], 0, tables[2], all_logits=True)])
+    for _ in range(DECODE_STEPS):
+        tokens[0].append(int(logits[0].argmax()))
+        tokens[1].append(int(logits[1].argmax()))
+        tokens[2].append(int(logits[-1].argmax()))
+        logits = both("decode", [SequenceChunk(t[-1:], len(t) - 1, table) for t, table in zip(tokens, tables)])
+    return results
+
+
+@pytest.fixture(scope="module")
+def engine_dir(factory, tmp_path_factory):
+    """engine_dir(family, dtype, max_seq_len): an engine for ["cpu", this GPU], built once."""
+    from runtime.cuda_driver import device_arch
+
+    root, built = tmp_path_factory.mktemp("cuda-executor"), {}
+
+    def get(family: str, dtype: str, max_seq_len: int):
+        key = (family, dtype, max_seq_len)
+        if key not in built:
+            built[key] = root / f"{family}-{dtype}-{max_seq_len}"
+            build(factory.checkpoint(family), built[key], dtype, max_seq_len, ["cpu", device_arch()], root / "cache")
+        return built[key]
+    return get
+
+
+@pytest.mark.parametrize("family,dtype,max_seq_len,tol", CASES)
+def test_cuda_executor_matches_cpu_executor(engine_dir, record_property, family, dtype, max_seq_len, tol):
+    from runtime.cuda_executor import CudaExecutor
+
+    engine = load_engine(engine_dir(family, dtype, max_seq_len))
+    cpu, gpu = CpuExecutor(engine, NUM_BLOCKS), CudaExecutor(engine, NUM_BLOCKS)
+    try:
+        results = run_both(cpu, gpu, engine)
+        report = ", ".join(f"{name} {err:.2e}" for name, err, _, _ in results)
+        record_property("relative_errors", report)  # in the JUnit XML of a GPU run
+        for name, err, got, want in results:
+            assert got.shape == want.shape and got.dtype == torch.float32 and got.device.type == "cpu", name
+            assert torch.isfinite(got).all(), name
+            assert err < tol, f"{family} {dtype}: {report}"
+        # The KV cache written by the kernels holds what the reference wrote.
+        assert rel_err(gpu.kv_cache.float().cpu(), cpu.kv_cache.float()) < tol
+        # Copy-on-write copies blocks on the device as on the CPU.
+        src = steps(engine)[1][0][0]
+        gpu.copy_blocks([(src, NUM_BLOCKS - 1)])
+        assert torch.equal(gpu.kv_cache[:, :, NUM_BLOCKS - 1], gpu.kv_cache[:, :, src])
+    finally:
+        cpu.close()
+        gpu.close()
+
+
+def test_cuda_executor_refuses_step_beyond_bounds(engine_dir):
+    from runtime.cuda_executor import CudaExecutor
+
+    engine = load_engine(engine_dir("llama3", "bfloat16", 256))
+    gpu = CudaExecutor(engine, NUM_BLOCKS)
+    bs, nb = engine.kv_cache["block_size"], engine.bounds["B"]
+    too_many = engine.bounds["T"] + 1
+    with pytest.raises(ValueError, match=f"step has {too_many} tokens"):
+        gpu.run(pack_step([SequenceChunk([5] * too_many, 0, list(range(nb)))], bs, nb))
+    gpu.close()
+
+
+def test_session_on_cuda_generates_what_the_cpu_generates(engine_dir):
+    """EngineCore picks the CUDA executor for device="cuda"; greedy fp32 tokens match the CPU's."""
+    from runtime import SamplingParams, Session
+
+    path = engine_dir("qwen3", "float32", 512)
+    prompts = [[5, 17, 42, 99, 7, 3], [11, 12, 13]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        with Session(path, device=device) as session:
+            outputs[device] = [o.outputs[0].token_ids for o in session.generate(prompt_token_ids=prompts,
+                                                                               sampling_params=params)]
+    assert outputs["cuda"] == outputs["cpu"]
