@@ -26,8 +26,10 @@ pytestmark = pytest.mark.gpu
 NUM_BLOCKS = 96
 DECODE_STEPS = 6
 # (family, dtype, max_seq_len, tolerance of max |gpu - cpu| / max |cpu|): 512 keys per
-# sequence take the split-KV decode path, 256 the plain one.
-CASES = [("qwen3", "float32", 512, 1e-4), ("llama3", "bfloat16", 256, 2e-2), ("qwen3", "bfloat16", 512, 2e-2)]
+# sequence take the split-KV decode path, 256 the plain one. In bf16 both sides round every
+# op's output (the GPU after fp32 accumulation, the CPU reference op by op), so they differ by
+# the sum of two bf16 errors: up to about 2.2e-2 measured on an H200 (2026-11-29).
+CASES = [("qwen3", "float32", 512, 1e-4), ("llama3", "bfloat16", 256, 3e-2), ("qwen3", "bfloat16", 512, 3e-2)]
 
 
 def build(checkpoint, output, dtype: str, max_seq_len: int, targets: list[str], cache) -> None:
