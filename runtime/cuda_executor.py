@@ -13,17 +13,15 @@ memory. CUDA graphs come later.
 from __future__ import annotations
 
 import importlib
-import math
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
-from plugins import STEP_INPUTS
 from runtime.cuda_driver import CudaKernel, device_arch, load_kernel
 from runtime.engine import Engine, EngineLoadError
 from runtime.engine_file import read_engine_file
-from runtime.executor import DTYPES
+from runtime.executor import DTYPES, ArenaExecutor
 from runtime.step import StepInputs
 
 
@@ -49,7 +47,7 @@ def _launcher(op_name: str) -> ModuleType:
                               "this engine cannot run on the GPU yet; use device='cpu'") from None
 
 
-class CudaExecutor:
+class CudaExecutor(ArenaExecutor):
     """Same interface as `CpuExecutor`: `run(step, copies)` returns the logits [L, vocab] as
     float32 on the CPU; `kv_cache` is the device pool [layers, 2, blocks, block_size, kv_heads,
     head_dim]."""
@@ -61,21 +59,14 @@ class CudaExecutor:
                                   "runs single-rank engines only so far: build with --tp-size 1")
         if not torch.cuda.is_available():
             raise EngineLoadError("no CUDA device is visible to torch: use device='cpu'")
-        self.engine = engine
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.arch = device_arch()
         if self.arch not in engine.manifest["targets"]:
             raise EngineLoadError(f"engine built for {', '.join(engine.manifest['targets'])}; this GPU needs "
                                   f"{self.arch}: rebuild with --target {self.arch}")
-        kv = engine.kv_cache
         # Torch's allocations come first: they make its primary context current, which is
         # the context load_kernel loads the cubins into.
-        self.kv_cache = torch.zeros(kv["num_layers"], 2, num_kv_blocks, kv["block_size"], kv["num_kv_heads"],
-                                    kv["head_dim"], dtype=DTYPES[kv["dtype"]], device=self.device)
-        self.arena = torch.zeros(engine.manifest["memory_plan"]["arena_bytes"], dtype=torch.uint8,
-                                 device=self.device)
-        self.layout = engine.manifest["memory_plan"]["tensors"]
-        self.output = engine.manifest["outputs"][0]
+        super().__init__(engine, num_kv_blocks, self.device)
         self.weights = {name: w.to(self.device) for name, w in engine.weights.items()}
         self.ops = self._load_ops()
         self.scratch = self._allocate_scratch()
@@ -114,35 +105,10 @@ class CudaExecutor:
                     sizes[name] = max(sizes.get(name, 0), nbytes)
         return {name: torch.empty(nbytes, dtype=torch.uint8, device=self.device) for name, nbytes in sizes.items()}
 
-    def _view(self, name: str, dims: dict[str, int]) -> torch.Tensor:
-        info = self.engine.tensors[name]
-        shape = [dims[d] if isinstance(d, str) else d for d in info["shape"]]
-        dtype = DTYPES[info["dtype"]]
-        offset = self.layout[name]["offset"]
-        size = math.prod(shape) * dtype.itemsize
-        return self.arena[offset:offset + size].view(dtype).view(shape)
-
-    def _dims(self, step: StepInputs) -> dict[str, int]:
-        bounds = self.engine.bounds
-        dims = {"T": step.num_tokens, "S": step.query_lens.shape[0], "L": step.logits_indices.shape[0],
-                "B": bounds["B"]}
-        for d, what in (("T", "tokens"), ("S", "sequences"), ("L", "logit rows")):
-            if dims[d] > bounds[d]:
-                raise ValueError(f"step has {dims[d]} {what}; the engine was built for at most {bounds[d]}")
-        if step.block_tables.shape[1] != bounds["B"]:
-            raise ValueError(f"block tables must have {bounds['B']} columns, got {step.block_tables.shape[1]}")
-        return dims
-
     def run(self, step: StepInputs, copies: list[tuple[int, int]] = ()) -> torch.Tensor:
         """Run one step, after the copy-on-write block copies the scheduler asked for; returns
         the logits of the requested rows, [L, vocab] in float32 on the CPU."""
-        self.copy_blocks(copies)
-        dims = self._dims(step)
-        values: dict[str, torch.Tensor] = {"kv_cache": self.kv_cache}
-        for spec in STEP_INPUTS:
-            view = self._view(spec.name, dims)
-            view.copy_(getattr(step, spec.name))
-            values[spec.name] = view
+        dims, values = self._begin(step, copies)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         for op in self.ops:
             args = [None if t is None else values[t] if t in values else self.weights[t] for t in op.inputs]
@@ -152,12 +118,8 @@ class CudaExecutor:
         # The copy to the host waits for the step's kernels on this stream.
         return values[self.output].cpu().float()
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: give a sequence its own copy of a shared, partly filled block."""
-        for src, dst in copies:
-            self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
-
     def close(self) -> None:
         """Release the device arena, KV pool, weights and scratch (the cubins stay loaded in
         the context until the process ends)."""
-        self.arena = self.kv_cache = self.weights = self.scratch = None
+        super().close()
+        self.weights = self.scratch = None

@@ -1,8 +1,9 @@
-"""The CPU executor: runs an engine's plan for one step with the plugins' PyTorch references.
+"""Executors run an engine's plan for one step. This file holds what every backend shares
+(`ArenaExecutor`) and the CPU executor, which runs the plugins' PyTorch references.
 
 All step inputs and activations live in one arena allocated when the executor is built, at
 the offsets of the engine's memory plan; the KV cache is one pool of blocks, also allocated
-once. Bfloat16 and float32 engines both run here.
+once. Bfloat16 and float32 engines both run on the CPU.
 """
 from __future__ import annotations
 
@@ -18,13 +19,15 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "int32": torch.int32, "int64": torch.int64}
 
 
-class CpuExecutor:
-    def __init__(self, engine: Engine, num_kv_blocks: int):
+class ArenaExecutor:
+    """The arena, the KV pool and the step inputs in them, on `device`; subclasses run the ops."""
+
+    def __init__(self, engine: Engine, num_kv_blocks: int, device: torch.device | str = "cpu"):
         self.engine = engine
         kv = engine.kv_cache
         self.kv_cache = torch.zeros(kv["num_layers"], 2, num_kv_blocks, kv["block_size"], kv["num_kv_heads"],
-                                    kv["head_dim"], dtype=DTYPES[kv["dtype"]])
-        self.arena = torch.zeros(engine.manifest["memory_plan"]["arena_bytes"], dtype=torch.uint8)
+                                    kv["head_dim"], dtype=DTYPES[kv["dtype"]], device=device)
+        self.arena = torch.zeros(engine.manifest["memory_plan"]["arena_bytes"], dtype=torch.uint8, device=device)
         self.layout = engine.manifest["memory_plan"]["tensors"]
         self.output = engine.manifest["outputs"][0]
 
@@ -47,9 +50,9 @@ class CpuExecutor:
             raise ValueError(f"block tables must have {bounds['B']} columns, got {step.block_tables.shape[1]}")
         return dims
 
-    def run(self, step: StepInputs, copies: list[tuple[int, int]] = ()) -> torch.Tensor:
-        """Run one step, after the copy-on-write block copies the scheduler asked for; returns
-        the logits of the requested rows, [L, vocab] in float32."""
+    def _begin(self, step: StepInputs, copies: list[tuple[int, int]]) -> tuple[dict[str, int], dict]:
+        """Do the copy-on-write copies and put the step inputs in the arena; returns the step's
+        dims and the tensors bound so far (the KV cache and the inputs)."""
         self.copy_blocks(copies)
         dims = self._dims(step)
         values: dict[str, torch.Tensor] = {"kv_cache": self.kv_cache}
@@ -57,13 +60,7 @@ class CpuExecutor:
             view = self._view(spec.name, dims)
             view.copy_(getattr(step, spec.name))
             values[spec.name] = view
-        weights = self.engine.weights
-        for op in self.engine.plan:
-            args = [None if t is None else values[t] if t in values else weights[t] for t in op.inputs.values()]
-            out = self._view(op.output, dims)
-            out.copy_(op.spec.call_reference(args, op.attrs))
-            values[op.output] = out
-        return values[self.output].float().clone()
+        return dims, values
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: give a sequence its own copy of a shared, partly filled block."""
@@ -73,3 +70,17 @@ class CpuExecutor:
     def close(self) -> None:
         """Release the arena and the KV pool."""
         self.arena = self.kv_cache = None
+
+
+class CpuExecutor(ArenaExecutor):
+    def run(self, step: StepInputs, copies: list[tuple[int, int]] = ()) -> torch.Tensor:
+        """Run one step, after the copy-on-write block copies the scheduler asked for; returns
+        the logits of the requested rows, [L, vocab] in float32."""
+        dims, values = self._begin(step, copies)
+        weights = self.engine.weights
+        for op in self.engine.plan:
+            args = [None if t is None else values[t] if t in values else weights[t] for t in op.inputs.values()]
+            out = self._view(op.output, dims)
+            out.copy_(op.spec.call_reference(args, op.attrs))
+            values[op.output] = out
+        return values[self.output].float().clone()
