@@ -66,13 +66,16 @@ class _StreamEcho:
 @click.option("--logprobs", type=int, metavar="N", help="Print each token's logprob and the N likeliest ones.")
 @click.option("--max-kv-tokens", type=click.IntRange(min=1),
               help="KV cache size in tokens [default: a full batch at max_seq_len].")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where to run: auto takes the GPU when the engine was built for its arch (--target), "
+                   "else the CPU.")
 @click.option("--policy", type=click.Choice(POLICIES), default=POLICIES[0], show_default=True,
               help="max_utilization admits eagerly and may preempt; guaranteed_no_evict never preempts.")
 @click.option("--stream", is_flag=True, help="Print text as it arrives, one prompt after another (n must be 1).")
 @click.option("--stats", is_flag=True, help="Then print token counts, tokens/s, time to first token, KV use.")
 @click.pass_context
 def run_engine(ctx: click.Context, engine_dir: Path, prompts: tuple[str, ...], prompt_file: TextIO | None,
-               max_kv_tokens: int | None, policy: str, stream: bool, stats: bool, **sampling: Any) -> None:
+               max_kv_tokens: int | None, device: str, policy: str, stream: bool, stats: bool, **sampling: Any) -> None:
     """Generate text from a Kiln engine.
 
     All prompts are submitted together and batched in flight. Sampling is greedy unless
@@ -90,7 +93,7 @@ def run_engine(ctx: click.Context, engine_dir: Path, prompts: tuple[str, ...], p
     if stream and params.n != 1:
         raise click.UsageError("--stream prints one completion per prompt: drop --n or --stream")
     try:
-        session = Session(engine_dir, max_kv_tokens=max_kv_tokens, policy=policy)
+        session = Session(engine_dir, device=device, max_kv_tokens=max_kv_tokens, policy=policy)
     except (EngineFileError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     with session:

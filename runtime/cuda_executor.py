@@ -3,12 +3,15 @@
 Nothing is compiled here. The cubins that `build-engine` stored for this GPU's arch are loaded
 with the driver API (`runtime.cuda_driver`), and each plan op is launched by its plugin's
 `launch.py`, which mirrors what the plugin's `kernels.run` does through Triton's JIT. Memory is
-set up once, as in the CPU executor: the weights are uploaded when the executor is built, one
-arena on the device holds the step inputs and activations at the memory plan's offsets, the
-KV cache is one pool, and the ops' scratch buffers (split-KV workspaces, attention_o_proj's
-intermediate) are allocated for the engine's bounds. A step copies its inputs in, launches
-every kernel on torch's current stream and copies the logits out; it allocates no device
-memory. CUDA graphs come later.
+set up once: the weights are uploaded when the executor is built, one arena on the device holds
+the step inputs and activations at the memory plan's offsets, the KV cache is one pool, and the
+ops' scratch buffers (split-KV workspaces, attention_o_proj's intermediate) are allocated for
+the engine's bounds. A step packs its inputs into one pinned host buffer laid out like the
+arena's input region and copies it over in one transfer; it allocates no device memory.
+
+Pure decode steps replay CUDA graphs captured when the executor is built, one per batch size
+of `runtime.decode_graphs`, so a decode step costs one graph launch instead of a Python call
+per kernel. Other steps (prefill chunks, mixed steps) launch the kernels one by one.
 """
 from __future__ import annotations
 
@@ -18,7 +21,9 @@ from types import ModuleType
 
 import torch
 
+from plugins import STEP_INPUTS
 from runtime.cuda_driver import CudaKernel, device_arch, load_kernel
+from runtime.decode_graphs import graph_batch_sizes, is_pure_decode, pad_decode, padding_step
 from runtime.engine import Engine, EngineLoadError
 from runtime.engine_file import read_engine_file
 from runtime.executor import DTYPES, ArenaExecutor
@@ -52,7 +57,7 @@ class CudaExecutor(ArenaExecutor):
     float32 on the CPU; `kv_cache` is the device pool [layers, 2, blocks, block_size, kv_heads,
     head_dim]."""
 
-    def __init__(self, engine: Engine, num_kv_blocks: int):
+    def __init__(self, engine: Engine, num_kv_blocks: int, cuda_graphs: bool = True):
         if engine.world_size > 1:
             # Row-parallel ops need their partial outputs summed over ranks (NCCL); not yet.
             raise EngineLoadError(f"this engine has {engine.world_size} tensor-parallel ranks; the CUDA executor "
@@ -65,11 +70,19 @@ class CudaExecutor(ArenaExecutor):
             raise EngineLoadError(f"engine built for {', '.join(engine.manifest['targets'])}; this GPU needs "
                                   f"{self.arch}: rebuild with --target {self.arch}")
         # Torch's allocations come first: they make its primary context current, which is
-        # the context load_kernel loads the cubins into.
-        super().__init__(engine, num_kv_blocks, self.device)
+        # the context load_kernel loads the cubins into. One block more than asked for: the
+        # padding sequences of graph batches write their KV there.
+        super().__init__(engine, num_kv_blocks + 1, self.device)
+        self.pad_block = num_kv_blocks
         self.weights = {name: w.to(self.device) for name, w in engine.weights.items()}
         self.ops = self._load_ops()
         self.scratch = self._allocate_scratch()
+        spans = [(self.layout[s.name]["offset"], self.layout[s.name]["offset"] + self.layout[s.name]["nbytes"])
+                 for s in STEP_INPUTS]
+        self.input_region = (min(a for a, _ in spans), max(b for _, b in spans))
+        self.staging = torch.empty(self.input_region[1] - self.input_region[0], dtype=torch.uint8, pin_memory=True)
+        self.staged = torch.cuda.Event()
+        self.graphs = self._capture_decode_graphs() if cuda_graphs else {}
 
     def _load_ops(self) -> list[_CudaOp]:
         m = self.engine.manifest
@@ -105,21 +118,58 @@ class CudaExecutor(ArenaExecutor):
                     sizes[name] = max(sizes.get(name, 0), nbytes)
         return {name: torch.empty(nbytes, dtype=torch.uint8, device=self.device) for name, nbytes in sizes.items()}
 
-    def run(self, step: StepInputs, copies: list[tuple[int, int]] = ()) -> torch.Tensor:
-        """Run one step, after the copy-on-write block copies the scheduler asked for; returns
-        the logits of the requested rows, [L, vocab] in float32 on the CPU."""
-        dims, values = self._begin(step, copies)
+    def _stage_inputs(self, step: StepInputs, dims: dict[str, int]) -> None:
+        """Pack the inputs into the pinned buffer, then one asynchronous copy to the arena."""
+        self.staged.synchronize()  # the previous step's copy has left the buffer
+        lo, hi = self.input_region
+        for spec in STEP_INPUTS:
+            value = getattr(step, spec.name)
+            start = self.layout[spec.name]["offset"] - lo
+            nbytes = value.numel() * DTYPES[spec.dtype].itemsize
+            self.staging[start:start + nbytes].view(DTYPES[spec.dtype]).view(value.shape).copy_(value)
+        self.arena[lo:hi].copy_(self.staging, non_blocking=True)
+        self.staged.record()
+
+    def _launch(self, dims: dict[str, int], values: dict[str, torch.Tensor]) -> None:
+        """Launch every op of the plan on torch's current stream (captured when it is capturing)."""
         stream = torch.cuda.current_stream(self.device).cuda_stream
         for op in self.ops:
             args = [None if t is None else values[t] if t in values else self.weights[t] for t in op.inputs]
             out = self._view(op.output, dims)
             op.launcher.launch(op.kernels, op.metas, args, op.attrs, out, dims, stream, self.scratch)
             values[op.output] = out
-        # The copy to the host waits for the step's kernels on this stream.
-        return values[self.output].cpu().float()
+
+    def _capture_decode_graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
+        bounds, block_size = self.engine.bounds, self.engine.kv_cache["block_size"]
+        graphs = {}
+        for batch in graph_batch_sizes(min(bounds["T"], bounds["S"], bounds["L"])):
+            dims, values = self._begin(padding_step(batch, self.pad_block, block_size, bounds["B"]), ())
+            self._launch(dims, values)  # an eager run first, as CUDA graph capture advises
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._launch(dims, values)
+            graphs[batch] = graph
+        torch.cuda.synchronize(self.device)
+        return graphs
+
+    def run(self, step: StepInputs, copies: list[tuple[int, int]] = ()) -> torch.Tensor:
+        """Run one step, after the copy-on-write block copies the scheduler asked for; returns
+        the logits of the requested rows, [L, vocab] in float32 on the GPU (a copy, so the
+        next step cannot overwrite it)."""
+        rows = step.logits_indices.shape[0]
+        batch = next((b for b in self.graphs if b >= step.num_tokens), None) if is_pure_decode(step) else None
+        if batch is not None:
+            step = pad_decode(step, batch, self.pad_block, self.engine.kv_cache["block_size"])
+        dims, values = self._begin(step, copies)
+        if batch is not None:
+            self.graphs[batch].replay()
+        else:
+            self._launch(dims, values)
+        return self._view(self.output, dims)[:rows].to(torch.float32, copy=True)
 
     def close(self) -> None:
-        """Release the device arena, KV pool, weights and scratch (the cubins stay loaded in
-        the context until the process ends)."""
+        """Release the device arena, KV pool, weights, scratch and graphs (the cubins stay
+        loaded in the context until the process ends)."""
         super().close()
-        self.weights = self.scratch = None
+        self.weights = self.scratch = self.staging = None
+        self.graphs = {}

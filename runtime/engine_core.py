@@ -14,7 +14,8 @@ from tokenizers import Tokenizer
 
 from runtime.cuda_driver import device_arch
 from runtime.cuda_executor import CudaExecutor
-from runtime.engine import load_engine
+from runtime.engine import EngineLoadError, engine_world_size, load_engine
+from runtime.engine_file import read_engine_file
 from runtime.executor import CpuExecutor
 from runtime.tp_executor import TensorParallelExecutor
 from runtime.kv_cache import BlockManager, blocks_for_memory, bytes_per_block
@@ -32,12 +33,27 @@ def _available_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def resolve_device(engine_dir: str | Path, device: str | None) -> str:
+    """"cpu" or "cuda"; "auto" (or None) picks the GPU when there is one and the engine holds
+    cubins for its arch, and the CPU otherwise."""
+    if device not in (None, "auto", "cpu", "cuda"):
+        raise ValueError(f"device {device!r}: choose 'auto', 'cpu' or 'cuda'")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise EngineLoadError("device 'cuda' was asked for but torch sees no CUDA GPU here: "
+                              "use device 'cpu' (an engine built with --target cpu) or 'auto'")
+    if device in ("cpu", "cuda"):
+        return device
+    if not torch.cuda.is_available():
+        return "cpu"
+    engine_world_size(engine_dir)  # a missing or empty folder gets its clear error here
+    targets = read_engine_file(Path(engine_dir) / "rank0.engine", verify=False).manifest["targets"]
+    return "cuda" if device_arch() in targets else "cpu"
+
+
 class EngineCore:
     def __init__(self, engine_dir: str | Path, device: str | None = None, kv_cache_fraction: float | None = None,
                  max_kv_tokens: int | None = None, policy: str = "max_utilization", worker_timeout: float = 60.0):
-        if device not in (None, "cpu", "cuda"):
-            raise ValueError(f"device {device!r}: choose 'cpu' or 'cuda'")
-        on_gpu = device == "cuda"
+        on_gpu = resolve_device(engine_dir, device) == "cuda"
         # A GPU runs the cubins built for its arch, so the engine must list that target.
         self.engine = load_engine(engine_dir, target=device_arch() if on_gpu else "cpu")
         kv, build = self.engine.kv_cache, self.engine.build

@@ -55,12 +55,15 @@ class ArenaExecutor:
         dims and the tensors bound so far (the KV cache and the inputs)."""
         self.copy_blocks(copies)
         dims = self._dims(step)
+        self._stage_inputs(step, dims)
         values: dict[str, torch.Tensor] = {"kv_cache": self.kv_cache}
-        for spec in STEP_INPUTS:
-            view = self._view(spec.name, dims)
-            view.copy_(getattr(step, spec.name))
-            values[spec.name] = view
+        values.update((spec.name, self._view(spec.name, dims)) for spec in STEP_INPUTS)
         return dims, values
+
+    def _stage_inputs(self, step: StepInputs, dims: dict[str, int]) -> None:
+        """Copy the step inputs into their arena slots."""
+        for spec in STEP_INPUTS:
+            self._view(spec.name, dims).copy_(getattr(step, spec.name))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: give a sequence its own copy of a shared, partly filled block."""

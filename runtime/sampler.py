@@ -119,10 +119,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         if len(seq) != batch:
             raise ValueError(f"{name} has {len(seq)} entries for {batch} logits rows")
 
-    tokens: list[int] = []
-    logprobs: list[dict | None] = []
-    for i, p in enumerate(params):
-        row = apply_penalties(logits[i], p, prompt_tokens[i], output_tokens[i])
+    # Plain greedy rows take one batched argmax where the logits are (the GPU's, usually), and
+    # only their token ids cross to the host; every other row is sampled on the CPU, one by one.
+    plain = [i for i, p in enumerate(params) if _plain_greedy(p, num_generated[i])]
+    tokens: list[int] = [0] * batch
+    logprobs: list[dict | None] = [None] * batch
+    if plain:
+        picked = (logits if len(plain) == batch else logits[plain]).argmax(dim=-1).tolist()
+        for i, token in zip(plain, picked):
+            tokens[i] = token
+    others = sorted(set(range(batch)) - set(plain))
+    for row_logits, i in zip(logits[others].cpu() if others else (), others):
+        p = params[i]
+        row = apply_penalties(row_logits, p, prompt_tokens[i], output_tokens[i])
         if num_generated[i] < p.min_tokens:
             banned = [t for t in (*eos_ids, *p.stop_token_ids) if 0 <= t < vocab]
             if banned:
@@ -136,9 +145,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         else:
             probs = sampling_distribution(row, p)
             token = int(torch.multinomial(probs, 1, generator=generators[i]))
-        tokens.append(token)
-        logprobs.append(None if p.logprobs is None else _token_logprobs(row, p, token))
+        tokens[i] = token
+        logprobs[i] = None if p.logprobs is None else _token_logprobs(row, p, token)
     return SampleResult(tokens, logprobs)
+
+
+def _plain_greedy(p: SamplingParams, num_generated: int) -> bool:
+    """A greedy row that no penalty, mask or logprobs request touches: its token is the argmax."""
+    return (p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+            and num_generated >= p.min_tokens and not p.bad_words and p.logprobs is None)
 
 
 def _banned_by_bad_words(bad_words: tuple[tuple[int, ...], ...], output: list[int], vocab: int) -> list[int]:

@@ -5,7 +5,7 @@ Each engine is built here for ["cpu", this GPU's arch]; both executors then run 
 steps: a prefill step with every logit of one prompt (the GEMMs' prefill bucket), a mixed step
 (a new prompt's prefill beside two decodes: small bucket, prefill attention over cached keys)
 and pure decode steps (decode bucket; split-KV attention when the engine's max_seq_len gives
-more than 256 keys per sequence). The tokens fed back come from the CPU's logits, so both
+more than 256 keys per sequence; 3 sequences replay the CUDA graph captured for 4). The tokens fed back come from the CPU's logits, so both
 executors see identical inputs even where bf16 rounding would make greedy choices differ.
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ def run_both(cpu: CpuExecutor, gpu, engine) -> list[tuple[str, float, torch.Tens
 
     def both(name, chunks):
         step = pack_step(chunks, bs, nb)
-        want, got = cpu.run(step), gpu.run(step)
+        want, got = cpu.run(step), gpu.run(step).cpu()
         results.append((name, rel_err(got, want), got, want))
         return want
 
@@ -152,3 +152,28 @@ def test_session_on_cuda_generates_what_the_cpu_generates(engine_dir):
             outputs[device] = [o.outputs[0].token_ids for o in session.generate(prompt_token_ids=prompts,
                                                                                sampling_params=params)]
     assert outputs["cuda"] == outputs["cpu"]
+
+
+def test_decode_graphs_equal_eager_launches(engine_dir):
+    """A replayed decode graph, padded from 3 to 4 sequences, gives the eager launches' logits
+    bit for bit, and its padding rows leave every real KV block alone."""
+    from runtime.cuda_executor import CudaExecutor
+
+    engine = load_engine(engine_dir("llama3", "bfloat16", 256))
+    graphed, eager = CudaExecutor(engine, NUM_BLOCKS), CudaExecutor(engine, NUM_BLOCKS, cuda_graphs=False)
+    try:
+        assert sorted(graphed.graphs)[:4] == [1, 2, 4, 8] and not eager.graphs
+        prompts, tables, bs, nb = steps(engine)
+        for ex in (graphed, eager):
+            ex.run(pack_step([SequenceChunk(p, 0, t) for p, t in zip(prompts, tables)], bs, nb))
+        before = graphed.kv_cache[:, :, :NUM_BLOCKS].clone()
+        decode = pack_step([SequenceChunk([7], len(p), t) for p, t in zip(prompts, tables)], bs, nb)
+        got, want = graphed.run(decode), eager.run(decode)
+        assert got.shape == want.shape == (3, want.shape[1]) and torch.equal(got, want)
+        changed = (graphed.kv_cache[:, :, :NUM_BLOCKS] != before).flatten(3).any(-1).nonzero()[:, 2].unique()
+        slots = decode.slot_mapping.tolist()
+        assert sorted(changed.tolist()) == sorted({s // bs for s in slots})
+        assert torch.equal(graphed.kv_cache[:, :, :NUM_BLOCKS], eager.kv_cache[:, :, :NUM_BLOCKS])
+    finally:
+        graphed.close()
+        eager.close()

@@ -3,6 +3,7 @@ bad flags, refused prompts and missing engines give a clear message with no trac
 from __future__ import annotations
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from runtime.cli import run_engine
@@ -114,6 +115,17 @@ def test_missing_engine_folder(tmp_path):
     result = CliRunner().invoke(run_engine, ["--engine", str(tmp_path / "nope"), "--prompt", "Hi"])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
     assert "does not exist" in result.output and "build-engine" in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_device_cuda_without_a_gpu_is_a_clear_error(engine):
+    result = invoke(engine, "--prompt", "Hi", "--device", "cuda")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "no CUDA GPU" in result.output and "'cpu'" in result.output
+
+
+def test_device_auto_runs_a_cpu_engine_on_the_cpu(engine, plain):
+    assert invoke(engine, *prompt_args(), "--max-tokens", 12, "--device", "auto").output == plain.output
 
 
 def test_help_teaches_by_example():

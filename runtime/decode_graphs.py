@@ -1,0 +1,48 @@
+"""Which steps replay a captured CUDA graph, and how a decode step is padded to one.
+
+A pure decode step (every sequence brings one token and wants its logits) of n sequences
+replays the graph captured for the smallest batch size b >= n. Graphs bake in every kernel
+argument that depends on the step's shape (grids, GEMM buckets, split-KV counts), so the
+b - n padding sequences must be real work: each gets one token at position 0 whose KV entry
+goes to a spare block that the block manager never hands out, so real caches are untouched.
+"""
+from __future__ import annotations
+
+import torch
+
+from runtime.step import StepInputs
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to `max_batch` (and `max_batch` itself): at most
+    7 padding rows per step, at the price of one small graph per size."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch + 1, 8))
+    return sorted(set(sizes) | {max_batch})
+
+
+def is_pure_decode(step: StepInputs) -> bool:
+    """One token per sequence, and the logits of every token, in order."""
+    n = step.num_tokens
+    return (step.query_lens.shape[0] == n and step.logits_indices.shape[0] == n
+            and torch.equal(step.logits_indices, torch.arange(n, dtype=step.logits_indices.dtype)))
+
+
+def padding_step(batch: int, pad_block: int, block_size: int, blocks_per_seq: int) -> StepInputs:
+    """A decode step of `batch` padding sequences (what graphs are captured with)."""
+    empty = torch.zeros(0, dtype=torch.int32)
+    step = StepInputs(empty, empty, empty, torch.zeros(0, blocks_per_seq, dtype=torch.int32), empty, empty, empty)
+    return pad_decode(step, batch, pad_block, block_size)
+
+
+def pad_decode(step: StepInputs, batch: int, pad_block: int, block_size: int) -> StepInputs:
+    """`step` with padding sequences appended up to `batch` sequences."""
+    extra = batch - step.num_tokens
+    if extra < 0:
+        raise ValueError(f"cannot pad a step of {step.num_tokens} sequences down to {batch}")
+
+    def pad(t: torch.Tensor, value: int) -> torch.Tensor:
+        return torch.cat([t, t.new_full((extra, *t.shape[1:]), value)])
+
+    return StepInputs(pad(step.input_ids, 0), pad(step.positions, 0), pad(step.slot_mapping, pad_block * block_size),
+                      pad(step.block_tables, pad_block), pad(step.query_lens, 1), pad(step.context_lens, 1),
+                      torch.arange(batch, dtype=torch.int32))
