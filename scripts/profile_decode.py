@@ -1,0 +1,88 @@
+"""Where a decode step's time goes, op by op, on the GPU: a developer's profile, not a benchmark.
+
+    PYTHONPATH=. python3 scripts/profile_decode.py ENGINE_DIR [--batch 1 --batch 64] [--context 128]
+
+For each batch size: one prefill puts `context` tokens of every sequence in the cache, then
+the whole decode step is timed as the executor runs it (graph replay), and each plan op is
+timed alone with CUDA events around its eager launch. Each op's weight bytes over its time
+give the bandwidth it reaches; the sum over ops shows the launch gaps the graph removes.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from runtime.cuda_executor import CudaExecutor
+from runtime.engine import load_engine
+from runtime.step import SequenceChunk, pack_step
+
+
+def time_ms(fn, repeats: int = 20) -> float:
+    """Median milliseconds of `fn` on the current stream, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def profile(ex: CudaExecutor, batch: int, context: int) -> None:
+    engine = ex.engine
+    bs, nb = engine.kv_cache["block_size"], engine.bounds["B"]
+    per_seq = -(-(context + 1) // bs)
+    tables = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(batch)]
+    g = torch.Generator().manual_seed(0)
+    for first in range(0, batch, max(1, engine.bounds["T"] // context)):
+        chunk = range(first, min(batch, first + max(1, engine.bounds["T"] // context)))
+        ex.run(pack_step([SequenceChunk(torch.randint(0, 1000, (context,), generator=g).tolist(), 0, tables[s])
+                          for s in chunk], bs, nb))
+    step = pack_step([SequenceChunk([7], context, t) for t in tables], bs, nb)
+    total = time_ms(lambda: ex.run(step))
+    weights = sum(w.nbytes for name, w in ex.weights.items() if "embed" not in name)
+    print(f"batch {batch}, context {context}: step {total:.3f} ms ({batch / total * 1e3:.0f} tok/s), "
+          f"{weights / total / 1e6:.0f} GB/s of non-embedding weights")
+    kinds: dict[str, list] = {}
+    for op in ex.ops:
+        kinds.setdefault(op.launcher.__name__.split(".")[1], []).append(op)
+    for kind, ops in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
+        # One graph launches every op of this kind, right after the step inputs were staged:
+        # ops that read step inputs (token ids, slots, block tables) see valid ones, and
+        # activations are whatever is there, which costs the same to read.
+        dims, values = ex._begin(step, ())
+        values.update((op.output, ex._view(op.output, dims)) for op in ex.ops)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for op in ops:
+                args = [None if t is None else values[t] if t in values else ex.weights[t] for t in op.inputs]
+                op.launcher.launch(op.kernels, op.metas, args, op.attrs, values[op.output], dims,
+                                   torch.cuda.current_stream().cuda_stream, ex.scratch)
+        ms = time_ms(graph.replay)
+        nbytes = sum(ex.weights[t].nbytes for op in ops for t in op.inputs if t in ex.weights)
+        print(f"  {kind:18s} x{len(ops):<3d} {ms:8.3f} ms  {ms / len(ops) * 1e3:8.1f} us each  "
+              f"{nbytes / ms / 1e6 if 'embed' not in kind else 0:7.0f} GB/s of weights")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("engine")
+    parser.add_argument("--batch", type=int, action="append")
+    parser.add_argument("--context", type=int, default=128)
+    args = parser.parse_args()
+    engine = load_engine(args.engine, target=f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}",
+                         verify=False)
+    batches = args.batch or [1, 64]
+    bs = engine.kv_cache["block_size"]
+    ex = CudaExecutor(engine, max(batches) * -(-(args.context + 1) // bs))
+    for batch in batches:
+        profile(ex, batch, args.context)
+
+
+if __name__ == "__main__":
+    main()
