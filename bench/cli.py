@@ -1,0 +1,272 @@
+"""`bench-engine`: measure an engine against the hardware's limits and the eager PyTorch baseline.
+
+Phases, in order (each frees its device memory before the next): resolve the engine (given,
+or built from a checkpoint, or from a random Llama-3-8B-shape checkpoint), measure the
+copy bandwidth and GEMM rate, decode and offline throughput through one EngineCore, latency
+through a Session, then the eager baseline, then the table and the JSON file.
+"""
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import click
+import torch
+from click.core import ParameterSource
+
+from bench import decode, latency, offline
+from bench.driver import EngineInfo, inspect, kv_token_budget, open_core, random_prompts, release
+from bench.figures import Figure
+from bench.hardware import measure
+from bench.model import SHAPES, Shape, check_shape, ensure_checkpoint, ensure_engine, with_overrides
+from bench.options import PHASES, IntList, LengthPairs, Phases
+from bench.report import render, results, write_json
+from builder.config import DTYPES, BuildConfig, BuildConfigError, default_targets
+from models.config import CheckpointError
+from runtime.engine_file import EngineFileError
+
+
+def _command_line(ctx: click.Context) -> str:
+    """The command as typed, rebuilt from the options that were not left at their default."""
+    words = ["bench-engine"]
+    for p in ctx.command.params:
+        source = ctx.get_parameter_source(p.name)
+        if not isinstance(p, click.Option) or source is ParameterSource.DEFAULT:
+            continue
+        value = ctx.params[p.name]
+        if p.is_flag:
+            words += [p.opts[0]] if value else []
+        elif isinstance(value, list):
+            words += [p.opts[0], ",".join("/".join(map(str, v)) if isinstance(v, tuple) else str(v) for v in value)]
+        else:
+            words += [p.opts[0], str(value)]
+    return shlex.join(words)
+
+
+def status(message: str) -> None:
+    click.echo(f"bench-engine: {message}", err=True)
+
+
+def _device(requested: str | None) -> str:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise click.UsageError("--device cuda: this machine has no usable GPU (torch.cuda.is_available() is False)")
+    return requested or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _shape(preset: str, overrides: dict) -> Shape:
+    shape = with_overrides(SHAPES[preset], **overrides)
+    problem = check_shape(shape)
+    if problem:
+        raise click.BadParameter(problem, param_hint="the model shape")
+    return shape
+
+
+def _resolve_engine(engine: Path | None, checkpoint: Path | None, work_dir: Path, device: str, shape: Shape,
+                    cfg: BuildConfig) -> tuple[Path, Path | None]:
+    """The engine folder to measure and the checkpoint for the eager baseline (None: none)."""
+    if engine is not None:
+        return engine, checkpoint
+    if checkpoint is None:
+        n = shape.parameters()
+        size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+        status(f"random {size}-parameter checkpoint ({shape.key()}, {cfg.dtype})")
+        checkpoint, reused = ensure_checkpoint(work_dir, shape, cfg.dtype, device)
+        release(device)  # the writer may have initialised the weights on the GPU
+        status(("reusing " if reused else "wrote ") + str(checkpoint))
+    path, reused = ensure_engine(work_dir, checkpoint, cfg)
+    status(("reusing engine " if reused else "built engine ") + str(path))
+    return path, checkpoint
+
+
+def _eager_baseline(figures: list[Figure], checkpoint: Path, info: EngineInfo, device: str, context: int,
+                    steps: int, seed: int) -> None:
+    """Fill in `eager` on every decode and offline figure that has a value."""
+    from bench.eager import EagerModel, eager_decode, eager_offline
+    status(f"eager baseline: loading {checkpoint}")
+    model = EagerModel.load(checkpoint, info.build["dtype"], info.build["max_seq_len"], device)
+    try:
+        by_key = {f.key: f for f in figures}
+        for f in figures:
+            if f.value is None or f.section != "decode":
+                continue
+            status(f"eager decode b={f.params['batch']}")
+            prompts = random_prompts(f.params["batch"], context, info.vocab_size, seed)
+            f.eager = eager_decode(model, prompts, steps)
+        for f in figures:
+            if f.value is None or f.section != "offline" or f.key[-1] != "output":
+                continue
+            p = f.params
+            status(f"eager offline {p['input_len']}/{p['output_len']} x {p['requests']}")
+            seconds = eager_offline(model, random_prompts(p["requests"], p["input_len"], info.vocab_size, seed),
+                                    p["output_len"])
+            f.eager = p["requests"] * p["output_len"] / seconds
+            total = by_key[f.key[:-1] + ("total",)]
+            total.eager = p["requests"] * (p["input_len"] + p["output_len"]) / seconds
+    finally:
+        del model
+        release(device)
+
+
+HELP = """Measure a Kiln engine: decode tokens/s, offline throughput and latency, each beside
+its hardware limit and beside the same model run eagerly in PyTorch, all in one run.
+
+\b
+What is measured (each phase can be chosen with --only):
+  decode   tokens/s at each --batch-sizes: b requests with --decode-context prompt tokens
+           are prefilled, then --decode-steps steps in which all b decode are timed.
+  offline  TensorRT-LLM perf-overview style: --offline-requests requests of each IN/OUT
+           length pair submitted at once and run to completion; output and total tokens/s.
+  latency  time to first token (TTFT) and inter-token latency (ITL), p50/p90/p99, with
+           --rate-requests requests arriving at --rate per second through a Session.
+
+\b
+Beside each figure:
+  limit    the least time the steps that ran could take: per step, the larger of
+           (bytes that must move / copy bandwidth) and (FLOPs / GEMM rate), both ceilings
+           measured at the start of this run; "of limit" is how close Kiln came.
+  eager    the same checkpoint run eagerly in PyTorch (plain torch ops with
+           scaled_dot_product_attention, no graphs, no compile); needs the checkpoint.
+
+\b
+Which engine:
+  --engine DIR        an engine folder (tensor-parallel ones too); no eager baseline
+                      unless --checkpoint names the checkpoint it was built from.
+  --checkpoint DIR    build an engine from this Hugging Face checkpoint (into --work-dir).
+  neither             write a random checkpoint of --shape (Llama-3-8B by default, 16 GB
+                      in bf16) and build it; both are kept in --work-dir and reused.
+
+\b
+Examples:
+  bench-engine                                  # Llama-3-8B shape on this GPU
+  bench-engine --engine engines/qwen3 --only decode --batch-sizes 1,8
+  bench-engine --shape tiny --device cpu --max-batch-size 8 --max-seq-len 64 \\
+      --batch-sizes 1,4 --decode-context 16 --decode-steps 16 --offline 8/8 --rate-lengths 8/8
+"""
+
+
+@click.command(help=HELP, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--engine", "engine_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Engine folder to measure (built by build-engine).")
+@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Hugging Face checkpoint folder: built into an engine, and run eagerly for the baseline.")
+@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path),
+              default="~/.cache/kiln/bench", show_default=True,
+              help="Where generated checkpoints and engines are kept and reused.")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), help="[default: cuda when a GPU is present]")
+@click.option("--shape", type=click.Choice(list(SHAPES)), default="llama3-8b", show_default=True,
+              help="Shape of the random checkpoint (no --engine or --checkpoint).")
+@click.option("--layers", type=int, help="Override the shape's decoder layers.")
+@click.option("--hidden-size", type=int, help="Override the shape's hidden size.")
+@click.option("--heads", type=int, help="Override the shape's attention heads.")
+@click.option("--kv-heads", type=int, help="Override the shape's KV heads.")
+@click.option("--intermediate-size", type=int, help="Override the shape's MLP width.")
+@click.option("--vocab-size", type=int, help="Override the shape's vocabulary (at least 384).")
+@click.option("--dtype", type=click.Choice(DTYPES), default="bfloat16", show_default=True,
+              help="Weights and KV cache of the engine bench builds (not with --engine).")
+@click.option("--max-batch-size", type=int, default=256, show_default=True, help="Build flag (not with --engine).")
+@click.option("--max-seq-len", type=int, default=4352, show_default=True, help="Build flag: 2048+2048 fits.")
+@click.option("--max-num-tokens", type=int, default=8192, show_default=True, help="Build flag: tokens per step.")
+@click.option("--only", "phases", type=Phases(), default=",".join(PHASES), show_default=True,
+              help="Phases to run.")
+@click.option("--batch-sizes", type=IntList(), default="1,8,64,256", show_default=True,
+              help="Decode batch sizes.")
+@click.option("--decode-context", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Prompt tokens before the timed decode steps.")
+@click.option("--decode-steps", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Timed decode steps per batch size.")
+@click.option("--offline", "offline_pairs", type=LengthPairs(), default="128/128,2048/2048", show_default=True,
+              help="Input/output token lengths of the offline runs.")
+@click.option("--offline-requests", type=click.IntRange(min=1),
+              help=f"Requests per offline run [default: {offline.TOKEN_BUDGET} / (in + out), within "
+                   f"{offline.MIN_REQUESTS}..{offline.MAX_REQUESTS}: 256 for 128/128, 32 for 2048/2048].")
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True,
+              help="Latency test: requests arriving per second.")
+@click.option("--rate-requests", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Latency test: how many requests arrive.")
+@click.option("--rate-lengths", type=LengthPairs(), default="128/128", show_default=True,
+              help="Latency test: input/output token lengths.")
+@click.option("--no-baseline", is_flag=True, help="Skip the eager PyTorch baseline.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random prompts.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=Path("bench-results.json"), show_default=True, help="Where to write the results.")
+@click.pass_context
+def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path | None, work_dir: Path,
+                 device: str | None, shape: str, layers: int | None, hidden_size: int | None, heads: int | None,
+                 kv_heads: int | None, intermediate_size: int | None, vocab_size: int | None, dtype: str,
+                 max_batch_size: int, max_seq_len: int, max_num_tokens: int, phases: list[str],
+                 batch_sizes: list[int], decode_context: int, decode_steps: int,
+                 offline_pairs: list[tuple[int, int]], offline_requests: int | None, rate: float,
+                 rate_requests: int, rate_lengths: list[tuple[int, int]], no_baseline: bool, seed: int,
+                 json_path: Path) -> None:
+    if len(rate_lengths) != 1:
+        raise click.BadParameter("give one IN/OUT pair", param_hint="--rate-lengths")
+    device = _device(device)
+    model_shape = _shape(shape, dict(num_layers=layers, hidden_size=hidden_size, num_heads=heads,
+                                     num_kv_heads=kv_heads, intermediate_size=intermediate_size,
+                                     vocab_size=vocab_size))
+    model_shape = with_overrides(model_shape, max_position_embeddings=max(model_shape.max_position_embeddings,
+                                                                          max_seq_len))
+    notes: list[str] = []
+    try:
+        cfg = BuildConfig(dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                          max_num_tokens=max_num_tokens,
+                          targets=default_targets() if device == "cuda" else ("cpu",))
+        engine_dir, checkpoint = _resolve_engine(engine_dir, checkpoint, work_dir.expanduser(), device,
+                                                 model_shape, cfg)
+        info = inspect(engine_dir, device)
+    except (EngineFileError, CheckpointError, BuildConfigError, ValueError, FileExistsError) as e:
+        raise click.ClickException(str(e)) from e
+
+    status(f"measuring copy bandwidth and GEMM rate on {device}")
+    hw = measure(device, getattr(torch, info.build["dtype"]))
+    release(device)  # the measurement's buffers, before free memory is read to size the KV pool
+    budget = kv_token_budget(info, device)
+    figures: list[Figure] = []
+    requests = {pair: offline_requests or offline.default_requests(*pair) for pair in offline_pairs}
+
+    if "decode" in phases or "offline" in phases:
+        wanted = [decode.kv_tokens_needed(info, b, decode_context, decode_steps) for b in batch_sizes] \
+            if "decode" in phases else []
+        wanted += [offline.kv_tokens_wanted(info, i, o, requests[i, o]) for i, o in offline_pairs] \
+            if "offline" in phases else []
+        run = open_core(info, hw, min(budget, max(wanted + [info.block_size])))
+        try:
+            if "decode" in phases:
+                for b in batch_sizes:
+                    status(f"decode b={b}: {decode_context}-token prompts, {decode_steps} timed steps")
+                    figures.append(decode.measure_decode(run, b, decode_context, decode_steps, seed))
+            if "offline" in phases:
+                for i, o in offline_pairs:
+                    status(f"offline {i}/{o}: {requests[i, o]} requests")
+                    figures += offline.measure_offline(run, i, o, requests[i, o], seed, progress=True)
+        finally:
+            run.close()
+    if "latency" in phases:
+        (i, o), = rate_lengths
+        status(f"latency: {rate_requests} requests of {i}/{o} tokens at {rate:g} per second")
+        kv = min(budget, latency.kv_tokens_wanted(info, i, o, rate_requests))
+        figures += latency.measure_latency(info, hw, kv, rate, rate_requests, i, o, seed, progress=True)
+        release(device)
+
+    if no_baseline:
+        notes.append("eager baseline skipped (--no-baseline)")
+    elif checkpoint is None:
+        notes.append(f"no eager baseline: pass --checkpoint with the checkpoint this engine was built from "
+                     f"({info.manifest['model'].get('source', 'unknown')})")
+    elif any(f.value is not None and f.section in ("decode", "offline") for f in figures):
+        _eager_baseline(figures, checkpoint, info, device, decode_context, decode_steps, seed)
+    if any(f.section == "latency" for f in figures):
+        notes.append("latency has no eager baseline: an eager script has no server loop to compare with")
+    if info.manifest["world_size"] > 1:
+        notes.append(f"tensor-parallel engine ({info.manifest['world_size']} ranks): limits are one rank's "
+                     "share over one device's ceilings; the eager baseline runs on one device")
+
+    header = [(f"engine {engine_dir}  ({info.build['dtype']}, tp {info.manifest['world_size']}, "
+               f"targets {', '.join(info.manifest['targets'])})"),
+              f"device {hw.device_name}  torch {torch.__version__}"]
+    click.echo(render(figures, hw, header, notes))
+    context = {"engine": str(engine_dir), "checkpoint": str(checkpoint) if checkpoint else None,
+               "build": info.build, "world_size": info.manifest["world_size"],
+               "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in ctx.params.items()}}
+    write_json(results(figures, hw, _command_line(ctx), context, notes), json_path)
+    status(f"results written to {json_path}")

@@ -1,0 +1,79 @@
+"""Decode tokens/s at fixed batch sizes, through the real engine loop.
+
+For a batch size b: b requests with random prompts of `context` tokens go in; the engine
+steps until every one has its first token (the prefills, not timed), runs a few warm-up
+decode steps, then `steps` timed steps in which every request decodes one token. The figure
+is tokens decoded / wall time of those steps (scheduler, executor, sampler and the tokens'
+trip to the host included: what a caller gets); its limit is the cost model's least time for
+exactly the steps that ran.
+"""
+from __future__ import annotations
+
+import time
+
+from bench.driver import EngineInfo, EngineRun, random_prompts
+from bench.figures import Figure, skipped
+from bench.hardware import synchronize
+from runtime.sampling_params import SamplingParams
+
+WARMUP_STEPS = 3
+
+
+def decode_plan(info: EngineInfo, batch: int, context: int, steps: int) -> tuple[int, str | None]:
+    """max_tokens per request for this measurement, or the reason it cannot run on this engine."""
+    build = info.build
+    if batch > build["max_batch_size"]:
+        return 0, f"batch {batch} is above the engine's max_batch_size {build['max_batch_size']}"
+    # Requests that got their first token early keep decoding while others prefill; this many
+    # more tokens keeps every request alive through the timed steps.
+    prefill_steps = -(-batch * context // build["max_num_tokens"]) + 1
+    max_tokens = 1 + prefill_steps + WARMUP_STEPS + steps
+    if context + max_tokens > build["max_seq_len"]:
+        return 0, (f"context {context} + {max_tokens} tokens exceeds the engine's max_seq_len "
+                   f"{build['max_seq_len']}")
+    return max_tokens, None
+
+
+def kv_tokens_needed(info: EngineInfo, batch: int, context: int, steps: int) -> int:
+    max_tokens, why = decode_plan(info, batch, context, steps)
+    return 0 if why else batch * info.kv_tokens(context + max_tokens)
+
+
+def measure_decode(run: EngineRun, batch: int, context: int, steps: int, seed: int = 0) -> Figure:
+    """Decode tokens/s at `batch` sequences of about `context` tokens."""
+    info, core = run.info, run.core
+    name, key = f"decode b={batch}", ("decode", batch)
+    max_tokens, why = decode_plan(info, batch, context, steps)
+    if why is None and batch * info.kv_tokens(context + max_tokens) > run.kv_pool_tokens:
+        why = f"{batch} sequences of {context + max_tokens} tokens do not fit in the KV pool"
+    if why:
+        return skipped("decode", name, "tok/s", why, key, batch=batch)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [f"decode-{batch}-{i}" for i in range(batch)]
+    requests = [core.add_request(rid, prompt, params)
+                for rid, prompt in zip(ids, random_prompts(batch, context, info.vocab_size, seed))]
+    try:
+        while not all(r.seqs[0].output_ids for r in requests):
+            core.step()
+        for _ in range(WARMUP_STEPS):
+            core.step()
+        mark = run.recorder.mark()
+        synchronize(run.device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        synchronize(run.device)
+        seconds = time.perf_counter() - start
+    finally:
+        for rid in ids:
+            core.cancel(rid)
+    shapes = run.recorder.since(mark)
+    tokens = sum(s.num_tokens for s in shapes)
+    limit_s = info.cost.limit_seconds(shapes, run.hw)
+    note = "" if all(s.is_decode and s.num_tokens == batch for s in shapes) else \
+        "some timed steps were not a pure decode of the whole batch"
+    return Figure("decode", name, "tok/s", tokens / seconds, tokens / limit_s, info.cost.bound(shapes, run.hw),
+                  note=note, key=key,
+                  params={"batch": batch, "context": context, "steps": len(shapes), "tokens": tokens,
+                          "seconds": seconds, "ms_per_step": 1e3 * seconds / len(shapes),
+                          "limit_ms_per_step": 1e3 * limit_s / len(shapes)})

@@ -1,0 +1,138 @@
+"""Driving the real engine for a measurement: sizing its KV pool, random prompts, and a record
+of every step it ran, so each figure's limit is computed for exactly the steps behind it.
+
+Measurements go through `runtime.engine_core.EngineCore` (and `runtime.Session` for latency),
+which load a tensor-parallel engine folder by themselves: bench needs no TP code of its own.
+"""
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench.hardware import Hardware
+from bench.limits import DTYPE_BYTES, CostModel, StepShape
+from runtime.engine import Engine, load_engine
+from runtime.engine_core import EngineCore
+
+# Share of the free memory the KV pool may take: the rest is headroom for the allocator,
+# the sampler's logits and, on the CPU, everything else the machine runs.
+KV_MEMORY_FRACTION = {"cuda": 0.85, "cpu": 0.5}
+
+
+class StepRecorder:
+    """Wraps an executor's `run` so every step's shape is kept; `mark()` then `since(mark)`
+    gives the steps of one measurement."""
+
+    def __init__(self, executor) -> None:
+        self.steps: list[StepShape] = []
+        run = executor.run
+
+        def recorded_run(step, copies=()):
+            # tolist() here, not later: a backend may pad or reuse the step's tensors.
+            self.steps.append(StepShape(tuple(step.query_lens.tolist()), tuple(step.context_lens.tolist()),
+                                        int(step.logits_indices.shape[0])))
+            return run(step, copies)
+
+        executor.run = recorded_run
+
+    def mark(self) -> int:
+        return len(self.steps)
+
+    def since(self, mark: int) -> list[StepShape]:
+        return self.steps[mark:]
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a measurement needs to know about an engine before running it."""
+
+    path: Path
+    manifest: dict
+    cost: CostModel
+    weight_bytes: int
+    kv_bytes_per_token: int   # all layers, K and V
+    block_size: int
+
+    @property
+    def build(self) -> dict:
+        return self.manifest["build"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.manifest["tensors"][self.manifest["outputs"][0]]["shape"][-1]
+
+    def kv_tokens(self, num_tokens: int) -> int:
+        """KV slots a sequence of `num_tokens` tokens holds: whole blocks."""
+        return -(-num_tokens // self.block_size) * self.block_size
+
+
+def engine_target(device: str) -> str:
+    """The build target this machine runs: its GPU's arch, or "cpu"."""
+    if device == "cuda":
+        from runtime.cuda_driver import device_arch
+        return device_arch()
+    return "cpu"
+
+
+def inspect(engine_dir: str | Path, device: str) -> EngineInfo:
+    """Read rank 0's manifest (checksums skipped: the run that follows checks them) and check the
+    engine was built for this machine, so a wrong target fails before anything is measured."""
+    engine: Engine = load_engine(engine_dir, rank=0, target=engine_target(device), verify=False)
+    m = engine.manifest
+    kv = m["kv_cache"]
+    return EngineInfo(Path(engine_dir), m, CostModel.from_manifest(m),
+                      sum(w["nbytes"] for w in m["weights"].values()),
+                      kv["num_layers"] * 2 * kv["num_kv_heads"] * kv["head_dim"] * DTYPE_BYTES[kv["dtype"]],
+                      kv["block_size"])
+
+
+def kv_token_budget(info: EngineInfo, device: str) -> int:
+    """How many KV tokens fit in this device's free memory, next to the engine's weights and arena."""
+    if device == "cuda":
+        free = torch.cuda.mem_get_info()[0] - info.weight_bytes - info.manifest["memory_plan"]["arena_bytes"]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    tokens = int(max(free, 0) * KV_MEMORY_FRACTION[device]) // info.kv_bytes_per_token
+    return tokens // info.block_size * info.block_size
+
+
+@dataclass
+class EngineRun:
+    """An open EngineCore with its steps recorded, and what its figures are compared with."""
+
+    core: EngineCore
+    recorder: StepRecorder
+    info: EngineInfo
+    hw: Hardware
+    device: str
+
+    @property
+    def kv_pool_tokens(self) -> int:
+        return self.core.blocks.num_blocks * self.info.block_size
+
+    def close(self) -> None:
+        self.core.close()
+        release(self.device)
+
+
+def open_core(info: EngineInfo, hw: Hardware, kv_tokens: int) -> EngineRun:
+    """An EngineCore whose KV pool holds `kv_tokens` tokens, with its steps recorded."""
+    core = EngineCore(info.path, device=hw.device, max_kv_tokens=max(kv_tokens, info.block_size))
+    return EngineRun(core, StepRecorder(core.executor), info, hw, hw.device)
+
+
+def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """Token ids drawn uniformly from the vocabulary: the weights are random too, so no text is
+    more typical than another, and every run with a seed sees the same prompts."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(count)]
+
+
+def release(device: str) -> None:
+    """Give freed device memory back, so the next phase (say, the eager model) can use it."""
+    if device == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,104 @@
+"""The report: a table on stdout and a JSON file with every figure and what it was measured on.
+
+JSON is written to a temporary file in the same folder and renamed over the target, so a
+reader never sees half a file and an interrupted run leaves the previous results intact.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench.figures import Figure
+from bench.hardware import Hardware
+
+SECTIONS = ("decode", "offline", "latency")
+
+
+def commit() -> str | None:
+    """The checked-out commit ("-dirty" when files differ from it), else $KILN_COMMIT."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("KILN_COMMIT")
+
+
+def results(figures: list[Figure], hw: Hardware, command: str, context: dict, notes: list[str]) -> dict:
+    """Everything the run measured, as one JSON-ready dict."""
+    out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "commit": commit(), "device": hw.device_name, "torch": torch.__version__, "command": command,
+           **context, "hardware": hw.to_dict()}
+    for section in SECTIONS:
+        out[section] = [f.to_dict() for f in figures if f.section == section]
+    out["notes"] = notes
+    return out
+
+
+def write_json(data: dict, path: Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if x >= 100:
+        return f"{x:,.0f}"
+    return f"{x:.3g}" if x < 10 else f"{x:.1f}"
+
+
+def _ratio(x: float | None, percent: bool) -> str:
+    if x is None:
+        return "-"
+    return f"{100 * x:.1f}%" if percent else f"{x:.2f}x"
+
+
+def render(figures: list[Figure], hw: Hardware, header: list[str], notes: list[str]) -> str:
+    """The table: each figure, its limit (and which ceiling sets it), the share of the limit
+    reached, the eager baseline, and how many times better than it Kiln is."""
+    lines = list(header)
+    lines.append(f"copy bandwidth {hw.copy_bytes_per_s / 1e9:,.1f} GB/s (read + write, "
+                 f"{hw.copy_buffer_bytes / 2**20:,.0f} MiB buffer)   "
+                 f"GEMM {hw.gemm_flops_per_s / 1e12:,.3g} TFLOP/s ({hw.gemm_dtype} {hw.gemm_n}^3)")
+    rows = [("figure", "kiln", "limit", "of limit", "eager", "vs eager")]
+    for f in figures:
+        if f.value is None:
+            rows.append((f"{f.name} ({f.unit})", "-", "-", "-", "-", "-"))
+            continue
+        limit = f"{_num(f.limit)} ({f.bound})" if f.limit is not None else "-"
+        rows.append((f"{f.name} ({f.unit})", _num(f.value), limit, _ratio(f.ratio_to_limit, True),
+                     _num(f.eager), _ratio(f.ratio_to_eager, False)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines.append("")
+    for i, r in enumerate(rows):
+        lines.append("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    by_note: dict[str, list[str]] = {}
+    for f in figures:
+        if f.note:
+            by_note.setdefault(f.note, []).append(f.name)
+    figure_notes = [f"{', '.join(names)}: {note}" for note, names in by_note.items()]
+    if figure_notes or notes:
+        lines.append("")
+        lines += [f"note: {n}" for n in notes + figure_notes]
+    return "\n".join(lines)

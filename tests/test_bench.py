@@ -1,0 +1,211 @@
+"""bench-engine (issue 4, item 4): the whole command on a tiny model on the CPU, its cost model on a
+hand-computed step, the eager baseline producing the engine's own greedy tokens, a
+tensor-parallel engine folder taken with no extra flags, and clear errors for bad flags."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from bench.cli import bench_engine
+from bench.eager import EagerModel
+from bench.hardware import Hardware
+from bench.limits import CostModel, StepShape, attended_pairs
+from runtime.sampling_params import SamplingParams
+from runtime.session import Session
+
+TINY = ["--shape", "tiny", "--device", "cpu", "--max-batch-size", "8", "--max-seq-len", "64",
+        "--max-num-tokens", "64", "--decode-context", "12", "--decode-steps", "6"]
+SMALL_RUN = ["--batch-sizes", "1,2", "--offline", "8/8", "--offline-requests", "4",
+             "--rate-lengths", "8/8", "--rate-requests", "4", "--rate", "200"]
+
+
+def invoke(*args):
+    return CliRunner().invoke(bench_engine, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One full run on the tiny shape: random checkpoint, engine, every phase, eager baseline."""
+    root = tmp_path_factory.mktemp("bench")
+    result = invoke(*TINY, *SMALL_RUN, "--work-dir", root / "work", "--json", root / "out.json")
+    assert result.exit_code == 0, result.output
+    return root, result, json.loads((root / "out.json").read_text())
+
+
+def test_json_has_every_section_with_positive_figures(tiny_run):
+    _, _, data = tiny_run
+    for key in ("date", "commit", "device", "torch", "command", "hardware", "build"):
+        assert key in data
+    assert data["command"].startswith("bench-engine ") and "--device cpu --shape tiny" in data["command"]
+    hw = data["hardware"]
+    assert hw["copy_bandwidth_bytes_per_s"] > 0 and hw["gemm_flops_per_s"] > 0
+    assert [f["batch"] for f in data["decode"]] == [1, 2]
+    assert [f["name"] for f in data["offline"]] == ["offline 8/8 output", "offline 8/8 total"]
+    assert [f["name"] for f in data["latency"]] == [f"{w} p{p}" for w in ("TTFT", "ITL") for p in (50, 90, 99)]
+    for section in ("decode", "offline", "latency"):
+        for f in data[section]:
+            assert f["value"] > 0 and f["limit"] > 0 and f["bound"] in ("bytes", "flops"), f
+    for f in data["decode"] + data["offline"]:
+        assert f["eager"] > 0, f  # the baseline ran beside every throughput figure
+
+
+def test_ratios_are_the_figure_over_its_limit(tiny_run):
+    _, _, data = tiny_run
+    for f in data["decode"] + data["offline"]:
+        assert f["ratio_to_limit"] == pytest.approx(f["value"] / f["limit"])
+        assert f["ratio_to_eager"] == pytest.approx(f["value"] / f["eager"])
+        assert f["ratio_to_limit"] < 1  # nothing beats the hardware
+    for f in data["latency"]:  # lower is better: the limit is a floor
+        assert f["ratio_to_limit"] == pytest.approx(f["limit"] / f["value"]) and f["ratio_to_limit"] < 1
+    decode1 = data["decode"][0]
+    assert decode1["tokens"] == decode1["steps"] == 6
+    assert decode1["value"] == pytest.approx(decode1["tokens"] / decode1["seconds"])
+    out, total = data["offline"]
+    assert total["value"] == pytest.approx(2 * out["value"])  # 8 in + 8 out per request
+
+
+def test_table_on_stdout_names_each_figure(tiny_run):
+    _, result, _ = tiny_run
+    for name in ("decode b=1 (tok/s)", "decode b=2 (tok/s)", "offline 8/8 output (tok/s)", "TTFT p50 (ms)",
+                 "ITL p99 (ms)", "copy bandwidth", "GEMM"):
+        assert name in result.stdout
+    assert "Traceback" not in result.output
+
+
+def test_second_run_reuses_checkpoint_and_engine(tiny_run):
+    root, _, _ = tiny_run
+    result = invoke(*TINY, "--only", "decode", "--batch-sizes", "1", "--no-baseline",
+                    "--work-dir", root / "work", "--json", root / "again.json")
+    assert result.exit_code == 0, result.output
+    assert "reusing engine" in result.output and "wrote" not in result.output
+    data = json.loads((root / "again.json").read_text())
+    assert data["offline"] == data["latency"] == [] and "eager baseline skipped (--no-baseline)" in data["notes"]
+
+
+def test_batches_the_engine_cannot_hold_are_skipped_with_a_note(tiny_run):
+    root, _, _ = tiny_run
+    result = invoke(*TINY, "--only", "decode,offline", "--batch-sizes", "1,16", "--offline", "40/40",
+                    "--no-baseline", "--work-dir", root / "work", "--json", root / "skip.json")
+    assert result.exit_code == 0, result.output
+    data = json.loads((root / "skip.json").read_text())
+    assert data["decode"][0]["value"] > 0
+    assert data["decode"][1]["value"] is None and "max_batch_size 8" in data["decode"][1]["note"]
+    assert all(f["value"] is None and "max_seq_len 64" in f["note"] for f in data["offline"])
+    assert "skipped" in result.stdout
+
+
+# -- the cost model ----------------------------------------------------------------------------
+
+def _weight(*shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return {"dtype": "float32", "shape": list(shape), "nbytes": 4 * n}
+
+
+# One layer, 2 heads of dim 2, 1 KV head; hidden 4, vocab 10, float32 (4-byte) everything.
+MANIFEST = {
+    "weights": {"embed": _weight(10, 4), "rope_cache": _weight(8, 2), "w_qkv": _weight(8, 4),
+                "w_o": _weight(4, 4), "norm": _weight(4), "lm_head": _weight(10, 4)},
+    "tensors": {"x": {"shape": ["T", 4]}, "q": {"shape": ["T", 4]}, "h": {"shape": ["T", 4]},
+                "rows": {"shape": ["L", 4]}, "normed": {"shape": ["L", 4]}, "logits": {"shape": ["L", 10]}},
+    "plan": [
+        {"op": "embedding", "inputs": {"input_ids": "input_ids", "weight": "embed"}, "attrs": {}, "output": "x"},
+        {"op": "norm_qkv_rope", "inputs": {"x": "x", "w_qkv": "w_qkv", "rope_cache": "rope_cache"},
+         "attrs": {"num_heads": 2, "num_kv_heads": 1, "head_dim": 2}, "output": "q"},
+        {"op": "attention_o_proj", "inputs": {"q": "q", "block_tables": "block_tables", "w_o": "w_o",
+                                              "residual": "x"},
+         "attrs": {"num_heads": 2, "num_kv_heads": 1, "head_dim": 2, "window": 0}, "output": "h"},
+        {"op": "take_rows", "inputs": {"x": "h", "indices": "logits_indices"}, "attrs": {}, "output": "rows"},
+        {"op": "rms_norm", "inputs": {"x": "rows", "weight": "norm"}, "attrs": {}, "output": "normed"},
+        {"op": "linear", "inputs": {"x": "normed", "weight": "lm_head", "bias": None}, "attrs": {},
+         "output": "logits"},
+    ],
+    "kv_cache": {"num_layers": 1, "block_size": 4, "num_kv_heads": 1, "head_dim": 2, "dtype": "float32"},
+}
+
+
+def test_cost_model_on_a_hand_computed_step():
+    cost = CostModel.from_manifest(MANIFEST)
+    # A 3-token prefill (context 3) and a decode at context 5: T = 4 tokens, L = 2 logit rows.
+    step = cost.step(StepShape(query_lens=(3, 1), context_lens=(3, 5), logit_rows=2))
+    # Read whole: w_qkv 128 + w_o 64 + norm 16 + lm_head 160 = 368 bytes. Gathered per token:
+    # an embedding row (16) and a rope row (8) -> 4 x 24 = 96. KV, 16 bytes per token (K and V,
+    # 1 head of dim 2): read 3 + 5 tokens = 128, write 4 tokens = 64.
+    assert step.bytes == 368 + 96 + 128 + 64
+    # Matmuls: (32 + 16) elements x 4 tokens + lm_head 40 x 2 rows, 2 FLOPs each = 384 + 160.
+    # Attention: causal pairs 1+2+3 (prefill) + 5 (decode) = 11, x 4 x 2 heads x dim 2 = 176.
+    assert step.flops == 384 + 160 + 176
+    hw = Hardware("cpu", "test", copy_bytes_per_s=1000.0, gemm_flops_per_s=1000.0, copy_buffer_bytes=0,
+                  gemm_n=0, gemm_dtype="float32")
+    assert step.seconds(hw) == pytest.approx(0.720) and step.bound(hw) == "flops"
+    shapes = [StepShape((1,), (5,), 1)] * 3
+    assert cost.limit_seconds(shapes, hw) == pytest.approx(3 * cost.step(shapes[0]).seconds(hw))
+
+
+def test_attended_pairs_respect_causality_and_the_window():
+    assert attended_pairs(1, 5) == 5
+    assert attended_pairs(4, 4) == 1 + 2 + 3 + 4
+    assert attended_pairs(3, 5, window=2) == 2 + 2 + 2
+    assert attended_pairs(4, 4, window=2) == 1 + 2 + 2 + 2
+    assert attended_pairs(2, 6, window=10) == 5 + 6
+
+
+def test_cost_model_of_a_real_engine_counts_each_weight_once(factory):
+    from runtime.engine import load_engine
+    engine = load_engine(factory.engine(factory.checkpoint("llama3"), dtype="float32"))
+    cost = CostModel.from_manifest(engine.manifest)
+    weights = engine.manifest["weights"]
+    full = sum(w["nbytes"] for n, w in weights.items() if n not in ("model.embed_tokens.weight", "rope_cache"))
+    assert cost.dense_bytes == full
+    assert cost.logit_params == 512 * 64  # the LM head runs on logit rows only
+    assert len(cost.layers) == 2
+
+
+# -- the eager baseline is the same model -----------------------------------------------------
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])  # plain, q/k/v bias, q/k norm
+def test_eager_baseline_greedy_tokens_match_the_engine(factory, family):
+    checkpoint = factory.checkpoint(family)
+    engine = factory.engine(checkpoint, dtype="float32")
+    prompts = torch.randint(3, 380, (3, 10), generator=torch.Generator().manual_seed(1))
+    eager = EagerModel.load(checkpoint, "float32", 64, "cpu").greedy(prompts, 8)
+    with Session(engine) as session:
+        outs = session.generate(prompt_token_ids=prompts.tolist(),
+                                sampling_params=SamplingParams(temperature=0, ignore_eos=True, max_tokens=8))
+    assert eager.tolist() == [o.outputs[0].token_ids for o in outs]
+
+
+# -- a tensor-parallel engine folder, as is ----------------------------------------------------
+
+def test_tensor_parallel_engine_folder_needs_no_flags(factory, tmp_path):
+    engine = factory.engine(factory.checkpoint("llama3"), dtype="float32", tp_size=2)
+    result = invoke("--engine", engine, "--device", "cpu", "--only", "decode", "--batch-sizes", "2",
+                    "--decode-context", "8", "--decode-steps", "4", "--json", tmp_path / "tp.json")
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "tp.json").read_text())
+    assert data["world_size"] == 2 and data["decode"][0]["value"] > 0
+    assert any("no eager baseline" in n for n in data["notes"])
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch-sizes", "0"], "positive integer"),
+    (["--batch-sizes", "1,x"], "positive integers separated by commas"),
+    (["--offline", "128x128"], "like 128/128"),
+    (["--offline", "128/0"], "like 128/128"),
+    (["--rate", "0"], "--rate"),
+    (["--only", "prefill"], "choose from decode, offline, latency"),
+    (["--rate-lengths", "8/8,16/16"], "give one IN/OUT pair"),
+    (["--engine", "/nonexistent/engine"], "does not exist"),
+    (["--shape", "tiny", "--heads", "3"], "divide"),
+])
+def test_bad_flags_give_a_clear_error(args, message, tmp_path):
+    result = invoke("--device", "cpu", "--work-dir", tmp_path, "--json", tmp_path / "x.json", *args)
+    assert result.exit_code != 0
+    assert message in result.output
+    assert "Traceback" not in result.output and not isinstance(result.exception, (TypeError, KeyError))
