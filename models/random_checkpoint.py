@@ -25,6 +25,9 @@ do most published checkpoints, so Kiln's config reader must accept both.
 
 With tied embeddings transformers leaves ``lm_head.weight`` out of the
 safetensors files; loaders must fall back to ``model.embed_tokens.weight``.
+
+Big shapes (Llama-3-8B: 16 GB in bf16) are built with ``device="cuda"``: the model is
+made on the GPU directly in the requested dtype and randomized there.
 """
 
 from __future__ import annotations
@@ -145,24 +148,77 @@ def _family_config(family: str, size: dict[str, Any], tie: bool | None) -> Any:
 
 
 def _randomize(model: Any) -> None:
-    """Replace the default init with one that gives non-trivial logits."""
+    """Replace the default init with one that gives non-trivial logits.
+
+    Values are drawn in float32 whatever the model's dtype and rounded once, so a model
+    built directly in bf16 gets the distribution a float32 one would be rounded to. A float32
+    parameter is drawn in place, exactly as before the `device` option existed.
+    """
     import torch
 
     with torch.no_grad():
         # named_parameters() yields a tied embedding once, so it is drawn once.
         for name, param in model.named_parameters():
+            draw = param if param.dtype == torch.float32 else torch.empty_like(param, dtype=torch.float32)
             if name.endswith("norm.weight"):
                 # Far from 1 so that a wrong norm fold shows up in the logits.
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+                draw.copy_(1.0 + 0.1 * torch.randn_like(draw))
             elif name.endswith(".bias"):
-                param.normal_(0.0, 0.1)
+                draw.normal_(0.0, 0.1)
             elif "embed_tokens" in name:
-                param.normal_(0.0, 0.1)
+                draw.normal_(0.0, 0.1)
             else:
                 # ~1/sqrt(fan_in) keeps activations O(1), so fp16 does not overflow
                 # at demo sizes; clamped so tiny models still have visible attention.
-                fan_in = param.shape[-1]
-                param.normal_(0.0, min(0.1, max(0.02, fan_in ** -0.5)))
+                fan_in = draw.shape[-1]
+                draw.normal_(0.0, min(0.1, max(0.02, fan_in ** -0.5)))
+            if draw is not param:
+                param.copy_(draw)
+            del draw  # one float32 temporary at a time: an 8B model's embedding table is 2 GB of it
+
+
+def _dtype_kwarg() -> str:
+    """The keyword `from_config` takes the dtype by: `dtype` since transformers 4.56
+    (5.x warns on `torch_dtype`), `torch_dtype` before."""
+    import transformers
+
+    major, minor = (int(p) for p in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
+def _random_model(config: Any, dtype: str, device: str) -> Any:
+    """The randomized model, built directly in `dtype` on `device`; the global RNG must
+    already be seeded.
+
+    transformers' default init runs first: it is a few milliseconds of GPU work, skipping it
+    would reach into transformers' internals, and on the CPU it keeps the random stream where
+    earlier releases had it. Those built the model in float32 and cast it at the end; on the
+    CPU the init consumes the same random numbers whatever the dtype and `_randomize` draws in
+    float32 and rounds once, so the bytes written for a seed are the same as theirs
+    (tests/test_random_checkpoint.py checks it). A Llama-3-8B shape on "cuda" takes 16 GB
+    of GPU memory and seconds, instead of 32 GB of CPU memory and minutes.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                 **{_dtype_kwarg(): getattr(torch, dtype)})
+    _randomize(model)
+    return model.eval()
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"unknown device {device!r}: {exc}") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: no CUDA device is visible to torch")
+    if kind == "meta":
+        raise ValueError("device 'meta' holds no values to save")
 
 
 def _check_target(output_dir: Path, overwrite: bool) -> None:
@@ -188,6 +244,7 @@ def write_random_checkpoint(
     max_shard_size: str | None = None,
     tie_word_embeddings: bool | None = None,
     overwrite: bool = False,
+    device: str = "cpu",
 ) -> Path:
     """Write a random `family` checkpoint plus tokenizer to `output_dir`.
 
@@ -195,10 +252,11 @@ def write_random_checkpoint(
     case it is replaced. Files are written to a temporary sibling directory
     that is renamed at the end, so a failure leaves nothing half-written.
     `max_shard_size` (e.g. "20KB") splits the weights over several files.
-    Returns the resolved output path.
+    `device` is where the model is built and randomized: "cpu" (the default) gives the
+    same bytes for a seed as always; "cuda" builds it on the GPU directly in `dtype`, which
+    is what big shapes need (see `_random_model`). Returns the resolved output path.
     """
     import torch
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     output_dir = Path(output_dir).resolve()
@@ -206,6 +264,7 @@ def write_random_checkpoint(
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError("hidden_size must be divisible by num_heads, and num_heads by num_kv_heads")
+    _check_device(device)
     _check_target(output_dir, overwrite)
     tokenizer = train_tokenizer()
     if vocab_size < tokenizer.get_vocab_size():
@@ -219,10 +278,8 @@ def write_random_checkpoint(
                 bos_token_id=tokenizer.token_to_id(BOS_TOKEN),
                 eos_token_id=tokenizer.token_to_id(EOS_TOKEN))
     config = _family_config(family, size, tie_word_embeddings)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    _randomize(model)
-    model.to(getattr(torch, dtype)).eval()
+    torch.manual_seed(seed)  # seeds every CUDA device too
+    model = _random_model(config, dtype, device)
 
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
@@ -250,6 +307,10 @@ def write_random_checkpoint(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        del model
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()  # give the model's memory back to the caller's next user
     return output_dir
 
 
@@ -293,11 +354,15 @@ def _count_parameters(directory: Path) -> int:
               help='Split the weights into shards of at most this size, e.g. "100KB".')
 @click.option("--tie-word-embeddings/--untie-word-embeddings", default=None,
               help="Override the family's default (tied only for llama3.2).")
+@click.option("--device", default="cpu", show_default=True,
+              help='Where to build and randomize the model: "cuda" builds it there directly in '
+                   '--dtype (what a Llama-3-8B shape needs); "cpu" gives the same bytes for a '
+                   'seed as always.')
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it is not empty.")
 def main(family: str, output: Path, dtype: str, hidden_size: int, layers: int, heads: int,
          kv_heads: int, intermediate_size: int, vocab_size: int, max_position_embeddings: int,
          seed: int, max_shard_size: str | None, tie_word_embeddings: bool | None,
-         force: bool) -> None:
+         device: str, force: bool) -> None:
     """Write a small Hugging Face checkpoint with random weights.
 
     For demos and tests only: the weights are random, the byte-level BPE
@@ -313,7 +378,7 @@ def main(family: str, output: Path, dtype: str, hidden_size: int, layers: int, h
             num_kv_heads=kv_heads, intermediate_size=intermediate_size, vocab_size=vocab_size,
             max_position_embeddings=max_position_embeddings, dtype=dtype, seed=seed,
             max_shard_size=max_shard_size, tie_word_embeddings=tie_word_embeddings,
-            overwrite=force)
+            overwrite=force, device=device)
     except (ValueError, FileExistsError) as exc:
         raise click.UsageError(str(exc)) from exc
     click.echo(f"{family}: {_count_parameters(path):,} parameters, {dtype} -> {path}")

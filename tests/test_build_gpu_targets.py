@@ -3,10 +3,6 @@ ahead of time for every target into the engine file, and the runtime refuses an 
 targets do not include this machine."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 from click.testing import CliRunner
 
@@ -14,23 +10,12 @@ from builder.build import build_from_model
 from builder.cli import inspect_engine
 from builder.config import BuildConfig
 from builder.kernels import KernelError
+from gpu_build import build_cli
 from runtime.engine import EngineLoadError, load_engine
 from runtime.engine_file import read_engine_file
 from test_gelu_model import gelu_model
 
 GPU_TARGETS = ["sm_80", "sm_89", "sm_90", "sm_100"]
-
-
-def build_cli(checkpoint, output, targets, cache) -> subprocess.CompletedProcess:
-    """build-engine in a fresh process: AOT compilation needs Triton out of interpreter mode."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["KILN_CACHE"] = str(cache)
-    args = ["--checkpoint", str(checkpoint), "--output", str(output), "--dtype", "bfloat16", "--max-seq-len", "64",
-            "--max-num-tokens", "64", "--kv-block-size", "16", "--quiet"]
-    for t in targets:
-        args += ["--target", t]
-    code = "import sys; from builder.cli import build_engine; build_engine(sys.argv[1:])"
-    return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -117,7 +117,7 @@ def test_cuda_executor_matches_cpu_executor(engine_dir, record_property, family,
             assert torch.isfinite(got).all(), name
             assert err < tol, f"{family} {dtype}: {report}"
         # The KV cache written by the kernels holds what the reference wrote.
-        assert rel_err(gpu.kv_cache.float().cpu(), cpu.kv_cache.float()) < tol
+        assert rel_err(gpu.kv_cache[:, :, :NUM_BLOCKS].float().cpu(), cpu.kv_cache.float()) < tol
         # Copy-on-write copies blocks on the device as on the CPU.
         src = steps(engine)[1][0][0]
         gpu.copy_blocks([(src, NUM_BLOCKS - 1)])

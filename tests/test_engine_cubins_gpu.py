@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 
 def test_every_cubin_for_this_gpu_loads(factory, tmp_path):
     from runtime.cuda_driver import device_arch, load_kernel
-    from test_build_gpu_targets import build_cli
+    from gpu_build import build_cli
 
     arch = device_arch()
     engine = os.environ.get("KILN_GPU_ENGINE")

@@ -184,3 +184,84 @@ def test_cli(tmp_path: Path) -> None:
 
     help_text = runner.invoke(main, ["--help"]).output
     assert "random" in help_text and "--max-shard-size" in help_text
+
+
+def _float32_then_cast(family: str, dtype: str, seed: int, **size) -> dict[str, torch.Tensor]:
+    """The weights as they were made before the `device` keyword: built in float32 with
+    transformers' init, randomized, then cast."""
+    from models.random_checkpoint import _family_config, _randomize
+
+    config = _family_config(family, size, None)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    _randomize(model)
+    return model.to(getattr(torch, dtype)).state_dict()
+
+
+@pytest.mark.parametrize("family,dtype", [("qwen2", "bfloat16"), ("llama3.2", "float16"), ("qwen3", "float32")])
+def test_device_keyword_builds_in_dtype_with_the_same_bytes(tmp_path: Path, family: str, dtype: str) -> None:
+    """device="cpu" builds the model directly in `dtype`, and still writes what the float32
+    build cast to `dtype` wrote (q/k/v biases, tied embeddings and q/k norms included)."""
+    from safetensors.torch import load_file
+
+    size = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=64, vocab_size=512, max_position_embeddings=256, bos_token_id=0,
+                eos_token_id=1)
+    path = write_random_checkpoint(tmp_path / "d", family, hidden_size=32, num_heads=4, num_kv_heads=2,
+                                   intermediate_size=64, dtype=dtype, seed=7, device="cpu")
+    weights = load_file(path / "model.safetensors")
+    want = _float32_then_cast(family, dtype, 7, **size)
+    assert {t.dtype for t in weights.values()} == {getattr(torch, dtype)}
+    assert weights.keys() <= want.keys()
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, want[name]), name
+    assert json.loads((path / "config.json").read_text())["dtype"] == dtype
+    default = write_random_checkpoint(tmp_path / "default", family, hidden_size=32, num_heads=4, num_kv_heads=2,
+                                      intermediate_size=64, dtype=dtype, seed=7)
+    assert (default / "model.safetensors").read_bytes() == (path / "model.safetensors").read_bytes()
+
+
+def test_bad_device_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown device 'gpu0'"):
+        write_random_checkpoint(tmp_path / "x", device="gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            write_random_checkpoint(tmp_path / "x", device="cuda")
+    assert not any(tmp_path.iterdir())
+    result = CliRunner().invoke(main, ["--output", str(tmp_path / "cli"), "--device", "gpu0"])
+    assert result.exit_code == 2 and "unknown device 'gpu0'" in result.output
+
+
+def test_cli_device(tmp_path: Path) -> None:
+    runner = CliRunner()
+    args = ["--family", "qwen3", "--hidden-size", "32", "--intermediate-size", "64", "--dtype", "bfloat16"]
+    result = runner.invoke(main, [*args, "--output", str(tmp_path / "a"), "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(main, [*args, "--output", str(tmp_path / "b")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert "--device" in runner.invoke(main, ["--help"]).output
+
+
+@pytest.mark.gpu
+def test_cuda_device_builds_on_the_gpu(tmp_path: Path) -> None:
+    """device="cuda": a bf16 model made on the GPU loads in transformers and gives logits that
+    depend on the input, with the CPU build's distributions (not its bytes: another RNG)."""
+    from safetensors.torch import load_file
+
+    allocated = torch.cuda.memory_allocated()
+    gpu = write_random_checkpoint(tmp_path / "gpu", "qwen2", hidden_size=64, dtype="bfloat16", seed=1, device="cuda")
+    cpu = write_random_checkpoint(tmp_path / "cpu", "qwen2", hidden_size=64, dtype="bfloat16", seed=1)
+    got, want = load_file(gpu / "model.safetensors"), load_file(cpu / "model.safetensors")
+    assert got.keys() == want.keys()
+    for name in got:
+        assert got[name].dtype == torch.bfloat16 and got[name].shape == want[name].shape, name
+        assert not torch.equal(got[name], want[name]), name
+        g, w = got[name].float(), want[name].float()
+        if g.numel() >= 4096:  # enough samples for 10% to be several standard errors
+            assert abs(g.mean() - w.mean()) < 0.1 * w.std() and abs(g.std() / w.std() - 1) < 0.1, name
+    model = transformers.AutoModelForCausalLM.from_pretrained(gpu, local_files_only=True)
+    with torch.no_grad():
+        logits = model(torch.tensor([[0, 5, 9, 200, 17]])).logits
+    assert torch.isfinite(logits).all() and logits.std() > 0.1
+    assert torch.cuda.memory_allocated() <= allocated  # the model made on the GPU was freed

@@ -1,0 +1,27 @@
+"""Building engines for GPU targets from a test: `build-engine` in a fresh process, since the
+test process runs Triton in its interpreter when there is no GPU (conftest.py) and AOT
+compilation needs it out of interpreter mode."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def build_cli(checkpoint, output, targets, cache, *, dtype: str = "bfloat16", max_seq_len: int = 64,
+              max_num_tokens: int = 64, max_batch_size: int | None = None, kv_block_size: int = 16,
+              timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run `build-engine` for `targets` with its cubins cached under `cache` (KILN_CACHE).
+    `max_batch_size` None keeps build-engine's default."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["KILN_CACHE"] = str(cache)
+    args = ["--checkpoint", str(checkpoint), "--output", str(output), "--dtype", dtype,
+            "--max-seq-len", str(max_seq_len), "--max-num-tokens", str(max_num_tokens),
+            "--kv-block-size", str(kv_block_size), "--quiet"]
+    if max_batch_size is not None:
+        args += ["--max-batch-size", str(max_batch_size)]
+    for t in targets:
+        args += ["--target", t]
+    code = "import sys; from builder.cli import build_engine; build_engine(sys.argv[1:])"
+    return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)

@@ -1,0 +1,442 @@
+"""Greedy parity of the GPU engine: issue 4's acceptance (GPU only: `pytest -m gpu -rP`).
+
+On the GPU, 16 prompts of 8 to 100 random token ids go to one `Session(engine,
+device="cuda")` together, 64 greedy tokens each, so prefill chunks, mixed steps and decode
+batches all run in flight. Then each prompt with its 64 tokens is fed teacher-forced to the
+reference, and to the engine's executor as prefill chunks asking every logit: an early flip
+cannot cascade, each of the 64 positions is compared on its own.
+
+- bf16 engine against transformers on the GPU (small llama3 and qwen3 models, and the
+  Llama-3-8B shape): the issue's figures (share of the 16 x 64 positions where Kiln's token is
+  an argmax of transformers bf16's logits, relative L2 error of each sequence's [64, vocab]
+  logits) are measured and printed; the assertion is that Kiln is as close to the float32
+  computation as transformers' own bf16 run is (see `check_bf16_parity` for why).
+- float32 engine on the GPU against the same engine on the CPU: identical greedy tokens and
+  logits within 1e-4 (test_cuda_executor.py checks single steps and 2 prompts x 8 tokens;
+  this is 16 requests in flight for 64 tokens).
+- an engine built only for another GPU is refused with a message naming its targets and the
+  --target to rebuild with.
+
+"Is an argmax" counts exact ties in the reference's logits (bf16 logits over a 128k vocabulary
+tie at the top now and then) as agreeing with either tied token; the summary also gives the
+share equal to the reference's first argmax. Each test prints a one-line summary (seen with
+-rP), records it as a JUnit property, and appends it to the file KILN_GPU_RESULTS names, if
+set. The summary also holds figures no assertion uses: transformers bf16 against transformers
+float32 on the same weights (the noise floor of any bf16 run), Kiln against float32, and Kiln's
+prefill logits against its own decode-time choices.
+
+KILN_GPU_WORKDIR names a folder that keeps checkpoints, engines and compiled kernels between
+runs (the 8B checkpoint and engine are 16 GB each and take minutes to make); an engine there is
+rebuilt when the sources it is built from change. Without it, everything goes to pytest's tmp.
+
+The comparison functions (prompts, teacher forcing, agreement, relative error) are plain
+functions, checked on the CPU here against a float32 CPU engine and transformers.
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from gpu_build import build_cli
+from models.random_checkpoint import write_random_checkpoint
+from runtime import SamplingParams, Session
+from runtime.engine import EngineLoadError, load_engine
+from runtime.executor import CpuExecutor
+from runtime.step import SequenceChunk, pack_step
+
+ROOT = Path(__file__).resolve().parents[1]
+NUM_PROMPTS, MAX_TOKENS, PROMPT_LENS = 16, 64, (8, 100)
+FP32_REL_ERR = 1e-4
+# Kiln against float32 may trail transformers bf16 against float32 by 1.5% of the tokens
+# (16 of 1,024: near-ties break either way) and by a quarter in median relative error.
+BF16_AGREEMENT_MARGIN, BF16_ERROR_FACTOR = 0.015, 1.25
+# 16 sequences of up to 164 tokens in flight: the 16 prompts' 1,000-odd tokens are prefilled in
+# chunks of 256 beside the decodes of the sequences admitted first.
+BUILD = dict(max_seq_len=256, max_num_tokens=256, max_batch_size=16, kv_block_size=16)
+SMALL = dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=512, vocab_size=512)
+LLAMA3_8B = dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336,
+                 vocab_size=128256, max_position_embeddings=8192)
+
+
+# -- what is compared, and how ----------------------------------------------------------------
+
+def make_prompts(vocab_size: int, n: int = NUM_PROMPTS, lengths: tuple[int, int] = PROMPT_LENS,
+                 seed: int = 0) -> list[list[int]]:
+    """`n` prompts of random ids from 3 up (0-2 are the tokenizer's specials), their lengths
+    spread evenly over `lengths` (both ends included) in a shuffled order."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = lengths
+    lens = [lo + (hi - lo) * i // max(n - 1, 1) for i in range(n)]
+    lens = [lens[i] for i in torch.randperm(n, generator=g).tolist()]
+    return [torch.randint(3, vocab_size, (k,), generator=g).tolist() for k in lens]
+
+
+def kiln_generate(engine_dir, device: str, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    """Greedy tokens of every prompt, all submitted to one Session at once (in-flight batching)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    with Session(engine_dir, device=device) as session:
+        outputs = session.generate(prompt_token_ids=prompts, sampling_params=params)
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    assert [len(t) for t in tokens] == [max_tokens] * len(prompts)
+    return tokens
+
+
+def open_executor(engine_dir, device: str):
+    """The engine's executor for `device`, with KV blocks for one sequence of max_seq_len."""
+    if device == "cuda":
+        from runtime.cuda_driver import device_arch
+        from runtime.cuda_executor import CudaExecutor
+
+        engine = load_engine(engine_dir, target=device_arch())
+        return CudaExecutor(engine, engine.bounds["B"])
+    engine = load_engine(engine_dir)
+    return CpuExecutor(engine, engine.bounds["B"])
+
+
+def teacher_forced_tokens(prompt: list[int], generated: list[int]) -> tuple[list[int], int]:
+    """The tokens to feed (the prompt, then every generated token but the last) and the first
+    position whose logits predicted a generated token (the prompt's last)."""
+    return list(prompt) + list(generated[:-1]), len(prompt) - 1
+
+
+def kiln_teacher_forced(executor, prompt: list[int], generated: list[int],
+                        max_chunk: int | None = None) -> torch.Tensor:
+    """Kiln's logits at the len(generated) positions that predicted `generated`, [n, vocab]
+    float32 on the CPU. The sequence runs as prefill chunks within the engine's bounds (the
+    ones holding those positions ask for every logit), in blocks 0.. of the executor's pool,
+    which each call overwrites from position 0."""
+    bounds, block_size = executor.engine.bounds, executor.engine.kv_cache["block_size"]
+    tokens, first = teacher_forced_tokens(prompt, generated)
+    table = list(range(bounds["B"]))
+    rows, pos = [], 0
+    while pos < len(tokens):
+        wanted = pos >= first
+        limit = min(bounds["T"], bounds["L"]) if wanted else bounds["T"]
+        limit = min(limit, max_chunk or limit)
+        end = min(pos + limit, len(tokens) if wanted else first)
+        step = pack_step([SequenceChunk(tokens[pos:end], pos, table, all_logits=wanted)], block_size, bounds["B"])
+        logits = executor.run(step)
+        if wanted:
+            rows.append(logits.float().cpu())
+        pos = end
+    return torch.cat(rows)
+
+
+def hf_teacher_forced(model, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    """transformers' logits at the same positions as `kiln_teacher_forced`, float32 on the CPU."""
+    tokens, first = teacher_forced_tokens(prompt, generated)
+    ids = torch.tensor([tokens], device=next(model.parameters()).device)
+    with torch.no_grad():
+        return model(ids).logits[0, first:].float().cpu()
+
+
+def argmax_agreement(tokens: list[list[int]], ref_logits: list[torch.Tensor]) -> tuple[float, float]:
+    """Over every position: (share where the token is an argmax of the reference's logits, exact
+    ties included; share where it is the reference's first argmax)."""
+    hits = first = total = 0
+    for toks, logits in zip(tokens, ref_logits, strict=True):
+        assert logits.shape[0] == len(toks), (logits.shape, len(toks))
+        t = torch.tensor(toks)
+        hits += int((logits.gather(1, t[:, None])[:, 0] == logits.max(dim=1).values).sum())
+        first += int((logits.argmax(dim=1) == t).sum())
+        total += len(toks)
+    return hits / total, first / total
+
+
+def relative_errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> list[float]:
+    """Per sequence, ||got - want||_2 / ||want||_2 over all its positions and the vocabulary,
+    in float32."""
+    errors = []
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape, (g.shape, w.shape)
+        g, w = g.float(), w.float()
+        errors.append(float(torch.linalg.vector_norm(g - w) / torch.linalg.vector_norm(w)))
+    return errors
+
+
+def report(name: str, tokens: list[list[int]], agreement: tuple[float, float], errors: list[float],
+           extra: str = "") -> str:
+    n = sum(len(t) for t in tokens)
+    return (f"{name}: agreement {agreement[0]:.4f} (first argmax {agreement[1]:.4f}) over {n} tokens; "
+            f"logits rel err max {max(errors):.2e} median {median(errors):.2e}{extra}")
+
+
+def publish(line: str, record_property) -> None:
+    print(line)
+    record_property("parity", line)  # in the JUnit XML of a GPU run
+    path = os.environ.get("KILN_GPU_RESULTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+# -- checkpoints and engines, kept between runs in KILN_GPU_WORKDIR ------------------------------
+
+def _sources_hash() -> str:
+    """Content hash of what an engine's bytes come from: the builder, models, plugins and the
+    engine file format."""
+    h = hashlib.sha256()
+    files = [p for pkg in ("builder", "models", "plugins") for p in (ROOT / pkg).rglob("*.py")]
+    for f in sorted(files + [ROOT / "runtime" / "engine_file.py"]):
+        h.update(f.relative_to(ROOT).as_posix().encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _key(*parts) -> str:
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:8]
+
+
+def cached_checkpoint(workdir: Path, family: str, **kwargs) -> Path:
+    """A random checkpoint, made once per family and arguments (its writer renames a finished
+    folder into place, so one that exists is complete)."""
+    path = workdir / f"ckpt-{family}-{_key(family, sorted(kwargs.items()))}"
+    if not path.is_dir():
+        write_random_checkpoint(path, family, **kwargs)
+    return path
+
+
+def cached_engine(workdir: Path, checkpoint: Path, targets: list[str], dtype: str, **build) -> Path:
+    """An engine of `checkpoint`, built in a fresh process once per build and sources; an
+    engine of the same build from older sources is deleted first (the 8B one is 16 GB)."""
+    prefix = f"engine-{checkpoint.name}-{dtype}-{'-'.join(targets)}-{_key(sorted(build.items()))}-"
+    path = workdir / (prefix + _sources_hash())
+    if not (path / "rank0.engine").is_file():
+        for stale in [*workdir.glob(prefix + "*"), *workdir.glob(f".{prefix}*")]:
+            shutil.rmtree(stale, ignore_errors=True)
+        result = build_cli(checkpoint, path, targets, workdir / "kernel-cache", dtype=dtype, timeout=1800, **build)
+        assert result.returncode == 0, result.stderr + result.stdout
+    return path
+
+
+@pytest.fixture(scope="module")
+def gpu_workdir(tmp_path_factory):
+    if os.environ.get("KILN_GPU_WORKDIR"):
+        path = Path(os.environ["KILN_GPU_WORKDIR"])
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    path = tmp_path_factory.mktemp("gpu-parity")
+    yield path
+    # pytest keeps its last three tmp folders: three 8B checkpoints and engines would fill the disk.
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def arch() -> str:
+    from runtime.cuda_driver import device_arch
+
+    return device_arch()
+
+
+def free_gpu() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# -- GPU: bf16 engine against transformers ------------------------------------------------------
+
+@dataclass(frozen=True)
+class Bf16Parity:
+    """Figures of one bf16 comparison, each (agreement, per-sequence relative errors)."""
+
+    kiln_vs_hf: tuple[tuple[float, float], list[float]]      # the issue's criterion
+    kiln_vs_fp32: tuple[tuple[float, float], list[float]]    # Kiln against exact-ish math
+    hf_vs_fp32: tuple[tuple[float, float], list[float]]      # transformers' own bf16 noise
+    line: str
+
+
+def measure_bf16_parity(name: str, checkpoint: Path, engine_dir: Path, prompts: list[list[int]], device: str = "cuda",
+                        max_tokens: int = MAX_TOKENS) -> Bf16Parity:
+    """Kiln's greedy tokens on `device` against transformers on the same weights, teacher-forced,
+    in bf16 and in float32 (the bf16 weights computed in float32)."""
+    tokens = kiln_generate(engine_dir, device, prompts, max_tokens)
+    free_gpu()
+    executor = open_executor(engine_dir, device)
+    try:
+        kiln = [kiln_teacher_forced(executor, p, t) for p, t in zip(prompts, tokens)]
+    finally:
+        executor.close()
+    del executor
+    free_gpu()
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).to(device).eval()
+    try:
+        hf = [hf_teacher_forced(model, p, t) for p, t in zip(prompts, tokens)]
+        model.float()  # the same bf16 weights, exactly, computed in float32
+        hf32 = [hf_teacher_forced(model, p, t) for p, t in zip(prompts, tokens)]
+    finally:
+        del model
+        free_gpu()
+
+    hf_greedy = [logits.argmax(dim=1).tolist() for logits in hf]
+    figures = ((argmax_agreement(tokens, hf), relative_errors(kiln, hf)),
+               (argmax_agreement(tokens, hf32), relative_errors(kiln, hf32)),
+               (argmax_agreement(hf_greedy, hf32), relative_errors(hf, hf32)))
+    (agreement, errors), (k32, k32_err), (h32, h32_err) = figures
+    line = report(name, tokens, agreement, errors, (
+        f"; kiln vs fp32: agreement {k32[0]:.4f}, rel err median {median(k32_err):.2e}"
+        f"; hf bf16 vs fp32: agreement {h32[0]:.4f}, rel err median {median(h32_err):.2e}"
+        f"; kiln prefill vs its decode: agreement {argmax_agreement(tokens, kiln)[0]:.4f}"))
+    return Bf16Parity(*figures, line)
+
+
+def check_bf16_parity(name: str, checkpoint: Path, engine_dir: Path, vocab_size: int, record_property) -> None:
+    """Kiln's bf16 engine must be at least as close to the float32 computation as transformers'
+    own bf16 run is (within the margins below).
+
+    The issue asks for >= 99% agreement and <= 2e-2 relative error against transformers bf16.
+    With random weights the logits are nearly flat, so bf16 rounding alone breaks near-ties:
+    on an H200 (2026-11-29) transformers bf16 agreed with its own float32 run on only 83% of
+    the 8B shape's tokens (rel err 7.0e-2) and 97.6-99.0% for the small models. Those figures
+    are printed with every run; the assertion compares Kiln with that noise floor instead."""
+    parity = measure_bf16_parity(name, checkpoint, engine_dir, make_prompts(vocab_size))
+    publish(parity.line, record_property)
+    (k32, k32_err), (h32, h32_err) = parity.kiln_vs_fp32, parity.hf_vs_fp32
+    assert k32[0] >= h32[0] - BF16_AGREEMENT_MARGIN, parity.line
+    assert median(k32_err) <= BF16_ERROR_FACTOR * median(h32_err), parity.line
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_small_bf16_engine_matches_transformers_on_the_gpu(family, gpu_workdir, arch, record_property):
+    checkpoint = cached_checkpoint(gpu_workdir, family, **SMALL)
+    engine = cached_engine(gpu_workdir, checkpoint, [arch], "bfloat16", **BUILD)
+    check_bf16_parity(f"{family} small bf16", checkpoint, engine, SMALL["vocab_size"], record_property)
+
+
+@pytest.mark.gpu
+def test_llama3_8b_bf16_engine_matches_transformers_on_the_gpu(gpu_workdir, arch, record_property):
+    # Made on the GPU directly in bf16: seconds, instead of minutes and 32 GB on the CPU.
+    checkpoint = cached_checkpoint(gpu_workdir, "llama3", dtype="bfloat16", device="cuda", **LLAMA3_8B)
+    free_gpu()
+    engine = cached_engine(gpu_workdir, checkpoint, [arch], "bfloat16", **BUILD)
+    check_bf16_parity("llama3 8B bf16", checkpoint, engine, LLAMA3_8B["vocab_size"], record_property)
+
+
+# -- GPU: float32 engine against the CPU executor -----------------------------------------------
+
+@pytest.mark.gpu
+def test_float32_gpu_engine_matches_cpu_engine(gpu_workdir, arch, record_property):
+    checkpoint = cached_checkpoint(gpu_workdir, "llama3", **SMALL)
+    engine = cached_engine(gpu_workdir, checkpoint, ["cpu", arch], "float32", **BUILD)
+    prompts = make_prompts(SMALL["vocab_size"])
+    tokens = {device: kiln_generate(engine, device, prompts) for device in ("cpu", "cuda")}
+    logits = {}
+    for device in ("cpu", "cuda"):
+        executor = open_executor(engine, device)
+        try:
+            # Both teacher-forced on the CPU's tokens, so they see the same inputs.
+            logits[device] = [kiln_teacher_forced(executor, p, t) for p, t in zip(prompts, tokens["cpu"])]
+        finally:
+            executor.close()
+    free_gpu()
+
+    errors = relative_errors(logits["cuda"], logits["cpu"])
+    line = report("llama3 small float32, cuda vs cpu", tokens["cuda"], argmax_agreement(tokens["cuda"], logits["cpu"]),
+                  errors)
+    publish(line, record_property)
+    for i, (got, want) in enumerate(zip(tokens["cuda"], tokens["cpu"])):
+        if got != want:
+            j = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
+            top2 = logits["cpu"][i][j].topk(2).values
+            pytest.fail(f"prompt {i}: token {j} is {got[j]} on the GPU, {want[j]} on the CPU (the CPU's top two "
+                        f"logits there differ by {float(top2[0] - top2[1]):.2e}); {line}")
+    assert max(errors) <= FP32_REL_ERR, line
+
+
+# -- GPU: an engine for another GPU is refused -------------------------------------------------
+
+@pytest.mark.gpu
+def test_engine_for_another_gpu_is_refused(gpu_workdir, arch):
+    from runtime.cuda_executor import CudaExecutor
+
+    other = "sm_89" if arch != "sm_89" else "sm_80"
+    engine_dir = cached_engine(gpu_workdir, cached_checkpoint(gpu_workdir, "qwen3"), [other], "bfloat16",
+                               max_seq_len=64, max_num_tokens=64)
+    message = f"engine built for {other};.* needs {arch}: rebuild with --target {arch}"
+    with pytest.raises(EngineLoadError, match=message):
+        Session(engine_dir, device="cuda")
+    with pytest.raises(EngineLoadError, match=message):
+        CudaExecutor(load_engine(engine_dir, target=other), 4)
+
+
+# -- CPU: the comparison functions themselves --------------------------------------------------
+
+def test_agreement_and_relative_error_definitions():
+    logits = [torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 1.0, 0.0, 0.0]]), torch.tensor([[1.0, 2.0, 0.0, -1.0]])]
+    # Token 2 ties with token 1 for the first row's top: an argmax, though not the first.
+    assert argmax_agreement([[2, 0], [1]], logits) == (1.0, 2 / 3)
+    assert argmax_agreement([[1, 1], [0]], logits) == (1 / 3, 1 / 3)
+    with pytest.raises(AssertionError):
+        argmax_agreement([[1], [1]], logits)
+    want = [torch.randn(3, 5, generator=torch.Generator().manual_seed(0)), torch.ones(2, 5)]
+    errors = relative_errors([w * 1.01 for w in want], want)
+    assert errors == pytest.approx([0.01, 0.01], rel=1e-4)
+    assert relative_errors(want, want) == [0.0, 0.0]
+
+    prompts = make_prompts(512)
+    assert prompts == make_prompts(512) and len(prompts) == NUM_PROMPTS
+    assert sorted(len(p) for p in prompts)[::NUM_PROMPTS - 1] == list(PROMPT_LENS)
+    assert all(3 <= t < 512 for p in prompts for t in p)
+    assert teacher_forced_tokens([5, 6, 7], [8, 9]) == ([5, 6, 7, 8], 2)
+
+
+def test_teacher_forcing_against_transformers_on_the_cpu(factory):
+    """The GPU tests' functions on a float32 CPU engine: its greedy tokens are transformers'
+    argmax at every teacher-forced position, and the logits agree to float32 precision."""
+    checkpoint = factory.checkpoint("llama3")
+    engine = factory.engine(checkpoint, dtype="float32")  # at most 64 tokens a step, 32 logit rows
+    prompts = make_prompts(512, n=4, lengths=(1, 30))
+    tokens = kiln_generate(engine, "cpu", prompts, max_tokens=20)
+    executor = open_executor(engine, "cpu")
+    kiln = [kiln_teacher_forced(executor, p, t) for p, t in zip(prompts, tokens)]
+    chunked = [kiln_teacher_forced(executor, p, t, max_chunk=3) for p, t in zip(prompts, tokens)]
+    executor.close()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    hf = [hf_teacher_forced(model, p, t) for p, t in zip(prompts, tokens)]
+
+    assert [k.shape for k in kiln] == [(20, 512)] * 4
+    assert argmax_agreement(tokens, hf) == (1.0, 1.0)
+    assert argmax_agreement(tokens, kiln) == (1.0, 1.0)
+    assert max(relative_errors(kiln, hf)) < FP32_REL_ERR
+    assert max(relative_errors(chunked, kiln)) < 1e-5
+    # The positions line up: one step off, the tokens no longer agree.
+    shifted = [torch.cat([h[1:], h[:1]]) for h in hf]
+    assert argmax_agreement(tokens, shifted)[0] < 0.5
+    # One wrong token costs exactly its share.
+    wrong = [list(t) for t in tokens]
+    wrong[1][7] = (wrong[1][7] + 1) % 512
+    assert argmax_agreement(wrong, hf)[0] == pytest.approx(1 - 1 / 80)
+    print(report("llama3 tiny float32, cpu vs transformers", tokens, argmax_agreement(tokens, hf),
+                 relative_errors(kiln, hf)))
+
+
+def test_bf16_measurement_on_the_cpu(tmp_path):
+    """The bf16 GPU tests' whole path on the CPU, from an engine built by `cached_engine` in a
+    fresh process: figures in the range bf16 gives (CPU reference ops against transformers;
+    the GPU tests compare Kiln with transformers' own bf16 noise), and a second `cached_engine` call reuses
+    the engine."""
+    checkpoint = cached_checkpoint(tmp_path, "llama3")
+    assert cached_checkpoint(tmp_path, "llama3") == checkpoint
+    engine = cached_engine(tmp_path, checkpoint, ["cpu"], "bfloat16", **BUILD)
+    built = (engine / "rank0.engine").stat().st_mtime_ns
+    assert cached_engine(tmp_path, checkpoint, ["cpu"], "bfloat16", **BUILD) == engine
+    assert (engine / "rank0.engine").stat().st_mtime_ns == built
+    prompts = make_prompts(512, n=4)
+    parity = measure_bf16_parity("llama3 tiny bf16, cpu", checkpoint, engine, prompts, "cpu", 32)
+    (agreement, errors), line = parity.kiln_vs_hf, parity.line
+    print(line)
+    assert line.startswith("llama3 tiny bf16, cpu: agreement ") and "over 128 tokens" in line
+    assert 0.9 <= agreement[1] <= agreement[0] <= 1.0
+    assert len(errors) == 4 and all(1e-4 < e < 5e-2 for e in errors)
