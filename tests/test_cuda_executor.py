@@ -10,13 +10,10 @@ executors see identical inputs even where bf16 rounding would make greedy choice
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from gpu_build import build_cli
 from runtime.engine import load_engine
 from runtime.executor import CpuExecutor
 from runtime.step import SequenceChunk, pack_step
@@ -30,21 +27,6 @@ DECODE_STEPS = 6
 # op's output (the GPU after fp32 accumulation, the CPU reference op by op), so they differ by
 # the sum of two bf16 errors: up to about 2.2e-2 measured on an H200 (2026-11-29).
 CASES = [("qwen3", "float32", 512, 1e-4), ("llama3", "bfloat16", 256, 3e-2), ("qwen3", "bfloat16", 512, 3e-2)]
-
-
-def build(checkpoint, output, dtype: str, max_seq_len: int, targets: list[str], cache) -> None:
-    """build-engine in a fresh process (AOT compilation needs Triton out of interpreter mode)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["KILN_CACHE"] = str(cache)
-    args = ["--checkpoint", str(checkpoint), "--output", str(output), "--dtype", dtype,
-            "--max-seq-len", str(max_seq_len), "--max-num-tokens", "160", "--max-batch-size", "64",
-            "--kv-block-size", "16", "--quiet"]
-    for t in targets:
-        args += ["--target", t]
-    code = "import sys; from builder.cli import build_engine; build_engine(sys.argv[1:])"
-    result = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
-                            timeout=600, check=False)
-    assert result.returncode == 0, result.stderr + result.stdout
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -97,7 +79,9 @@ def engine_dir(factory, tmp_path_factory):
         key = (family, dtype, max_seq_len)
         if key not in built:
             built[key] = root / f"{family}-{dtype}-{max_seq_len}"
-            build(factory.checkpoint(family), built[key], dtype, max_seq_len, ["cpu", device_arch()], root / "cache")
+            result = build_cli(factory.checkpoint(family), built[key], ["cpu", device_arch()], root / "cache",
+                               dtype=dtype, max_seq_len=max_seq_len, max_num_tokens=160, max_batch_size=64)
+            assert result.returncode == 0, result.stderr + result.stdout
         return built[key]
     return get
 
