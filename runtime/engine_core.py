@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 
 from runtime.cuda_driver import device_arch
 from runtime.cuda_executor import CudaExecutor
+from runtime.detokenizer import Detokenizer
 from runtime.engine import EngineLoadError, engine_world_size, load_engine
 from runtime.engine_file import read_engine_file
 from runtime.executor import CpuExecutor
@@ -85,6 +86,7 @@ class EngineCore:
         self.eos_ids = tuple(self.engine.manifest["model"].get("eos_token_ids", ()))
         tokenizer_file = Path(engine_dir) / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.is_file() else None
+        self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.requests: dict[str, Request] = {}
         self.peak_blocks = 0
 
@@ -193,37 +195,21 @@ class EngineCore:
 
     def _check_finished(self, seq: Sequence, token: int) -> None:
         params = seq.request.params
-        generated = len(seq.output_ids)
         # The sampler masks eos and stop tokens until min_tokens are out, so no check here.
         if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             self._update_text(seq, final=True, drop_last=True)
             return self._finish(seq, "stop")
-        self._update_text(seq, final=False)
-        for stop in params.stop:
-            at = seq.text.find(stop)
-            if at >= 0:
-                seq.text = seq.text[:at]
-                return self._finish(seq, "stop")
-        if generated >= params.max_tokens or seq.num_tokens >= self.max_seq_len:
-            self._update_text(seq, final=True)
+        length = seq.num_output >= params.max_tokens or seq.num_tokens >= self.max_seq_len
+        if self._update_text(seq, final=length):
+            return self._finish(seq, "stop")
+        if length:
             self._finish(seq, "length")
 
-    def _update_text(self, seq: Sequence, final: bool, drop_last: bool = False) -> None:
-        """Decode the output so far. Mid-stream, hold back a trailing partial UTF-8 character and
-        any tail that could be the start of a stop string, so streamed text only ever grows."""
-        if self.tokenizer is None:
-            return
-        ids = seq.output_ids[:-1] if drop_last else seq.output_ids
-        text = self.tokenizer.decode(ids)
-        seq.full_text = text
-        if final:
-            seq.text = text
-            return
-        if text.endswith("\ufffd"):
-            return
-        hold = max((k for stop in seq.request.params.stop for k in range(1, len(stop))
-                    if text.endswith(stop[:k])), default=0)
-        seq.text = text[:len(text) - hold]
+    def _update_text(self, seq: Sequence, final: bool, drop_last: bool = False) -> bool:
+        """Decode the new output tokens (a few per step, see runtime/detokenizer.py). Mid-stream,
+        hold back a trailing partial UTF-8 character and any tail that could be the start of a
+        stop string, so streamed text only ever grows. True when a stop string cut the text."""
+        return self.detokenizer is not None and self.detokenizer.update(seq, final, drop_last)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED

@@ -10,10 +10,14 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.detokenizer import DecodeStream
 
 _ids = itertools.count()
 
@@ -35,8 +39,9 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     text: str = ""  # what callers see: held back mid-stream, cut at a stop string
-    full_text: str = ""
+    full_text: str = ""  # all text decoded so far (whole characters mid-stream), not cut or held back
     logprobs: list[dict] = field(default_factory=list)
+    decode_stream: DecodeStream | None = field(default=None, repr=False)  # the detokenizer's state
 
     @property
     def num_prompt(self) -> int:
@@ -45,6 +50,10 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
 
     @property
     def output_ids(self) -> list[int]:
