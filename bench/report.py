@@ -21,7 +21,10 @@ SECTIONS = ("decode", "offline", "latency")
 
 
 def commit() -> str | None:
-    """The checked-out commit ("-dirty" when files differ from it), else $KILN_COMMIT."""
+    """$KILN_COMMIT when set (a copied tree's .git, if any, may be stale), else the checked-out
+    commit ("-dirty" when tracked files differ from it)."""
+    if os.environ.get("KILN_COMMIT"):
+        return os.environ["KILN_COMMIT"]
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
@@ -30,7 +33,7 @@ def commit() -> str | None:
                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
         return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("KILN_COMMIT")
+        return None
 
 
 def results(figures: list[Figure], hw: Hardware, command: str, context: dict, notes: list[str]) -> dict:
