@@ -35,10 +35,10 @@ def server_engine(factory) -> Path:
     return factory.engine(factory.checkpoint("llama3"), **SERVER_BUILD)
 
 
-def run_server(factory, work: Path) -> Iterator[TritonServer]:
-    """Yield a ready server for `server_engine`; afterwards stop it with SIGINT and check that
-    it shut down cleanly (the model's finalize ran without error)."""
-    repo = write_repo(server_engine(factory), work / "repo", MODEL)
+def run_server(factory, work: Path, engine: Path | None = None) -> Iterator[TritonServer]:
+    """Yield a ready server for `engine` (default `server_engine`); afterwards stop it with
+    SIGINT and check that it shut down cleanly (the model's finalize ran without error)."""
+    repo = write_repo(engine or server_engine(factory), work / "repo", MODEL)
     log = work / "tritonserver.log"
     server = TritonServer(repo, work / "server", ports=free_ports(), log_file=log)
     server.start()
