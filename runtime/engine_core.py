@@ -21,7 +21,7 @@ from runtime.executor import CpuExecutor
 from runtime.tp_executor import TensorParallelExecutor
 from runtime.kv_cache import BlockManager, blocks_for_memory, bytes_per_block
 from runtime.outputs import CompletionOutput, RequestOutput
-from runtime.sampler import make_generator, sample
+from runtime.sampler import make_generator, plain_greedy, sample
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import ScheduledChunk, Scheduler
 from runtime.sequence import Request, Sequence, Status
@@ -166,9 +166,16 @@ class EngineCore:
         if not rows:
             return []
         seqs = [s for _, s in rows]
-        result = sample(logits[[i for i, _ in rows]], [s.request.params for s in seqs], [s.generator for s in seqs],
-                        [s.output_ids for s in seqs], [s.token_ids[:s.num_prompt] for s in seqs],
-                        [len(s.output_ids) for s in seqs], self.eos_ids)
+        picked = [i for i, _ in rows]
+        params = [s.request.params for s in seqs]
+        generated = [s.num_output for s in seqs]
+        # Only rows that penalties or masks touch read the token history: copying every row's
+        # would cost O(length) per step.
+        history = [not plain_greedy(p, n) for p, n in zip(params, generated)]
+        result = sample(logits if picked == list(range(logits.shape[0])) else logits[picked], params,
+                        [s.generator for s in seqs], [s.output_ids if h else [] for s, h in zip(seqs, history)],
+                        [s.token_ids[:s.num_prompt] if h else [] for s, h in zip(seqs, history)], generated,
+                        self.eos_ids)
         for seq, token, logprob in zip(seqs, result.tokens, result.logprobs):
             seq.token_ids.append(token)
             if logprob is not None:

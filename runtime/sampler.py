@@ -121,7 +121,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
     # Plain greedy rows take one batched argmax where the logits are (the GPU's, usually), and
     # only their token ids cross to the host; every other row is sampled on the CPU, one by one.
-    plain = [i for i, p in enumerate(params) if _plain_greedy(p, num_generated[i])]
+    plain = [i for i, p in enumerate(params) if plain_greedy(p, num_generated[i])]
     tokens: list[int] = [0] * batch
     logprobs: list[dict | None] = [None] * batch
     if plain:
@@ -150,7 +150,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return SampleResult(tokens, logprobs)
 
 
-def _plain_greedy(p: SamplingParams, num_generated: int) -> bool:
+def plain_greedy(p: SamplingParams, num_generated: int) -> bool:
     """A greedy row that no penalty, mask or logprobs request touches: its token is the argmax."""
     return (p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
             and num_generated >= p.min_tokens and not p.bad_words and p.logprobs is None)

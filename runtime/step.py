@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -44,23 +45,31 @@ class StepInputs:
 
 
 def pack_step(chunks: list[SequenceChunk], block_size: int, blocks_per_seq: int) -> StepInputs:
+    # Runs every engine step on the host while the GPU waits: plain lists and one numpy table,
+    # then one tensor per input.
     ids, positions, slots, lens, ctx, logit_rows = [], [], [], [], [], []
-    tables = torch.zeros(len(chunks), blocks_per_seq, dtype=torch.int32)
+    tables = np.zeros((len(chunks), blocks_per_seq), dtype=np.int32)
     for s, c in enumerate(chunks):
-        end = c.start + len(c.token_ids)
-        if len(c.block_table) * block_size < end:
-            raise ValueError(f"sequence {s}: {len(c.block_table)} blocks cannot hold {end} tokens")
+        n = len(c.token_ids)
+        end = c.start + n
+        table = c.block_table
+        if len(table) * block_size < end:
+            raise ValueError(f"sequence {s}: {len(table)} blocks cannot hold {end} tokens")
         first = len(ids)
         ids += c.token_ids
-        for pos in range(c.start, end):
-            positions.append(pos)
-            slots.append(c.block_table[pos // block_size] * block_size + pos % block_size)
-        tables[s, : len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.int32)
-        lens.append(len(c.token_ids))
+        new_positions = range(c.start, end)
+        positions += new_positions
+        slots += [table[pos // block_size] * block_size + pos % block_size for pos in new_positions]
+        tables[s, :len(table)] = table
+        lens.append(n)
         ctx.append(end)
-        logit_rows += list(range(first, len(ids))) if c.all_logits else [len(ids) - 1]
+        if c.all_logits:
+            logit_rows += range(first, first + n)
+        else:
+            logit_rows.append(first + n - 1)
 
     def i32(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32)
 
-    return StepInputs(i32(ids), i32(positions), i32(slots), tables, i32(lens), i32(ctx), i32(logit_rows))
+    return StepInputs(i32(ids), i32(positions), i32(slots), torch.from_numpy(tables), i32(lens), i32(ctx),
+                      i32(logit_rows))
