@@ -3,11 +3,12 @@
 Nothing is compiled here. The cubins that `build-engine` stored for this GPU's arch are loaded
 with the driver API (`runtime.cuda_driver`), and each plan op is launched by its plugin's
 `launch.py`, which mirrors what the plugin's `kernels.run` does through Triton's JIT. Memory is
-set up once: the weights are uploaded when the executor is built, one arena on the device holds
-the step inputs and activations at the memory plan's offsets, the KV cache is one pool, and the
-ops' scratch buffers (split-KV workspaces, attention_o_proj's intermediate) are allocated for
-the engine's bounds. A step packs its inputs into one pinned host buffer laid out like the
-arena's input region and copies it over in one transfer; it allocates no device memory.
+one device allocation made when the executor is built (`runtime.arena.Arena`): the weights,
+the activations and step inputs at the memory plan's offsets, the KV-cache pool, the ops'
+scratch buffers (split-KV workspaces, attention_o_proj's intermediate) sized for the engine's
+bounds, and the float32 logits each step hands back. A step packs its inputs into one pinned
+host buffer laid out like the arena's input region and copies it over in one transfer; it
+allocates no device memory.
 
 Pure decode steps replay CUDA graphs captured when the executor is built, one per batch size
 of `runtime.decode_graphs`, so a decode step costs one graph launch instead of a Python call
@@ -52,9 +53,21 @@ def _launcher(op_name: str) -> ModuleType:
                               "this engine cannot run on the GPU yet; use device='cpu'") from None
 
 
+def scratch_bytes(engine: Engine, launchers: list[ModuleType]) -> dict[str, int]:
+    """Bytes of each scratch buffer the plan's launchers ask for: the largest need of any op."""
+    limits = {**engine.bounds, "block_size": engine.kv_cache["block_size"],
+              "element_bytes": DTYPES[engine.build["dtype"]].itemsize}
+    sizes: dict[str, int] = {}
+    for op, launcher in zip(engine.plan, launchers):
+        if hasattr(launcher, "scratch_bytes"):
+            for name, nbytes in launcher.scratch_bytes(op.attrs, limits).items():
+                sizes[name] = max(sizes.get(name, 0), nbytes)
+    return sizes
+
+
 class CudaExecutor(ArenaExecutor):
     """Same interface as `CpuExecutor`: `run(step, copies)` returns the logits [L, vocab] as
-    float32 on the CPU; `kv_cache` is the device pool [layers, 2, blocks, block_size, kv_heads,
+    float32 (on the GPU); `kv_cache` is the device pool [layers, 2, blocks, block_size, kv_heads,
     head_dim]."""
 
     def __init__(self, engine: Engine, num_kv_blocks: int, cuda_graphs: bool = True):
@@ -69,14 +82,21 @@ class CudaExecutor(ArenaExecutor):
         if self.arch not in engine.manifest["targets"]:
             raise EngineLoadError(f"engine built for {', '.join(engine.manifest['targets'])}; this GPU needs "
                                   f"{self.arch}: rebuild with --target {self.arch}")
-        # Torch's allocations come first: they make its primary context current, which is
-        # the context load_kernel loads the cubins into. One block more than asked for: the
-        # padding sequences of graph batches write their KV there.
-        super().__init__(engine, num_kv_blocks + 1, self.device)
+        # The one arena comes first: torch's allocation makes its primary context current, which
+        # is the context load_kernel loads the cubins into. One KV block more than asked for:
+        # the padding sequences of graph batches write their KV there.
+        launchers = [_launcher(op.spec.name) for op in engine.plan]
+        scratch = scratch_bytes(engine, launchers)
+        logits = engine.bounds["L"] * engine.tensors[engine.manifest["outputs"][0]]["shape"][-1] * 4
+        super().__init__(engine, num_kv_blocks + 1, self.device,
+                         {**{f"weight:{n}": w.nbytes for n, w in engine.weights.items()},
+                          **{f"scratch:{n}": b for n, b in scratch.items()}, "logits": logits})
         self.pad_block = num_kv_blocks
-        self.weights = {name: w.to(self.device) for name, w in engine.weights.items()}
-        self.ops = self._load_ops()
-        self.scratch = self._allocate_scratch()
+        self.weights = {n: self.memory.view(f"weight:{n}", w.dtype, w.shape).copy_(w)
+                        for n, w in engine.weights.items()}
+        self.scratch = {n: self.memory.bytes(f"scratch:{n}") for n in scratch}
+        self.logits = self.memory.bytes("logits").view(torch.float32)
+        self.ops = self._load_ops(launchers)
         spans = [(self.layout[s.name]["offset"], self.layout[s.name]["offset"] + self.layout[s.name]["nbytes"])
                  for s in STEP_INPUTS]
         self.input_region = (min(a for a, _ in spans), max(b for _, b in spans))
@@ -84,14 +104,14 @@ class CudaExecutor(ArenaExecutor):
         self.staged = torch.cuda.Event()
         self.graphs = self._capture_decode_graphs() if cuda_graphs else {}
 
-    def _load_ops(self) -> list[_CudaOp]:
+    def _load_ops(self, launchers: list[ModuleType]) -> list[_CudaOp]:
         m = self.engine.manifest
         # The Engine keeps no kernel blobs; they are memory-mapped from its file again here.
         blobs = read_engine_file(self.engine.path / f"rank{self.engine.rank}.engine", rank=self.engine.rank,
                                  verify=False).kernels
         loaded: dict[str, CudaKernel] = {}
         ops = []
-        for op, entry in zip(self.engine.plan, m["plan"]):
+        for op, entry, launcher in zip(self.engine.plan, m["plan"], launchers):
             keys = entry.get("kernel_keys", {}).get(self.arch)
             if not keys:
                 raise EngineLoadError(f"plan op {op.spec.name} -> {op.output} has no kernels for {self.arch}: "
@@ -101,22 +121,10 @@ class CudaExecutor(ArenaExecutor):
                     info = m["kernels"][key]
                     loaded[key] = load_kernel(blobs[key], info["entry"], info["signature"],
                                               info["num_warps"], info["shared_bytes"])
-            ops.append(_CudaOp(_launcher(op.spec.name), [loaded[k] for k in keys],
+            ops.append(_CudaOp(launcher, [loaded[k] for k in keys],
                                [m["kernels"][k]["launch"] for k in keys], list(op.inputs.values()),
                                op.attrs, op.output))
         return ops
-
-    def _allocate_scratch(self) -> dict[str, torch.Tensor]:
-        """One uint8 buffer per scratch name, sized for the largest need of any op."""
-        kv = self.engine.kv_cache
-        limits = {**self.engine.bounds, "block_size": kv["block_size"],
-                  "element_bytes": DTYPES[self.engine.build["dtype"]].itemsize}
-        sizes: dict[str, int] = {}
-        for op in self.ops:
-            if hasattr(op.launcher, "scratch_bytes"):
-                for name, nbytes in op.launcher.scratch_bytes(op.attrs, limits).items():
-                    sizes[name] = max(sizes.get(name, 0), nbytes)
-        return {name: torch.empty(nbytes, dtype=torch.uint8, device=self.device) for name, nbytes in sizes.items()}
 
     def _stage_inputs(self, step: StepInputs, dims: dict[str, int]) -> None:
         """Pack the inputs into the pinned buffer, then one asynchronous copy to the arena."""
@@ -154,8 +162,8 @@ class CudaExecutor(ArenaExecutor):
 
     def run(self, step: StepInputs, copies: list[tuple[int, int]] = ()) -> torch.Tensor:
         """Run one step, after the copy-on-write block copies the scheduler asked for; returns
-        the logits of the requested rows, [L, vocab] in float32 on the GPU (a copy, so the
-        next step cannot overwrite it)."""
+        the logits of the requested rows, [L, vocab] in float32 on the GPU, in a buffer of
+        their own that the next step's kernels do not touch (the next `run` overwrites it)."""
         rows = step.logits_indices.shape[0]
         batch = next((b for b in self.graphs if b >= step.num_tokens), None) if is_pure_decode(step) else None
         if batch is not None:
@@ -165,11 +173,14 @@ class CudaExecutor(ArenaExecutor):
             self.graphs[batch].replay()
         else:
             self._launch(dims, values)
-        return self._view(self.output, dims)[:rows].to(torch.float32, copy=True)
+        logits = self._view(self.output, dims)[:rows]
+        out = self.logits[:logits.numel()].view(logits.shape)
+        out.copy_(logits)
+        return out
 
     def close(self) -> None:
         """Release the device arena, KV pool, weights, scratch and graphs (the cubins stay
         loaded in the context until the process ends)."""
         super().close()
-        self.weights = self.scratch = self.staging = None
+        self.weights = self.scratch = self.staging = self.logits = None
         self.graphs = {}

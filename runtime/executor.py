@@ -2,8 +2,8 @@
 (`ArenaExecutor`) and the CPU executor, which runs the plugins' PyTorch references.
 
 All step inputs and activations live in one arena allocated when the executor is built, at
-the offsets of the engine's memory plan; the KV cache is one pool of blocks, also allocated
-once. Bfloat16 and float32 engines both run on the CPU.
+the offsets of the engine's memory plan, beside the KV cache's pool of blocks (one
+`runtime.arena.Arena`). Bfloat16 and float32 engines both run on the CPU.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import math
 import torch
 
 from plugins import STEP_INPUTS
+from runtime.arena import Arena
 from runtime.engine import Engine
 from runtime.step import StepInputs
 
@@ -20,14 +21,20 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 class ArenaExecutor:
-    """The arena, the KV pool and the step inputs in them, on `device`; subclasses run the ops."""
+    """The activations, the KV pool and the step inputs in them, on `device`; subclasses run
+    the ops. Everything is one `Arena`: the memory plan's activations, the KV pool, then the
+    `extra` regions a subclass asks for (name -> bytes)."""
 
-    def __init__(self, engine: Engine, num_kv_blocks: int, device: torch.device | str = "cpu"):
+    def __init__(self, engine: Engine, num_kv_blocks: int, device: torch.device | str = "cpu",
+                 extra: dict[str, int] | None = None):
         self.engine = engine
         kv = engine.kv_cache
-        self.kv_cache = torch.zeros(kv["num_layers"], 2, num_kv_blocks, kv["block_size"], kv["num_kv_heads"],
-                                    kv["head_dim"], dtype=DTYPES[kv["dtype"]], device=device)
-        self.arena = torch.zeros(engine.manifest["memory_plan"]["arena_bytes"], dtype=torch.uint8, device=device)
+        kv_shape = (kv["num_layers"], 2, num_kv_blocks, kv["block_size"], kv["num_kv_heads"], kv["head_dim"])
+        kv_dtype = DTYPES[kv["dtype"]]
+        self.memory = Arena({"activations": engine.manifest["memory_plan"]["arena_bytes"],
+                             "kv_cache": math.prod(kv_shape) * kv_dtype.itemsize, **(extra or {})}, device)
+        self.kv_cache = self.memory.view("kv_cache", kv_dtype, kv_shape)
+        self.arena = self.memory.bytes("activations")
         self.layout = engine.manifest["memory_plan"]["tensors"]
         self.output = engine.manifest["outputs"][0]
 
@@ -71,8 +78,8 @@ class ArenaExecutor:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
 
     def close(self) -> None:
-        """Release the arena and the KV pool."""
-        self.arena = self.kv_cache = None
+        """Release the arena (activations, KV pool and the rest)."""
+        self.memory = self.arena = self.kv_cache = None
 
 
 class CpuExecutor(ArenaExecutor):

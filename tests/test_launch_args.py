@@ -47,8 +47,9 @@ import builder.kernels as builder_kernels  # noqa: E402
 from builder.build import build_engine  # noqa: E402
 from builder.config import BuildConfig  # noqa: E402
 from plugins.aot import AotKernel, Cubin  # noqa: E402
+from runtime.cuda_executor import scratch_bytes  # noqa: E402
 from runtime.engine import Engine, load_engine  # noqa: E402
-from runtime.executor import DTYPES, CpuExecutor  # noqa: E402
+from runtime.executor import CpuExecutor  # noqa: E402
 from runtime.step import SequenceChunk, pack_step  # noqa: E402
 
 pytestmark = [
@@ -246,16 +247,9 @@ def scenario(block_size: int, blocks_per_seq: int) -> list[tuple[str, list[Seque
     ]
 
 
-def allocate_scratch(engine, ops) -> dict[str, torch.Tensor]:
-    """The CUDA executor's scratch buffers, on the CPU: one per name, for the largest need."""
-    limits = {**engine.bounds, "block_size": engine.kv_cache["block_size"],
-              "element_bytes": DTYPES[engine.build["dtype"]].itemsize}
-    sizes: dict[str, int] = {}
-    for op in ops:
-        launcher = LAUNCHERS[op.spec.name]
-        if hasattr(launcher, "scratch_bytes"):
-            for name, nbytes in launcher.scratch_bytes(op.attrs, limits).items():
-                sizes[name] = max(sizes.get(name, 0), nbytes)
+def allocate_scratch(engine) -> dict[str, torch.Tensor]:
+    """The CUDA executor's scratch buffers, on the CPU, sized by its own rule."""
+    sizes = scratch_bytes(engine, [LAUNCHERS[op.spec.name] for op in engine.plan])
     return {name: torch.empty(nbytes, dtype=torch.uint8) for name, nbytes in sizes.items()}
 
 
@@ -325,7 +319,7 @@ def test_launchers_pass_what_run_passes(engines, family, dtype, max_seq_len):
     built = engines[family, dtype, max_seq_len]
     engine, manifest = built.engine, built.engine.manifest
     executor = CpuExecutor(engine, NUM_BLOCKS)
-    scratch = allocate_scratch(engine, engine.plan)
+    scratch = allocate_scratch(engine)
     checked: dict[str, set] = {}
     attention_paths = set()
     for step_name, chunks in scenario(engine.kv_cache["block_size"], engine.bounds["B"]):

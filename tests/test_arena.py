@@ -1,0 +1,38 @@
+"""The one-allocation arena executors carve their buffers from: aligned, disjoint regions and
+exact typed views; the CPU executor's activations and KV pool live in it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.arena import ALIGN, Arena
+from runtime.engine import load_engine
+from runtime.executor import CpuExecutor
+
+
+def test_regions_are_aligned_disjoint_and_typed():
+    arena = Arena({"a": 10, "b": 0, "c": 4 * 6, "d": 2 * 3})
+    starts = {n: start for n, (start, _) in arena.offsets.items()}
+    assert all(s % ALIGN == 0 for s in starts.values())
+    assert starts == {"a": 0, "b": ALIGN, "c": ALIGN, "d": 2 * ALIGN}
+    assert arena.nbytes == 3 * ALIGN and arena.buffer.numel() == arena.nbytes
+    c = arena.view("c", torch.float32, (2, 3))
+    d = arena.view("d", torch.bfloat16, (3,))
+    c.fill_(1.5)
+    d.fill_(-2)
+    assert torch.equal(arena.bytes("a"), torch.zeros(10, dtype=torch.uint8))
+    assert c.data_ptr() == arena.buffer.data_ptr() + ALIGN and float(c.sum()) == 9.0 and float(d.sum()) == -6.0
+    with pytest.raises(ValueError, match="region 'c' holds 24 bytes, not 20"):
+        arena.view("c", torch.float32, (5,))
+    with pytest.raises(ValueError, match="negative"):
+        Arena({"x": -1})
+
+
+def test_cpu_executor_keeps_activations_and_kv_pool_in_one_arena(factory):
+    engine = load_engine(factory.engine(factory.checkpoint("llama3"), dtype="float32"))
+    ex = CpuExecutor(engine, 12)
+    base, end = ex.memory.buffer.data_ptr(), ex.memory.buffer.data_ptr() + ex.memory.nbytes
+    for t in (ex.arena, ex.kv_cache):
+        assert base <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= end
+    assert ex.kv_cache.shape[2] == 12 and ex.arena.numel() == engine.manifest["memory_plan"]["arena_bytes"]
+    ex.close()
