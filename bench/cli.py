@@ -113,7 +113,8 @@ its hardware limit and beside the same model run eagerly in PyTorch, all in one 
 \b
 What is measured (each phase can be chosen with --only):
   decode   tokens/s at each --batch-sizes: b requests with --decode-context prompt tokens
-           are prefilled, then --decode-steps steps in which all b decode are timed.
+           are prefilled, then 3 windows of --decode-steps steps in which all b decode are
+           timed; the median window is the figure, all three go to the JSON.
   offline  TensorRT-LLM perf-overview style: --offline-requests requests of each IN/OUT
            length pair submitted at once and run to completion; output and total tokens/s.
   latency  time to first token (TTFT) and inter-token latency (ITL), p50/p90/p99, with
@@ -173,7 +174,7 @@ Examples:
 @click.option("--decode-context", type=click.IntRange(min=1), default=128, show_default=True,
               help="Prompt tokens before the timed decode steps.")
 @click.option("--decode-steps", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Timed decode steps per batch size.")
+              help="Timed decode steps per window (3 windows per batch size).")
 @click.option("--offline", "offline_pairs", type=LengthPairs(), default="128/128,2048/2048", show_default=True,
               help="Input/output token lengths of the offline runs.")
 @click.option("--offline-requests", type=click.IntRange(min=1),

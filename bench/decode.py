@@ -2,10 +2,11 @@
 
 For a batch size b: b requests with random prompts of `context` tokens go in; the engine
 steps until every one has its first token (the prefills, not timed), runs a few warm-up
-decode steps, then `steps` timed steps in which every request decodes one token. The figure
-is tokens decoded / wall time of those steps (scheduler, executor, sampler and the tokens'
-trip to the host included: what a caller gets); its limit is the cost model's least time for
-exactly the steps that ran.
+decode steps, then REPEATS windows of `steps` timed steps in which every request decodes one
+token. The figure is tokens decoded / wall time of the median window (scheduler, executor,
+sampler and the tokens' trip to the host included: what a caller gets), and every window's
+rate is kept beside it, so run-to-run noise shows; its limit is the cost model's least time for
+exactly the steps of that window.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from bench.hardware import synchronize
 from runtime.sampling_params import SamplingParams
 
 WARMUP_STEPS = 3
+REPEATS = 3
 
 
 def decode_plan(info: EngineInfo, batch: int, context: int, steps: int) -> tuple[int, str | None]:
@@ -27,7 +29,7 @@ def decode_plan(info: EngineInfo, batch: int, context: int, steps: int) -> tuple
     # Requests that got their first token early keep decoding while others prefill; this many
     # more tokens keeps every request alive through the timed steps.
     prefill_steps = -(-batch * context // build["max_num_tokens"]) + 1
-    max_tokens = 1 + prefill_steps + WARMUP_STEPS + steps
+    max_tokens = 1 + prefill_steps + WARMUP_STEPS + REPEATS * steps
     if context + max_tokens > build["max_seq_len"]:
         return 0, (f"context {context} + {max_tokens} tokens exceeds the engine's max_seq_len "
                    f"{build['max_seq_len']}")
@@ -57,23 +59,26 @@ def measure_decode(run: EngineRun, batch: int, context: int, steps: int, seed: i
             core.step()
         for _ in range(WARMUP_STEPS):
             core.step()
-        mark = run.recorder.mark()
-        synchronize(run.device)
-        start = time.perf_counter()
-        for _ in range(steps):
-            core.step()
-        synchronize(run.device)
-        seconds = time.perf_counter() - start
+        windows = []
+        for _ in range(REPEATS):
+            mark = run.recorder.mark()
+            synchronize(run.device)
+            start = time.perf_counter()
+            for _ in range(steps):
+                core.step()
+            synchronize(run.device)
+            windows.append((time.perf_counter() - start, run.recorder.since(mark)))
     finally:
         for rid in ids:
             core.cancel(rid)
-    shapes = run.recorder.since(mark)
+    rates = [sum(s.num_tokens for s in shapes) / seconds for seconds, shapes in windows]
+    seconds, shapes = windows[sorted(range(REPEATS), key=rates.__getitem__)[REPEATS // 2]]
     tokens = sum(s.num_tokens for s in shapes)
     limit_s = info.cost.limit_seconds(shapes, run.hw)
-    note = "" if all(s.is_decode and s.num_tokens == batch for s in shapes) else \
+    note = "" if all(s.is_decode and s.num_tokens == batch for _, w in windows for s in w) else \
         "some timed steps were not a pure decode of the whole batch"
     return Figure("decode", name, "tok/s", tokens / seconds, tokens / limit_s, info.cost.bound(shapes, run.hw),
                   note=note, key=key,
                   params={"batch": batch, "context": context, "steps": len(shapes), "tokens": tokens,
                           "seconds": seconds, "ms_per_step": 1e3 * seconds / len(shapes),
-                          "limit_ms_per_step": 1e3 * limit_s / len(shapes)})
+                          "limit_ms_per_step": 1e3 * limit_s / len(shapes), "window_tok_s": rates})

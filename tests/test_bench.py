@@ -63,6 +63,8 @@ def test_ratios_are_the_figure_over_its_limit(tiny_run):
     decode1 = data["decode"][0]
     assert decode1["tokens"] == decode1["steps"] == 6
     assert decode1["value"] == pytest.approx(decode1["tokens"] / decode1["seconds"])
+    assert len(decode1["window_tok_s"]) == 3
+    assert decode1["value"] == pytest.approx(sorted(decode1["window_tok_s"])[1])  # the median window
     out, total = data["offline"]
     assert total["value"] == pytest.approx(2 * out["value"])  # 8 in + 8 out per request
 
