@@ -75,6 +75,8 @@ class EngineCore:
             # Enough for every sequence of a full batch at full length.
             num_blocks = build["max_batch_size"] * self.engine.bounds["B"]
         world = self.engine.world_size
+        # The sampler's generators live where each step's logits are.
+        self.logits_device = "cuda" if on_gpu else "cpu"
         if on_gpu:
             self.executor = CudaExecutor(self.engine, num_blocks)
         else:
@@ -119,7 +121,7 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in flight")
         self.validate(prompt_ids, params)
         request = Request(request_id, list(prompt_ids), params, priority)
-        request.seqs.append(Sequence(request, 0, list(prompt_ids), make_generator(params.seed)))
+        request.seqs.append(Sequence(request, 0, list(prompt_ids), make_generator(params.seed, self.logits_device)))
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
         return request
@@ -193,7 +195,8 @@ class EngineCore:
         children = []
         for index in range(1, request.params.n):
             child = Sequence(request, index, list(parent.token_ids),
-                             make_generator(None if seed is None else seed + index), num_cached=parent.num_cached)
+                             make_generator(None if seed is None else seed + index, self.logits_device),
+                             num_cached=parent.num_cached)
             self.blocks.fork(parent.seq_id, child.seq_id)
             self.scheduler.add_running(child)
             request.seqs.append(child)

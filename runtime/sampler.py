@@ -14,10 +14,13 @@ Each row belongs to one sequence and is processed in this order:
   (e) other rows divide by temperature, keep the top_k most likely tokens, then the smallest
       most-likely set whose cumulative probability reaches top_p (at least one token), then
       drop tokens with probability < min_p * the largest probability, renormalise, and draw
-      with `torch.multinomial` from the row's own generator.
+      from what is left.
 
-Rows are sampled one at a time and a seeded row draws only from its own generator, so a
-seeded request gets the same tokens whatever else shares its batch.
+Everything runs where the logits are (the GPU's, usually) and in batches: one argmax for the
+greedy rows, one softmax, sort and draw for the sampled rows. Only (a)-(c) touch rows one at
+a time, and only the rows that use them. A draw is an exponential race, argmax(p / E) with E
+~ Exp(1) per token, which picks token i with probability p_i; each seeded row's E comes from
+its own generator, so a seeded request gets the same tokens whatever else shares its batch.
 
 Logprobs come from the log-softmax of the logits after (a)-(c) and temperature (temperature 0
 counts as 1) but before top-k/top-p/min-p truncation: truncation would give every dropped
@@ -44,11 +47,12 @@ class SampleResult:
     logprobs: list[dict | None]
 
 
-def make_generator(seed: int | None) -> torch.Generator | None:
-    """A CPU generator seeded with `seed`, or None (draw from torch's global RNG) without one."""
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A generator on `device` (where the logits will be) seeded with `seed`, or None (draw
+    from torch's global RNG) without one."""
     if seed is None:
         return None
-    gen = torch.Generator(device="cpu")
+    gen = torch.Generator(device=device)
     # torch takes seeds in [0, 2**64); folding keeps negative and huge seeds usable and distinct
     # from each other within that range.
     gen.manual_seed(seed % 2**64)
@@ -64,11 +68,12 @@ def apply_penalties(logits_row: torch.Tensor, params: SamplingParams, prompt_tok
         seen = set(prompt_tokens)
         seen.update(output_tokens)
         if seen:
-            idx = torch.tensor(sorted(seen), dtype=torch.long)
+            idx = torch.tensor(sorted(seen), dtype=torch.long, device=row.device)
             vals = row[idx]
             row[idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
     if output_tokens and (params.presence_penalty or params.frequency_penalty):
-        counts = torch.bincount(torch.tensor(output_tokens, dtype=torch.long), minlength=row.numel())
+        counts = torch.bincount(torch.tensor(output_tokens, dtype=torch.long, device=row.device),
+                                minlength=row.numel())
         counts = counts.to(torch.float32)
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(torch.float32)
     return row
@@ -81,26 +86,32 @@ def sampling_distribution(logits_row: torch.Tensor, params: SamplingParams) -> t
     """
     if params.temperature == 0:
         return torch.zeros_like(logits_row).scatter_(0, torch.argmax(logits_row).view(1), 1.0)
-    probs = torch.softmax(logits_row / params.temperature, dim=-1)
-    if params.top_k == 0 and params.top_p == 1.0 and params.min_p == 0.0:
+    return sampling_distributions(logits_row[None], [params])[0]
+
+
+def sampling_distributions(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Step (e) for a batch of rows [n, V] with temperatures above 0: their probabilities."""
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=logits.device)[:, None]
+
+    probs = torch.softmax(logits / column([p.temperature for p in params]), dim=-1)
+    if all(p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0 for p in params):
         return probs
     # Stable sort so ties truncate the same way on every run.
-    sorted_probs, order = torch.sort(probs, descending=True, stable=True)
-    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
-    if params.top_k > 0:
-        keep[params.top_k:] = False
-    if params.top_p < 1.0:
-        # top_p is measured on what top_k left, renormalised.
-        kept = torch.where(keep, sorted_probs, 0.0)
-        kept = kept / kept.sum()
-        mass_before = torch.cumsum(kept, dim=0) - kept
-        keep &= mass_before < params.top_p
-    if params.min_p > 0.0:
-        # The ratio to the top token is unchanged by renormalisation, so raw probs do.
-        keep &= sorted_probs >= params.min_p * sorted_probs[0]
-    keep[0] = True
-    truncated = torch.zeros_like(probs).scatter_(0, order, torch.where(keep, sorted_probs, 0.0))
-    return truncated / truncated.sum()
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    top_k = column([p.top_k or probs.shape[-1] for p in params])
+    keep = rank < top_k
+    # top_p is measured on what top_k left, renormalised.
+    kept = torch.where(keep, sorted_probs, 0.0)
+    kept = kept / kept.sum(dim=-1, keepdim=True)
+    top_p = column([p.top_p for p in params])
+    keep &= (torch.cumsum(kept, dim=-1) - kept < top_p) | (top_p >= 1.0)
+    # The ratio to the top token is unchanged by renormalisation, so raw probs do.
+    keep &= sorted_probs >= column([p.min_p for p in params]) * sorted_probs[:, :1]
+    keep[:, 0] = True
+    truncated = torch.zeros_like(probs).scatter_(1, order, torch.where(keep, sorted_probs, 0.0))
+    return truncated / truncated.sum(dim=-1, keepdim=True)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -108,8 +119,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
            eos_ids: tuple[int, ...]) -> SampleResult:
     """Pick one token for each row of `logits` ([B, V]); every list argument is indexed by row.
 
-    `generators[i]` should come from `make_generator(params[i].seed)`; a row with None draws
-    from torch's global RNG. Neither `logits` nor the token lists are modified.
+    `generators[i]` should come from `make_generator(params[i].seed, logits.device)`; a row
+    with None draws from torch's global RNG. Neither `logits` nor the token lists are modified.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
@@ -119,8 +130,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         if len(seq) != batch:
             raise ValueError(f"{name} has {len(seq)} entries for {batch} logits rows")
 
-    # Plain greedy rows take one batched argmax where the logits are (the GPU's, usually), and
-    # only their token ids cross to the host; every other row is sampled on the CPU, one by one.
+    # Plain greedy rows take one batched argmax, and only their token ids cross to the host.
+    # The other rows get their penalties and masks one by one, then one argmax or one draw.
     plain = [i for i, p in enumerate(params) if plain_greedy(p, num_generated[i])]
     tokens: list[int] = [0] * batch
     logprobs: list[dict | None] = [None] * batch
@@ -129,24 +140,31 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         for i, token in zip(plain, picked):
             tokens[i] = token
     others = sorted(set(range(batch)) - set(plain))
-    for row_logits, i in zip(logits[others].cpu() if others else (), others):
+    if not others:
+        return SampleResult(tokens, logprobs)
+    rows = logits[others].to(torch.float32)
+    for j, i in enumerate(others):
         p = params[i]
-        row = apply_penalties(row_logits, p, prompt_tokens[i], output_tokens[i])
+        rows[j] = apply_penalties(rows[j], p, prompt_tokens[i], output_tokens[i])
+        banned = _bad_words_banned(p, output_tokens[i], vocab)
         if num_generated[i] < p.min_tokens:
-            banned = [t for t in (*eos_ids, *p.stop_token_ids) if 0 <= t < vocab]
-            if banned:
-                row[torch.tensor(banned, dtype=torch.long)] = float("-inf")
-        if p.bad_words:
-            banned = _banned_by_bad_words(p.bad_words, output_tokens[i], vocab)
-            if banned:
-                row[torch.tensor(banned, dtype=torch.long)] = float("-inf")
-        if p.greedy:
-            token = int(torch.argmax(row))
-        else:
-            probs = sampling_distribution(row, p)
-            token = int(torch.multinomial(probs, 1, generator=generators[i]))
-        tokens[i] = token
-        logprobs[i] = None if p.logprobs is None else _token_logprobs(row, p, token)
+            banned += [t for t in (*eos_ids, *p.stop_token_ids) if 0 <= t < vocab]
+        if banned:
+            rows[j, torch.tensor(banned, dtype=torch.long, device=rows.device)] = float("-inf")
+    greedy = [j for j, i in enumerate(others) if params[others[j]].greedy]
+    drawn = [j for j in range(len(others)) if j not in set(greedy)]
+    picks: dict[int, int] = {}
+    if greedy:
+        picks.update(zip(greedy, rows[greedy].argmax(dim=-1).tolist()))
+    if drawn:
+        probs = sampling_distributions(rows[drawn], [params[others[j]] for j in drawn])
+        race = torch.stack([torch.empty(vocab, device=rows.device).exponential_(generator=generators[others[j]])
+                            for j in drawn])
+        picks.update(zip(drawn, (probs / race).argmax(dim=-1).tolist()))
+    for j, i in enumerate(others):
+        tokens[i] = picks[j]
+        if params[i].logprobs is not None:
+            logprobs[i] = _token_logprobs(rows[j], params[i], picks[j])
     return SampleResult(tokens, logprobs)
 
 
@@ -156,11 +174,11 @@ def plain_greedy(p: SamplingParams, num_generated: int) -> bool:
             and num_generated >= p.min_tokens and not p.bad_words and p.logprobs is None)
 
 
-def _banned_by_bad_words(bad_words: tuple[tuple[int, ...], ...], output: list[int], vocab: int) -> list[int]:
+def _bad_words_banned(params: SamplingParams, output: list[int], vocab: int) -> list[int]:
     """The tokens that would complete a bad word right now. Ids outside the vocabulary can never
     be generated, so they need no mask."""
     banned = []
-    for word in bad_words:
+    for word in params.bad_words:
         *prefix, last = word
         tail = output[len(output) - len(prefix):] if prefix else []
         if 0 <= last < vocab and tail == prefix:

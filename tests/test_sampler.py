@@ -213,3 +213,33 @@ def test_bad_words_must_be_lists_of_non_negative_ints(value):
 def test_bad_words_normalise_to_tuples():
     assert SamplingParams(bad_words=[[1, 2], (3,)]).bad_words == ((1, 2), (3,))
     assert SamplingParams().bad_words == ()
+
+
+def test_batched_truncation_equals_each_row_alone():
+    """One softmax, sort and mask over rows with different temperatures, top_k, top_p and
+    min_p gives each row what it gets alone."""
+    from runtime.sampler import sampling_distributions
+
+    logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(3)) * 2
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=4),
+              SamplingParams(temperature=1.0, top_p=0.6), SamplingParams(temperature=0.9, min_p=0.2),
+              SamplingParams(temperature=1.1, top_k=10, top_p=0.8, min_p=0.05)]
+    together = sampling_distributions(logits, params)
+    for row, p, got in zip(logits, params, together):
+        assert torch.allclose(got, sampling_distribution(row, p), atol=1e-7)
+        assert float(got.sum()) == pytest.approx(1.0)
+    assert int((together[1] > 0).sum()) == 4
+
+
+def test_draws_follow_the_distribution():
+    """The exponential race picks each token with its probability: 4,000 independent rows of
+    one distribution, counted (binomial standard deviation under 0.008), and a token the
+    truncation dropped is never drawn."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(4000, 4).clone()
+    params = [SamplingParams(temperature=1.0, top_p=0.9)] * 4000  # drops the 0.05 token
+    gens = [make_generator(i) for i in range(4000)]
+    result = sample(logits, params, gens, [[]] * 4000, [[]] * 4000, [0] * 4000, ())
+    counts = torch.bincount(torch.tensor(result.tokens), minlength=4).float() / 4000
+    assert counts[3] == 0
+    assert torch.allclose(counts[:3], probs[:3] / 0.95, atol=0.03)
