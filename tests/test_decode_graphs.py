@@ -1,0 +1,64 @@
+"""Padding decode steps to a captured graph's batch size (runtime/decode_graphs.py), checked
+with the CPU executor: the padded step gives the real rows' logits unchanged and writes KV only
+to the spare block, so graph replay on the GPU can pad freely."""
+from __future__ import annotations
+
+import torch
+
+from runtime.decode_graphs import graph_batch_sizes, is_pure_decode, pad_decode, padding_step
+from runtime.engine import load_engine
+from runtime.executor import CpuExecutor
+from runtime.step import SequenceChunk, pack_step
+
+
+def test_graph_batch_sizes():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(6) == [1, 2, 4, 6]
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    sizes = graph_batch_sizes(256)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and len(sizes) == 35
+    # No decode batch needs more than 7 padding rows beyond 8.
+    assert all(next(s for s in sizes if s >= n) - n <= 7 for n in range(9, 257))
+
+
+def test_pure_decode_is_one_token_and_one_logit_row_per_sequence():
+    decode = pack_step([SequenceChunk([5], 3, [0]), SequenceChunk([6], 7, [1, 2])], 4, 2)
+    prefill = pack_step([SequenceChunk([5, 6], 0, [0])], 4, 2)
+    all_logits = pack_step([SequenceChunk([5], 3, [0], all_logits=True), SequenceChunk([6, 7], 0, [1])], 4, 2)
+    assert is_pure_decode(decode)
+    assert not is_pure_decode(prefill) and not is_pure_decode(all_logits)
+
+
+def test_padding_rows_point_at_the_spare_block():
+    step = pack_step([SequenceChunk([5], 3, [2]), SequenceChunk([6], 7, [0, 1])], 4, 3)
+    padded = pad_decode(step, 4, pad_block=9, block_size=4)
+    assert padded.input_ids.tolist() == [5, 6, 0, 0]
+    assert padded.slot_mapping.tolist() == step.slot_mapping.tolist() + [36, 36]
+    assert padded.block_tables[2:].tolist() == [[9, 9, 9], [9, 9, 9]]
+    assert padded.query_lens.tolist() == [1, 1, 1, 1] and padded.context_lens.tolist() == [4, 8, 1, 1]
+    assert padded.logits_indices.tolist() == [0, 1, 2, 3]
+    assert all(t.dtype == torch.int32 for t in padded.as_dict().values())
+    assert padding_step(3, 9, 4, 3).slot_mapping.tolist() == [36, 36, 36]
+
+
+def test_a_padded_step_keeps_real_logits_and_caches(factory):
+    engine = load_engine(factory.engine(factory.checkpoint("llama3"), dtype="float32"))
+    bs, nb = engine.kv_cache["block_size"], engine.bounds["B"]
+    blocks, spare = 24, 24
+    prompts = [[5, 17, 42, 99, 7], [11, 12, 13], [3, 4, 5, 6, 7, 8, 9]]
+    tables = [list(range(s * 8, s * 8 + 8))[:nb] for s in range(3)]
+    results = []
+    for pad in (False, True):
+        ex = CpuExecutor(engine, blocks + 1)  # as the CUDA executor: one spare block past the pool
+        ex.run(pack_step([SequenceChunk(p, 0, t) for p, t in zip(prompts, tables)], bs, nb))
+        before = ex.kv_cache[:, :, :blocks].clone()
+        step = pack_step([SequenceChunk([21], len(p), t) for p, t in zip(prompts, tables)], bs, nb)
+        logits = ex.run(pad_decode(step, 8, spare, bs) if pad else step)
+        changed = (ex.kv_cache[:, :, :blocks] != before).flatten(3).any(-1).nonzero()[:, 2].unique().tolist()
+        results.append((logits[:3], changed, ex.kv_cache[:, :, :blocks].clone(), bool(ex.kv_cache[:, :, spare].any())))
+    (plain, plain_changed, plain_cache, plain_spare), (padded, padded_changed, padded_cache, padded_spare) = results
+    assert padded_spare and not plain_spare  # the padding rows wrote there, and only they did
+    assert torch.allclose(padded, plain, rtol=1e-5, atol=1e-5)
+    assert padded_changed == plain_changed == sorted({s // bs for s in step.slot_mapping.tolist()})
+    # Real blocks hold the same KV (batch size changes only the float rounding on the CPU).
+    assert torch.allclose(padded_cache, plain_cache, rtol=1e-5, atol=1e-6)
