@@ -22,7 +22,6 @@ from types import ModuleType
 
 import torch
 
-from plugins import STEP_INPUTS
 from runtime.cuda_driver import CudaKernel, device_arch, load_kernel
 from runtime.decode_graphs import graph_batch_sizes, is_pure_decode, pad_decode, padding_step
 from runtime.engine import Engine, EngineLoadError
@@ -97,10 +96,8 @@ class CudaExecutor(ArenaExecutor):
         self.scratch = {n: self.memory.bytes(f"scratch:{n}") for n in scratch}
         self.logits = self.memory.bytes("logits").view(torch.float32)
         self.ops = self._load_ops(launchers)
-        spans = [(self.layout[s.name]["offset"], self.layout[s.name]["offset"] + self.layout[s.name]["nbytes"])
-                 for s in STEP_INPUTS]
-        self.input_region = (min(a for a, _ in spans), max(b for _, b in spans))
-        self.staging = torch.empty(self.input_region[1] - self.input_region[0], dtype=torch.uint8, pin_memory=True)
+        start, end = self.input_region()
+        self.staging = torch.empty(end - start, dtype=torch.uint8, pin_memory=True)
         self.staged = torch.cuda.Event()
         self.graphs = self._capture_decode_graphs() if cuda_graphs else {}
 
@@ -129,13 +126,9 @@ class CudaExecutor(ArenaExecutor):
     def _stage_inputs(self, step: StepInputs, dims: dict[str, int]) -> None:
         """Pack the inputs into the pinned buffer, then one asynchronous copy to the arena."""
         self.staged.synchronize()  # the previous step's copy has left the buffer
-        lo, hi = self.input_region
-        for spec in STEP_INPUTS:
-            value = getattr(step, spec.name)
-            start = self.layout[spec.name]["offset"] - lo
-            nbytes = value.numel() * DTYPES[spec.dtype].itemsize
-            self.staging[start:start + nbytes].view(DTYPES[spec.dtype]).view(value.shape).copy_(value)
-        self.arena[lo:hi].copy_(self.staging, non_blocking=True)
+        self.pack_inputs(step, self.staging)
+        start, end = self.input_region()
+        self.arena[start:end].copy_(self.staging, non_blocking=True)
         self.staged.record()
 
     def _launch(self, dims: dict[str, int], values: dict[str, torch.Tensor]) -> None:

@@ -72,6 +72,22 @@ class ArenaExecutor:
         for spec in STEP_INPUTS:
             self._view(spec.name, dims).copy_(getattr(step, spec.name))
 
+    def input_region(self) -> tuple[int, int]:
+        """The arena bytes [start, end) that hold every step input's slot."""
+        spans = [(self.layout[s.name]["offset"], self.layout[s.name]["offset"] + self.layout[s.name]["nbytes"])
+                 for s in STEP_INPUTS]
+        return min(a for a, _ in spans), max(b for _, b in spans)
+
+    def pack_inputs(self, step: StepInputs, buffer: torch.Tensor) -> None:
+        """Write the step inputs into `buffer` (uint8, as long as `input_region`) where
+        `_stage_inputs` would put them in the arena, so one copy of the buffer stages them."""
+        start = self.input_region()[0]
+        for spec in STEP_INPUTS:
+            value = getattr(step, spec.name)
+            offset = self.layout[spec.name]["offset"] - start
+            dtype = DTYPES[spec.dtype]
+            buffer[offset:offset + value.numel() * dtype.itemsize].view(dtype).view(value.shape).copy_(value)
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: give a sequence its own copy of a shared, partly filled block."""
         for src, dst in copies:
