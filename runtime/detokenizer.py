@@ -7,8 +7,9 @@ minus the context's decode is the new text. The context is decoded along because
 can depend on its neighbours (a byte-level BPE token may hold part of a UTF-8 character; a
 SentencePiece decoder strips the leading space of the first token), while the context's own
 text does not change when tokens are appended after it. New text waits while it ends in
-"\\ufffd" (a partial UTF-8 character, or bytes that cannot become one yet). Stop strings are
-searched in the new text only (plus the len(stop) - 1 characters before it).
+"\\ufffd" (a partial UTF-8 character, or bytes that cannot become one yet), for at most
+MAX_PENDING tokens. Stop strings are searched in the new text only (plus the len(stop) - 1
+characters before it).
 
 For a byte-level BPE tokenizer (the Llama 3 / Qwen kind, and `train_tokenizer()`'s) the emitted
 text equals `tokenizer.decode(output_ids[:j])` for the last pushed `j` whose decode does not end
@@ -30,6 +31,14 @@ if TYPE_CHECKING:
     from runtime.sequence import Sequence
 
 REPLACEMENT = "\ufffd"
+# Pending tokens after which text that still ends in REPLACEMENT is emitted anyway. A UTF-8
+# character spans at most 4 byte-level tokens, but a SentencePiece byte-fallback decoder shows a
+# whole unfinished run of byte tokens as replacement characters, so valid text (a run of rare
+# CJK characters) may need a few dozen. A longer wait means bytes that can never become text (a
+# model emitting garbage bytes, as random test models do); waiting on would make every step
+# decode an ever longer window. Only a character cut by the cap is then shown as replacement
+# characters where a full decode would show it.
+MAX_PENDING = 64
 
 
 class Detokenizer:
@@ -107,7 +116,8 @@ class DecodeStream:
         if len(self._ids) == before:
             return ""  # nothing that decodes to text: the window's text is unchanged
         text = self._detok.decode(self._ids)
-        if len(text) <= self._prefix_len or text.endswith(REPLACEMENT):
+        waiting = text.endswith(REPLACEMENT) and len(self._ids) - self._context < MAX_PENDING
+        if len(text) <= self._prefix_len or waiting:
             return ""
         return self._emit(text)
 

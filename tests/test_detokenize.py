@@ -292,3 +292,17 @@ def test_sampled_streams_match_the_full_decode(session, tokenizer):
         last = outs[-1].outputs[0]
         ids = last.token_ids[:-1] if last.finish_reason == "stop" else last.token_ids
         assert last.text == tokenizer.decode(ids)
+
+
+def test_a_run_of_garbage_bytes_does_not_grow_the_window(tok):
+    """A model emitting a byte that never completes a character (a lone continuation byte) for
+    ever: the text still advances every MAX_PENDING tokens, so no decode sees more than those
+    and the context before them, and the streamed text stays a prefix of the final one."""
+    from runtime.detokenizer import MAX_PENDING
+
+    byte = next(i for i in range(tok.get_vocab_size()) if tok.decode([i]) == "\ufffd")
+    counter = CountingTokenizer(tok)
+    stream = Detokenizer(counter).stream()
+    text = "".join(stream.push([byte]) for _ in range(1000))
+    assert max(counter.calls) <= 2 * MAX_PENDING
+    assert text and (text + stream.flush()).startswith(text)
