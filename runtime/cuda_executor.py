@@ -96,7 +96,7 @@ class CudaExecutor(ArenaExecutor):
         self.scratch = {n: self.memory.bytes(f"scratch:{n}") for n in scratch}
         self.logits = self.memory.bytes("logits").view(torch.float32)
         self.ops = self._load_ops(launchers)
-        start, end = self.input_region()
+        start, end = self.input_region
         self.staging = torch.empty(end - start, dtype=torch.uint8, pin_memory=True)
         self.staged = torch.cuda.Event()
         self.graphs = self._capture_decode_graphs() if cuda_graphs else {}
@@ -127,7 +127,7 @@ class CudaExecutor(ArenaExecutor):
         """Pack the inputs into the pinned buffer, then one asynchronous copy to the arena."""
         self.staged.synchronize()  # the previous step's copy has left the buffer
         self.pack_inputs(step, self.staging)
-        start, end = self.input_region()
+        start, end = self.input_region
         self.arena[start:end].copy_(self.staging, non_blocking=True)
         self.staged.record()
 

@@ -36,6 +36,9 @@ class ArenaExecutor:
         self.kv_cache = self.memory.view("kv_cache", kv_dtype, kv_shape)
         self.arena = self.memory.bytes("activations")
         self.layout = engine.manifest["memory_plan"]["tensors"]
+        spans = [(self.layout[s.name]["offset"], self.layout[s.name]["offset"] + self.layout[s.name]["nbytes"])
+                 for s in STEP_INPUTS]
+        self.input_region = (min(a for a, _ in spans), max(b for _, b in spans))
         self.output = engine.manifest["outputs"][0]
 
     def _view(self, name: str, dims: dict[str, int]) -> torch.Tensor:
@@ -72,16 +75,11 @@ class ArenaExecutor:
         for spec in STEP_INPUTS:
             self._view(spec.name, dims).copy_(getattr(step, spec.name))
 
-    def input_region(self) -> tuple[int, int]:
-        """The arena bytes [start, end) that hold every step input's slot."""
-        spans = [(self.layout[s.name]["offset"], self.layout[s.name]["offset"] + self.layout[s.name]["nbytes"])
-                 for s in STEP_INPUTS]
-        return min(a for a, _ in spans), max(b for _, b in spans)
-
     def pack_inputs(self, step: StepInputs, buffer: torch.Tensor) -> None:
-        """Write the step inputs into `buffer` (uint8, as long as `input_region`) where
+        """Write the step inputs into `buffer` (uint8, as long as `input_region`: the arena bytes
+        [start, end) that hold every step input's slot) where
         `_stage_inputs` would put them in the arena, so one copy of the buffer stages them."""
-        start = self.input_region()[0]
+        start = self.input_region[0]
         for spec in STEP_INPUTS:
             value = getattr(step, spec.name)
             offset = self.layout[spec.name]["offset"] - start
