@@ -17,6 +17,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import xml.etree.ElementTree as ET  # noqa: E402
 from pathlib import Path  # noqa: E402
+from unittest import mock  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -143,6 +144,27 @@ def test_parity_norm_swiglu(request, block, folded, t, k, dtype):
         norm_weight, w_gu = with_norm(rand(2 * inter, k, dtype=dtype, scale=k ** -0.5), folded)
         check("norm_swiglu", [rand(t, k, dtype=dtype, scale=3.0), norm_weight, w_gu],
               {"eps": EPS, "block": block}, (t, inter))
+    in_mode(request, True, body)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 17])
+@pytest.mark.parametrize("name", ["linear", "norm_swiglu"])
+def test_parity_wide_weight_tiles(request, name, t, dtype):
+    """WIDE_TILES (gate/up, LM head) on small shapes: WIDE_N is lowered so these weights count
+    as wide, and both the decode and the small bucket's wide tiles must match the reference."""
+    def body():
+        torch.manual_seed(t)
+        k = 128
+        with mock.patch.object(linear_kernels, "WIDE_N", 32):
+            assert linear_kernels.pick_tile(t, 48) in linear_kernels.WIDE_TILES
+            if name == "linear":
+                check("linear", [rand(t, k, dtype=dtype), rand(80, k, dtype=dtype, scale=k ** -0.5), None],
+                      {"parallel": "none", "heads": 0, "all_reduce": False}, (t, 80))
+            else:
+                _, w_gu = with_norm(rand(2 * 40, k, dtype=dtype, scale=k ** -0.5), True)
+                check("norm_swiglu", [rand(t, k, dtype=dtype, scale=3.0), None, w_gu], {"eps": EPS, "block": 8},
+                      (t, 40))
     in_mode(request, True, body)
 
 

@@ -39,7 +39,8 @@ PIPELINE_SMEM = 80 * 1024
 class Tile:
     """One shape bucket's tiling. `block_n` counts weight rows per tile (a fused kernel that
     pairs rows gives each side half of them); `block_k` is for 2-byte types and halves for
-    fp32 so the shared-memory footprint does not depend on the dtype."""
+    fp32 so the shared-memory footprint does not depend on the dtype; `stages` caps the
+    software pipeline's depth."""
 
     name: str
     max_rows: int | None     # largest T the bucket serves; None: no limit
@@ -47,33 +48,50 @@ class Tile:
     block_n: int
     block_k: int
     num_warps: int
+    stages: int
 
 
+# Measured on an H200 with scripts/tune_decode_kernels.py (2026-11-29), bf16:
+# - Narrow weights (N = 4096) give few programs: deep pipelines keep enough loads in flight.
+#   At T=1, 4096x14336 reaches 3.56 TB/s at 6 stages against 3.37 at 4; at T=64, 32-column
+#   tiles reach 2.9 TB/s against 2.3 with 64 columns (64 programs only).
+# - Wide weights (gate/up, LM head) already put several programs on every SM; shallow
+#   pipelines leave shared memory for more of them: 28672x4096 reaches 4.2 TB/s at T=1 with 3
+#   stages (under 4.0 with more), and 3.9 TB/s at T=64 with 64x64 tiles.
 TILES = (
-    # Decode: the 16 rows are tl.dot's minimum; narrow tiles give many programs, so enough
-    # SMs stream the weights at once; long K tiles and deep pipelines keep many loads in
-    # flight per program. Measured on an H200 (scripts/tune_decode_kernels.py, 2026-11-29):
-    # at T=64, 4096x14336 runs at 2.9 TB/s with 32-row tiles against 2.3 with 64.
-    Tile("decode", 16, 16, 32, 128, 4),
-    Tile("small", 64, 64, 32, 128, 4),
-    Tile("prefill", None, 128, 128, 64, 8),
+    # Decode: the 16 rows are tl.dot's minimum; narrow tiles give many programs; long K tiles
+    # keep many loads in flight per program.
+    Tile("decode", 16, 16, 32, 128, 4, stages=6),
+    Tile("small", 64, 64, 32, 128, 4, stages=4),
+    Tile("prefill", None, 128, 128, 64, 8, stages=4),
 )
-MAX_STAGES = 6  # T=1, 4096x14336: 3.56 TB/s at 6 stages, 3.37 at 4
+WIDE_TILES = (
+    Tile("decode", 16, 16, 32, 128, 4, stages=3),
+    Tile("small", 64, 64, 64, 64, 4, stages=3),
+    Tile("prefill", None, 128, 128, 64, 8, stages=4),
+)
+WIDE_N = 16384  # weight rows from which WIDE_TILES apply
 
 
-def pick_tile(rows: int) -> Tile:
-    return next(t for t in TILES if t.max_rows is None or rows <= t.max_rows)
+def tiles_for(weight_rows: int) -> tuple[Tile, ...]:
+    """The shape buckets for a weight of `weight_rows` rows (same names and row ranges)."""
+    return WIDE_TILES if weight_rows >= WIDE_N else TILES
+
+
+def pick_tile(rows: int, weight_rows: int = 0) -> Tile:
+    return next(t for t in tiles_for(weight_rows) if t.max_rows is None or rows <= t.max_rows)
 
 
 def block_k(tile: Tile, element_bytes: int) -> int:
     return tile.block_k * 2 // element_bytes
 
 
-def num_stages(block_m: int, weight_rows: int, bk: int, element_bytes: int) -> int:
-    """Pipeline depth that keeps the x and W buffers within PIPELINE_SMEM on sm_80/sm_89,
-    where Triton keeps num_stages - 1 of them (sm_90+ keeps num_stages, with room to spare)."""
+def num_stages(block_m: int, weight_rows: int, bk: int, element_bytes: int, cap: int = 4) -> int:
+    """Pipeline depth, at most `cap`, that keeps the x and W buffers within PIPELINE_SMEM on
+    sm_80/sm_89, where Triton keeps num_stages - 1 of them (sm_90+ keeps num_stages, with
+    room to spare)."""
     per_stage = (block_m + weight_rows) * bk * element_bytes
-    return max(2, min(MAX_STAGES, 1 + PIPELINE_SMEM // per_stage))
+    return max(2, min(cap, 1 + PIPELINE_SMEM // per_stage))
 
 
 def aligned(k: int, *tensors: torch.Tensor) -> bool:
@@ -187,7 +205,7 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """out = x weight^T (+ bias) (+ residual), through Triton's JIT launch."""
     t, k = x.shape
     n = weight.shape[0]
-    tile = pick_tile(t)
+    tile = pick_tile(t, n)
     bk = block_k(tile, x.element_size())
     x, weight = x.contiguous(), weight.contiguous()
     grid = (triton.cdiv(t, tile.block_m), triton.cdiv(n, tile.block_n))
@@ -195,14 +213,14 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x, weight, bias, None if residual is None else residual.contiguous(), out, t,
         N=n, K=k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=bk,
         ALIGNED=aligned(k, x, weight), UPCAST_DOT=upcast_dot(x), num_warps=tile.num_warps,
-        num_stages=num_stages(tile.block_m, tile.block_n, bk, x.element_size()))
+        num_stages=num_stages(tile.block_m, tile.block_n, bk, x.element_size(), tile.stages))
 
 
 def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool) -> list[AotKernel]:
     """One linear_kernel per shape bucket of TILES."""
     ptr, size = POINTER[dtype], ELEMENT_BYTES[dtype]
     kernels = []
-    for tile in TILES:
+    for tile in tiles_for(n):
         bk = block_k(tile, size)
         signature = {"x_ptr": ptr, "w_ptr": ptr, "bias_ptr": ptr if bias else "constexpr",
                      "residual_ptr": ptr if residual else "constexpr", "out_ptr": ptr, "T": "i32",
@@ -216,7 +234,7 @@ def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool) -
             constexprs["residual_ptr"] = None
         kernels.append(AotKernel(
             linear_kernel, signature, constexprs, num_warps=tile.num_warps,
-            num_stages=num_stages(tile.block_m, tile.block_n, bk, size),
+            num_stages=num_stages(tile.block_m, tile.block_n, bk, size, tile.stages),
             meta=launch_meta(tile, str(triton.cdiv(n, tile.block_n)))))
     return kernels
 

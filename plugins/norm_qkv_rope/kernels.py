@@ -112,7 +112,7 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
         kv_cache, slot_mapping.contiguous(), out, t, kv_cache.shape[2] * kv_cache.shape[3],
         attrs["layer"], attrs["eps"], K=k, H=heads, KVH=kv_heads, D=d, HEAD_SPLIT=split,
         BLOCK_M=tile.block_m, BLOCK_K=bk, ALIGNED=aligned(k, x, w_qkv), UPCAST_DOT=upcast_dot(x),
-        num_warps=tile.num_warps, num_stages=num_stages(tile.block_m, d // split, bk, x.element_size()))
+        num_warps=tile.num_warps, num_stages=num_stages(tile.block_m, d // split, bk, x.element_size(), tile.stages))
 
 
 def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
@@ -142,6 +142,6 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
                 constexprs[name] = None
         kernels.append(AotKernel(
             norm_qkv_rope_kernel, signature, constexprs, num_warps=tile.num_warps,
-            num_stages=num_stages(tile.block_m, d // split, bk, size),
+            num_stages=num_stages(tile.block_m, d // split, bk, size, tile.stages),
             meta=launch_meta(tile, str((heads + 2 * kv_heads) * split))))
     return kernels

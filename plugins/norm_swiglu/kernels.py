@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from plugins.aot import AotKernel
-from plugins.linear.kernels import (ELEMENT_BYTES, POINTER, TILES, aligned, aot_aligned, block_k,
-                                    gemm_tile, launch_meta, num_stages, pick_tile, split_halves,
+from plugins.linear.kernels import (ELEMENT_BYTES, POINTER, aligned, aot_aligned, block_k,
+                                    gemm_tile, launch_meta, num_stages, pick_tile, split_halves, tiles_for,
                                     upcast_dot)
 
 
@@ -53,7 +53,7 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     x, w_gu = x.contiguous(), w_gu.contiguous()
     t, k = x.shape
     inter = w_gu.shape[0] // 2
-    tile = pick_tile(t)
+    tile = pick_tile(t, 2 * inter)
     bk = block_k(tile, x.element_size())
     # Half of the tile's weight rows are gate rows, half up rows.
     bn = tile.block_n // 2
@@ -62,7 +62,7 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
         x, norm_weight, w_gu, out, t, attrs["eps"], I=inter, K=k, GU_BLOCK=attrs["block"] or inter,
         BLOCK_M=tile.block_m, BLOCK_N=bn, BLOCK_K=bk, ALIGNED=aligned(k, x, w_gu),
         UPCAST_DOT=upcast_dot(x), num_warps=tile.num_warps,
-        num_stages=num_stages(tile.block_m, tile.block_n, bk, x.element_size()))
+        num_stages=num_stages(tile.block_m, tile.block_n, bk, x.element_size(), tile.stages))
 
 
 def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
@@ -72,7 +72,7 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     ptr, size = POINTER[dtype], ELEMENT_BYTES[dtype]
     k, inter, norm = shapes["K"], shapes["I"], shapes.get("norm_weight", False)
     kernels = []
-    for tile in TILES:
+    for tile in tiles_for(2 * inter):
         bk, bn = block_k(tile, size), tile.block_n // 2
         signature = {"x_ptr": ptr, "norm_ptr": ptr if norm else "constexpr", "w_ptr": ptr, "out_ptr": ptr,
                      "T": "i32", "eps": "fp32", "I": "constexpr", "K": "constexpr", "GU_BLOCK": "constexpr",
@@ -84,6 +84,6 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
             constexprs["norm_ptr"] = None
         kernels.append(AotKernel(
             norm_swiglu_kernel, signature, constexprs, num_warps=tile.num_warps,
-            num_stages=num_stages(tile.block_m, tile.block_n, bk, size),
+            num_stages=num_stages(tile.block_m, tile.block_n, bk, size, tile.stages),
             meta=launch_meta(tile, str(triton.cdiv(inter, bn)))))
     return kernels
