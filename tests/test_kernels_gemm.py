@@ -148,6 +148,23 @@ def test_parity_norm_swiglu(request, block, folded, t, k, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["linear_residual", "norm_swiglu"])
+def test_parity_medium_bucket(request, name, dtype):
+    """65 to 256 rows take the medium bucket's tiles."""
+    def body():
+        torch.manual_seed(3)
+        t, k = 100, 64
+        assert linear_kernels.pick_tile(t).name == "medium"
+        if name == "linear_residual":
+            check(name, [rand(t, k, dtype=dtype), rand(40, k, dtype=dtype, scale=k ** -0.5), None, rand(t, 40, dtype=dtype)],
+                  {"parallel": "none", "heads": 0, "all_reduce": False}, (t, 40))
+        else:
+            _, w_gu = with_norm(rand(2 * 24, k, dtype=dtype, scale=k ** -0.5), True)
+            check(name, [rand(t, k, dtype=dtype, scale=3.0), None, w_gu], {"eps": EPS, "block": 8}, (t, 24))
+    in_mode(request, True, body)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t", [1, 17])
 @pytest.mark.parametrize("name", ["linear", "norm_swiglu"])
 def test_parity_wide_weight_tiles(request, name, t, dtype):

@@ -63,11 +63,15 @@ TILES = (
     # keep many loads in flight per program.
     Tile("decode", 16, 16, 32, 128, 4, stages=6),
     Tile("small", 64, 64, 32, 128, 4, stages=4),
+    # Up to 256 rows (decode batches beyond 64): 128x128 tiles would give a 4096-row weight
+    # only 64 programs at T=256 (o_proj and down took 2-3x their bytes' time on an H200).
+    Tile("medium", 256, 64, 64, 64, 4, stages=4),
     Tile("prefill", None, 128, 128, 64, 8, stages=4),
 )
 WIDE_TILES = (
     Tile("decode", 16, 16, 32, 128, 4, stages=3),
     Tile("small", 64, 64, 64, 64, 4, stages=3),
+    Tile("medium", 256, 128, 128, 64, 8, stages=4),
     Tile("prefill", None, 128, 128, 64, 8, stages=4),
 )
 WIDE_N = 16384  # weight rows from which WIDE_TILES apply
