@@ -68,7 +68,8 @@ def kernel_key(kernel: AotKernel, target: str) -> str:
     import triton
     ident = json.dumps([inspect.getsource(kernel.fn.fn if hasattr(kernel.fn, "fn") else kernel.fn),
                         kernel.signature, {k: repr(v) for k, v in kernel.constexprs.items()},
-                        kernel.num_warps, kernel.num_stages, target, triton.__version__, kernel.meta],
+                        kernel.num_warps, kernel.num_stages, target, triton.__version__, kernel.meta,
+                        kernel.aligned],
                        sort_keys=True, default=repr)
     return hashlib.sha256(ident.encode()).hexdigest()[:20]
 

@@ -20,6 +20,10 @@ class AotKernel:
     num_warps: int = 4
     num_stages: int = 3
     meta: dict[str, Any] = field(default_factory=dict)  # what a launcher needs (grid rule, block sizes)
+    # Pointer parameters the launcher promises are 16-byte aligned. The JIT learns alignment
+    # from its arguments; a cubin only knows what it is told, and without it every load of
+    # those pointers is a scalar load.
+    aligned: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -30,14 +34,26 @@ class Cubin:
     num_warps: int
 
 
-def compile_cubin(kernel: AotKernel, target: str) -> Cubin:
+def pointer_params(signature: dict[str, str]) -> tuple[str, ...]:
+    """The pointer parameters of a signature: what `AotKernel.aligned` names when every tensor a
+    kernel takes comes from an arena (whose regions and planned tensors all start on 256 bytes)."""
+    return tuple(name for name, kind in signature.items() if kind.startswith("*"))
+
+
+def compile_kernel(kernel: AotKernel, target: str):
+    """Triton's compiled kernel for `target` (its `asm` holds the PTX and the cubin)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     if target not in TARGET_CC:
         raise ValueError(f"no GPU target {target!r}; choose one of {', '.join(TARGET_CC)}")
-    src = ASTSource(fn=kernel.fn, signature=kernel.signature, constexprs=kernel.constexprs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", TARGET_CC[target], 32),
-                              options={"num_warps": kernel.num_warps, "num_stages": kernel.num_stages})
+    attrs = {(kernel.fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in kernel.aligned}
+    src = ASTSource(fn=kernel.fn, signature=kernel.signature, constexprs=kernel.constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", TARGET_CC[target], 32),
+                          options={"num_warps": kernel.num_warps, "num_stages": kernel.num_stages})
+
+
+def compile_cubin(kernel: AotKernel, target: str) -> Cubin:
+    compiled = compile_kernel(kernel, target)
     return Cubin(compiled.metadata.name, compiled.asm["cubin"], compiled.metadata.shared, compiled.metadata.num_warps)

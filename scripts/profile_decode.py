@@ -14,6 +14,8 @@ import statistics
 
 import torch
 
+from plugins.attention import launch as attention
+from plugins.attention_o_proj import launch as attention_o_proj
 from runtime.cuda_executor import CudaExecutor
 from runtime.engine import load_engine
 from runtime.step import SequenceChunk, pack_step
@@ -51,6 +53,9 @@ def profile(ex: CudaExecutor, batch: int, context: int) -> None:
     kinds: dict[str, list] = {}
     for op in ex.ops:
         kinds.setdefault(op.launcher.__name__.split(".")[1], []).append(op)
+        if op.launcher is attention_o_proj:
+            # Its attention stage alone, to tell it apart from the o_proj GEMM.
+            kinds.setdefault("(attention part)", []).append(op)
     for kind, ops in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
         # One graph launches every op of this kind, right after the step inputs were staged:
         # ops that read step inputs (token ids, slots, block tables) see valid ones, and
@@ -61,10 +66,19 @@ def profile(ex: CudaExecutor, batch: int, context: int) -> None:
         with torch.cuda.graph(graph):
             for op in ops:
                 args = [None if t is None else values[t] if t in values else ex.weights[t] for t in op.inputs]
-                op.launcher.launch(op.kernels, op.metas, args, op.attrs, values[op.output], dims,
-                                   torch.cuda.current_stream().cuda_stream, ex.scratch)
+                stream = torch.cuda.current_stream().cuda_stream
+                if kind == "(attention part)":
+                    roles = [i for i, m in enumerate(op.metas) if "role" in m]
+                    q = args[0]
+                    attn = ex.scratch["attention_o_proj_attn"][:q.numel() * q.element_size()].view(q.dtype)
+                    attention.launch([op.kernels[i] for i in roles], [op.metas[i] for i in roles], args[:8],
+                                     op.attrs, attn.view(q.shape), dims, stream, ex.scratch)
+                else:
+                    op.launcher.launch(op.kernels, op.metas, args, op.attrs, values[op.output], dims, stream,
+                                       ex.scratch)
         ms = time_ms(graph.replay)
-        nbytes = sum(ex.weights[t].nbytes for op in ops for t in op.inputs if t in ex.weights)
+        nbytes = 0 if kind == "(attention part)" else sum(
+            ex.weights[t].nbytes for op in ops for t in op.inputs if t in ex.weights)
         print(f"  {kind:18s} x{len(ops):<3d} {ms:8.3f} ms  {ms / len(ops) * 1e3:8.1f} us each  "
               f"{nbytes / ms / 1e6 if 'embed' not in kind else 0:7.0f} GB/s of weights")
 

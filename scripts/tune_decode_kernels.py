@@ -53,7 +53,7 @@ def sweep_linear() -> None:
 
             def call():
                 linear_kernel[grid](x, w, None, None, out, t, N=n, K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                    ALIGNED=True, UPCAST_DOT=False, num_warps=warps, num_stages=stages)
+                                    UPCAST_DOT=False, num_warps=warps, num_stages=stages)
             try:
                 us = graph_us(call)
             except Exception as e:  # a config that does not compile or fit is skipped

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from plugins.aot import AotKernel
+from plugins.aot import AotKernel, pointer_params
 
 POINTER_TYPES = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}
 MAX_SPLITS = 32             # S=1, 8192 keys on an H200: 16 splits give 1.7 TB/s, 32 give 2.1
@@ -264,8 +264,8 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
         _write_kv_kernel,
         {"k_ptr": ptr, "v_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr, "slot_mapping_ptr": "*i32",
          "k_stride": "i32", "v_stride": "i32", "ROW": "constexpr", "BLOCK": "constexpr"},
-        {"ROW": row, "BLOCK": _row_block(row)},
-        meta={"role": "write_kv", "grid": f"(T, {triton.cdiv(row, _row_block(row))}, 1)",
+        {"ROW": row, "BLOCK": _row_block(row)}, aligned=("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr"),
+        meta={"role": "write_kv", "grid": f"(T, {triton.cdiv(row, _row_block(row))}, 1)", "pointer_alignment": 16,
               "when": "k and v are given; before the attention kernel"})
     attention_sig = {
         "q_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr, "out_ptr": ptr,
@@ -285,9 +285,9 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
             _attention_kernel, attention_sig,
             {**common, "BLOCK_SIZE": shapes["block_size"], "BLOCK_M": cfg["BLOCK_M"],
              "BLOCK_N": cfg["BLOCK_N"], "SEQ_CHUNK": SEQ_CHUNK, "SPLIT": split, "INTERPRETER": False},
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            meta={"role": role, "when": when, "grid": f"(T * {group} // {cfg['BLOCK_M']} + S, "
-                                                      f"{kv_heads}, {'num_splits' if split else 1})"}))
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], aligned=pointer_params(attention_sig),
+            meta={"role": role, "when": when, "pointer_alignment": 16,
+                  "grid": f"(T * {group} // {cfg['BLOCK_M']} + S, {kv_heads}, {'num_splits' if split else 1})"}))
     kernels.append(AotKernel(
         _combine_splits_kernel,
         {"part_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": ptr, "out_stride": "i32",
@@ -295,6 +295,7 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
          "BLOCK_D": "constexpr", "MAX_SPLITS": "constexpr"},
         {"NUM_HEADS": heads, "HEAD_DIM": head_dim, "BLOCK_D": _head_block(head_dim),
          "MAX_SPLITS": MAX_SPLITS},
-        meta={"role": "combine_splits", "grid": f"(T, {heads}, 1)",
+        aligned=("part_ptr", "stats_ptr", "out_ptr"),
+        meta={"role": "combine_splits", "grid": f"(T, {heads}, 1)", "pointer_alignment": 16,
               "when": "after a decode_split attention kernel"}))
     return kernels

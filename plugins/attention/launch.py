@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from plugins.attention.kernels import choose_num_splits
-from plugins.linear.launch import grid, ptr
+from plugins.linear.launch import check_aligned, grid, ptr
 
 FP32_BYTES = 4
 
@@ -48,6 +48,7 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
     # Stream order puts every cache write before the attention kernel reads it.
     if k is not None and v is not None:
         i = roles["write_kv"]
+        check_aligned(metas[i], k, v, k_cache, v_cache)
         kernels[i].launch(grid(metas[i]["grid"], names),
                           [k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                            slot_mapping.data_ptr(), k.stride(0), v.stride(0)], stream)
@@ -62,6 +63,7 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
         count = tokens * attrs["num_heads"] * splits
         part = scratch["attention_part"][:count * attrs["head_dim"] * FP32_BYTES]
         stats = scratch["attention_stats"][:count * 2 * FP32_BYTES]
+    check_aligned(metas[i], q, k_cache, v_cache, out)
     kernels[i].launch(grid(metas[i]["grid"], {**names, "num_splits": splits}),
                       [q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), ptr(part), ptr(stats),
                        block_tables.data_ptr(), query_lens.data_ptr(), context_lens.data_ptr(), seqs, q.stride(0),

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plugins.aot import AotKernel
+from plugins.aot import AotKernel, pointer_params
 
 # Pointer types of the signatures AOT compilation needs, per engine dtype.
 POINTER = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
@@ -98,11 +98,6 @@ def num_stages(block_m: int, weight_rows: int, bk: int, element_bytes: int, cap:
     return max(2, min(cap, 1 + PIPELINE_SMEM // per_stage))
 
 
-def aligned(k: int, *tensors: torch.Tensor) -> bool:
-    """Whether [., k] rows of these tensors all start on 16 bytes (see gemm_tile)."""
-    return all(t.data_ptr() % 16 == 0 and k * t.element_size() % 16 == 0 for t in tensors)
-
-
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -112,12 +107,6 @@ def upcast_dot(x: torch.Tensor) -> bool:
     #11584), so there the tiles go to fp32 before tl.dot. The result is the same: a product
     of two bf16 values is exact in fp32 and the sums are fp32 either way."""
     return interpreting() and x.dtype == torch.bfloat16
-
-
-def aot_aligned(k: int, element_bytes: int) -> bool:
-    """AOT kernels assume 16-byte aligned pointers (the launcher's contract, in their meta)
-    whenever K keeps every row aligned too."""
-    return k * element_bytes % 16 == 0
 
 
 def launch_meta(tile: Tile, column_tiles: str) -> dict:
@@ -130,10 +119,9 @@ def launch_meta(tile: Tile, column_tiles: str) -> dict:
 @triton.jit
 def gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, mask_n,
               K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              ROW_SCALE: tl.constexpr, ALIGNED: tl.constexpr, UPCAST_DOT: tl.constexpr):
+              ROW_SCALE: tl.constexpr, UPCAST_DOT: tl.constexpr):
     """x[offs_m] (times norm_ptr's weights when given) against the weight rows `rows`: returns
-    (acc [BLOCK_M, BLOCK_N] in fp32, the sum of x^2 per row when ROW_SCALE). ALIGNED: x and W
-    start on 16 bytes and K keeps their rows so.
+    (acc [BLOCK_M, BLOCK_N] in fp32, the sum of x^2 per row when ROW_SCALE).
 
     The fused kernels gather the two row sets they pair (gate and up, a head's two halves)
     into one tile and split the accumulator afterwards, rather than run two dots on one x
@@ -141,11 +129,6 @@ def gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, mask_n,
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :]
     w_ptrs = w_ptr + rows.to(tl.int64)[None, :] * K + offs_k[:, None]
-    if ALIGNED:
-        # An AOT-compiled kernel knows nothing of its pointers' alignment (the JIT learns it
-        # from the arguments); without this the loads are scalar and never pipelined.
-        x_ptrs = tl.multiple_of(x_ptrs, [16, 16])
-        w_ptrs = tl.multiple_of(w_ptrs, [16, 16])
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     sumsq = tl.zeros((BLOCK_M,), tl.float32)
     # The row sum reads x through loads of its own, one iteration ahead so their latency
@@ -188,13 +171,13 @@ def split_halves(acc, BLOCK_M: tl.constexpr, HALF: tl.constexpr):
 @triton.jit
 def linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, T,
                   N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, ALIGNED: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                  BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < T
     mask_n = offs_n < N
     acc, _ = gemm_tile(x_ptr, None, w_ptr, offs_m, mask_m, offs_n, mask_n,
-                       K, BLOCK_M, BLOCK_N, BLOCK_K, False, ALIGNED, UPCAST_DOT)
+                       K, BLOCK_M, BLOCK_N, BLOCK_K, False, UPCAST_DOT)
     if bias_ptr is not None:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     out_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
@@ -216,7 +199,7 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     linear_kernel[grid](
         x, weight, bias, None if residual is None else residual.contiguous(), out, t,
         N=n, K=k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=bk,
-        ALIGNED=aligned(k, x, weight), UPCAST_DOT=upcast_dot(x), num_warps=tile.num_warps,
+        UPCAST_DOT=upcast_dot(x), num_warps=tile.num_warps,
         num_stages=num_stages(tile.block_m, tile.block_n, bk, x.element_size(), tile.stages))
 
 
@@ -229,15 +212,15 @@ def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool) -
         signature = {"x_ptr": ptr, "w_ptr": ptr, "bias_ptr": ptr if bias else "constexpr",
                      "residual_ptr": ptr if residual else "constexpr", "out_ptr": ptr, "T": "i32",
                      "N": "constexpr", "K": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-                     "BLOCK_K": "constexpr", "ALIGNED": "constexpr", "UPCAST_DOT": "constexpr"}
+                     "BLOCK_K": "constexpr", "UPCAST_DOT": "constexpr"}
         constexprs = {"N": n, "K": k, "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": bk,
-                      "ALIGNED": aot_aligned(k, size), "UPCAST_DOT": False}
+                      "UPCAST_DOT": False}
         if not bias:
             constexprs["bias_ptr"] = None
         if not residual:
             constexprs["residual_ptr"] = None
         kernels.append(AotKernel(
-            linear_kernel, signature, constexprs, num_warps=tile.num_warps,
+            linear_kernel, signature, constexprs, num_warps=tile.num_warps, aligned=pointer_params(signature),
             num_stages=num_stages(tile.block_m, tile.block_n, bk, size, tile.stages),
             meta=launch_meta(tile, str(triton.cdiv(n, tile.block_n)))))
     return kernels

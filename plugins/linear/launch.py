@@ -74,11 +74,11 @@ def pick_bucket(metas: list[dict], rows: int) -> int:
 
 
 def check_aligned(meta: dict, *tensors: torch.Tensor | None) -> None:
-    """The AOT GEMMs assume the pointer alignment their meta names (see `aot_aligned`)."""
+    """An AOT kernel assumes the pointer alignment its meta names (`AotKernel.aligned`)."""
     align = meta.get("pointer_alignment", 1)
     bad = [t.data_ptr() for t in tensors if t is not None and t.data_ptr() % align]
     if bad:
-        raise ValueError(f"GEMM pointers must be {align}-byte aligned; got addresses {bad}")
+        raise ValueError(f"kernel pointers must be {align}-byte aligned; got addresses {bad}")
 
 
 def launch_gemm(kernels: list, metas: list[dict], x: torch.Tensor, weight: torch.Tensor,

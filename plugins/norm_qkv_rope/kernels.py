@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from plugins.aot import AotKernel
-from plugins.linear.kernels import (ELEMENT_BYTES, POINTER, TILES, Tile, aligned, aot_aligned, block_k,
+from plugins.aot import AotKernel, pointer_params
+from plugins.linear.kernels import (ELEMENT_BYTES, POINTER, TILES, Tile, block_k,
                                     gemm_tile, launch_meta, num_stages, pick_tile, split_halves,
                                     upcast_dot)
 
@@ -54,7 +54,7 @@ def norm_qkv_rope_kernel(x_ptr, norm_ptr, w_ptr, bias_ptr, q_norm_ptr, k_norm_pt
                          kv_ptr, slot_ptr, out_ptr, T, num_slots, layer, eps,
                          K: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
                          HEAD_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                         ALIGNED: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                         UPCAST_DOT: tl.constexpr):
     HALF: tl.constexpr = D // 2
     CHUNK: tl.constexpr = HALF // HEAD_SPLIT
     h = tl.program_id(1) // HEAD_SPLIT
@@ -64,7 +64,7 @@ def norm_qkv_rope_kernel(x_ptr, norm_ptr, w_ptr, bias_ptr, q_norm_ptr, k_norm_pt
     i = tl.arange(0, 2 * CHUNK)
     rows = h * D + (i // CHUNK) * HALF + (tl.program_id(1) % HEAD_SPLIT) * CHUNK + i % CHUNK
     acc, sumsq = gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, rows < (H + 2 * KVH) * D,
-                           K, BLOCK_M, 2 * CHUNK, BLOCK_K, True, ALIGNED, UPCAST_DOT)
+                           K, BLOCK_M, 2 * CHUNK, BLOCK_K, True, UPCAST_DOT)
     acc *= tl.rsqrt(sumsq / K + eps)[:, None]
     if bias_ptr is not None:
         acc += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
@@ -111,7 +111,7 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
         x, norm_weight, w_qkv, b_qkv, q_norm, k_norm, positions.contiguous(), rope_cache.contiguous(),
         kv_cache, slot_mapping.contiguous(), out, t, kv_cache.shape[2] * kv_cache.shape[3],
         attrs["layer"], attrs["eps"], K=k, H=heads, KVH=kv_heads, D=d, HEAD_SPLIT=split,
-        BLOCK_M=tile.block_m, BLOCK_K=bk, ALIGNED=aligned(k, x, w_qkv), UPCAST_DOT=upcast_dot(x),
+        BLOCK_M=tile.block_m, BLOCK_K=bk, UPCAST_DOT=upcast_dot(x),
         num_warps=tile.num_warps, num_stages=num_stages(tile.block_m, d // split, bk, x.element_size(), tile.stages))
 
 
@@ -133,15 +133,15 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
                      "slot_ptr": "*i32", "out_ptr": ptr, "T": "i32", "num_slots": "i32", "layer": "i32",
                      "eps": "fp32", "K": "constexpr", "H": "constexpr", "KVH": "constexpr", "D": "constexpr",
                      "HEAD_SPLIT": "constexpr", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
-                     "ALIGNED": "constexpr", "UPCAST_DOT": "constexpr"}
+                     "UPCAST_DOT": "constexpr"}
         constexprs = {"K": k, "H": heads, "KVH": kv_heads, "D": d, "HEAD_SPLIT": split, "BLOCK_M": tile.block_m,
-                      "BLOCK_K": bk, "ALIGNED": aot_aligned(k, size), "UPCAST_DOT": False}
+                      "BLOCK_K": bk, "UPCAST_DOT": False}
         for name, present in optional.items():
             if not present:
                 signature[name] = "constexpr"
                 constexprs[name] = None
         kernels.append(AotKernel(
-            norm_qkv_rope_kernel, signature, constexprs, num_warps=tile.num_warps,
+            norm_qkv_rope_kernel, signature, constexprs, num_warps=tile.num_warps, aligned=pointer_params(signature),
             num_stages=num_stages(tile.block_m, d // split, bk, size, tile.stages),
             meta=launch_meta(tile, str((heads + 2 * kv_heads) * split))))
     return kernels

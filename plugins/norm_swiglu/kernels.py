@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from plugins.aot import AotKernel
-from plugins.linear.kernels import (ELEMENT_BYTES, POINTER, aligned, aot_aligned, block_k,
+from plugins.aot import AotKernel, pointer_params
+from plugins.linear.kernels import (ELEMENT_BYTES, POINTER, block_k,
                                     gemm_tile, launch_meta, num_stages, pick_tile, split_halves, tiles_for,
                                     upcast_dot)
 
@@ -30,7 +30,7 @@ from plugins.linear.kernels import (ELEMENT_BYTES, POINTER, aligned, aot_aligned
 def norm_swiglu_kernel(x_ptr, norm_ptr, w_ptr, out_ptr, T, eps,
                        I: tl.constexpr, K: tl.constexpr, GU_BLOCK: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       ALIGNED: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                       UPCAST_DOT: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < T
@@ -39,7 +39,7 @@ def norm_swiglu_kernel(x_ptr, norm_ptr, w_ptr, out_ptr, T, eps,
     cols = tl.program_id(1) * BLOCK_N + i % BLOCK_N
     rows = (cols // GU_BLOCK) * (2 * GU_BLOCK) + cols % GU_BLOCK + (i // BLOCK_N) * GU_BLOCK
     acc, sumsq = gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, cols < I,
-                           K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, True, ALIGNED, UPCAST_DOT)
+                           K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, True, UPCAST_DOT)
     gate, up = split_halves(acc * tl.rsqrt(sumsq / K + eps)[:, None], BLOCK_M, BLOCK_N)
     y = gate * tl.sigmoid(gate) * up
     mask = mask_m[:, None] & (offs_n < I)[None, :]
@@ -60,7 +60,7 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     grid = (triton.cdiv(t, tile.block_m), triton.cdiv(inter, bn))
     norm_swiglu_kernel[grid](
         x, norm_weight, w_gu, out, t, attrs["eps"], I=inter, K=k, GU_BLOCK=attrs["block"] or inter,
-        BLOCK_M=tile.block_m, BLOCK_N=bn, BLOCK_K=bk, ALIGNED=aligned(k, x, w_gu),
+        BLOCK_M=tile.block_m, BLOCK_N=bn, BLOCK_K=bk, 
         UPCAST_DOT=upcast_dot(x), num_warps=tile.num_warps,
         num_stages=num_stages(tile.block_m, tile.block_n, bk, x.element_size(), tile.stages))
 
@@ -77,13 +77,13 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
         signature = {"x_ptr": ptr, "norm_ptr": ptr if norm else "constexpr", "w_ptr": ptr, "out_ptr": ptr,
                      "T": "i32", "eps": "fp32", "I": "constexpr", "K": "constexpr", "GU_BLOCK": "constexpr",
                      "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-                     "ALIGNED": "constexpr", "UPCAST_DOT": "constexpr"}
+                     "UPCAST_DOT": "constexpr"}
         constexprs = {"I": inter, "K": k, "GU_BLOCK": shapes["block"] or inter, "BLOCK_M": tile.block_m,
-                      "BLOCK_N": bn, "BLOCK_K": bk, "ALIGNED": aot_aligned(k, size), "UPCAST_DOT": False}
+                      "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST_DOT": False}
         if not norm:
             constexprs["norm_ptr"] = None
         kernels.append(AotKernel(
-            norm_swiglu_kernel, signature, constexprs, num_warps=tile.num_warps,
+            norm_swiglu_kernel, signature, constexprs, num_warps=tile.num_warps, aligned=pointer_params(signature),
             num_stages=num_stages(tile.block_m, tile.block_n, bk, size, tile.stages),
             meta=launch_meta(tile, str(triton.cdiv(inter, bn)))))
     return kernels

@@ -1,0 +1,61 @@
+"""AOT kernels are told which pointers are 16-byte aligned (`AotKernel.aligned`), and it shows in
+their PTX: the decode attention and the GEMMs stream their tiles with 16-byte asynchronous
+copies. Compiled without that promise, the same attention kernel reads K and V with 2-byte
+scalar loads (as engines built before it did): the difference this test guards."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = """
+import dataclasses, json, re, sys
+from plugins.aot import compile_kernel
+from plugins.attention.kernels import aot_kernels as attention
+from plugins.linear_residual.kernels import aot_kernels as linear_residual
+from plugins.norm_swiglu.kernels import aot_kernels as norm_swiglu
+
+def loads(kernel):
+    ptx = compile_kernel(kernel, "sm_90").asm["ptx"]
+    return {"async16": len(re.findall(r"cp\\.async\\.\\w+\\.shared\\.global \\[[^]]*\\], \\[[^]]*\\], 0x10", ptx)),
+            "scalar16": len(re.findall(r"ld\\.global\\.b16", ptx))}
+
+decode = next(k for k in attention("bfloat16", {"heads": 32, "kv_heads": 8, "head_dim": 128, "block_size": 16})
+              if k.meta.get("role") == "decode")
+gemms = linear_residual("bfloat16", {"K": 4096, "N": 4096}) + norm_swiglu("bfloat16", {"K": 4096, "I": 14336, "block": 0})
+sys.stdout.write(json.dumps({
+    "attention": loads(decode),
+    "attention_unaligned": loads(dataclasses.replace(decode, aligned=())),
+    "gemms": [loads(k) for k in gemms if k.meta["bucket"] in ("decode", "small")],
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def ptx_loads() -> dict:
+    # Compiled without TRITON_INTERPRET, which would make the kernels interpreter stand-ins.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout)
+
+
+def test_decode_attention_streams_kv_with_16_byte_copies(ptx_loads):
+    # What scalar loads remain read q, whose row stride the kernel is not promised.
+    assert ptx_loads["attention"]["async16"] > 0
+    assert ptx_loads["attention"]["scalar16"] <= 16
+
+
+def test_without_the_promise_attention_loads_2_bytes_at_a_time(ptx_loads):
+    assert ptx_loads["attention_unaligned"]["async16"] == 0
+    assert ptx_loads["attention_unaligned"]["scalar16"] > 8 * ptx_loads["attention"]["scalar16"]
+
+
+def test_decode_gemms_stream_weights_with_16_byte_copies(ptx_loads):
+    assert ptx_loads["gemms"] and all(g["async16"] > 0 and g["scalar16"] == 0 for g in ptx_loads["gemms"]), \
+        ptx_loads["gemms"]
