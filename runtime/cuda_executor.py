@@ -53,13 +53,17 @@ def _launcher(op_name: str) -> ModuleType:
 
 
 def scratch_bytes(engine: Engine, launchers: list[ModuleType]) -> dict[str, int]:
-    """Bytes of each scratch buffer the plan's launchers ask for: the largest need of any op."""
+    """Bytes of each scratch buffer the plan's launchers and kernels ask for: the largest need of any op."""
     limits = {**engine.bounds, "block_size": engine.kv_cache["block_size"],
               "element_bytes": DTYPES[engine.build["dtype"]].itemsize}
     sizes: dict[str, int] = {}
-    for op, launcher in zip(engine.plan, launchers):
-        if hasattr(launcher, "scratch_bytes"):
-            for name, nbytes in launcher.scratch_bytes(op.attrs, limits).items():
+    for op, entry, launcher in zip(engine.plan, engine.manifest["plan"], launchers):
+        needs = [launcher.scratch_bytes(op.attrs, limits)] if hasattr(launcher, "scratch_bytes") else []
+        # Kernels sized at build time (the split-K GEMMs) name their workspace in their metadata.
+        for keys in entry.get("kernel_keys", {}).values():
+            needs += [engine.manifest["kernels"][key]["launch"].get("scratch", {}) for key in keys]
+        for need in needs:
+            for name, nbytes in need.items():
                 sizes[name] = max(sizes.get(name, 0), nbytes)
     return sizes
 

@@ -147,6 +147,49 @@ def test_parity_norm_swiglu(request, block, folded, t, k, dtype):
     in_mode(request, True, body)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,k", [(1, 512), (5, 1024), (20, 256), (64, 768)])
+@pytest.mark.parametrize("name", ["linear", "linear_residual", "norm_swiglu"])
+def test_parity_split_k(request, name, t, k, dtype):
+    """K long enough that the decode and small buckets split it (into 4 and 2 parts)."""
+    def body():
+        torch.manual_seed(t + k)
+        tile = linear_kernels.pick_tile(t)
+        assert linear_kernels.split_k(tile, k, linear_kernels.block_k(tile, dtype.itemsize)) > 1
+        x = rand(t, k, dtype=dtype, scale=3.0 if name == "norm_swiglu" else 1.0)
+        if name == "norm_swiglu":
+            _, w_gu = with_norm(rand(2 * 48, k, dtype=dtype, scale=k ** -0.5), True)
+            check(name, [x, None, w_gu], {"eps": EPS, "block": 16}, (t, 48))
+        else:
+            inputs = [x, rand(80, k, dtype=dtype, scale=k ** -0.5), rand(80, dtype=dtype)]
+            inputs += [rand(t, 80, dtype=dtype)] if name == "linear_residual" else []
+            check(name, inputs, {"parallel": "none", "heads": 0, "all_reduce": False}, (t, 80))
+    in_mode(request, True, body)
+
+
+def test_parity_split_k_workspace_is_reusable(request):
+    """The last program of each tile leaves its arrival count at zero, so one workspace serves
+    launch after launch (the engine allocates it once); a count left behind would make the
+    next launch's tiles finish early, with partial sums."""
+    def body():
+        torch.manual_seed(0)
+        t, k, n = 3, 1024, 96
+        tile = linear_kernels.pick_tile(t)
+        bk = linear_kernels.block_k(tile, 4)
+        split, columns = linear_kernels.split_k(tile, k, bk), -(-n // tile.block_n)
+        part, count = linear_kernels.split_buffers(t, tile.block_m, tile.block_n, columns, split, "cpu")
+        w = rand(n, k, dtype=torch.float32, scale=k ** -0.5)
+        for seed in range(3):
+            x = rand(t, k, dtype=torch.float32)
+            out = torch.full((t, n), float("nan"))
+            linear_kernels.linear_kernel[(1, columns, split)](
+                x, w, None, None, out, part, count, t, N=n, K=k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                BLOCK_K=bk, UPCAST_DOT=False, SPLIT_K=split)
+            assert_matches(out, x @ w.T)
+            assert not count.any(), f"launch {seed} left arrival counts {count.tolist()}"
+    in_mode(request, True, body)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["linear_residual", "norm_swiglu"])
 def test_parity_medium_bucket(request, name, dtype):
@@ -187,7 +230,8 @@ def test_parity_wide_weight_tiles(request, name, t, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 # head_dim 64 at decode sizes splits each head over two programs when there is no q/k norm.
-@pytest.mark.parametrize("t,k,d", [(1, 32, 16), (3, 64, 16), (17, 32, 16), (3, 32, 64)])
+# K = 512 at T=1 and 256 at T=20 split K (4 and 2 parts) in every dtype.
+@pytest.mark.parametrize("t,k,d", [(1, 32, 16), (3, 64, 16), (17, 32, 16), (3, 32, 64), (1, 512, 16), (20, 256, 16)])
 @pytest.mark.parametrize("folded", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("qk_norm", [False, True])
@@ -224,7 +268,7 @@ def check_cubins(name: str, shapes: dict, targets) -> None:
     assert len(kernels) == len(linear_kernels.TILES)
     for kernel in kernels:
         assert set(kernel.signature) == set(kernel.fn.arg_names)
-        assert len(kernel.meta["grid"]) == 2
+        assert len(kernel.meta["grid"]) == 3 and kernel.meta["grid"][2] == str(kernel.meta["split_k"])
         for target in targets:
             cubin = compile_cubin(kernel, target)
             assert cubin.binary.startswith(b"\x7fELF") and cubin.name == kernel.fn.__name__

@@ -65,8 +65,10 @@ NUM_BLOCKS = 96
 # the AOT kernels never.
 INTERPRETER_ONLY = {"UPCAST_DOT", "INTERPRETER"}
 POINTER_DTYPES = {"*fp32": torch.float32, "*fp16": torch.float16, "*bf16": torch.bfloat16, "*i32": torch.int32}
-# (family, dtype, max_seq_len): 512 keys per sequence make decode steps split the keys, 128 do not.
-ENGINES = [("llama3", "bfloat16", 512), ("qwen3", "float32", 128), ("qwen2", "float32", 128)]
+# (family, dtype, max_seq_len, hidden size): 512 keys per sequence make decode steps split the
+# keys, 128 do not; a 512-wide model makes the decode and mixed steps' GEMMs split K.
+ENGINES = [("llama3", "bfloat16", 512, 64), ("qwen3", "float32", 128, 64), ("qwen2", "float32", 128, 64),
+           ("llama3", "bfloat16", 128, 512)]
 
 
 # -- recording ---------------------------------------------------------------------------------
@@ -309,14 +311,14 @@ def variants(op: str, engine, entry: dict, args: list, attrs: dict, out: torch.T
 @pytest.fixture(scope="module")
 def engines(factory, tmp_path_factory):
     root = tmp_path_factory.mktemp("launch-args")
-    return {(family, dtype, seq): build_without_compiler(factory.checkpoint(family), root / f"{family}-{dtype}-{seq}",
-                                                         dtype, seq)
-            for family, dtype, seq in ENGINES}
+    return {(family, dtype, seq, hidden): build_without_compiler(
+        factory.checkpoint(family, hidden_size=hidden, intermediate_size=2 * hidden),
+        root / f"{family}-{dtype}-{seq}-{hidden}", dtype, seq) for family, dtype, seq, hidden in ENGINES}
 
 
-@pytest.mark.parametrize("family,dtype,max_seq_len", ENGINES)
-def test_launchers_pass_what_run_passes(engines, family, dtype, max_seq_len):
-    built = engines[family, dtype, max_seq_len]
+@pytest.mark.parametrize("family,dtype,max_seq_len,hidden", ENGINES)
+def test_launchers_pass_what_run_passes(engines, family, dtype, max_seq_len, hidden):
+    built = engines[family, dtype, max_seq_len, hidden]
     engine, manifest = built.engine, built.engine.manifest
     executor = CpuExecutor(engine, NUM_BLOCKS)
     scratch = allocate_scratch(engine)
@@ -348,3 +350,6 @@ def test_launchers_pass_what_run_passes(engines, family, dtype, max_seq_len):
     assert all(steps == {"prefill", "mixed", "decode"} for steps in checked.values()), checked
     # attention then the GEMM; a split-KV decode adds the combine kernel.
     assert attention_paths == ({2, 3} if max_seq_len > 256 else {2})
+    split_buckets = {m["launch"]["bucket"] for m in manifest["kernels"].values() if m["launch"].get("split_k", 1) > 1}
+    if hidden >= 512:
+        assert split_buckets == {"decode", "small"}

@@ -28,4 +28,5 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
     gemm_idx = [i for i, m in enumerate(metas) if "bucket" in m]
     attention.launch([kernels[i] for i in attention_idx], [metas[i] for i in attention_idx], inputs[:8], attrs,
                      attn, dims, stream, scratch)
-    launch_gemm([kernels[i] for i in gemm_idx], [metas[i] for i in gemm_idx], attn, w_o, b_o, residual, out, stream)
+    launch_gemm([kernels[i] for i in gemm_idx], [metas[i] for i in gemm_idx], attn, w_o, b_o, residual, out, stream,
+                scratch)

@@ -40,7 +40,8 @@ class Tile:
     """One shape bucket's tiling. `block_n` counts weight rows per tile (a fused kernel that
     pairs rows gives each side half of them); `block_k` is for 2-byte types and halves for
     fp32 so the shared-memory footprint does not depend on the dtype; `stages` caps the
-    software pipeline's depth."""
+    software pipeline's depth; `split_k` programs share each output tile's K range when K
+    divides evenly among them (see `gemm_tile`)."""
 
     name: str
     max_rows: int | None     # largest T the bucket serves; None: no limit
@@ -49,20 +50,20 @@ class Tile:
     block_k: int
     num_warps: int
     stages: int
+    split_k: int = 1
 
 
-# Measured on an H200 with scripts/tune_decode_kernels.py (2026-11-29), bf16:
-# - Narrow weights (N = 4096) give few programs: deep pipelines keep enough loads in flight.
-#   At T=1, 4096x14336 reaches 3.56 TB/s at 6 stages against 3.37 at 4; at T=64, 32-column
-#   tiles reach 2.9 TB/s against 2.3 with 64 columns (64 programs only).
+# Measured on an H200 with scripts/tune_gemm.py (2026-11-29, bf16; BENCHMARKS.md has the table):
+# - Narrow weights (N = 4096, 6144) give too few programs to keep enough loads in flight:
+#   splitting K in 4 at T=1 (2 at T=64) fixes that. At T=1, o_proj (4096x4096) reaches 4.3
+#   TB/s and qkv 3.8 (against 3.5 unsplit); at T=64, down (4096x14336) 3.3 against under 2.9.
 # - Wide weights (gate/up, LM head) already put several programs on every SM; shallow
-#   pipelines leave shared memory for more of them: 28672x4096 reaches 4.2 TB/s at T=1 with 3
-#   stages (under 4.0 with more), and 3.9 TB/s at T=64 with 64x64 tiles.
+#   pipelines leave shared memory for more of them: 28672x4096 reaches 4.1 TB/s at T=1 with 3
+#   stages (3.2 with 6), and 3.9 TB/s at T=64 with 64x64 tiles.
 TILES = (
-    # Decode: the 16 rows are tl.dot's minimum; narrow tiles give many programs; long K tiles
-    # keep many loads in flight per program.
-    Tile("decode", 16, 16, 32, 128, 4, stages=6),
-    Tile("small", 64, 64, 32, 128, 4, stages=4),
+    # Decode: the 16 rows are tl.dot's minimum; long K tiles keep many loads in flight.
+    Tile("decode", 16, 16, 64, 128, 4, stages=3, split_k=4),
+    Tile("small", 64, 64, 32, 128, 4, stages=4, split_k=2),
     # Up to 256 rows (decode batches beyond 64): 128x128 tiles would give a 4096-row weight
     # only 64 programs at T=256 (o_proj and down took 2-3x their bytes' time on an H200).
     Tile("medium", 256, 64, 64, 64, 4, stages=4),
@@ -90,6 +91,21 @@ def block_k(tile: Tile, element_bytes: int) -> int:
     return tile.block_k * 2 // element_bytes
 
 
+def split_k(tile: Tile, k: int, bk: int) -> int:
+    """The tile's K split where every part is a whole number of K tiles, else 1."""
+    return tile.split_k if k % (tile.split_k * bk) == 0 else 1
+
+
+def split_workspace(rows: int, block_m: int, width: int, column_tiles: int, split: int) -> dict[str, int]:
+    """Scratch bytes a split-K launch over `rows` rows needs (none unsplit) with [block_m, width]
+    accumulator tiles: each program's partial tile and row sums, and one arrival count per
+    output tile, which starts at zero and is left at zero by the tile's last program."""
+    if split == 1:
+        return {}
+    tiles = -(-rows // block_m) * column_tiles
+    return {"gemm_split_part": tiles * split * (block_m * width + block_m) * 4, "gemm_split_count": tiles * 4}
+
+
 def num_stages(block_m: int, weight_rows: int, bk: int, element_bytes: int, cap: int = 4) -> int:
     """Pipeline depth, at most `cap`, that keeps the x and W buffers within PIPELINE_SMEM on
     sm_80/sm_89, where Triton keeps num_stages - 1 of them (sm_90+ keeps num_stages, with
@@ -109,26 +125,41 @@ def upcast_dot(x: torch.Tensor) -> bool:
     return interpreting() and x.dtype == torch.bfloat16
 
 
-def launch_meta(tile: Tile, column_tiles: str) -> dict:
-    """What a launcher that only knows T needs: the bucket's row range and the grid, as
-    expressions in T, (row blocks, column tiles) with the row blocks varying fastest."""
-    return {"bucket": tile.name, "max_rows": tile.max_rows, "pointer_alignment": 16,
-            "grid": (f"cdiv(T, {tile.block_m})", column_tiles)}
+def split_signature(split: int) -> dict[str, str]:
+    """The split-K workspace parameters: pointers when split, else constexpr None."""
+    kind = "*fp32" if split > 1 else "constexpr"
+    return {"part_ptr": kind, "count_ptr": "*i32" if split > 1 else kind}
+
+
+def launch_meta(tile: Tile, column_tiles: int, split: int, width: int | None = None) -> dict:
+    """What a launcher that only knows T needs: the bucket's row range, the grid as expressions
+    in T, (row blocks, column tiles, K parts) with the row blocks varying fastest, and the
+    split-K workspace it must pass (sized for the bucket's largest T; `width`: accumulator
+    columns per tile, tile.block_n unless the kernel says otherwise)."""
+    workspace = split_workspace(tile.max_rows or 0, tile.block_m, width or tile.block_n, column_tiles, split)
+    return {"bucket": tile.name, "max_rows": tile.max_rows, "pointer_alignment": 16, "split_k": split,
+            "scratch": workspace, "grid": (f"cdiv(T, {tile.block_m})", str(column_tiles), str(split))}
 
 
 @triton.jit
 def gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, mask_n,
               K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              ROW_SCALE: tl.constexpr, UPCAST_DOT: tl.constexpr):
+              ROW_SCALE: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr):
     """x[offs_m] (times norm_ptr's weights when given) against the weight rows `rows`: returns
-    (acc [BLOCK_M, BLOCK_N] in fp32, the sum of x^2 per row when ROW_SCALE).
+    (acc [BLOCK_M, BLOCK_N] in fp32, the sum of x^2 per row when ROW_SCALE). With SPLIT_K > 1
+    only over part program_id(2) of K's SPLIT_K equal parts (K % (SPLIT_K * BLOCK_K) == 0):
+    `split_k_sum` then adds the parts.
 
     The fused kernels gather the two row sets they pair (gate and up, a head's two halves)
     into one tile and split the accumulator afterwards, rather than run two dots on one x
     tile: one wider MMA, and on sm_90 Triton 3.6 got the second of two such dots wrong."""
+    K_PART: tl.constexpr = K // SPLIT_K
+    k_lo = 0
+    if SPLIT_K > 1:
+        k_lo = tl.program_id(2) * K_PART
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :]
-    w_ptrs = w_ptr + rows.to(tl.int64)[None, :] * K + offs_k[:, None]
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * K + k_lo + offs_k[None, :]
+    w_ptrs = w_ptr + rows.to(tl.int64)[None, :] * K + k_lo + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     sumsq = tl.zeros((BLOCK_M,), tl.float32)
     # The row sum reads x through loads of its own, one iteration ahead so their latency
@@ -136,12 +167,13 @@ def gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, mask_n,
     # loads): on sm_90, Triton 3.6 races when one pipelined tile feeds both the wgmma and
     # register arithmetic (wrong results at BLOCK_M = 128 on an H200).
     if ROW_SCALE:
-        x_sq = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0, cache_modifier=".cg")
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = offs_k < K - k0
+        x_sq = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k < K_PART)[None, :], other=0.0,
+                       cache_modifier=".cg")
+    for k0 in range(0, K_PART, BLOCK_K):
+        mask_k = offs_k < K_PART - k0
         x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if ROW_SCALE:
-            x_next = tl.load(x_ptrs + BLOCK_K, mask=mask_m[:, None] & (offs_k < K - k0 - BLOCK_K)[None, :],
+            x_next = tl.load(x_ptrs + BLOCK_K, mask=mask_m[:, None] & (offs_k < K_PART - k0 - BLOCK_K)[None, :],
                              other=0.0, cache_modifier=".cg")
             xf = x_sq.to(tl.float32)
             sumsq += tl.sum(xf * xf, axis=1)
@@ -149,7 +181,7 @@ def gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, mask_n,
         if norm_ptr is not None:
             # Unfolded RMSNorm weight: the reference multiplies the normalised x by it, and
             # scaling columns commutes with the row scale applied after the loop.
-            g = tl.load(norm_ptr + k0 + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            g = tl.load(norm_ptr + k_lo + k0 + offs_k, mask=mask_k, other=0.0).to(tl.float32)
             x = (x.to(tl.float32) * g[None, :]).to(x_ptr.dtype.element_ty)
         w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if UPCAST_DOT:
@@ -163,28 +195,75 @@ def gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, mask_n,
 
 
 @triton.jit
+def split_k_sum(acc, sumsq, part_ptr, count_ptr, mask_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                SPLIT_K: tl.constexpr, ROW_SCALE: tl.constexpr):
+    """Adds the SPLIT_K partial results of this program's output tile (grid axis 2): each
+    program stores its part, and the last to arrive (an atomic count per tile) reads them all
+    back. Returns (acc, sumsq, last); only where `last` holds do they hold the sums, and only
+    that program may write the tile. The count is reset for the next launch, so the workspace
+    needs zeroing once, when it is allocated."""
+    PART: tl.constexpr = BLOCK_M * BLOCK_N + BLOCK_M
+    tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    sums = BLOCK_M * BLOCK_N + tl.arange(0, BLOCK_M)
+    mine = part_ptr + (tile * SPLIT_K + tl.program_id(2)) * PART
+    tl.store(mine + local, acc, mask=mask_m[:, None])
+    if ROW_SCALE:
+        tl.store(mine + sums, sumsq, mask=mask_m)
+    # Every thread's stores come before the count that publishes them (the atomic is
+    # acquire-release at GPU scope; the barrier orders the block's threads before it).
+    tl.debug_barrier()
+    last = tl.atomic_add(count_ptr + tile, 1) == SPLIT_K - 1
+    if last:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        sumsq = tl.zeros((BLOCK_M,), tl.float32)
+        for s in range(SPLIT_K):
+            part = part_ptr + (tile * SPLIT_K + s) * PART
+            # .cg: read from L2, where the other programs' stores are, never a stale L1 line.
+            acc += tl.load(part + local, mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
+            if ROW_SCALE:
+                sumsq += tl.load(part + sums, mask=mask_m, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(count_ptr + tile, 0)
+    return acc, sumsq, last
+
+
+@triton.jit
 def split_halves(acc, BLOCK_M: tl.constexpr, HALF: tl.constexpr):
     """[BLOCK_M, 2 * HALF] -> (its first HALF columns, its last HALF columns)."""
     return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
 
 
 @triton.jit
-def linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, T,
+def linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, part_ptr, count_ptr, T,
                   N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                  BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < T
     mask_n = offs_n < N
-    acc, _ = gemm_tile(x_ptr, None, w_ptr, offs_m, mask_m, offs_n, mask_n,
-                       K, BLOCK_M, BLOCK_N, BLOCK_K, False, UPCAST_DOT)
-    if bias_ptr is not None:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
-    if residual_ptr is not None:
-        acc += tl.load(residual_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    acc, sumsq = gemm_tile(x_ptr, None, w_ptr, offs_m, mask_m, offs_n, mask_n,
+                           K, BLOCK_M, BLOCK_N, BLOCK_K, False, UPCAST_DOT, SPLIT_K)
+    last = True
+    if SPLIT_K > 1:
+        acc, sumsq, last = split_k_sum(acc, sumsq, part_ptr, count_ptr, mask_m, BLOCK_M, BLOCK_N, SPLIT_K, False)
+    if last:
+        if bias_ptr is not None:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        out_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
+        if residual_ptr is not None:
+            acc += tl.load(residual_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def split_buffers(rows: int, block_m: int, width: int, column_tiles: int, split: int,
+                  device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A JIT launch's own split-K workspace (partials, zeroed counts), or (None, None) unsplit."""
+    sizes = split_workspace(rows, block_m, width, column_tiles, split)
+    if not sizes:
+        return None, None
+    return (torch.empty(sizes["gemm_split_part"] // 4, dtype=torch.float32, device=device),
+            torch.zeros(sizes["gemm_split_count"] // 4, dtype=torch.int32, device=device))
 
 
 def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -195,11 +274,12 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     tile = pick_tile(t, n)
     bk = block_k(tile, x.element_size())
     x, weight = x.contiguous(), weight.contiguous()
-    grid = (triton.cdiv(t, tile.block_m), triton.cdiv(n, tile.block_n))
-    linear_kernel[grid](
-        x, weight, bias, None if residual is None else residual.contiguous(), out, t,
+    split, columns = split_k(tile, k, bk), triton.cdiv(n, tile.block_n)
+    part, count = split_buffers(t, tile.block_m, tile.block_n, columns, split, x.device)
+    linear_kernel[(triton.cdiv(t, tile.block_m), columns, split)](
+        x, weight, bias, None if residual is None else residual.contiguous(), out, part, count, t,
         N=n, K=k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=bk,
-        UPCAST_DOT=upcast_dot(x), num_warps=tile.num_warps,
+        UPCAST_DOT=upcast_dot(x), SPLIT_K=split, num_warps=tile.num_warps,
         num_stages=num_stages(tile.block_m, tile.block_n, bk, x.element_size(), tile.stages))
 
 
@@ -209,20 +289,23 @@ def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool) -
     kernels = []
     for tile in tiles_for(n):
         bk = block_k(tile, size)
-        signature = {"x_ptr": ptr, "w_ptr": ptr, "bias_ptr": ptr if bias else "constexpr",
-                     "residual_ptr": ptr if residual else "constexpr", "out_ptr": ptr, "T": "i32",
-                     "N": "constexpr", "K": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-                     "BLOCK_K": "constexpr", "UPCAST_DOT": "constexpr"}
+        split = split_k(tile, k, bk)
+        signature = {"x_ptr": ptr, "w_ptr": ptr, "bias_ptr": ptr, "residual_ptr": ptr, "out_ptr": ptr,
+                     **split_signature(split), "T": "i32", "N": "constexpr", "K": "constexpr",
+                     "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+                     "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr"}
         constexprs = {"N": n, "K": k, "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": bk,
-                      "UPCAST_DOT": False}
-        if not bias:
-            constexprs["bias_ptr"] = None
-        if not residual:
-            constexprs["residual_ptr"] = None
+                      "UPCAST_DOT": False, "SPLIT_K": split}
+        for name, present in (("bias_ptr", bias), ("residual_ptr", residual)):
+            if not present:
+                signature[name] = "constexpr"
+                constexprs[name] = None
+        constexprs.update((name, None) for name, kind in signature.items() if kind == "constexpr"
+                          and name not in constexprs)
         kernels.append(AotKernel(
             linear_kernel, signature, constexprs, num_warps=tile.num_warps, aligned=pointer_params(signature),
             num_stages=num_stages(tile.block_m, tile.block_n, bk, size, tile.stages),
-            meta=launch_meta(tile, str(triton.cdiv(n, tile.block_n)))))
+            meta=launch_meta(tile, triton.cdiv(n, tile.block_n), split)))
     return kernels
 
 

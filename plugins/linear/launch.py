@@ -81,17 +81,27 @@ def check_aligned(meta: dict, *tensors: torch.Tensor | None) -> None:
         raise ValueError(f"kernel pointers must be {align}-byte aligned; got addresses {bad}")
 
 
+def split_args(meta: dict, scratch: dict[str, torch.Tensor]) -> list[int]:
+    """The split-K workspace pointers a GEMM bucket kernel takes after its output (none when
+    it does not split K). The executor sizes these scratch buffers from the metas' "scratch"
+    and allocates them zeroed, as the arrival counts need."""
+    if meta.get("split_k", 1) == 1:
+        return []
+    return [scratch["gemm_split_part"].data_ptr(), scratch["gemm_split_count"].data_ptr()]
+
+
 def launch_gemm(kernels: list, metas: list[dict], x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None, residual: torch.Tensor | None, out: torch.Tensor,
-                stream: int) -> None:
+                stream: int, scratch: dict[str, torch.Tensor]) -> None:
     """out = x weight^T (+ bias) (+ residual) with the bucket kernel for x's row count.
     `linear_kernel` takes bias and residual pointers only when built with them."""
     rows = x.shape[0]
     i = pick_bucket(metas, rows)
-    check_aligned(metas[i], x, weight, residual, out)
+    check_aligned(metas[i], x, weight, bias, residual, out)
     args = [x.data_ptr(), weight.data_ptr()]
     args += [t.data_ptr() for t in (bias, residual) if t is not None]
-    kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args + [out.data_ptr(), rows], stream)
+    args += [out.data_ptr(), *split_args(metas[i], scratch), rows]
+    kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)
 
 
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
@@ -99,4 +109,4 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
     """inputs: x [T, K], weight [N, K], bias [N] or None. Summing partials over ranks
     (`all_reduce`) is the executor's business."""
     x, weight, bias = inputs
-    launch_gemm(kernels, metas, x, weight, bias, None, out, stream)
+    launch_gemm(kernels, metas, x, weight, bias, None, out, stream, scratch)

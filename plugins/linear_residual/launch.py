@@ -11,4 +11,4 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
            dims: dict[str, int], stream: int, scratch: dict[str, torch.Tensor]) -> None:
     """inputs: x [T, K], weight [N, K], bias [N] or None, residual [T, N]."""
     x, weight, bias, residual = inputs
-    launch_gemm(kernels, metas, x, weight, bias, residual, out, stream)
+    launch_gemm(kernels, metas, x, weight, bias, residual, out, stream, scratch)

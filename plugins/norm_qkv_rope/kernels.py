@@ -23,9 +23,9 @@ import triton
 import triton.language as tl
 
 from plugins.aot import AotKernel, pointer_params
-from plugins.linear.kernels import (ELEMENT_BYTES, POINTER, TILES, Tile, block_k,
-                                    gemm_tile, launch_meta, num_stages, pick_tile, split_halves,
-                                    upcast_dot)
+from plugins.linear.kernels import (ELEMENT_BYTES, POINTER, TILES, Tile, block_k, gemm_tile,
+                                    launch_meta, num_stages, pick_tile, split_buffers, split_halves, split_k,
+                                    split_k_sum, split_signature, upcast_dot)
 
 
 @triton.jit
@@ -51,10 +51,10 @@ def _store_head(ptrs, lo, hi, mask, HALF: tl.constexpr):
 
 @triton.jit
 def norm_qkv_rope_kernel(x_ptr, norm_ptr, w_ptr, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr,
-                         kv_ptr, slot_ptr, out_ptr, T, num_slots, layer, eps,
+                         kv_ptr, slot_ptr, out_ptr, part_ptr, count_ptr, T, num_slots, layer, eps,
                          K: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
                          HEAD_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                         UPCAST_DOT: tl.constexpr):
+                         UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr):
     HALF: tl.constexpr = D // 2
     CHUNK: tl.constexpr = HALF // HEAD_SPLIT
     h = tl.program_id(1) // HEAD_SPLIT
@@ -64,7 +64,21 @@ def norm_qkv_rope_kernel(x_ptr, norm_ptr, w_ptr, bias_ptr, q_norm_ptr, k_norm_pt
     i = tl.arange(0, 2 * CHUNK)
     rows = h * D + (i // CHUNK) * HALF + (tl.program_id(1) % HEAD_SPLIT) * CHUNK + i % CHUNK
     acc, sumsq = gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, rows < (H + 2 * KVH) * D,
-                           K, BLOCK_M, 2 * CHUNK, BLOCK_K, True, UPCAST_DOT)
+                           K, BLOCK_M, 2 * CHUNK, BLOCK_K, True, UPCAST_DOT, SPLIT_K)
+    last = True
+    if SPLIT_K > 1:
+        acc, sumsq, last = split_k_sum(acc, sumsq, part_ptr, count_ptr, mask_m, BLOCK_M, 2 * CHUNK, SPLIT_K, True)
+    if last:
+        _epilogue(acc, sumsq, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr, out_ptr,
+                  rows, offs_m, mask_m, j, h, num_slots, layer, eps, K, H, KVH, D, BLOCK_M, CHUNK)
+
+
+@triton.jit
+def _epilogue(acc, sumsq, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr, out_ptr,
+              rows, offs_m, mask_m, j, h, num_slots, layer, eps, K: tl.constexpr, H: tl.constexpr,
+              KVH: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """Row scale, bias, then q to the output or k and v (q/k normed and rotated) to the cache."""
+    HALF: tl.constexpr = D // 2
     acc *= tl.rsqrt(sumsq / K + eps)[:, None]
     if bias_ptr is not None:
         acc += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
@@ -106,12 +120,13 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     tile = pick_tile(t)
     bk = block_k(tile, x.element_size())
     split = head_split(tile, d, q_norm is not None)
-    grid = (triton.cdiv(t, tile.block_m), (heads + 2 * kv_heads) * split)
-    norm_qkv_rope_kernel[grid](
+    ksplit, columns = split_k(tile, k, bk), (heads + 2 * kv_heads) * split
+    part, count = split_buffers(t, tile.block_m, d // split, columns, ksplit, x.device)
+    norm_qkv_rope_kernel[(triton.cdiv(t, tile.block_m), columns, ksplit)](
         x, norm_weight, w_qkv, b_qkv, q_norm, k_norm, positions.contiguous(), rope_cache.contiguous(),
-        kv_cache, slot_mapping.contiguous(), out, t, kv_cache.shape[2] * kv_cache.shape[3],
+        kv_cache, slot_mapping.contiguous(), out, part, count, t, kv_cache.shape[2] * kv_cache.shape[3],
         attrs["layer"], attrs["eps"], K=k, H=heads, KVH=kv_heads, D=d, HEAD_SPLIT=split,
-        BLOCK_M=tile.block_m, BLOCK_K=bk, UPCAST_DOT=upcast_dot(x),
+        BLOCK_M=tile.block_m, BLOCK_K=bk, UPCAST_DOT=upcast_dot(x), SPLIT_K=ksplit,
         num_warps=tile.num_warps, num_stages=num_stages(tile.block_m, d // split, bk, x.element_size(), tile.stages))
 
 
@@ -128,20 +143,22 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     kernels = []
     for tile in TILES:
         bk, split = block_k(tile, size), head_split(tile, d, qk_norm)
+        ksplit = split_k(tile, k, bk)
         signature = {"x_ptr": ptr, "norm_ptr": ptr, "w_ptr": ptr, "bias_ptr": ptr, "q_norm_ptr": ptr,
                      "k_norm_ptr": ptr, "pos_ptr": "*i32", "rope_ptr": "*fp32", "kv_ptr": ptr,
-                     "slot_ptr": "*i32", "out_ptr": ptr, "T": "i32", "num_slots": "i32", "layer": "i32",
-                     "eps": "fp32", "K": "constexpr", "H": "constexpr", "KVH": "constexpr", "D": "constexpr",
-                     "HEAD_SPLIT": "constexpr", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
-                     "UPCAST_DOT": "constexpr"}
+                     "slot_ptr": "*i32", "out_ptr": ptr, **split_signature(ksplit), "T": "i32", "num_slots": "i32",
+                     "layer": "i32", "eps": "fp32", "K": "constexpr", "H": "constexpr", "KVH": "constexpr",
+                     "D": "constexpr", "HEAD_SPLIT": "constexpr", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
+                     "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr"}
         constexprs = {"K": k, "H": heads, "KVH": kv_heads, "D": d, "HEAD_SPLIT": split, "BLOCK_M": tile.block_m,
-                      "BLOCK_K": bk, "UPCAST_DOT": False}
+                      "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": ksplit}
         for name, present in optional.items():
             if not present:
                 signature[name] = "constexpr"
-                constexprs[name] = None
+        constexprs.update((name, None) for name, kind in signature.items() if kind == "constexpr"
+                          and name not in constexprs)
         kernels.append(AotKernel(
             norm_qkv_rope_kernel, signature, constexprs, num_warps=tile.num_warps, aligned=pointer_params(signature),
             num_stages=num_stages(tile.block_m, d // split, bk, size, tile.stages),
-            meta=launch_meta(tile, str((heads + 2 * kv_heads) * split))))
+            meta=launch_meta(tile, (heads + 2 * kv_heads) * split, ksplit, d // split)))
     return kernels

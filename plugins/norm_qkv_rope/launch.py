@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from plugins.linear.launch import check_aligned, grid, pick_bucket
+from plugins.linear.launch import check_aligned, grid, pick_bucket, split_args
 
 
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
@@ -20,11 +20,13 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
         raise ValueError("norm_qkv_rope's kernel writes a contiguous KV cache")
     rows = x.shape[0]
     i = pick_bucket(metas, rows)
-    check_aligned(metas[i], x, w_qkv)
+    check_aligned(metas[i], x, norm_weight, w_qkv, b_qkv, q_norm, k_norm, positions, rope_cache, kv_cache,
+                  slot_mapping, out)
     args = [x.data_ptr()]
     args += [norm_weight.data_ptr()] if norm_weight is not None else []
     args += [w_qkv.data_ptr()]
     args += [t.data_ptr() for t in (b_qkv, q_norm, k_norm) if t is not None]
     args += [positions.data_ptr(), rope_cache.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(),
-             out.data_ptr(), rows, kv_cache.shape[2] * kv_cache.shape[3], attrs["layer"], attrs["eps"]]
+             out.data_ptr(), *split_args(metas[i], scratch), rows, kv_cache.shape[2] * kv_cache.shape[3],
+             attrs["layer"], attrs["eps"]]
     kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)

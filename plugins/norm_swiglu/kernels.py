@@ -21,16 +21,16 @@ import triton
 import triton.language as tl
 
 from plugins.aot import AotKernel, pointer_params
-from plugins.linear.kernels import (ELEMENT_BYTES, POINTER, block_k,
-                                    gemm_tile, launch_meta, num_stages, pick_tile, split_halves, tiles_for,
-                                    upcast_dot)
+from plugins.linear.kernels import (ELEMENT_BYTES, POINTER, block_k, gemm_tile,
+                                    launch_meta, num_stages, pick_tile, split_buffers, split_halves, split_k,
+                                    split_k_sum, split_signature, tiles_for, upcast_dot)
 
 
 @triton.jit
-def norm_swiglu_kernel(x_ptr, norm_ptr, w_ptr, out_ptr, T, eps,
+def norm_swiglu_kernel(x_ptr, norm_ptr, w_ptr, out_ptr, part_ptr, count_ptr, T, eps,
                        I: tl.constexpr, K: tl.constexpr, GU_BLOCK: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       UPCAST_DOT: tl.constexpr):
+                       UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < T
@@ -39,12 +39,16 @@ def norm_swiglu_kernel(x_ptr, norm_ptr, w_ptr, out_ptr, T, eps,
     cols = tl.program_id(1) * BLOCK_N + i % BLOCK_N
     rows = (cols // GU_BLOCK) * (2 * GU_BLOCK) + cols % GU_BLOCK + (i // BLOCK_N) * GU_BLOCK
     acc, sumsq = gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, cols < I,
-                           K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, True, UPCAST_DOT)
-    gate, up = split_halves(acc * tl.rsqrt(sumsq / K + eps)[:, None], BLOCK_M, BLOCK_N)
-    y = gate * tl.sigmoid(gate) * up
-    mask = mask_m[:, None] & (offs_n < I)[None, :]
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * I + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=mask)
+                           K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, True, UPCAST_DOT, SPLIT_K)
+    last = True
+    if SPLIT_K > 1:
+        acc, sumsq, last = split_k_sum(acc, sumsq, part_ptr, count_ptr, mask_m, BLOCK_M, 2 * BLOCK_N, SPLIT_K, True)
+    if last:
+        gate, up = split_halves(acc * tl.rsqrt(sumsq / K + eps)[:, None], BLOCK_M, BLOCK_N)
+        y = gate * tl.sigmoid(gate) * up
+        mask = mask_m[:, None] & (offs_n < I)[None, :]
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * I + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
@@ -57,11 +61,12 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     bk = block_k(tile, x.element_size())
     # Half of the tile's weight rows are gate rows, half up rows.
     bn = tile.block_n // 2
-    grid = (triton.cdiv(t, tile.block_m), triton.cdiv(inter, bn))
-    norm_swiglu_kernel[grid](
-        x, norm_weight, w_gu, out, t, attrs["eps"], I=inter, K=k, GU_BLOCK=attrs["block"] or inter,
-        BLOCK_M=tile.block_m, BLOCK_N=bn, BLOCK_K=bk, 
-        UPCAST_DOT=upcast_dot(x), num_warps=tile.num_warps,
+    split, columns = split_k(tile, k, bk), triton.cdiv(inter, bn)
+    part, count = split_buffers(t, tile.block_m, 2 * bn, columns, split, x.device)
+    norm_swiglu_kernel[(triton.cdiv(t, tile.block_m), columns, split)](
+        x, norm_weight, w_gu, out, part, count, t, attrs["eps"], I=inter, K=k, GU_BLOCK=attrs["block"] or inter,
+        BLOCK_M=tile.block_m, BLOCK_N=bn, BLOCK_K=bk, UPCAST_DOT=upcast_dot(x), SPLIT_K=split,
+        num_warps=tile.num_warps,
         num_stages=num_stages(tile.block_m, tile.block_n, bk, x.element_size(), tile.stages))
 
 
@@ -74,16 +79,17 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     kernels = []
     for tile in tiles_for(2 * inter):
         bk, bn = block_k(tile, size), tile.block_n // 2
+        split = split_k(tile, k, bk)
         signature = {"x_ptr": ptr, "norm_ptr": ptr if norm else "constexpr", "w_ptr": ptr, "out_ptr": ptr,
-                     "T": "i32", "eps": "fp32", "I": "constexpr", "K": "constexpr", "GU_BLOCK": "constexpr",
-                     "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-                     "UPCAST_DOT": "constexpr"}
+                     **split_signature(split), "T": "i32", "eps": "fp32", "I": "constexpr", "K": "constexpr",
+                     "GU_BLOCK": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+                     "BLOCK_K": "constexpr", "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr"}
         constexprs = {"I": inter, "K": k, "GU_BLOCK": shapes["block"] or inter, "BLOCK_M": tile.block_m,
-                      "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST_DOT": False}
-        if not norm:
-            constexprs["norm_ptr"] = None
+                      "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": split}
+        constexprs.update((name, None) for name, kind in signature.items() if kind == "constexpr"
+                          and name not in constexprs)
         kernels.append(AotKernel(
             norm_swiglu_kernel, signature, constexprs, num_warps=tile.num_warps, aligned=pointer_params(signature),
             num_stages=num_stages(tile.block_m, tile.block_n, bk, size, tile.stages),
-            meta=launch_meta(tile, str(triton.cdiv(inter, bn)))))
+            meta=launch_meta(tile, triton.cdiv(inter, bn), split, 2 * bn)))
     return kernels

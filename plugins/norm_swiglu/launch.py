@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from plugins.linear.launch import check_aligned, grid, pick_bucket
+from plugins.linear.launch import check_aligned, grid, pick_bucket, split_args
 
 
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
@@ -13,7 +13,7 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
     x, norm_weight, w_gu = inputs
     rows = x.shape[0]
     i = pick_bucket(metas, rows)
-    check_aligned(metas[i], x, w_gu, out)
+    check_aligned(metas[i], x, norm_weight, w_gu, out)
     args = [x.data_ptr()] + ([norm_weight.data_ptr()] if norm_weight is not None else [])
-    kernels[i].launch(grid(metas[i]["grid"], {"T": rows}),
-                      args + [w_gu.data_ptr(), out.data_ptr(), rows, attrs["eps"]], stream)
+    args += [w_gu.data_ptr(), out.data_ptr(), *split_args(metas[i], scratch), rows, attrs["eps"]]
+    kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)
