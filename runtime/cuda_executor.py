@@ -90,7 +90,8 @@ class CudaExecutor(ArenaExecutor):
         # the padding sequences of graph batches write their KV there.
         launchers = [_launcher(op.spec.name) for op in engine.plan]
         scratch = scratch_bytes(engine, launchers)
-        logits = engine.bounds["L"] * engine.tensors[engine.manifest["outputs"][0]]["shape"][-1] * 4
+        self.vocab = engine.tensors[engine.manifest["outputs"][0]]["shape"][-1]
+        logits = engine.bounds["L"] * self.vocab * 4
         super().__init__(engine, num_kv_blocks + 1, self.device,
                          {**{f"weight:{n}": w.nbytes for n, w in engine.weights.items()},
                           **{f"scratch:{n}": b for n, b in scratch.items()}, "logits": logits})
@@ -153,6 +154,7 @@ class CudaExecutor(ArenaExecutor):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 self._launch(dims, values)
+                self._copy_logits(dims, batch)
             graphs[batch] = graph
         torch.cuda.synchronize(self.device)
         return graphs
@@ -164,15 +166,21 @@ class CudaExecutor(ArenaExecutor):
         rows = step.logits_indices.shape[0]
         batch = next((b for b in self.graphs if b >= step.num_tokens), None) if is_pure_decode(step) else None
         if batch is not None:
+            # The graph holds the whole step, the float32 copy of the logits included.
             step = pad_decode(step, batch, self.pad_block, self.engine.kv_cache["block_size"])
-        dims, values = self._begin(step, copies)
-        if batch is not None:
+            self.copy_blocks(copies)
+            dims = self._dims(step)
+            self._stage_inputs(step, dims)
             self.graphs[batch].replay()
-        else:
-            self._launch(dims, values)
-        logits = self._view(self.output, dims)[:rows]
-        out = self.logits[:logits.numel()].view(logits.shape)
-        out.copy_(logits)
+            return self.logits[:rows * self.vocab].view(rows, self.vocab)
+        dims, values = self._begin(step, copies)
+        self._launch(dims, values)
+        return self._copy_logits(dims, rows)
+
+    def _copy_logits(self, dims: dict[str, int], rows: int) -> torch.Tensor:
+        """The first `rows` logits rows as float32, in the arena's logits buffer."""
+        out = self.logits[:rows * self.vocab].view(rows, self.vocab)
+        out.copy_(self._view(self.output, dims)[:rows])
         return out
 
     def close(self) -> None:

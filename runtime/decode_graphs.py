@@ -39,6 +39,8 @@ def pad_decode(step: StepInputs, batch: int, pad_block: int, block_size: int) ->
     extra = batch - step.num_tokens
     if extra < 0:
         raise ValueError(f"cannot pad a step of {step.num_tokens} sequences down to {batch}")
+    if extra == 0 and step.num_tokens:
+        return step  # already a pure decode step of `batch` sequences (the caller checked)
 
     def pad(t: torch.Tensor, value: int) -> torch.Tensor:
         return torch.cat([t, t.new_full((extra, *t.shape[1:]), value)])
