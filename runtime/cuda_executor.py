@@ -17,10 +17,12 @@ per kernel. Other steps (prefill chunks, mixed steps) launch the kernels one by 
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+import torch.distributed
 
 from runtime.cuda_driver import CudaKernel, device_arch, load_kernel
 from runtime.decode_graphs import graph_batch_sizes, is_pure_decode, pad_decode, padding_step
@@ -37,9 +39,20 @@ class _CudaOp:
     launcher: ModuleType
     kernels: list[CudaKernel]
     metas: list[dict]
-    inputs: list[str | None]
+    names: list[str]            # the spec's input names
+    inputs: list[str | None]    # the tensors bound to them
     attrs: dict
     output: str
+
+    @property
+    def reduces(self) -> bool:
+        """A row-parallel op: its rank's partial output is summed over the ranks."""
+        return bool(self.attrs.get("all_reduce"))
+
+
+# Inputs a row-parallel op adds after the sum over ranks: only rank 0 adds them; the kernels
+# were built with them, so the other ranks pass zeros.
+ADDED_ONCE = ("bias", "b_o", "residual")
 
 
 def _launcher(op_name: str) -> ModuleType:
@@ -74,10 +87,8 @@ class CudaExecutor(ArenaExecutor):
     head_dim]."""
 
     def __init__(self, engine: Engine, num_kv_blocks: int, cuda_graphs: bool = True):
-        if engine.world_size > 1:
-            # Row-parallel ops need their partial outputs summed over ranks (NCCL); not yet.
-            raise EngineLoadError(f"this engine has {engine.world_size} tensor-parallel ranks; the CUDA executor "
-                                  "runs single-rank engines only so far: build with --tp-size 1")
+        """A tensor-parallel rank's executor expects torch.distributed to be initialised with
+        NCCL, one GPU per rank (`runtime.tp_worker` does it)."""
         if not torch.cuda.is_available():
             raise EngineLoadError("no CUDA device is visible to torch: use device='cpu'")
         self.device = torch.device("cuda", torch.cuda.current_device())
@@ -94,12 +105,14 @@ class CudaExecutor(ArenaExecutor):
         logits = engine.bounds["L"] * self.vocab * 4
         super().__init__(engine, num_kv_blocks + 1, self.device,
                          {**{f"weight:{n}": w.nbytes for n, w in engine.weights.items()},
-                          **{f"scratch:{n}": b for n, b in scratch.items()}, "logits": logits})
+                          **{f"scratch:{n}": b for n, b in scratch.items()}, "logits": logits,
+                          "zeros": self._zeros_bytes(engine)})
         self.pad_block = num_kv_blocks
         self.weights = {n: self.memory.view(f"weight:{n}", w.dtype, w.shape).copy_(w)
                         for n, w in engine.weights.items()}
         self.scratch = {n: self.memory.bytes(f"scratch:{n}") for n in scratch}
         self.logits = self.memory.bytes("logits").view(torch.float32)
+        self.zeros = self.memory.bytes("zeros")  # never written: the arena starts zeroed
         self.ops = self._load_ops(launchers)
         start, end = self.input_region
         self.staging = torch.empty(end - start, dtype=torch.uint8, pin_memory=True)
@@ -124,8 +137,8 @@ class CudaExecutor(ArenaExecutor):
                     loaded[key] = load_kernel(blobs[key], info["entry"], info["signature"],
                                               info["num_warps"], info["shared_bytes"])
             ops.append(_CudaOp(launcher, [loaded[k] for k in keys],
-                               [m["kernels"][k]["launch"] for k in keys], list(op.inputs.values()),
-                               op.attrs, op.output))
+                               [m["kernels"][k]["launch"] for k in keys], list(op.inputs),
+                               list(op.inputs.values()), op.attrs, op.output))
         return ops
 
     def _stage_inputs(self, step: StepInputs, dims: dict[str, int]) -> None:
@@ -136,14 +149,43 @@ class CudaExecutor(ArenaExecutor):
         self.arena[start:end].copy_(self.staging, non_blocking=True)
         self.staged.record()
 
+    @staticmethod
+    def _zeros_bytes(engine: Engine) -> int:
+        """Room for the largest input a row-parallel op adds once (see ADDED_ONCE)."""
+        if engine.world_size == 1:
+            return 0
+        sizes = [0]
+        for op in engine.plan:
+            if op.attrs.get("all_reduce"):
+                for name in ADDED_ONCE:
+                    tensor = op.inputs.get(name)
+                    if tensor in engine.weights:
+                        sizes.append(engine.weights[tensor].nbytes)
+                    elif tensor is not None:
+                        info = engine.tensors[tensor]
+                        dims = [engine.bounds[d] if isinstance(d, str) else d for d in info["shape"]]
+                        sizes.append(math.prod(dims) * DTYPES[info["dtype"]].itemsize)
+        return max(sizes)
+
     def _launch(self, dims: dict[str, int], values: dict[str, torch.Tensor]) -> None:
-        """Launch every op of the plan on torch's current stream (captured when it is capturing)."""
+        """Launch every op of the plan on torch's current stream (captured when it is capturing).
+        A row-parallel op's output is summed over the ranks right after it, with NCCL on the
+        same stream, so graphs capture the collectives too."""
         stream = torch.cuda.current_stream(self.device).cuda_stream
+        tensor_parallel = self.engine.world_size > 1
         for op in self.ops:
             args = [None if t is None else values[t] if t in values else self.weights[t] for t in op.inputs]
+            if tensor_parallel and op.reduces and self.engine.rank > 0:
+                args = [self._zeros_like(a) if name in ADDED_ONCE and a is not None else a
+                        for name, a in zip(op.names, args)]
             out = self._view(op.output, dims)
             op.launcher.launch(op.kernels, op.metas, args, op.attrs, out, dims, stream, self.scratch)
+            if tensor_parallel and op.reduces:
+                torch.distributed.all_reduce(out)
             values[op.output] = out
+
+    def _zeros_like(self, t: torch.Tensor) -> torch.Tensor:
+        return self.zeros[:t.numel() * t.element_size()].view(t.dtype).view(t.shape)
 
     def _capture_decode_graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
         bounds, block_size = self.engine.bounds, self.engine.kv_cache["block_size"]

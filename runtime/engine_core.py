@@ -75,13 +75,18 @@ class EngineCore:
             # Enough for every sequence of a full batch at full length.
             num_blocks = build["max_batch_size"] * self.engine.bounds["B"]
         world = self.engine.world_size
-        # The sampler's generators live where each step's logits are.
-        self.logits_device = "cuda" if on_gpu else "cpu"
-        if on_gpu:
-            self.executor = CudaExecutor(self.engine, num_blocks)
+        if on_gpu and world > torch.cuda.device_count():
+            raise EngineLoadError(f"this engine has {world} tensor-parallel ranks, one GPU each, but this machine has "
+                                  f"{torch.cuda.device_count()} GPU(s): rebuild with --tp-size "
+                                  f"{torch.cuda.device_count()} or fewer, or run it on a machine with {world} GPUs")
+        # The sampler's generators live where each step's logits are: on the GPU for a
+        # single-rank GPU engine, on the host when tensor-parallel workers send them back.
+        self.logits_device = "cuda" if on_gpu and world == 1 else "cpu"
+        if world > 1:
+            self.executor = TensorParallelExecutor(engine_dir, world, num_blocks, worker_timeout,
+                                                   "cuda" if on_gpu else "cpu")
         else:
-            self.executor = (CpuExecutor(self.engine, num_blocks) if world == 1
-                             else TensorParallelExecutor(engine_dir, world, num_blocks, worker_timeout))
+            self.executor = CudaExecutor(self.engine, num_blocks) if on_gpu else CpuExecutor(self.engine, num_blocks)
         self.blocks = BlockManager(num_blocks, self.block_size)
         self.scheduler = Scheduler(self.blocks, build["max_num_tokens"], build["max_batch_size"], policy)
         self.vocab_size = self.engine.tensors[self.engine.manifest["outputs"][0]]["shape"][-1]

@@ -33,7 +33,7 @@ def _free_port() -> int:
 
 class TensorParallelExecutor:
     def __init__(self, engine_dir: str | Path, world_size: int, num_kv_blocks: int,
-                 step_timeout: float = STEP_TIMEOUT):
+                 step_timeout: float = STEP_TIMEOUT, device: str = "cpu"):
         ctx = mp.get_context("spawn")
         port = _free_port()
         self.step_timeout = step_timeout
@@ -42,7 +42,8 @@ class TensorParallelExecutor:
             parent, child = ctx.Pipe()
             ping_parent, ping_child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, name=f"kiln-tp-rank{rank}", daemon=True,
-                               args=(str(engine_dir), rank, world_size, port, num_kv_blocks, child, ping_child))
+                               args=(str(engine_dir), rank, world_size, port, num_kv_blocks, child, ping_child,
+                                     device))
             proc.start()
             child.close()
             ping_child.close()

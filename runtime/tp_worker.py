@@ -1,9 +1,10 @@
-"""One tensor-parallel rank in its own process: the same CPU executor, driven over a pipe.
+"""One tensor-parallel rank in its own process: an executor driven over a pipe.
 
-The worker joins the gloo process group, loads its rank's engine file and then serves calls
-from the Session's process: `run` (copy-on-write copies, then one step) and `stop`. Every rank
-runs every step; the row-parallel ops all-reduce inside their reference implementations, so
-every rank ends with the full logits and only rank 0 sends them back.
+The worker joins the process group (gloo with the CPU executor, or NCCL with the CUDA executor
+on GPU `rank`), loads its rank's engine file and then serves calls from the Session's process:
+`run` (copy-on-write copies, then one step) and `stop`. Every rank runs every step; row-parallel
+ops all-reduce (inside their reference implementations on the CPU, after their kernels on the
+GPU), so every rank ends with the full logits and only rank 0 sends them back.
 """
 from __future__ import annotations
 
@@ -31,17 +32,32 @@ def _answer_pings(conn: Connection) -> None:
         pass
 
 
-def worker_main(engine_dir: str, rank: int, world_size: int, port: int, num_kv_blocks: int,
-                conn: Connection, ping: Connection) -> None:
+def _open_executor(engine_dir: str, rank: int, world_size: int, num_kv_blocks: int, device: str):
+    """Join the process group and load this rank's engine: gloo and the CPU executor, or NCCL
+    and the CUDA executor on GPU `rank`."""
     from runtime.engine import load_engine
+
+    if device == "cuda":
+        from runtime.cuda_driver import device_arch
+        from runtime.cuda_executor import CudaExecutor
+
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT,
+                                device_id=torch.device("cuda", rank))
+        return CudaExecutor(load_engine(engine_dir, rank=rank, target=device_arch()), num_kv_blocks)
     from runtime.executor import CpuExecutor
 
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+    return CpuExecutor(load_engine(engine_dir, rank=rank), num_kv_blocks)
+
+
+def worker_main(engine_dir: str, rank: int, world_size: int, port: int, num_kv_blocks: int,
+                conn: Connection, ping: Connection, device: str = "cpu") -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     threading.Thread(target=_answer_pings, args=(ping,), daemon=True).start()
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
-        executor = CpuExecutor(load_engine(engine_dir, rank=rank), num_kv_blocks)
+        executor = _open_executor(engine_dir, rank, world_size, num_kv_blocks, device)
         conn.send(("ready", None))
     except Exception:
         conn.send(("error", traceback.format_exc()))
@@ -53,7 +69,9 @@ def worker_main(engine_dir: str, rank: int, world_size: int, port: int, num_kv_b
                 break
             try:
                 logits = executor.run(*args)
-                conn.send(("ok", logits if rank == 0 else None))
+                # Only rank 0's logits go back (every rank computes them); on a GPU the copy
+                # to the host also waits for the step.
+                conn.send(("ok", logits.cpu() if rank == 0 else None))
             except Exception:
                 conn.send(("error", traceback.format_exc()))
     except (EOFError, KeyboardInterrupt):

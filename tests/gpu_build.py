@@ -10,9 +10,9 @@ import sys
 
 def build_cli(checkpoint, output, targets, cache, *, dtype: str = "bfloat16", max_seq_len: int = 64,
               max_num_tokens: int = 64, max_batch_size: int | None = None, kv_block_size: int = 16,
-              timeout: float = 600) -> subprocess.CompletedProcess:
+              timeout: float = 600, extra: list[str] = ()) -> subprocess.CompletedProcess:
     """Run `build-engine` for `targets` with its cubins cached under `cache` (KILN_CACHE).
-    `max_batch_size` None keeps build-engine's default."""
+    `max_batch_size` None keeps build-engine's default; `extra` are more flags."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["KILN_CACHE"] = str(cache)
     args = ["--checkpoint", str(checkpoint), "--output", str(output), "--dtype", dtype,
@@ -22,6 +22,7 @@ def build_cli(checkpoint, output, targets, cache, *, dtype: str = "bfloat16", ma
         args += ["--max-batch-size", str(max_batch_size)]
     for t in targets:
         args += ["--target", t]
+    args += list(extra)
     code = "import sys; from builder.cli import build_engine; build_engine(sys.argv[1:])"
     return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
                           timeout=timeout)

@@ -1,0 +1,45 @@
+"""Tensor parallelism on GPUs (GPU only: `pytest -m gpu`): a TP 2 engine, one NCCL rank per
+GPU with its collectives inside the decode graphs, generates what the TP 1 engine generates,
+and an engine with more ranks than the machine has GPUs is refused by name."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_build import build_cli
+from runtime import SamplingParams, Session
+from runtime.engine import EngineLoadError
+
+pytestmark = pytest.mark.gpu
+
+
+def _build(factory, tmp_path, tp_size: int):
+    from runtime.cuda_driver import device_arch
+
+    out = tmp_path / f"tp{tp_size}"
+    args = [] if tp_size == 1 else ["--tp-size", str(tp_size)]
+    result = build_cli(factory.checkpoint("llama3"), out, [device_arch()], tmp_path / "cache", dtype="float32",
+                       max_seq_len=128, max_num_tokens=128, max_batch_size=16, extra=args)
+    assert result.returncode == 0, result.stderr + result.stdout
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tp2_on_two_gpus_generates_what_tp1_generates(factory, tmp_path):
+    prompts = [[5 + i, 17, 42 + 3 * i, 99, 7][: 2 + i % 4] for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for tp in (1, 2):
+        with Session(_build(factory, tmp_path, tp), device="cuda") as session:
+            outputs[tp] = [o.outputs[0].token_ids for o in session.generate(prompt_token_ids=prompts,
+                                                                           sampling_params=params)]
+    assert outputs[2] == outputs[1]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 3, reason="the test model's 4 heads allow at most 4 ranks")
+def test_more_ranks_than_gpus_is_refused(factory, tmp_path):
+    gpus = torch.cuda.device_count()
+    ranks = 2 if gpus < 2 else 4
+    with pytest.raises(EngineLoadError, match=f"{ranks} tensor-parallel ranks, one GPU each, but this machine has "
+                                              f"{gpus} GPU"):
+        Session(_build(factory, tmp_path, ranks), device="cuda")
