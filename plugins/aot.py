@@ -34,6 +34,12 @@ class Cubin:
     num_warps: int
 
 
+def absent_as_none(signature: dict[str, str], constexprs: dict[str, Any]) -> dict[str, Any]:
+    """`constexprs` with None for every constexpr parameter it gives no value: the optional
+    pointers (bias, split-K workspace, ...) a kernel is built without."""
+    return {**{name: None for name, kind in signature.items() if kind == "constexpr"}, **constexprs}
+
+
 def pointer_params(signature: dict[str, str]) -> tuple[str, ...]:
     """The pointer parameters of a signature: what `AotKernel.aligned` names when every tensor a
     kernel takes comes from an arena (whose regions and planned tensors all start on 256 bytes)."""

@@ -17,7 +17,6 @@ per kernel. Other steps (prefill chunks, mixed steps) launch the kernels one by 
 from __future__ import annotations
 
 import importlib
-import math
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -154,18 +153,10 @@ class CudaExecutor(ArenaExecutor):
         """Room for the largest input a row-parallel op adds once (see ADDED_ONCE)."""
         if engine.world_size == 1:
             return 0
-        sizes = [0]
-        for op in engine.plan:
-            if op.attrs.get("all_reduce"):
-                for name in ADDED_ONCE:
-                    tensor = op.inputs.get(name)
-                    if tensor in engine.weights:
-                        sizes.append(engine.weights[tensor].nbytes)
-                    elif tensor is not None:
-                        info = engine.tensors[tensor]
-                        dims = [engine.bounds[d] if isinstance(d, str) else d for d in info["shape"]]
-                        sizes.append(math.prod(dims) * DTYPES[info["dtype"]].itemsize)
-        return max(sizes)
+        planned = engine.manifest["memory_plan"]["tensors"]  # activations, sized for the bounds
+        tensors = [op.inputs.get(name) for op in engine.plan if op.attrs.get("all_reduce") for name in ADDED_ONCE]
+        return max((engine.weights[t].nbytes if t in engine.weights else planned[t]["nbytes"]
+                    for t in tensors if t is not None), default=0)
 
     def _launch(self, dims: dict[str, int], values: dict[str, torch.Tensor]) -> None:
         """Launch every op of the plan on torch's current stream (captured when it is capturing).
@@ -210,9 +201,7 @@ class CudaExecutor(ArenaExecutor):
         if batch is not None:
             # The graph holds the whole step, the float32 copy of the logits included.
             step = pad_decode(step, batch, self.pad_block, self.engine.kv_cache["block_size"])
-            self.copy_blocks(copies)
-            dims = self._dims(step)
-            self._stage_inputs(step, dims)
+            self._prepare(step, copies)
             self.graphs[batch].replay()
             return self.logits[:rows * self.vocab].view(rows, self.vocab)
         dims, values = self._begin(step, copies)

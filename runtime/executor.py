@@ -60,12 +60,16 @@ class ArenaExecutor:
             raise ValueError(f"block tables must have {bounds['B']} columns, got {step.block_tables.shape[1]}")
         return dims
 
-    def _begin(self, step: StepInputs, copies: list[tuple[int, int]]) -> tuple[dict[str, int], dict]:
-        """Do the copy-on-write copies and put the step inputs in the arena; returns the step's
-        dims and the tensors bound so far (the KV cache and the inputs)."""
+    def _prepare(self, step: StepInputs, copies: list[tuple[int, int]]) -> dict[str, int]:
+        """Do the copy-on-write copies and put the step inputs in the arena; returns the step's dims."""
         self.copy_blocks(copies)
         dims = self._dims(step)
         self._stage_inputs(step, dims)
+        return dims
+
+    def _begin(self, step: StepInputs, copies: list[tuple[int, int]]) -> tuple[dict[str, int], dict]:
+        """`_prepare`, then the tensors bound so far (the KV cache and the step inputs)."""
+        dims = self._prepare(step, copies)
         values: dict[str, torch.Tensor] = {"kv_cache": self.kv_cache}
         values.update((spec.name, self._view(spec.name, dims)) for spec in STEP_INPUTS)
         return dims, values

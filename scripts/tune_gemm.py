@@ -22,7 +22,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import triton
 
-from plugins.aot import AotKernel, compile_cubin, pointer_params
+from plugins.aot import AotKernel, absent_as_none, compile_cubin, pointer_params
 from plugins.linear.kernels import linear_kernel, split_signature
 from scripts.tune_decode_kernels import graph_us
 
@@ -48,11 +48,10 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
                          "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr"}
             constexprs = {"N": n, "K": k, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST_DOT": False,
                           "SPLIT_K": split}
-            constexprs.update((p, None) for p, kind in signature.items() if kind == "constexpr" and p not in constexprs)
             grid = (triton.cdiv(t, bm), n // bn, split)
             out.append((name, {"kind": "splitk", "n": n, "k": k, "t": t, "grid": grid, "split": split,
                                "label": f"splitk bm{bm} bn{bn} bk{bk} split{split} s{stages}"},
-                        AotKernel(linear_kernel, signature, constexprs, num_warps=4, num_stages=stages,
+                        AotKernel(linear_kernel, signature, absent_as_none(signature, constexprs), num_warps=4, num_stages=stages,
                                   aligned=pointer_params(signature))))
         if name == "gate_up":
             inter = n // 2
@@ -61,13 +60,14 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
                              "part_ptr": "constexpr", "count_ptr": "constexpr", "T": "i32", "eps": "fp32", "I": "constexpr", "K": "constexpr", "GU_BLOCK": "constexpr",
                              "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                              "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr"}
-                constexprs = {"norm_ptr": None, "part_ptr": None, "count_ptr": None, "I": inter, "K": k,
+                constexprs = {"I": inter, "K": k,
                               "GU_BLOCK": inter, "BLOCK_M": bm, "BLOCK_N": bn // 2, "BLOCK_K": 128 if t == 1 else 64,
                               "UPCAST_DOT": False, "SPLIT_K": 1}
                 grid = (triton.cdiv(t, bm), inter // (bn // 2), 1)
                 out.append(("norm_swiglu", {"kind": "norm_swiglu", "n": n, "k": k, "t": t, "grid": grid,
                                             "label": f"norm_swiglu bm{bm} bn{bn} s{stages} w{warps}"},
-                            AotKernel(norm_swiglu_kernel, signature, constexprs, num_warps=warps,
+                            AotKernel(norm_swiglu_kernel, signature, absent_as_none(signature, constexprs),
+                                      num_warps=warps,
                                       num_stages=stages, aligned=pointer_params(signature))))
     return out
 

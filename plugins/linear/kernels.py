@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plugins.aot import AotKernel, pointer_params
+from plugins.aot import AotKernel, absent_as_none, pointer_params
 
 # Pointer types of the signatures AOT compilation needs, per engine dtype.
 POINTER = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
@@ -299,11 +299,8 @@ def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool) -
         for name, present in (("bias_ptr", bias), ("residual_ptr", residual)):
             if not present:
                 signature[name] = "constexpr"
-                constexprs[name] = None
-        constexprs.update((name, None) for name, kind in signature.items() if kind == "constexpr"
-                          and name not in constexprs)
         kernels.append(AotKernel(
-            linear_kernel, signature, constexprs, num_warps=tile.num_warps, aligned=pointer_params(signature),
+            linear_kernel, signature, absent_as_none(signature, constexprs), num_warps=tile.num_warps, aligned=pointer_params(signature),
             num_stages=num_stages(tile.block_m, tile.block_n, bk, size, tile.stages),
             meta=launch_meta(tile, triton.cdiv(n, tile.block_n), split)))
     return kernels

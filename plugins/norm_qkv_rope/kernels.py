@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plugins.aot import AotKernel, pointer_params
+from plugins.aot import AotKernel, absent_as_none, pointer_params
 from plugins.linear.kernels import (ELEMENT_BYTES, POINTER, TILES, Tile, block_k, gemm_tile,
                                     launch_meta, num_stages, pick_tile, split_buffers, split_halves, split_k,
                                     split_k_sum, split_signature, upcast_dot)
@@ -155,10 +155,8 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
         for name, present in optional.items():
             if not present:
                 signature[name] = "constexpr"
-        constexprs.update((name, None) for name, kind in signature.items() if kind == "constexpr"
-                          and name not in constexprs)
         kernels.append(AotKernel(
-            norm_qkv_rope_kernel, signature, constexprs, num_warps=tile.num_warps, aligned=pointer_params(signature),
+            norm_qkv_rope_kernel, signature, absent_as_none(signature, constexprs), num_warps=tile.num_warps, aligned=pointer_params(signature),
             num_stages=num_stages(tile.block_m, d // split, bk, size, tile.stages),
             meta=launch_meta(tile, (heads + 2 * kv_heads) * split, ksplit, d // split)))
     return kernels

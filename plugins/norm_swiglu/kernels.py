@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plugins.aot import AotKernel, pointer_params
+from plugins.aot import AotKernel, absent_as_none, pointer_params
 from plugins.linear.kernels import (ELEMENT_BYTES, POINTER, block_k, gemm_tile,
                                     launch_meta, num_stages, pick_tile, split_buffers, split_halves, split_k,
                                     split_k_sum, split_signature, tiles_for, upcast_dot)
@@ -86,10 +86,8 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
                      "BLOCK_K": "constexpr", "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr"}
         constexprs = {"I": inter, "K": k, "GU_BLOCK": shapes["block"] or inter, "BLOCK_M": tile.block_m,
                       "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": split}
-        constexprs.update((name, None) for name, kind in signature.items() if kind == "constexpr"
-                          and name not in constexprs)
         kernels.append(AotKernel(
-            norm_swiglu_kernel, signature, constexprs, num_warps=tile.num_warps, aligned=pointer_params(signature),
+            norm_swiglu_kernel, signature, absent_as_none(signature, constexprs), num_warps=tile.num_warps, aligned=pointer_params(signature),
             num_stages=num_stages(tile.block_m, tile.block_n, bk, size, tile.stages),
             meta=launch_meta(tile, triton.cdiv(inter, bn), split, 2 * bn)))
     return kernels
