@@ -14,16 +14,16 @@ import click
 import torch
 from click.core import ParameterSource
 
-from bench import decode, latency, offline
-from bench.driver import EngineInfo, inspect, kv_token_budget, open_core, random_prompts, release
-from bench.figures import Figure
-from bench.hardware import measure
-from bench.model import SHAPES, Shape, check_shape, ensure_checkpoint, ensure_engine, with_overrides
-from bench.options import PHASES, IntList, LengthPairs, Phases
-from bench.report import render, results, write_json
-from builder.config import DTYPES, BuildConfig, BuildConfigError, default_targets
-from models.config import CheckpointError
-from runtime.engine_file import EngineFileError
+from kiln.bench import decode, latency, offline
+from kiln.bench.driver import EngineInfo, inspect, kv_token_budget, open_core, random_prompts, release
+from kiln.bench.figures import Figure
+from kiln.bench.hardware import measure
+from kiln.bench.model import SHAPES, Shape, check_shape, ensure_checkpoint, ensure_engine, with_overrides
+from kiln.bench.options import PHASES, IntList, LengthPairs, Phases
+from kiln.bench.report import render, results, write_json
+from kiln.builder.config import DTYPES, BuildConfig, BuildConfigError, default_targets
+from kiln.models.config import CheckpointError
+from kiln.runtime.engine_file import EngineFileError
 
 
 def _command_line(ctx: click.Context) -> str:
@@ -81,7 +81,7 @@ def _resolve_engine(engine: Path | None, checkpoint: Path | None, work_dir: Path
 def _eager_baseline(figures: list[Figure], checkpoint: Path, info: EngineInfo, device: str, context: int,
                     steps: int, seed: int) -> None:
     """Fill in `eager` on every decode and offline figure that has a value."""
-    from bench.eager import EagerModel, eager_decode, eager_offline
+    from kiln.bench.eager import EagerModel, eager_decode, eager_offline
     status(f"eager baseline: loading {checkpoint}")
     model = EagerModel.load(checkpoint, info.build["dtype"], info.build["max_seq_len"], device)
     try:

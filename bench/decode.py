@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import time
 
-from bench.driver import EngineInfo, EngineRun, random_prompts
-from bench.figures import Figure, skipped
-from bench.hardware import synchronize
-from runtime.sampling_params import SamplingParams
+from kiln.bench.driver import EngineInfo, EngineRun, random_prompts
+from kiln.bench.figures import Figure, skipped
+from kiln.bench.hardware import synchronize
+from kiln.runtime.sampling_params import SamplingParams
 
 WARMUP_STEPS = 3
 REPEATS = 3

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from bench.hardware import Hardware
-from bench.limits import DTYPE_BYTES, CostModel, StepShape
-from runtime.engine import Engine, load_engine
-from runtime.engine_core import EngineCore
+from kiln.bench.hardware import Hardware
+from kiln.bench.limits import DTYPE_BYTES, CostModel, StepShape
+from kiln.runtime.engine import Engine, load_engine
+from kiln.runtime.engine_core import EngineCore
 
 # Share of the free memory the KV pool may take: the rest is headroom for the allocator,
 # the sampler's logits and, on the CPU, everything else the machine runs.
@@ -73,7 +73,7 @@ class EngineInfo:
 def engine_target(device: str) -> str:
     """The build target this machine runs: its GPU's arch, or "cpu"."""
     if device == "cuda":
-        from runtime.cuda_driver import device_arch
+        from kiln.runtime.cuda_driver import device_arch
         return device_arch()
     return "cpu"
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import models
-from bench.hardware import Clock, synchronize
-from models.llama import LlamaForCausalLM
+from kiln import models
+from kiln.bench.hardware import Clock, synchronize
+from kiln.models.llama import LlamaForCausalLM
 
 # scaled_dot_product_attention learnt grouped-query heads (enable_gqa) in torch 2.5; before it,
 # k and v are repeated per query head, as Hugging Face's eager attention does.

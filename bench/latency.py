@@ -18,11 +18,11 @@ from itertools import pairwise
 import numpy as np
 from tqdm import tqdm
 
-from bench.driver import EngineInfo, StepRecorder, random_prompts
-from bench.figures import Figure, skipped
-from bench.hardware import Hardware
-from runtime.sampling_params import SamplingParams
-from runtime.session import Session
+from kiln.bench.driver import EngineInfo, StepRecorder, random_prompts
+from kiln.bench.figures import Figure, skipped
+from kiln.bench.hardware import Hardware
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.session import Session
 
 PERCENTILES = (50, 90, 99)
 JOIN_TIMEOUT_S = 600.0

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.hardware import Hardware
+from kiln.bench.hardware import Hardware
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
 # Inputs that an op gathers rows from instead of reading whole: (op, input), "*" for any op.

@@ -15,11 +15,11 @@ import shutil
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import builder
-import models
-import plugins
-from builder.build import build_engine
-from builder.config import BuildConfig
+from kiln import builder
+from kiln import models
+from kiln import plugins
+from kiln.builder.build import build_engine
+from kiln.builder.config import BuildConfig
 
 FAMILY = "llama3"  # Llama 3.1's rope scaling ("llama3"), untied embeddings
 
@@ -86,7 +86,7 @@ def ensure_checkpoint(work_dir: Path, shape: Shape, dtype: str, device: str) -> 
     path = work_dir / f"{FAMILY}-{shape.key()}-{dtype}"
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         return path, True
-    from models.random_checkpoint import write_random_checkpoint
+    from kiln.models.random_checkpoint import write_random_checkpoint
     kwargs = dict(hidden_size=shape.hidden_size, num_layers=shape.num_layers, num_heads=shape.num_heads,
                   num_kv_heads=shape.num_kv_heads, intermediate_size=shape.intermediate_size,
                   vocab_size=shape.vocab_size, max_position_embeddings=shape.max_position_embeddings,

@@ -12,10 +12,10 @@ import time
 
 from tqdm import tqdm
 
-from bench.driver import EngineInfo, EngineRun, random_prompts
-from bench.figures import Figure, skipped
-from bench.hardware import synchronize
-from runtime.sampling_params import SamplingParams
+from kiln.bench.driver import EngineInfo, EngineRun, random_prompts
+from kiln.bench.figures import Figure, skipped
+from kiln.bench.hardware import synchronize
+from kiln.runtime.sampling_params import SamplingParams
 
 # Default request count: enough tokens that steady state dominates, few enough that a long
 # shape finishes in minutes. N = TOKEN_BUDGET / (in + out), kept within [MIN, MAX]:

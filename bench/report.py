@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from bench.figures import Figure
-from bench.hardware import Hardware
+from kiln.bench.figures import Figure
+from kiln.bench.hardware import Hardware
 
 SECTIONS = ("decode", "offline", "latency")
 

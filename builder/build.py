@@ -14,14 +14,14 @@ from pathlib import Path
 from torch import nn
 from tqdm import tqdm
 
-import models
-from builder.config import BuildConfig
-from builder.ir import Graph
-from builder.kernels import compile_kernels
-from builder.passes import FUSIONS, fold_weights, plan_memory, shard
-from builder.trace import trace
-from plugins import get_plugin
-from runtime.engine_file import write_engine_file
+from kiln import models
+from kiln.builder.config import BuildConfig
+from kiln.builder.ir import Graph
+from kiln.builder.kernels import compile_kernels
+from kiln.builder.passes import FUSIONS, fold_weights, plan_memory, shard
+from kiln.builder.trace import trace
+from kiln.plugins import get_plugin
+from kiln.runtime.engine_file import write_engine_file
 
 KILN_VERSION = "0.1.0"
 FUSED_OPS = ("norm_qkv_rope", "attention_o_proj", "norm_swiglu", "linear_residual")

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import click
 
-from builder.build import BuildError, build_engine as run_build
-from builder.config import DTYPES, TARGETS, BuildConfig, BuildConfigError, default_targets
-from builder.kernels import KernelError
-from builder.passes import ShardError
-from builder.trace import TraceError
-from models import CheckpointError, read_config
-from runtime.engine_file import EngineFileError, read_engine_file
-from runtime.triton.repo import RepoError, write_repo
+from kiln.builder.build import BuildError, build_engine as run_build
+from kiln.builder.config import DTYPES, TARGETS, BuildConfig, BuildConfigError, default_targets
+from kiln.builder.kernels import KernelError
+from kiln.builder.passes import ShardError
+from kiln.builder.trace import TraceError
+from kiln.models import CheckpointError, read_config
+from kiln.runtime.engine_file import EngineFileError, read_engine_file
+from kiln.runtime.triton.repo import RepoError, write_repo
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from plugins import get_plugin
+from kiln.plugins import get_plugin
 
 Shape = tuple[int | str, ...]
 KINDS = ("input", "state", "weight", "activation")

@@ -18,8 +18,8 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from builder.ir import Graph, Node
-from plugins.aot import AotKernel, Cubin, compile_cubin
+from kiln.builder.ir import Graph, Node
+from kiln.plugins.aot import AotKernel, Cubin, compile_cubin
 
 
 class KernelError(ValueError):
@@ -112,7 +112,7 @@ def compile_kernels(graph: Graph, dtype: str, targets: list[str], block_size: in
         raise KernelError("TRITON_INTERPRET=1 is set: Triton's interpreter cannot compile cubins; "
                           "unset it to build for a GPU target")
     for node in graph.nodes:
-        module = importlib.import_module(f"plugins.{node.op}.kernels")
+        module = importlib.import_module(f"kiln.plugins.{node.op}.kernels")
         kernels = module.aot_kernels(dtype, SHAPES[node.op](graph, node, block_size))
         per_node[node.output] = {}
         for target in gpu_targets:

@@ -12,10 +12,10 @@ import torch
 import torch.fx
 from torch import nn
 
-from builder.ir import Graph, Node, TensorInfo
-from plugins import STEP_INPUTS, get_plugin
-from plugins.registry import NAMESPACE
-from plugins.step_inputs import KV_CACHE
+from kiln.builder.ir import Graph, Node, TensorInfo
+from kiln.plugins import STEP_INPUTS, get_plugin
+from kiln.plugins.registry import NAMESPACE
+from kiln.plugins.step_inputs import KV_CACHE
 
 
 class TraceError(ValueError):

@@ -9,8 +9,8 @@ from typing import Iterator
 import torch
 from safetensors import SafetensorError, safe_open
 
-from models.config import CheckpointError, ModelConfig, read_config
-from models.llama import LlamaForCausalLM
+from kiln.models.config import CheckpointError, ModelConfig, read_config
+from kiln.models.llama import LlamaForCausalLM
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Tensors some exporters save that the model recomputes.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from plugins import op
+from kiln.plugins import op
 
 
 class Linear(nn.Module):

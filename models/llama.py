@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.config import ModelConfig
-from models.layers import Embedding, HeadRMSNorm, Linear, RMSNorm
-from models.rope import rope_table
-from plugins import op
+from kiln.models.config import ModelConfig
+from kiln.models.layers import Embedding, HeadRMSNorm, Linear, RMSNorm
+from kiln.models.rope import rope_table
+from kiln.plugins import op
 
 
 class Attention(nn.Module):

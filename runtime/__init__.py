@@ -2,8 +2,8 @@
 
 `Session(engine_dir)` is the public API; `SamplingParams` configures a request.
 """
-from runtime.outputs import CompletionOutput, RequestOutput
-from runtime.sampling_params import SamplingParams
-from runtime.session import Session
+from kiln.runtime.outputs import CompletionOutput, RequestOutput
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.session import Session
 
 __all__ = ["Session", "SamplingParams", "RequestOutput", "CompletionOutput"]

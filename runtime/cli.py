@@ -13,11 +13,11 @@ from typing import Any, Callable, Iterator, TextIO
 
 import click
 
-from runtime.engine_file import EngineFileError
-from runtime.outputs import CompletionOutput, RequestOutput
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler import POLICIES
-from runtime.session import Session
+from kiln.runtime.engine_file import EngineFileError
+from kiln.runtime.outputs import CompletionOutput, RequestOutput
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.scheduler import POLICIES
+from kiln.runtime.session import Session
 
 
 @dataclass(frozen=True)

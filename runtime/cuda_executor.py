@@ -23,12 +23,12 @@ from types import ModuleType
 import torch
 import torch.distributed
 
-from runtime.cuda_driver import CudaKernel, device_arch, load_kernel
-from runtime.decode_graphs import graph_batch_sizes, is_pure_decode, pad_decode, padding_step
-from runtime.engine import Engine, EngineLoadError
-from runtime.engine_file import read_engine_file
-from runtime.executor import DTYPES, ArenaExecutor
-from runtime.step import StepInputs
+from kiln.runtime.cuda_driver import CudaKernel, device_arch, load_kernel
+from kiln.runtime.decode_graphs import graph_batch_sizes, is_pure_decode, pad_decode, padding_step
+from kiln.runtime.engine import Engine, EngineLoadError
+from kiln.runtime.engine_file import read_engine_file
+from kiln.runtime.executor import DTYPES, ArenaExecutor
+from kiln.runtime.step import StepInputs
 
 
 @dataclass(frozen=True)
@@ -56,9 +56,9 @@ ADDED_ONCE = ("bias", "b_o", "residual")
 
 def _launcher(op_name: str) -> ModuleType:
     try:
-        return importlib.import_module(f"plugins.{op_name}.launch")
+        return importlib.import_module(f"kiln.plugins.{op_name}.launch")
     except ModuleNotFoundError as e:
-        if e.name != f"plugins.{op_name}.launch":
+        if e.name != f"kiln.plugins.{op_name}.launch":
             raise
         raise EngineLoadError(f"op {op_name!r} has no CUDA launcher (plugins/{op_name}/launch.py): "
                               "this engine cannot run on the GPU yet; use device='cpu'") from None

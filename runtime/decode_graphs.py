@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.step import StepInputs
+from kiln.runtime.step import StepInputs
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:

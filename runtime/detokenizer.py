@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-    from runtime.sequence import Sequence
+    from kiln.runtime.sequence import Sequence
 
 REPLACEMENT = "\ufffd"
 # Pending tokens after which text that still ends in REPLACEMENT is emitted anyway. A UTF-8

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from plugins import PluginSpec, get_plugin
-from runtime.engine_file import EngineFileError, read_engine_file
+from kiln.plugins import PluginSpec, get_plugin
+from kiln.runtime.engine_file import EngineFileError, read_engine_file
 
 
 class EngineLoadError(EngineFileError):

@@ -12,20 +12,20 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from runtime.cuda_driver import device_arch
-from runtime.cuda_executor import CudaExecutor
-from runtime.detokenizer import Detokenizer
-from runtime.engine import EngineLoadError, engine_world_size, load_engine
-from runtime.engine_file import read_engine_file
-from runtime.executor import CpuExecutor
-from runtime.tp_executor import TensorParallelExecutor
-from runtime.kv_cache import BlockManager, blocks_for_memory, bytes_per_block
-from runtime.outputs import CompletionOutput, RequestOutput
-from runtime.sampler import make_generator, plain_greedy, sample
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler import ScheduledChunk, Scheduler
-from runtime.sequence import Request, Sequence, Status
-from runtime.step import SequenceChunk, pack_step
+from kiln.runtime.cuda_driver import device_arch
+from kiln.runtime.cuda_executor import CudaExecutor
+from kiln.runtime.detokenizer import Detokenizer
+from kiln.runtime.engine import EngineLoadError, engine_world_size, load_engine
+from kiln.runtime.engine_file import read_engine_file
+from kiln.runtime.executor import CpuExecutor
+from kiln.runtime.tp_executor import TensorParallelExecutor
+from kiln.runtime.kv_cache import BlockManager, blocks_for_memory, bytes_per_block
+from kiln.runtime.outputs import CompletionOutput, RequestOutput
+from kiln.runtime.sampler import make_generator, plain_greedy, sample
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.scheduler import ScheduledChunk, Scheduler
+from kiln.runtime.sequence import Request, Sequence, Status
+from kiln.runtime.step import SequenceChunk, pack_step
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 

@@ -11,10 +11,10 @@ import math
 
 import torch
 
-from plugins import STEP_INPUTS
-from runtime.arena import Arena
-from runtime.engine import Engine
-from runtime.step import StepInputs
+from kiln.plugins import STEP_INPUTS
+from kiln.runtime.arena import Arena
+from kiln.runtime.engine import Engine
+from kiln.runtime.step import StepInputs
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "int32": torch.int32, "int64": torch.int64}

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.sampling_params import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 
 
 @dataclass

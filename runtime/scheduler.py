@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.kv_cache import BlockManager
-from runtime.sequence import Sequence, Status
+from kiln.runtime.kv_cache import BlockManager
+from kiln.runtime.sequence import Sequence, Status
 
 POLICIES = ("max_utilization", "guaranteed_no_evict")
 

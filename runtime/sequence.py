@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runtime.sampling_params import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from runtime.detokenizer import DecodeStream
+    from kiln.runtime.detokenizer import DecodeStream
 
 _ids = itertools.count()
 

@@ -14,9 +14,9 @@ import threading
 from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator, Sequence as Seq
 
-from runtime.engine_core import EngineCore
-from runtime.outputs import RequestOutput
-from runtime.sampling_params import SamplingParams
+from kiln.runtime.engine_core import EngineCore
+from kiln.runtime.outputs import RequestOutput
+from kiln.runtime.sampling_params import SamplingParams
 
 Sink = Callable[[RequestOutput | BaseException], None]
 

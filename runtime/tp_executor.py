@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from runtime.step import StepInputs
-from runtime.tp_worker import worker_main
+from kiln.runtime.step import StepInputs
+from kiln.runtime.tp_worker import worker_main
 
 STARTUP_TIMEOUT = 120.0
 STEP_TIMEOUT = 60.0

@@ -35,17 +35,17 @@ def _answer_pings(conn: Connection) -> None:
 def _open_executor(engine_dir: str, rank: int, world_size: int, num_kv_blocks: int, device: str):
     """Join the process group and load this rank's engine: gloo and the CPU executor, or NCCL
     and the CUDA executor on GPU `rank`."""
-    from runtime.engine import load_engine
+    from kiln.runtime.engine import load_engine
 
     if device == "cuda":
-        from runtime.cuda_driver import device_arch
-        from runtime.cuda_executor import CudaExecutor
+        from kiln.runtime.cuda_driver import device_arch
+        from kiln.runtime.cuda_executor import CudaExecutor
 
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT,
                                 device_id=torch.device("cuda", rank))
         return CudaExecutor(load_engine(engine_dir, rank=rank, target=device_arch()), num_kv_blocks)
-    from runtime.executor import CpuExecutor
+    from kiln.runtime.executor import CpuExecutor
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
     return CpuExecutor(load_engine(engine_dir, rank=rank), num_kv_blocks)

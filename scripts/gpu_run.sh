@@ -21,7 +21,7 @@ export KILN_COMMIT=${KILN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || ec
 python3 -m pytest -m gpu -q -rP -p no:cacheprovider "$@" 2>&1 | tee "$out/pytest-gpu.txt"
 status=${PIPESTATUS[0]}
 if [ "${KILN_BENCH:-0}" = 1 ]; then
-  python3 -c 'from bench.cli import bench_engine; bench_engine()' --work-dir "$KILN_GPU_WORKDIR/bench" \
+  python3 -c 'from kiln.bench.cli import bench_engine; bench_engine()' --work-dir "$KILN_GPU_WORKDIR/bench" \
     --json "$out/bench.json" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]$' | tee "$out/bench.txt"
   status=$((status || PIPESTATUS[0]))
 fi

@@ -14,11 +14,11 @@ import statistics
 
 import torch
 
-from plugins.attention import launch as attention
-from plugins.attention_o_proj import launch as attention_o_proj
-from runtime.cuda_executor import CudaExecutor
-from runtime.engine import load_engine
-from runtime.step import SequenceChunk, pack_step
+from kiln.plugins.attention import launch as attention
+from kiln.plugins.attention_o_proj import launch as attention_o_proj
+from kiln.runtime.cuda_executor import CudaExecutor
+from kiln.runtime.engine import load_engine
+from kiln.runtime.step import SequenceChunk, pack_step
 
 
 def time_ms(fn, repeats: int = 20) -> float:
@@ -52,7 +52,7 @@ def profile(ex: CudaExecutor, batch: int, context: int) -> None:
           f"{weights / total / 1e6:.0f} GB/s of non-embedding weights")
     kinds: dict[str, list] = {}
     for op in ex.ops:
-        kinds.setdefault(op.launcher.__name__.split(".")[1], []).append(op)
+        kinds.setdefault(op.launcher.__name__.split(".")[-2], []).append(op)
         if op.launcher is attention_o_proj:
             # Its attention stage alone, to tell it apart from the o_proj GEMM.
             kinds.setdefault("(attention part)", []).append(op)

@@ -16,8 +16,8 @@ import statistics
 import torch
 import triton
 
-from plugins.attention import kernels as attention
-from plugins.linear.kernels import linear_kernel
+from kiln.plugins.attention import kernels as attention
+from kiln.plugins.linear.kernels import linear_kernel
 
 REPEAT = 20
 

@@ -22,8 +22,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import triton
 
-from plugins.aot import AotKernel, absent_as_none, compile_cubin, pointer_params
-from plugins.linear.kernels import linear_kernel, split_signature
+from kiln.plugins.aot import AotKernel, absent_as_none, compile_cubin, pointer_params
+from kiln.plugins.linear.kernels import linear_kernel, split_signature
 from scripts.tune_decode_kernels import graph_us
 
 L2_ROTATION = 200_000_000  # bytes of weight copies cycled through, 4x the H200's L2
@@ -32,7 +32,7 @@ SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
 
 def configs() -> list[tuple[str, dict, AotKernel]]:
     """(shape name, what the run needs, kernel) for every configuration swept."""
-    from plugins.norm_swiglu.kernels import norm_swiglu_kernel
+    from kiln.plugins.norm_swiglu.kernels import norm_swiglu_kernel
 
     out = []
     for (name, (n, k)), t in itertools.product(SHAPES.items(), (1, 64)):
@@ -93,7 +93,7 @@ def compile_all(path: str) -> None:
 def run_all(path: str) -> None:
     import torch
 
-    from runtime.cuda_driver import load_kernel
+    from kiln.runtime.cuda_driver import load_kernel
 
     with open(path, "rb") as f:
         entries = pickle.load(f)

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from builder.build import build_engine
-from builder.config import BuildConfig
-from models.random_checkpoint import write_random_checkpoint
+from kiln.builder.build import build_engine
+from kiln.builder.config import BuildConfig
+from kiln.models.random_checkpoint import write_random_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Without a GPU, Triton kernels run in its interpreter on the CPU. The mode is fixed when

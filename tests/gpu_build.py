@@ -23,6 +23,6 @@ def build_cli(checkpoint, output, targets, cache, *, dtype: str = "bfloat16", ma
     for t in targets:
         args += ["--target", t]
     args += list(extra)
-    code = "import sys; from builder.cli import build_engine; build_engine(sys.argv[1:])"
+    code = "import sys; from kiln.builder.cli import build_engine; build_engine(sys.argv[1:])"
     return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
                           timeout=timeout)

@@ -15,11 +15,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from gpu_build import build_cli
-from models.random_checkpoint import write_random_checkpoint
-from runtime import SamplingParams, Session
-from runtime.engine import load_engine
-from runtime.executor import CpuExecutor
-from runtime.step import SequenceChunk, pack_step
+from kiln.models.random_checkpoint import write_random_checkpoint
+from kiln.runtime import SamplingParams, Session
+from kiln.runtime.engine import load_engine
+from kiln.runtime.executor import CpuExecutor
+from kiln.runtime.step import SequenceChunk, pack_step
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_PROMPTS, MAX_TOKENS, PROMPT_LENS = 16, 64, (8, 100)
@@ -50,8 +50,8 @@ def kiln_generate(engine_dir, device: str, prompts: list[list[int]], max_tokens:
 def open_executor(engine_dir, device: str):
     """The engine's executor for `device`, with KV blocks for one sequence of max_seq_len."""
     if device == "cuda":
-        from runtime.cuda_driver import device_arch
-        from runtime.cuda_executor import CudaExecutor
+        from kiln.runtime.cuda_driver import device_arch
+        from kiln.runtime.cuda_executor import CudaExecutor
 
         engine = load_engine(engine_dir, target=device_arch())
         return CudaExecutor(engine, engine.bounds["B"])

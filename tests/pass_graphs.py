@@ -10,13 +10,13 @@ import copy
 
 import torch
 
-import plugins.linear.reference as linear_reference
-from builder.ir import Graph, Node, TensorInfo
-from builder.passes import (fuse_attention_o_proj, fuse_linear_residual,
-                            fuse_norm_qkv_rope, fuse_norm_swiglu)
-from plugins import STEP_INPUTS, get_plugin
-from plugins.step_inputs import KV_CACHE
-from runtime.step import SequenceChunk, pack_step
+import kiln.plugins.linear.reference as linear_reference
+from kiln.builder.ir import Graph, Node, TensorInfo
+from kiln.builder.passes import (fuse_attention_o_proj, fuse_linear_residual,
+                                 fuse_norm_qkv_rope, fuse_norm_swiglu)
+from kiln.plugins import STEP_INPUTS, get_plugin
+from kiln.plugins.step_inputs import KV_CACHE
+from kiln.runtime.step import SequenceChunk, pack_step
 
 
 H, NH, NKV, HD, INTER, VOCAB = 16, 4, 2, 4, 24, 32

@@ -11,8 +11,8 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
-from runtime.sampling_params import SamplingParams
-from runtime.session import Session
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.session import Session
 
 MAX_SEQ_LEN, MAX_NUM_TOKENS, MAX_BATCH_SIZE = 64, 32, 8  # SMALL_BUILD's max_seq_len and 4-token blocks
 VOCAB = 512  # the random checkpoint's embedding rows

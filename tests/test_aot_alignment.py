@@ -14,10 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
 import dataclasses, json, re, sys
-from plugins.aot import compile_kernel
-from plugins.attention.kernels import aot_kernels as attention
-from plugins.linear_residual.kernels import aot_kernels as linear_residual
-from plugins.norm_swiglu.kernels import aot_kernels as norm_swiglu
+from kiln.plugins.aot import compile_kernel
+from kiln.plugins.attention.kernels import aot_kernels as attention
+from kiln.plugins.linear_residual.kernels import aot_kernels as linear_residual
+from kiln.plugins.norm_swiglu.kernels import aot_kernels as norm_swiglu
 
 def loads(kernel):
     ptx = compile_kernel(kernel, "sm_90").asm["ptx"]

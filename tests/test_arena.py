@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.arena import ALIGN, Arena
-from runtime.engine import load_engine
-from runtime.executor import CpuExecutor
+from kiln.runtime.arena import ALIGN, Arena
+from kiln.runtime.engine import load_engine
+from kiln.runtime.executor import CpuExecutor
 
 
 def test_regions_are_aligned_disjoint_and_typed():

@@ -9,12 +9,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from bench.cli import bench_engine
-from bench.eager import EagerModel
-from bench.hardware import Hardware
-from bench.limits import CostModel, StepShape, attended_pairs
-from runtime.sampling_params import SamplingParams
-from runtime.session import Session
+from kiln.bench.cli import bench_engine
+from kiln.bench.eager import EagerModel
+from kiln.bench.hardware import Hardware
+from kiln.bench.limits import CostModel, StepShape, attended_pairs
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.session import Session
 
 TINY = ["--shape", "tiny", "--device", "cpu", "--max-batch-size", "8", "--max-seq-len", "64",
         "--max-num-tokens", "64", "--decode-context", "12", "--decode-steps", "6"]
@@ -157,7 +157,7 @@ def test_attended_pairs_respect_causality_and_the_window():
 
 
 def test_cost_model_of_a_real_engine_counts_each_weight_once(factory):
-    from runtime.engine import load_engine
+    from kiln.runtime.engine import load_engine
     engine = load_engine(factory.engine(factory.checkpoint("llama3"), dtype="float32"))
     cost = CostModel.from_manifest(engine.manifest)
     weights = engine.manifest["weights"]

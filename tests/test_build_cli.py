@@ -8,7 +8,7 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from builder.cli import build_engine, inspect_engine
+from kiln.builder.cli import build_engine, inspect_engine
 
 SMALL = ["--dtype", "float32", "--max-seq-len", "64", "--max-num-tokens", "64", "--max-batch-size", "4",
          "--kv-block-size", "4", "--target", "cpu", "--quiet"]

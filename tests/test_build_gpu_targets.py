@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from builder.build import build_from_model
-from builder.cli import inspect_engine
-from builder.config import BuildConfig
-from builder.kernels import KernelError
+from kiln.builder.build import build_from_model
+from kiln.builder.cli import inspect_engine
+from kiln.builder.config import BuildConfig
+from kiln.builder.kernels import KernelError
 from gpu_build import build_cli
-from runtime.engine import EngineLoadError, load_engine
-from runtime.engine_file import read_engine_file
+from kiln.runtime.engine import EngineLoadError, load_engine
+from kiln.runtime.engine_file import read_engine_file
 from test_gelu_model import gelu_model
 
 GPU_TARGETS = ["sm_80", "sm_89", "sm_90", "sm_100"]

@@ -8,7 +8,7 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from plugins.aot import AotKernel, compile_cubin  # noqa: E402
+from kiln.plugins.aot import AotKernel, compile_cubin  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -21,7 +21,7 @@ def _axpy(x, y, out, a, n, BLOCK: tl.constexpr):
 
 
 def _kernel():
-    from runtime.cuda_driver import device_arch, load_kernel
+    from kiln.runtime.cuda_driver import device_arch, load_kernel
     sig = {"x": "*fp32", "y": "*fp32", "out": "*fp32", "a": "fp32", "n": "i32", "BLOCK": "constexpr"}
     cubin = compile_cubin(AotKernel(_axpy, sig, {"BLOCK": 256}), device_arch())
     return load_kernel(cubin.binary, cubin.name, ["*fp32", "*fp32", "*fp32", "fp32", "i32"], cubin.num_warps,

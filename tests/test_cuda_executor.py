@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from gpu_build import build_cli
-from runtime.engine import load_engine
-from runtime.executor import CpuExecutor
-from runtime.step import SequenceChunk, pack_step
+from kiln.runtime.engine import load_engine
+from kiln.runtime.executor import CpuExecutor
+from kiln.runtime.step import SequenceChunk, pack_step
 
 pytestmark = pytest.mark.gpu
 
@@ -71,7 +71,7 @@ def run_both(cpu: CpuExecutor, gpu, engine) -> list[tuple[str, float, torch.Tens
 @pytest.fixture(scope="module")
 def engine_dir(factory, tmp_path_factory):
     """engine_dir(family, dtype, max_seq_len): an engine for ["cpu", this GPU], built once."""
-    from runtime.cuda_driver import device_arch
+    from kiln.runtime.cuda_driver import device_arch
 
     root, built = tmp_path_factory.mktemp("cuda-executor"), {}
 
@@ -88,7 +88,7 @@ def engine_dir(factory, tmp_path_factory):
 
 @pytest.mark.parametrize("family,dtype,max_seq_len,tol", CASES)
 def test_cuda_executor_matches_cpu_executor(engine_dir, record_property, family, dtype, max_seq_len, tol):
-    from runtime.cuda_executor import CudaExecutor
+    from kiln.runtime.cuda_executor import CudaExecutor
 
     engine = load_engine(engine_dir(family, dtype, max_seq_len))
     cpu, gpu = CpuExecutor(engine, NUM_BLOCKS), CudaExecutor(engine, NUM_BLOCKS)
@@ -112,7 +112,7 @@ def test_cuda_executor_matches_cpu_executor(engine_dir, record_property, family,
 
 
 def test_cuda_executor_refuses_step_beyond_bounds(engine_dir):
-    from runtime.cuda_executor import CudaExecutor
+    from kiln.runtime.cuda_executor import CudaExecutor
 
     engine = load_engine(engine_dir("llama3", "bfloat16", 256))
     gpu = CudaExecutor(engine, NUM_BLOCKS)
@@ -125,7 +125,7 @@ def test_cuda_executor_refuses_step_beyond_bounds(engine_dir):
 
 def test_session_on_cuda_generates_what_the_cpu_generates(engine_dir):
     """EngineCore picks the CUDA executor for device="cuda"; greedy fp32 tokens match the CPU's."""
-    from runtime import SamplingParams, Session
+    from kiln.runtime import SamplingParams, Session
 
     path = engine_dir("qwen3", "float32", 512)
     prompts = [[5, 17, 42, 99, 7, 3], [11, 12, 13]]
@@ -141,7 +141,7 @@ def test_session_on_cuda_generates_what_the_cpu_generates(engine_dir):
 def test_decode_graphs_equal_eager_launches(engine_dir):
     """A replayed decode graph, padded from 3 to 4 sequences, gives the eager launches' logits
     bit for bit, and its padding rows leave every real KV block alone."""
-    from runtime.cuda_executor import CudaExecutor
+    from kiln.runtime.cuda_executor import CudaExecutor
 
     engine = load_engine(engine_dir("llama3", "bfloat16", 256))
     graphed, eager = CudaExecutor(engine, NUM_BLOCKS), CudaExecutor(engine, NUM_BLOCKS, cuda_graphs=False)

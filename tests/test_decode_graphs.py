@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from runtime.decode_graphs import graph_batch_sizes, is_pure_decode, pad_decode, padding_step
-from runtime.engine import load_engine
-from runtime.executor import CpuExecutor
-from runtime.step import SequenceChunk, pack_step
+from kiln.runtime.decode_graphs import graph_batch_sizes, is_pure_decode, pad_decode, padding_step
+from kiln.runtime.engine import load_engine
+from kiln.runtime.executor import CpuExecutor
+from kiln.runtime.step import SequenceChunk, pack_step
 
 
 def test_graph_batch_sizes():

@@ -11,11 +11,11 @@ import pytest
 from tokenizers import Tokenizer, decoders, normalizers, trainers
 from tokenizers import models as tokenizer_models
 
-from models.random_checkpoint import _CORPUS, EOS_TOKEN, SPECIAL_TOKENS, train_tokenizer
-from runtime.detokenizer import Detokenizer, find_stop, stop_prefix_len
-from runtime.engine_core import EngineCore
-from runtime.sampling_params import SamplingParams
-from runtime.sequence import Request, Sequence
+from kiln.models.random_checkpoint import _CORPUS, EOS_TOKEN, SPECIAL_TOKENS, train_tokenizer
+from kiln.runtime.detokenizer import Detokenizer, find_stop, stop_prefix_len
+from kiln.runtime.engine_core import EngineCore
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sequence import Request, Sequence
 
 from session_fixtures import *  # noqa: F401,F403 (fixtures and helpers)
 
@@ -298,7 +298,7 @@ def test_a_run_of_garbage_bytes_does_not_grow_the_window(tok):
     """A model emitting a byte that never completes a character (a lone continuation byte) for
     ever: the text still advances every MAX_PENDING tokens, so no decode sees more than those
     and the context before them, and the streamed text stays a prefix of the final one."""
-    from runtime.detokenizer import MAX_PENDING
+    from kiln.runtime.detokenizer import MAX_PENDING
 
     byte = next(i for i in range(tok.get_vocab_size()) if tok.decode([i]) == "\ufffd")
     counter = CountingTokenizer(tok)

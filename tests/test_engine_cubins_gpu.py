@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from runtime.engine_file import read_engine_file
+from kiln.runtime.engine_file import read_engine_file
 
 pytestmark = pytest.mark.gpu
 
 
 def test_every_cubin_for_this_gpu_loads(factory, tmp_path):
-    from runtime.cuda_driver import device_arch, load_kernel
+    from kiln.runtime.cuda_driver import device_arch, load_kernel
     from gpu_build import build_cli
 
     arch = device_arch()

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from runtime.engine_file import (
+from kiln.runtime.engine_file import (
     FORMAT_VERSION, MAGIC, BadMagicError, ChecksumError, EngineFileError, RankMismatchError,
     TruncatedEngineError, UnsupportedVersionError, read_engine_file, write_engine_file,
 )

@@ -5,10 +5,10 @@ import shutil
 
 import pytest
 
-from runtime.engine import EngineLoadError, load_engine
-from runtime.engine_file import RankMismatchError, read_engine_file, write_engine_file
-from runtime.executor import CpuExecutor
-from runtime.step import SequenceChunk, pack_step
+from kiln.runtime.engine import EngineLoadError, load_engine
+from kiln.runtime.engine_file import RankMismatchError, read_engine_file, write_engine_file
+from kiln.runtime.executor import CpuExecutor
+from kiln.runtime.step import SequenceChunk, pack_step
 
 INDEX_KEYS = ("weights", "kernels", "sections")
 

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from builder.ir import Graph
-from builder.passes import (ShardError, fold_weights, shard)
-from plugins.step_inputs import KV_CACHE
+from kiln.builder.ir import Graph
+from kiln.builder.passes import (ShardError, fold_weights, shard)
+from kiln.plugins.step_inputs import KV_CACHE
 from pass_graphs import *  # noqa: F401,F403
 
 # 5. fold_weights

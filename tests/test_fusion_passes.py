@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from builder.ir import Graph, TensorInfo
-from builder.passes import (fuse_attention_o_proj, fuse_linear_residual,
-                            fuse_norm_qkv_rope, fuse_norm_swiglu)
+from kiln.builder.ir import Graph, TensorInfo
+from kiln.builder.passes import (fuse_attention_o_proj, fuse_linear_residual,
+                                 fuse_norm_qkv_rope, fuse_norm_swiglu)
 from pass_graphs import *  # noqa: F401,F403
 
 # --------------------------------------------------------------------------------------------

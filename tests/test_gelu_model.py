@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from builder.build import build_from_model
-from builder.config import BuildConfig
-from models.config import parse_config
-from models.layers import Linear
-from models.llama import LlamaForCausalLM
-from plugins import op
-from runtime.engine import load_engine
-from runtime.executor import CpuExecutor
-from runtime.step import SequenceChunk, pack_step
+from kiln.builder.build import build_from_model
+from kiln.builder.config import BuildConfig
+from kiln.models.config import parse_config
+from kiln.models.layers import Linear
+from kiln.models.llama import LlamaForCausalLM
+from kiln.plugins import op
+from kiln.runtime.engine import load_engine
+from kiln.runtime.executor import CpuExecutor
+from kiln.runtime.step import SequenceChunk, pack_step
 
 
 class GeluMLP(nn.Module):

@@ -47,8 +47,8 @@ from parity_tools import (NUM_PROMPTS, PROMPT_LENS, argmax_agreement, cached_che
                           hf_teacher_forced, kiln_generate, kiln_teacher_forced, make_prompts,
                           measure_bf16_parity, open_executor, publish, relative_errors, report,
                           teacher_forced_tokens)
-from runtime import Session
-from runtime.engine import EngineLoadError, load_engine
+from kiln.runtime import Session
+from kiln.runtime.engine import EngineLoadError, load_engine
 
 FP32_REL_ERR = 1e-4
 # Kiln against float32 may trail transformers bf16 against float32 by 1.5% of the tokens
@@ -77,7 +77,7 @@ def gpu_workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def arch() -> str:
-    from runtime.cuda_driver import device_arch
+    from kiln.runtime.cuda_driver import device_arch
 
     return device_arch()
 
@@ -150,7 +150,7 @@ def test_float32_gpu_engine_matches_cpu_engine(gpu_workdir, arch, record_propert
 
 @pytest.mark.gpu
 def test_engine_for_another_gpu_is_refused(gpu_workdir, arch):
-    from runtime.cuda_executor import CudaExecutor
+    from kiln.runtime.cuda_executor import CudaExecutor
 
     other = "sm_89" if arch != "sm_89" else "sm_80"
     engine_dir = cached_engine(gpu_workdir, cached_checkpoint(gpu_workdir, "qwen3"), [other], "bfloat16",

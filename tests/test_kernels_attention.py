@@ -15,19 +15,19 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from plugins.attention import SPEC as ATTENTION  # noqa: E402
-from plugins.attention import kernels as attention_kernels  # noqa: E402
-from plugins.attention.reference import write_kv  # noqa: E402
-from plugins.attention_o_proj import SPEC as ATTENTION_O_PROJ  # noqa: E402
-from plugins.attention_o_proj import kernels as attention_o_proj_kernels  # noqa: E402
-from plugins.embedding import SPEC as EMBEDDING  # noqa: E402
-from plugins.embedding import kernels as embedding_kernels  # noqa: E402
-from plugins.linear import kernels as linear_kernels  # noqa: E402
-from plugins.rms_norm import SPEC as RMS_NORM  # noqa: E402
-from plugins.rms_norm import kernels as rms_norm_kernels  # noqa: E402
-from plugins.take_rows import SPEC as TAKE_ROWS  # noqa: E402
-from plugins.take_rows import kernels as take_rows_kernels  # noqa: E402
-from runtime.step import SequenceChunk, pack_step  # noqa: E402
+from kiln.plugins.attention import SPEC as ATTENTION  # noqa: E402
+from kiln.plugins.attention import kernels as attention_kernels  # noqa: E402
+from kiln.plugins.attention.reference import write_kv  # noqa: E402
+from kiln.plugins.attention_o_proj import SPEC as ATTENTION_O_PROJ  # noqa: E402
+from kiln.plugins.attention_o_proj import kernels as attention_o_proj_kernels  # noqa: E402
+from kiln.plugins.embedding import SPEC as EMBEDDING  # noqa: E402
+from kiln.plugins.embedding import kernels as embedding_kernels  # noqa: E402
+from kiln.plugins.linear import kernels as linear_kernels  # noqa: E402
+from kiln.plugins.rms_norm import SPEC as RMS_NORM  # noqa: E402
+from kiln.plugins.rms_norm import kernels as rms_norm_kernels  # noqa: E402
+from kiln.plugins.take_rows import SPEC as TAKE_ROWS  # noqa: E402
+from kiln.plugins.take_rows import kernels as take_rows_kernels  # noqa: E402
+from kiln.runtime.step import SequenceChunk, pack_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # If another module imported these kernels before TRITON_INTERPRET was set, they were built for
@@ -218,11 +218,11 @@ def test_embedding_and_take_rows_match_reference(dtype):
 
 COMPILE_SCRIPT = """
 import importlib, json, sys
-from plugins.aot import TARGET_CC, compile_cubin
+from kiln.plugins.aot import TARGET_CC, compile_cubin
 shapes, result = json.loads(sys.argv[1]), {}
 for plugin in sys.argv[2:]:
     result[plugin] = []
-    for kernel in importlib.import_module(f"plugins.{plugin}.kernels").aot_kernels("bfloat16", shapes):
+    for kernel in importlib.import_module(f"kiln.plugins.{plugin}.kernels").aot_kernels("bfloat16", shapes):
         for target in TARGET_CC:
             try:
                 size = len(compile_cubin(kernel, target).binary)

@@ -23,12 +23,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-import plugins.linear.kernels as linear_kernels  # noqa: E402
-import plugins.linear_residual.kernels as linear_residual_kernels  # noqa: E402
-import plugins.norm_qkv_rope.kernels as norm_qkv_rope_kernels  # noqa: E402
-import plugins.norm_swiglu.kernels as norm_swiglu_kernels  # noqa: E402
-from plugins import get_plugin  # noqa: E402
-from plugins.aot import compile_cubin  # noqa: E402
+import kiln.plugins.linear.kernels as linear_kernels  # noqa: E402
+import kiln.plugins.linear_residual.kernels as linear_residual_kernels  # noqa: E402
+import kiln.plugins.norm_qkv_rope.kernels as norm_qkv_rope_kernels  # noqa: E402
+import kiln.plugins.norm_swiglu.kernels as norm_swiglu_kernels  # noqa: E402
+from kiln.plugins import get_plugin  # noqa: E402
+from kiln.plugins.aot import compile_cubin  # noqa: E402
 
 KERNELS = {"linear": linear_kernels, "linear_residual": linear_residual_kernels,
            "norm_swiglu": norm_swiglu_kernels, "norm_qkv_rope": norm_qkv_rope_kernels}

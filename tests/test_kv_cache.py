@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from runtime.kv_cache import BlockManager, OutOfBlocks, blocks_for_memory, bytes_per_block
+from kiln.runtime.kv_cache import BlockManager, OutOfBlocks, blocks_for_memory, bytes_per_block
 
 
 def check_invariants(bm: BlockManager, seq_ids: list[int]) -> None:

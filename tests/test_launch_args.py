@@ -37,20 +37,20 @@ PLUGINS_DIR = Path(__file__).resolve().parents[1] / "plugins"
 LAUNCHED_OPS = sorted(p.parent.name for p in PLUGINS_DIR.glob("*/launch.py"))
 # Every kernels module is imported here, while TRITON_INTERPRET is set (@triton.jit makes
 # interpreted kernels then), so none is first imported during the builds below, which unset it.
-KERNELS = {p.parent.name: importlib.import_module(f"plugins.{p.parent.name}.kernels")
+KERNELS = {p.parent.name: importlib.import_module(f"kiln.plugins.{p.parent.name}.kernels")
            for p in sorted(PLUGINS_DIR.glob("*/kernels.py"))}
-LAUNCHERS = {op: importlib.import_module(f"plugins.{op}.launch") for op in LAUNCHED_OPS}
+LAUNCHERS = {op: importlib.import_module(f"kiln.plugins.{op}.launch") for op in LAUNCHED_OPS}
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-import builder.kernels as builder_kernels  # noqa: E402
-from builder.build import build_engine  # noqa: E402
-from builder.config import BuildConfig  # noqa: E402
-from plugins.aot import AotKernel, Cubin  # noqa: E402
-from runtime.cuda_executor import scratch_bytes  # noqa: E402
-from runtime.engine import Engine, load_engine  # noqa: E402
-from runtime.executor import CpuExecutor  # noqa: E402
-from runtime.step import SequenceChunk, pack_step  # noqa: E402
+import kiln.builder.kernels as builder_kernels  # noqa: E402
+from kiln.builder.build import build_engine  # noqa: E402
+from kiln.builder.config import BuildConfig  # noqa: E402
+from kiln.plugins.aot import AotKernel, Cubin  # noqa: E402
+from kiln.runtime.cuda_executor import scratch_bytes  # noqa: E402
+from kiln.runtime.engine import Engine, load_engine  # noqa: E402
+from kiln.runtime.executor import CpuExecutor  # noqa: E402
+from kiln.runtime.step import SequenceChunk, pack_step  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(not isinstance(KERNELS["linear"].linear_kernel, InterpretedFunction),

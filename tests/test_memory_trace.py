@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-from builder.ir import Graph, TensorInfo
-from builder.passes import (fold_weights, plan_memory, shard)
-from builder.passes.memory import ALIGN, DTYPE_BYTES
-from builder.trace import TraceError, trace
-from plugins import op
-from plugins.step_inputs import KV_CACHE
+from kiln.builder.ir import Graph, TensorInfo
+from kiln.builder.passes import (fold_weights, plan_memory, shard)
+from kiln.builder.passes.memory import ALIGN, DTYPE_BYTES
+from kiln.builder.trace import TraceError, trace
+from kiln.plugins import op
+from kiln.plugins.step_inputs import KV_CACHE
 from pass_graphs import *  # noqa: F401,F403
 
 # 7. plan_memory

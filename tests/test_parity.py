@@ -10,10 +10,10 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM
 
-from builder.cli import inspect_engine
-from runtime.engine import load_engine
-from runtime.executor import CpuExecutor
-from runtime.step import SequenceChunk, pack_step
+from kiln.builder.cli import inspect_engine
+from kiln.runtime.engine import load_engine
+from kiln.runtime.executor import CpuExecutor
+from kiln.runtime.step import SequenceChunk, pack_step
 
 FAMILIES = ["llama2", "llama3", "llama3.2", "llama-linear-rope", "mistral", "qwen2", "qwen3"]
 DECODE_STEPS = 8

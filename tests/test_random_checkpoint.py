@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from click.testing import CliRunner  # noqa: E402
 
-from models.random_checkpoint import (  # noqa: E402
+from kiln.models.random_checkpoint import (  # noqa: E402
     FAMILIES,
     main,
     train_tokenizer,
@@ -189,7 +189,7 @@ def test_cli(tmp_path: Path) -> None:
 def _float32_then_cast(family: str, dtype: str, seed: int, **size) -> dict[str, torch.Tensor]:
     """The weights as they were made before the `device` keyword: built in float32 with
     transformers' init, randomized, then cast."""
-    from models.random_checkpoint import _family_config, _randomize
+    from kiln.models.random_checkpoint import _family_config, _randomize
 
     config = _family_config(family, size, None)
     torch.manual_seed(seed)

@@ -6,9 +6,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from runtime.cli import run_engine
-from runtime.sampling_params import SamplingParams
-from runtime.session import Session
+from kiln.runtime.cli import run_engine
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.session import Session
 
 PROMPTS = ["The kiln was hot", "Once upon a time"]
 

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from runtime.sampler import apply_penalties, make_generator, sample, sampling_distribution
-from runtime.sampling_params import SamplingParams
+from kiln.runtime.sampler import apply_penalties, make_generator, sample, sampling_distribution
+from kiln.runtime.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0, 1.0])
 
@@ -218,7 +218,7 @@ def test_bad_words_normalise_to_tuples():
 def test_batched_truncation_equals_each_row_alone():
     """One softmax, sort and mask over rows with different temperatures, top_k, top_p and
     min_p gives each row what it gets alone."""
-    from runtime.sampler import sampling_distributions
+    from kiln.runtime.sampler import sampling_distributions
 
     logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(3)) * 2
     params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=4),

@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from runtime.kv_cache import BlockManager
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler import POLICIES, ScheduledChunk, Scheduler
-from runtime.sequence import Request, Sequence, Status
+from kiln.runtime.kv_cache import BlockManager
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.scheduler import POLICIES, ScheduledChunk, Scheduler
+from kiln.runtime.sequence import Request, Sequence, Status
 
 BLOCK = 4
 

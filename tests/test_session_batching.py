@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from runtime.scheduler import POLICIES
-from runtime.session import Session
+from kiln.runtime.scheduler import POLICIES
+from kiln.runtime.session import Session
 
 from session_fixtures import *  # noqa: F401,F403 (fixtures and helpers)
 

@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from runtime.engine_core import EngineCore
-from runtime.sampling_params import SamplingParams
-from runtime.session import Session
+from kiln.runtime.engine_core import EngineCore
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.session import Session
 
 from session_fixtures import *  # noqa: F401,F403 (fixtures and helpers)
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from runtime.sampling_params import SamplingParams
-from runtime.session import Session
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.session import Session
 
 from session_fixtures import *  # noqa: F401,F403 (fixtures and helpers)
 

@@ -24,10 +24,10 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 import tp_worker  # noqa: E402  (tests/ is on sys.path: pytest rootdir-relative import of a package-less tests folder)
 
-from builder.build import build_engine  # noqa: E402
-from builder.config import BuildConfig  # noqa: E402
-from models.random_checkpoint import write_random_checkpoint  # noqa: E402
-from runtime.engine import load_engine  # noqa: E402
+from kiln.builder.build import build_engine  # noqa: E402
+from kiln.builder.config import BuildConfig  # noqa: E402
+from kiln.models.random_checkpoint import write_random_checkpoint  # noqa: E402
+from kiln.runtime.engine import load_engine  # noqa: E402
 
 TOL = 1e-5
 JOIN_TIMEOUT_S = 120

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from gpu_build import build_cli
-from runtime import SamplingParams, Session
-from runtime.engine import EngineLoadError
+from kiln.runtime import SamplingParams, Session
+from kiln.runtime.engine import EngineLoadError
 
 pytestmark = pytest.mark.gpu
 
 
 def _build(factory, tmp_path, tp_size: int):
-    from runtime.cuda_driver import device_arch
+    from kiln.runtime.cuda_driver import device_arch
 
     out = tmp_path / f"tp{tp_size}"
     args = [] if tp_size == 1 else ["--tp-size", str(tp_size)]

@@ -11,8 +11,8 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from runtime import SamplingParams, Session
-from runtime.cli import run_engine
+from kiln.runtime import SamplingParams, Session
+from kiln.runtime.cli import run_engine
 
 BUILD = dict(dtype="float32", max_batch_size=8, max_num_tokens=32)
 

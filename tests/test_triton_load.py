@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from runtime.sampling_params import SamplingParams
-from runtime.session import Session
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.session import Session
 from triton_harness import Stream, run_server, server_engine, token_request, wait_until_idle
 
 REQUESTS, STREAMS, OUTPUT_LEN = 200, 4, 8

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from builder.cli import build_engine
-from runtime.outputs import CompletionOutput, RequestOutput
-from runtime.triton.cli import triton_repo
-from runtime.triton.protocol import INPUTS, OUTPUTS, Reply, decode_word_list, parse_request
-from runtime.triton.repo import MARKER, RepoError, write_repo
+from kiln.builder.cli import build_engine
+from kiln.runtime.outputs import CompletionOutput, RequestOutput
+from kiln.runtime.triton.cli import triton_repo
+from kiln.runtime.triton.protocol import INPUTS, OUTPUTS, Reply, decode_word_list, parse_request
+from kiln.runtime.triton.repo import MARKER, RepoError, write_repo
 
 
 def _req(**values) -> dict:

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from runtime.sampling_params import SamplingParams
-from runtime.session import Session
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.session import Session
 from triton_harness import (Stream, metrics, post, run_server, server_engine, sse_events, token_request, wait_for,
                             wait_until_idle, word_list)
 

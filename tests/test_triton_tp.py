@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.sampling_params import SamplingParams
-from runtime.session import Session
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.session import Session
 from triton_harness import SERVER_BUILD, Stream, run_server, token_request
 
 

@@ -27,8 +27,8 @@ def run_scenario(engine) -> dict:
 
     Returns {"logits": [float32 logits of each step], "tokens": [[greedy tokens] per sequence]}.
     """
-    from runtime.executor import CpuExecutor
-    from runtime.step import SequenceChunk, pack_step
+    from kiln.runtime.executor import CpuExecutor
+    from kiln.runtime.step import SequenceChunk, pack_step
 
     ex = CpuExecutor(engine, num_kv_blocks=NUM_KV_BLOCKS)
     block_size = engine.kv_cache["block_size"]
@@ -67,7 +67,7 @@ def run_rank(rank: int, world_size: int, engine_dir: str, port: int, out_path: s
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=60))
         try:
-            from runtime.engine import load_engine
+            from kiln.runtime.engine import load_engine
 
             engine = load_engine(engine_dir, rank)
             if (engine.rank, engine.world_size) != (rank, world_size):

@@ -21,9 +21,9 @@ import pytest
 grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import np_to_triton_dtype  # noqa: E402
 
-from runtime.triton.protocol import INPUTS, NUMPY_DTYPES
-from runtime.triton.repo import write_repo
-from runtime.triton.server import TritonServer, free_ports
+from kiln.runtime.triton.protocol import INPUTS, NUMPY_DTYPES
+from kiln.runtime.triton.repo import write_repo
+from kiln.runtime.triton.server import TritonServer, free_ports
 
 MODEL = "kiln"
 # 16 sequences and 64 tokens a step, sequences of up to 64 tokens in 4-token blocks.

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from builder.ir import Graph
+from kiln.builder.ir import Graph
 
 GATE_UP_BLOCK = 64
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from builder.ir import Graph, Node
+from kiln.builder.ir import Graph, Node
 
 
 def _weight_prefix(names: list[str]) -> str:

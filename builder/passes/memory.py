@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from builder.ir import Graph
+from kiln.builder.ir import Graph
 
 ALIGN = 256
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}

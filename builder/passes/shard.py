@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from builder.ir import Graph
+from kiln.builder.ir import Graph
 
 
 class ShardError(ValueError):

@@ -1,6 +1,6 @@
 """Plugin `add`: a + b, same shapes."""
-from plugins.add.reference import add
-from plugins.registry import PluginSpec, register
+from kiln.plugins.add.reference import add
+from kiln.plugins.registry import PluginSpec, register
 
 SPEC = register(PluginSpec(
     name="add", version=1,

@@ -1,6 +1,6 @@
 """Plugin `attention`: causal paged attention of q [T, heads*head_dim] over the KV cache."""
-from plugins.attention.reference import attention
-from plugins.registry import PluginSpec, register
+from kiln.plugins.attention.reference import attention
+from kiln.plugins.registry import PluginSpec, register
 
 ATTRS = {"layer": int, "num_heads": int, "num_kv_heads": int, "head_dim": int,
          "scale": float, "window": int}

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from plugins.attention.kernels import choose_num_splits
-from plugins.linear.launch import check_aligned, grid, ptr
+from kiln.plugins.attention.kernels import choose_num_splits
+from kiln.plugins.linear.launch import check_aligned, grid, ptr
 
 FP32_BYTES = 4
 

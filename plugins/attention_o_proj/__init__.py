@@ -1,7 +1,7 @@
 """Fused plugin `attention_o_proj`: attention -> o_proj -> + residual, giving [T, H]."""
-from plugins.attention import ATTRS, CACHE_INPUTS
-from plugins.attention_o_proj.reference import attention_o_proj
-from plugins.registry import PluginSpec, register
+from kiln.plugins.attention import ATTRS, CACHE_INPUTS
+from kiln.plugins.attention_o_proj.reference import attention_o_proj
+from kiln.plugins.registry import PluginSpec, register
 
 SPEC = register(PluginSpec(
     name="attention_o_proj", version=1,

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from plugins.aot import AotKernel
-from plugins.attention import kernels as attention
-from plugins.linear_residual import kernels as linear_residual
+from kiln.plugins.aot import AotKernel
+from kiln.plugins.attention import kernels as attention
+from kiln.plugins.linear_residual import kernels as linear_residual
 
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:

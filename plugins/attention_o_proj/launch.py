@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from plugins.attention import launch as attention
-from plugins.linear.launch import launch_gemm
+from kiln.plugins.attention import launch as attention
+from kiln.plugins.linear.launch import launch_gemm
 
 
 def scratch_bytes(attrs: dict, limits: dict[str, int]) -> dict[str, int]:

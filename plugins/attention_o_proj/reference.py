@@ -4,8 +4,8 @@ from typing import Optional
 
 import torch
 
-from plugins.attention.reference import attention
-from plugins.linear.reference import linear
+from kiln.plugins.attention.reference import attention
+from kiln.plugins.linear.reference import linear
 
 
 def attention_o_proj(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],

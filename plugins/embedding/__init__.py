@@ -1,6 +1,6 @@
 """Plugin `embedding`: token ids [T] -> hidden states [T, H]."""
-from plugins.embedding.reference import embedding
-from plugins.registry import PluginSpec, register
+from kiln.plugins.embedding.reference import embedding
+from kiln.plugins.registry import PluginSpec, register
 
 SPEC = register(PluginSpec(
     name="embedding", version=1,

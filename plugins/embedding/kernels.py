@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from plugins.aot import AotKernel
-from plugins.take_rows.kernels import gather_rows, gather_rows_aot
+from kiln.plugins.aot import AotKernel
+from kiln.plugins.take_rows.kernels import gather_rows, gather_rows_aot
 
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from plugins.take_rows.launch import launch_gather
+from kiln.plugins.take_rows.launch import launch_gather
 
 
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,

@@ -1,6 +1,6 @@
 """Plugin `gelu`: GELU activation for MLPs that are not gated, [T, I] -> [T, I]."""
-from plugins.gelu.reference import gelu
-from plugins.registry import PluginSpec, register
+from kiln.plugins.gelu.reference import gelu
+from kiln.plugins.registry import PluginSpec, register
 
 SPEC = register(PluginSpec(
     name="gelu", version=1,

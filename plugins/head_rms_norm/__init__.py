@@ -1,6 +1,6 @@
 """Plugin `head_rms_norm`: per-head RMSNorm, [T, heads*head_dim] -> same shape."""
-from plugins.head_rms_norm.reference import head_rms_norm
-from plugins.registry import PluginSpec, register
+from kiln.plugins.head_rms_norm.reference import head_rms_norm
+from kiln.plugins.registry import PluginSpec, register
 
 SPEC = register(PluginSpec(
     name="head_rms_norm", version=1,

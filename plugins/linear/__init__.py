@@ -4,8 +4,8 @@ Attributes tell the sharding pass how to split it: `parallel` is "column" (split
 features), "row" (split input features, then all-reduce) or "none" (replicate); `heads` > 0
 says the output features are that many heads, so a column split keeps heads whole.
 """
-from plugins.linear.reference import linear
-from plugins.registry import PluginSpec, register
+from kiln.plugins.linear.reference import linear
+from kiln.plugins.registry import PluginSpec, register
 
 SPEC = register(PluginSpec(
     name="linear", version=1,

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plugins.aot import AotKernel, absent_as_none, pointer_params
+from kiln.plugins.aot import AotKernel, absent_as_none, pointer_params
 
 # Pointer types of the signatures AOT compilation needs, per engine dtype.
 POINTER = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}

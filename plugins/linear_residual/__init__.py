@@ -1,6 +1,6 @@
 """Fused plugin `linear_residual`: projection with the residual add in its epilogue, giving [T, N]."""
-from plugins.linear_residual.reference import linear_residual
-from plugins.registry import PluginSpec, register
+from kiln.plugins.linear_residual.reference import linear_residual
+from kiln.plugins.registry import PluginSpec, register
 
 SPEC = register(PluginSpec(
     name="linear_residual", version=1,

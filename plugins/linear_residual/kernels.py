@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from plugins.aot import AotKernel
-from plugins.linear.kernels import launch_linear, linear_aot_kernels
+from kiln.plugins.aot import AotKernel
+from kiln.plugins.linear.kernels import launch_linear, linear_aot_kernels
 
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:

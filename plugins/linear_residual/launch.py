@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from plugins.linear.launch import launch_gemm
+from kiln.plugins.linear.launch import launch_gemm
 
 
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,

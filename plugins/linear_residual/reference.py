@@ -4,7 +4,7 @@ from typing import Optional
 
 import torch
 
-from plugins.linear.reference import linear
+from kiln.plugins.linear.reference import linear
 
 
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

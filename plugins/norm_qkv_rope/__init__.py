@@ -2,8 +2,8 @@
 
 [T, H] -> q [T, heads*head_dim]; k and v are written into the paged KV cache.
 """
-from plugins.norm_qkv_rope.reference import norm_qkv_rope
-from plugins.registry import PluginSpec, register
+from kiln.plugins.norm_qkv_rope.reference import norm_qkv_rope
+from kiln.plugins.registry import PluginSpec, register
 
 SPEC = register(PluginSpec(
     name="norm_qkv_rope", version=1,

@@ -22,10 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from plugins.aot import AotKernel, absent_as_none, pointer_params
-from plugins.linear.kernels import (ELEMENT_BYTES, POINTER, TILES, Tile, block_k, gemm_tile,
-                                    launch_meta, num_stages, pick_tile, split_buffers, split_halves, split_k,
-                                    split_k_sum, split_signature, upcast_dot)
+from kiln.plugins.aot import AotKernel, absent_as_none, pointer_params
+from kiln.plugins.linear.kernels import (ELEMENT_BYTES, POINTER, TILES, Tile, block_k, gemm_tile,
+                                         launch_meta, num_stages, pick_tile, split_buffers, split_halves, split_k,
+                                         split_k_sum, split_signature, upcast_dot)
 
 
 @triton.jit

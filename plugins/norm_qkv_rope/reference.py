@@ -8,10 +8,10 @@ from typing import Optional
 
 import torch
 
-from plugins.attention.reference import write_kv
-from plugins.head_rms_norm.reference import head_rms_norm
-from plugins.rms_norm.reference import rms_norm
-from plugins.rope.reference import apply_rope
+from kiln.plugins.attention.reference import write_kv
+from kiln.plugins.head_rms_norm.reference import head_rms_norm
+from kiln.plugins.rms_norm.reference import rms_norm
+from kiln.plugins.rope.reference import apply_rope
 
 
 def norm_qkv_rope(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: torch.Tensor,

@@ -1,6 +1,6 @@
 """Fused plugin `norm_swiglu`: RMSNorm + gate/up projection + SwiGLU, [T, H] -> [T, I]."""
-from plugins.norm_swiglu.reference import norm_swiglu
-from plugins.registry import PluginSpec, register
+from kiln.plugins.norm_swiglu.reference import norm_swiglu
+from kiln.plugins.registry import PluginSpec, register
 
 SPEC = register(PluginSpec(
     name="norm_swiglu", version=1,

@@ -20,10 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from plugins.aot import AotKernel, absent_as_none, pointer_params
-from plugins.linear.kernels import (ELEMENT_BYTES, POINTER, block_k, gemm_tile,
-                                    launch_meta, num_stages, pick_tile, split_buffers, split_halves, split_k,
-                                    split_k_sum, split_signature, tiles_for, upcast_dot)
+from kiln.plugins.aot import AotKernel, absent_as_none, pointer_params
+from kiln.plugins.linear.kernels import (ELEMENT_BYTES, POINTER, block_k, gemm_tile,
+                                         launch_meta, num_stages, pick_tile, split_buffers, split_halves, split_k,
+                                         split_k_sum, split_signature, tiles_for, upcast_dot)
 
 
 @triton.jit

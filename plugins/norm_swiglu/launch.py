@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from plugins.linear.launch import check_aligned, grid, pick_bucket, split_args
+from kiln.plugins.linear.launch import check_aligned, grid, pick_bucket, split_args
 
 
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,

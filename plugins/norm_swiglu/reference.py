@@ -8,8 +8,8 @@ from typing import Optional
 
 import torch
 
-from plugins.rms_norm.reference import rms_norm
-from plugins.silu_mul.reference import silu_mul
+from kiln.plugins.rms_norm.reference import rms_norm
+from kiln.plugins.silu_mul.reference import silu_mul
 
 
 def split_gate_up(y: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:

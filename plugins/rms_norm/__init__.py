@@ -1,6 +1,6 @@
 """Plugin `rms_norm`: RMSNorm over the hidden dim, [T, H] -> [T, H]."""
-from plugins.registry import PluginSpec, register
-from plugins.rms_norm.reference import rms_norm
+from kiln.plugins.registry import PluginSpec, register
+from kiln.plugins.rms_norm.reference import rms_norm
 
 SPEC = register(PluginSpec(
     name="rms_norm", version=1,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from plugins.linear.launch import grid, ptr
+from kiln.plugins.linear.launch import grid, ptr
 
 
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,

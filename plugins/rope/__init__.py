@@ -1,6 +1,6 @@
 """Plugin `rope`: rotary embedding of q or k, [T, heads*head_dim] -> same shape."""
-from plugins.registry import PluginSpec, register
-from plugins.rope.reference import rope
+from kiln.plugins.registry import PluginSpec, register
+from kiln.plugins.rope.reference import rope
 
 SPEC = register(PluginSpec(
     name="rope", version=1,

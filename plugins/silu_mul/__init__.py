@@ -1,6 +1,6 @@
 """Plugin `silu_mul`: silu(gate) * up, [T, I] x [T, I] -> [T, I]."""
-from plugins.registry import PluginSpec, register
-from plugins.silu_mul.reference import silu_mul
+from kiln.plugins.registry import PluginSpec, register
+from kiln.plugins.silu_mul.reference import silu_mul
 
 SPEC = register(PluginSpec(
     name="silu_mul", version=1,

@@ -1,6 +1,6 @@
 """Plugin `take_rows`: [T, H] and row indices [L] -> [L, H] (last token of each sequence)."""
-from plugins.registry import PluginSpec, register
-from plugins.take_rows.reference import take_rows
+from kiln.plugins.registry import PluginSpec, register
+from kiln.plugins.take_rows.reference import take_rows
 
 SPEC = register(PluginSpec(
     name="take_rows", version=1,

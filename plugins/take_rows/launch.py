@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from plugins.linear.launch import grid
+from kiln.plugins.linear.launch import grid
 
 
 def launch_gather(kernel, meta: dict, src: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import click
 
-from runtime.scheduler import POLICIES
-from runtime.triton.repo import MARKER, RepoError, write_repo
-from runtime.triton.server import Ports, ServerError, TritonServer
+from kiln.runtime.scheduler import POLICIES
+from kiln.runtime.triton.repo import MARKER, RepoError, write_repo
+from kiln.runtime.triton.server import Ports, ServerError, TritonServer
 
 _SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 

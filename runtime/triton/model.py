@@ -21,8 +21,8 @@ import triton_python_backend_utils as pb_utils
 try:
     from tokenizers import Tokenizer
 
-    from runtime.session import Session
-    from runtime.triton import protocol
+    from kiln.runtime.session import Session
+    from kiln.runtime.triton import protocol
 except ImportError as e:
     raise ImportError(f"{e}. The model runs Kiln in the Python that Triton's stub finds first on PATH: start the "
                       "server with serve-triton, or put Kiln's virtual environment's bin/ first on PATH") from e

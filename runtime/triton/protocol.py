@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Tokenizer
 
-from runtime.outputs import RequestOutput
-from runtime.sampling_params import SamplingParams
+from kiln.runtime.outputs import RequestOutput
+from kiln.runtime.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,9 @@ import json
 import shutil
 from pathlib import Path
 
-from runtime.engine_file import EngineFileError, read_engine_file
-from runtime.scheduler import POLICIES
-from runtime.triton.protocol import INPUTS, OUTPUTS, TensorSpec
+from kiln.runtime.engine_file import EngineFileError, read_engine_file
+from kiln.runtime.scheduler import POLICIES
+from kiln.runtime.triton.protocol import INPUTS, OUTPUTS, TensorSpec
 
 MARKER = "kiln-triton-repo.json"  # tells a repository written here from any other folder
 MODEL_SOURCE = Path(__file__).with_name("model.py")
