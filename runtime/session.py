@@ -23,9 +23,9 @@ Sink = Callable[[RequestOutput | BaseException], None]
 
 class Session:
     """Serve an engine folder. A tensor-parallel engine starts one worker process per rank
-    (spawned, so a script that creates a Session needs the `if __name__ == "__main__":` guard);
-    a rank that dies or does not answer within `worker_timeout` seconds fails the requests in
-    flight with an error naming it."""
+    (a fresh interpreter each, so the caller's script needs no `__main__` guard); a rank that
+    dies or does not answer within `worker_timeout` seconds fails the requests in flight with an
+    error naming it."""
 
     def __init__(self, engine_dir: str | Path, device: str | None = None, kv_cache_fraction: float | None = None,
                  max_kv_tokens: int | None = None, policy: str = "max_utilization", worker_timeout: float = 60.0):

@@ -3,20 +3,29 @@
 The Session's process schedules; each step it sends the packed step inputs to every rank and
 waits for all of them with a deadline. A rank that dies, hangs or fails is named in the error,
 the step fails (so the Session fails the requests in flight) and `close()` reaps every worker.
+
+Workers are fresh interpreters (`python -m kiln.runtime.tp_worker`), not multiprocessing
+children: multiprocessing's spawn re-imports the caller's `__main__`, which fails for a script
+without an `if __name__ == "__main__":` guard, one fed on standard input, or a notebook. Each
+worker inherits the two ends of its socket pairs (steps, pings) as file descriptors.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import socket
+import subprocess
+import sys
 import time
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 import torch
 
+import kiln
 from kiln.runtime.step import StepInputs
-from kiln.runtime.tp_worker import worker_main
 
+AUTHKEY_ENV = "KILN_TP_AUTHKEY"
 STARTUP_TIMEOUT = 120.0
 STEP_TIMEOUT = 60.0
 
@@ -31,25 +40,43 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _worker_env() -> dict[str, str]:
+    """The caller's environment, with the folder Kiln was imported from first on the path, so a
+    worker imports this same Kiln (a source checkout run with PYTHONPATH=. included), and this
+    process's multiprocessing key: tensors in a step travel as shared-memory handles, which a
+    process hands only to peers that know its key."""
+    home = str(Path(kiln.__file__).resolve().parents[1])
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": home if not path else f"{home}{os.pathsep}{path}",
+            AUTHKEY_ENV: mp.current_process().authkey.hex()}
+
+
+def _start_worker(engine_dir: str | Path, rank: int, world_size: int, port: int, num_kv_blocks: int,
+                  device: str) -> tuple[subprocess.Popen, Connection, Connection]:
+    """Start rank `rank`'s worker; returns it with this side's step and ping connections."""
+    conn, child_conn = mp.Pipe()
+    ping, child_ping = mp.Pipe()
+    fds = (child_conn.fileno(), child_ping.fileno())
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.runtime.tp_worker", str(engine_dir), str(rank),
+                             str(world_size), str(port), str(num_kv_blocks), device, *map(str, fds)],
+                            pass_fds=fds, env=_worker_env())
+    # Only the worker holds its ends now, so its death reads as end-of-file here.
+    child_conn.close()
+    child_ping.close()
+    return proc, conn, ping
+
+
 class TensorParallelExecutor:
     def __init__(self, engine_dir: str | Path, world_size: int, num_kv_blocks: int,
                  step_timeout: float = STEP_TIMEOUT, device: str = "cpu"):
-        ctx = mp.get_context("spawn")
         port = _free_port()
         self.step_timeout = step_timeout
         self.conns, self.pings, self.procs = [], [], []
         for rank in range(world_size):
-            parent, child = ctx.Pipe()
-            ping_parent, ping_child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, name=f"kiln-tp-rank{rank}", daemon=True,
-                               args=(str(engine_dir), rank, world_size, port, num_kv_blocks, child, ping_child,
-                                     device))
-            proc.start()
-            child.close()
-            ping_child.close()
-            self.conns.append(parent)
-            self.pings.append(ping_parent)
+            proc, conn, ping = _start_worker(engine_dir, rank, world_size, port, num_kv_blocks, device)
             self.procs.append(proc)
+            self.conns.append(conn)
+            self.pings.append(ping)
         try:
             self._gather(STARTUP_TIMEOUT, "starting")
         except WorkerError:
@@ -62,8 +89,7 @@ class TensorParallelExecutor:
         deadline = time.monotonic() + timeout
         while len(replies) < len(self.conns):
             pending = {c: r for r, c in enumerate(self.conns) if r not in replies}
-            ready = wait(list(pending) + [self.procs[r].sentinel for r in pending.values()],
-                         max(0.0, deadline - time.monotonic()))
+            ready = wait(list(pending), max(0.0, deadline - time.monotonic()))
             if not ready:
                 raise self._timeout(sorted(pending.values()), timeout, doing)
             for rank in sorted(pending.values()):
@@ -76,8 +102,6 @@ class TensorParallelExecutor:
                     if status != "ok" and status != "ready":
                         raise self._failure(rank, status, payload, doing)
                     replies[rank] = payload
-                elif self.procs[rank].sentinel in ready and not conn.poll():
-                    raise self._failure(rank, "died", None, doing)
         return [replies[r] for r in range(len(self.conns))]
 
     def _timeout(self, late: list[int], timeout: float, doing: str) -> WorkerError:
@@ -105,8 +129,11 @@ class TensorParallelExecutor:
     def _failure(self, rank: int, status: str, payload, doing: str) -> WorkerError:
         if status == "error":
             return WorkerError(f"tensor-parallel rank {rank} failed while {doing}:\n{payload}")
-        self.procs[rank].join(1)
-        return WorkerError(f"tensor-parallel rank {rank} died while {doing} (exit code {self.procs[rank].exitcode})")
+        try:
+            code = self.procs[rank].wait(1)
+        except subprocess.TimeoutExpired:
+            code = None
+        return WorkerError(f"tensor-parallel rank {rank} died while {doing} (exit code {code})")
 
     def run(self, step: StepInputs, copies: list[tuple[int, int]] = ()) -> torch.Tensor:
         for rank, conn in enumerate(self.conns):
@@ -124,10 +151,11 @@ class TensorParallelExecutor:
             except (BrokenPipeError, OSError):
                 pass
         for proc in self.procs:
-            proc.join(5)
-            if proc.is_alive():
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.join(5)
+                proc.wait(5)
         for conn in self.conns + self.pings:
             conn.close()
         self.conns, self.pings, self.procs = [], [], []

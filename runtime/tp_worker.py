@@ -1,5 +1,8 @@
 """One tensor-parallel rank in its own process: an executor driven over a pipe.
 
+Started by `kiln.runtime.tp_executor` as `python -m kiln.runtime.tp_worker ENGINE_DIR RANK
+WORLD_SIZE PORT NUM_KV_BLOCKS DEVICE CONN_FD PING_FD`, the last two inherited socket ends.
+
 The worker joins the process group (gloo with the CPU executor, or NCCL with the CUDA executor
 on GPU `rank`), loads its rank's engine file and then serves calls from the Session's process:
 `run` (copy-on-write copies, then one step) and `stop`. Every rank runs every step; row-parallel
@@ -8,7 +11,9 @@ GPU), so every rank ends with the full logits and only rank 0 sends them back.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
+import sys
 import threading
 import traceback
 from datetime import timedelta
@@ -78,3 +83,16 @@ def worker_main(engine_dir: str, rank: int, world_size: int, port: int, num_kv_b
         pass  # the Session's process is gone or stopping: nothing left to serve
     finally:
         dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> None:
+    from kiln.runtime.tp_executor import AUTHKEY_ENV
+
+    multiprocessing.current_process().authkey = bytes.fromhex(os.environ.pop(AUTHKEY_ENV))
+    engine_dir, rank, world_size, port, num_kv_blocks, device, conn_fd, ping_fd = argv
+    worker_main(engine_dir, int(rank), int(world_size), int(port), int(num_kv_blocks), Connection(int(conn_fd)),
+                Connection(int(ping_fd)), device)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

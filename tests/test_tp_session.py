@@ -3,9 +3,12 @@ rank, gives the same greedy tokens as TP=1 with in-flight batching, and survives
 dies or hangs by failing the requests in flight with an error naming the rank."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -47,7 +50,7 @@ def test_tp_engine_matches_tp1_with_inflight_batching(factory, checkpoint, tp1_t
 
 
 def _alive(procs) -> list[int]:
-    return [p.pid for p in procs if p.is_alive()]
+    return [p.pid for p in procs if p.poll() is None]
 
 
 def _start_long_stream(session: Session):
@@ -98,3 +101,22 @@ def test_run_engine_takes_tp_engines_without_extra_flags(factory, checkpoint):
                                           "--prompt", "The kiln", "--max-tokens", "6"])
     assert tp1.exit_code == 0 and tp2.exit_code == 0, tp2.output
     assert tp2.stdout == tp1.stdout  # stdout only: stderr carries the per-run timing
+
+
+def test_tp_session_from_a_script_on_stdin_needs_no_main_guard(factory, checkpoint, tp1_tokens):
+    """Workers are fresh interpreters, so a script without `if __name__ == "__main__":` (here
+    fed on standard input, as `python - <<EOF` does) opens a TP Session and gets TP 1's tokens."""
+    prompts, params = mixed_requests()
+    script = f"""
+import json
+from kiln import Session, SamplingParams
+prompts = {prompts!r}
+params = [SamplingParams(temperature=0, max_tokens=p, ignore_eos=True) for p in {[p.max_tokens for p in params]!r}]
+with Session({str(factory.engine(checkpoint, tp_size=2, **BUILD))!r}) as s:
+    outs = s.generate(prompt_token_ids=prompts, sampling_params=params)
+print(json.dumps([o.outputs[0].token_ids for o in outs]))
+"""
+    done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=300,
+                          cwd=factory.root)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == tp1_tokens
