@@ -46,17 +46,22 @@ class CudaKernel:
     num_warps: int
     shared_bytes: int
 
-    def launch(self, grid: tuple[int, int, int], args: list, stream: int = 0) -> None:
-        """Launch on `stream` (a raw CUstream handle; 0 is the legacy default stream).
-        Pointer arguments are device addresses (ints, e.g. `tensor.data_ptr()`)."""
+    def params(self, args: list) -> ctypes.Array:
+        """The kernel parameter array (`void**`) for `args`; keep it alive until the launch call
+        returns. Pointer arguments are device addresses (ints, e.g. `tensor.data_ptr()`)."""
         if len(args) != len(self.signature):
             raise ValueError(f"kernel {self.name} takes {len(self.signature)} arguments, got {len(args)}")
         values = [ctypes.c_uint64(a) if t.startswith("*") else _ARG_TYPES[t](a) for t, a in zip(self.signature, args)]
         values += [ctypes.c_uint64(0) for _ in range(_TRAILING_NULLS)]
         pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        driver = _driver()
-        _check(driver.cuLaunchKernel(self.function, grid[0], grid[1], grid[2], 32 * self.num_warps, 1, 1,
-                                     self.shared_bytes, stream, ctypes.addressof(pointers), 0),
+        pointers.values = values  # the pointers point into these
+        return pointers
+
+    def launch(self, grid: tuple[int, int, int], args: list, stream: int = 0) -> None:
+        """Launch on `stream` (a raw CUstream handle; 0 is the legacy default stream)."""
+        pointers = self.params(args)
+        _check(_driver().cuLaunchKernel(self.function, grid[0], grid[1], grid[2], 32 * self.num_warps, 1, 1,
+                                        self.shared_bytes, stream, ctypes.addressof(pointers), 0),
                f"cuLaunchKernel({self.name})")
 
 
