@@ -24,7 +24,6 @@ from kiln.plugins import get_plugin
 from kiln.runtime.engine_file import write_engine_file
 
 KILN_VERSION = "0.1.0"
-FUSED_OPS = ("norm_qkv_rope", "attention_o_proj", "norm_swiglu", "linear_residual")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "tokenizer.model")
 
@@ -104,7 +103,7 @@ def _fusions_per_layer(graph: Graph) -> tuple[int, dict[str, int]]:
     layers = {layer_of(n.source) for n in graph.nodes} - {None}
     counts: dict[str, int] = {}
     for n in graph.nodes:
-        if n.op in FUSED_OPS and layer_of(n.source) is not None:
+        if get_plugin(n.op).fused and layer_of(n.source) is not None:
             counts[n.op] = counts.get(n.op, 0) + 1
     return len(layers), {op: c // max(len(layers), 1) for op, c in counts.items()}
 

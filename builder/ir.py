@@ -90,9 +90,13 @@ class Graph:
         self.tensors = {k: v for k, v in self.tensors.items() if k in live}
         self.weights = {k: v for k, v in self.weights.items() if k in live}
 
+    def input_shapes(self, node: Node) -> dict[str, tuple | None]:
+        """The node's input shapes by input name; None for an absent optional input."""
+        return {k: (self.tensors[v].shape if v else None) for k, v in node.inputs.items()}
+
     def infer_node(self, node: Node) -> None:
         spec = get_plugin(node.op)
-        shapes = {k: (self.tensors[v].shape if v else None) for k, v in node.inputs.items()}
+        shapes = self.input_shapes(node)
         dtypes = {k: (self.tensors[v].dtype if v else None) for k, v in node.inputs.items()}
         self.tensors[node.output] = TensorInfo(tuple(spec.shape(shapes, node.attrs)),
                                                spec.output_dtype(dtypes), "activation")

@@ -2,59 +2,29 @@
 target into a cubin that goes into the engine file.
 
 For each node the plugin's `kernels.aot_kernels(dtype, shapes)` lists the kernels for the
-node's shapes; each is compiled with `plugins.aot.compile_cubin` (no GPU needed). Identical
-kernels (same source, signature, constants, options and target) are compiled once per build
-and kept in an on-disk cache keyed by their content hash, so rebuilding is quick. An op that
-has no GPU kernel is a build error naming it and the module it came from: nothing falls back
+node's shapes (what they are, the plugin's `compile_shapes` says); each is compiled with
+`plugins.aot.compile_cubin` (no GPU needed). Identical kernels (same source, signature,
+constants, options and target) are compiled once per build and kept in an on-disk cache keyed
+by their content hash, so rebuilding is quick. An op that has no GPU kernel (no
+`compile_shapes`) is a build error naming it and the module it came from: nothing falls back
 silently.
 """
 from __future__ import annotations
 
 import hashlib
-import importlib
 import inspect
 import json
 import os
 from pathlib import Path
 from typing import Callable
 
-from kiln.builder.ir import Graph, Node
+from kiln.builder.ir import Graph
+from kiln.plugins import get_plugin
 from kiln.plugins.aot import AotKernel, Cubin, compile_cubin
 
 
 class KernelError(ValueError):
     """The plan cannot be compiled for a GPU target."""
-
-
-def _present(node: Node, name: str) -> bool:
-    return node.inputs.get(name) is not None
-
-
-def _shape(graph: Graph, node: Node, name: str) -> tuple:
-    return graph.tensors[node.inputs[name]].shape
-
-
-# What each plugin's aot_kernels needs to know about a node (keys are documented there).
-SHAPES: dict[str, Callable[[Graph, Node, int], dict]] = {
-    "embedding": lambda g, n, bs: {"hidden": _shape(g, n, "weight")[1]},
-    "take_rows": lambda g, n, bs: {"hidden": _shape(g, n, "x")[1]},
-    "rms_norm": lambda g, n, bs: {"hidden": _shape(g, n, "x")[1]},
-    "linear": lambda g, n, bs: {"K": _shape(g, n, "weight")[1], "N": _shape(g, n, "weight")[0],
-                                "bias": _present(n, "bias")},
-    "linear_residual": lambda g, n, bs: {"K": _shape(g, n, "weight")[1], "N": _shape(g, n, "weight")[0],
-                                         "bias": _present(n, "bias")},
-    "norm_swiglu": lambda g, n, bs: {"K": _shape(g, n, "w_gu")[1], "I": _shape(g, n, "w_gu")[0] // 2,
-                                     "block": n.attrs["block"], "norm_weight": _present(n, "norm_weight")},
-    "norm_qkv_rope": lambda g, n, bs: {"K": _shape(g, n, "w_qkv")[1], "num_heads": n.attrs["num_heads"],
-                                       "num_kv_heads": n.attrs["num_kv_heads"], "head_dim": n.attrs["head_dim"],
-                                       "bias": _present(n, "b_qkv"), "qk_norm": _present(n, "q_norm"),
-                                       "norm_weight": _present(n, "norm_weight")},
-    "attention": lambda g, n, bs: {"heads": n.attrs["num_heads"], "kv_heads": n.attrs["num_kv_heads"],
-                                   "head_dim": n.attrs["head_dim"], "block_size": bs},
-    "attention_o_proj": lambda g, n, bs: {"heads": n.attrs["num_heads"], "kv_heads": n.attrs["num_kv_heads"],
-                                          "head_dim": n.attrs["head_dim"], "block_size": bs,
-                                          "hidden": _shape(g, n, "w_o")[0], "bias": _present(n, "b_o")},
-}
 
 
 def _cache_dir() -> Path:
@@ -104,7 +74,7 @@ def compile_kernels(graph: Graph, dtype: str, targets: list[str], block_size: in
     if not gpu_targets:
         return blobs, per_node
     for node in graph.nodes:
-        if node.op not in SHAPES:
+        if get_plugin(node.op).compile_shapes is None:
             raise KernelError(f"op {node.op!r} in module {node.source!r} has no GPU kernel: it cannot run on "
                               f"{', '.join(gpu_targets)} (only fused Llama-family plans can for now); "
                               "build with --target cpu")
@@ -112,8 +82,9 @@ def compile_kernels(graph: Graph, dtype: str, targets: list[str], block_size: in
         raise KernelError("TRITON_INTERPRET=1 is set: Triton's interpreter cannot compile cubins; "
                           "unset it to build for a GPU target")
     for node in graph.nodes:
-        module = importlib.import_module(f"kiln.plugins.{node.op}.kernels")
-        kernels = module.aot_kernels(dtype, SHAPES[node.op](graph, node, block_size))
+        spec = get_plugin(node.op)
+        shapes = spec.compile_shapes(graph.input_shapes(node), node.attrs, block_size)
+        kernels = spec.module("kernels").aot_kernels(dtype, shapes)
         per_node[node.output] = {}
         for target in gpu_targets:
             keys = []

@@ -1,10 +1,14 @@
-"""Kiln plugins: one folder per op (spec + PyTorch reference; GPU kernels join them later).
+"""Kiln plugins: one folder per op (spec, PyTorch reference, GPU kernels and their launcher).
 
-Importing this package registers every plugin and its `kiln::<name>` torch custom op.
+Importing this package registers every built-in plugin (`registry.BUILTIN`) and its
+`kiln::<name>` torch custom op.
 """
-from kiln.plugins import (add, attention, attention_o_proj, embedding, gelu, head_rms_norm, linear,  # noqa: F401
-                          linear_residual, norm_qkv_rope, norm_swiglu, rms_norm, rope, silu_mul, take_rows)
-from kiln.plugins.registry import PluginSpec, all_plugins, get_plugin, op
+import importlib
+
+from kiln.plugins.registry import BUILTIN, PluginSpec, all_plugins, get_plugin, op
 from kiln.plugins.step_inputs import STEP_INPUTS, StepInputSpec
+
+for _name in BUILTIN:
+    importlib.import_module(f"{__name__}.{_name}")
 
 __all__ = ["PluginSpec", "all_plugins", "get_plugin", "op", "STEP_INPUTS", "StepInputSpec"]

@@ -1,21 +1,35 @@
 """Plugin specs and the registry that maps op names to them.
 
-A plugin is one op the engine can run: its spec (inputs, attributes, output shape and dtype
-rules, version) and its PyTorch reference implementation. The reference is also registered as
-a torch custom op `kiln::<name>`, so a `torch.fx` trace of a model stops at it. The spec mirrors
-TensorRT's IPluginV3 ideas (name, version, attribute fields, shape rule) so a port stays possible.
+A plugin is one op the engine can run, and its folder (a Python package) owns everything about
+it: its spec (inputs, attributes, output shape and dtype rules, version, how it shards, what
+only rank 0 adds, the shapes its kernels compile for), its PyTorch reference, and, when it runs
+on GPUs, `kernels.py` and `launch.py`. The reference is also registered as a torch custom op
+`kiln::<name>`, so a `torch.fx` trace of a model stops at it. The spec mirrors TensorRT's
+IPluginV3 ideas (name, version, attribute fields, shape rule) so a port stays possible.
+
+Registering is the one step that makes an op known to the builder and the runtime: the
+package's `__init__` calls `register(PluginSpec(...))` when it is imported. Kiln's own op
+folders are listed in `BUILTIN`, which `kiln.plugins` imports.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Callable, Sequence
 
 import torch
+
+from kiln.plugins.sharding import ShardRule
 
 Dim = int | str
 Shape = tuple[Dim, ...]
 
 NAMESPACE = "kiln"
+
+# The op folders of this package, imported (so registered) with `kiln.plugins`.
+BUILTIN = ("add", "attention", "attention_o_proj", "embedding", "gelu", "head_rms_norm", "linear",
+           "linear_residual", "norm_qkv_rope", "norm_swiglu", "rms_norm", "rope", "silu_mul", "take_rows")
 
 
 @dataclass(frozen=True)
@@ -26,7 +40,14 @@ class PluginSpec:
     allowed). `attrs` are the non-tensor arguments that follow them, with their Python types.
     `shape` maps input shapes (None for absent inputs) and attrs to the output shape, in
     symbolic dims. `dtype` is the output dtype rule: the name of an input whose dtype the
-    output takes, or a fixed dtype name.
+    output takes, or a fixed dtype name. `package` is the plugin's folder as a module name
+    (its `__init__` passes `__name__`): its `kernels` and `launch` modules are found there.
+
+    `compile_shapes` maps input shapes and attrs (and the KV-cache block size) to what the
+    plugin's `kernels.aot_kernels` needs to know about one node; None when the op has no GPU
+    kernels. `shard` gives one rank's part of the op under tensor parallelism (see
+    `plugins.sharding`); None when every rank runs it whole. `added_once` names the inputs a
+    row-parallel op (attr `all_reduce`) adds after the sum over ranks: only rank 0 adds them.
     """
 
     name: str
@@ -36,8 +57,12 @@ class PluginSpec:
     shape: Callable[[dict[str, Shape | None], dict], Shape]
     reference: Callable[..., torch.Tensor]
     dtype: str
+    package: str
     mutates: tuple[str, ...] = ()
     fused: bool = False
+    compile_shapes: Callable[[dict[str, Shape | None], dict, int], dict] | None = None
+    shard: ShardRule | None = None
+    added_once: tuple[str, ...] = ()
     doc: str = field(default="", compare=False)
 
     @property
@@ -53,6 +78,11 @@ class PluginSpec:
     def call_reference(self, inputs: Sequence[torch.Tensor | None], attrs: dict) -> torch.Tensor:
         return self.reference(*inputs, **attrs)
 
+    def module(self, name: str) -> ModuleType:
+        """One of the plugin's own modules (`kernels`, `launch`), imported on first use: only
+        GPU builds and the CUDA executor need them (and Triton)."""
+        return importlib.import_module(f"{self.package}.{name}")
+
 
 _REGISTRY: dict[str, PluginSpec] = {}
 
@@ -60,7 +90,12 @@ _REGISTRY: dict[str, PluginSpec] = {}
 def register(spec: PluginSpec) -> PluginSpec:
     """Add a plugin and register its reference as the custom op `kiln::<name>`."""
     if spec.name in _REGISTRY:
-        raise ValueError(f"plugin {spec.name!r} registered twice")
+        raise ValueError(f"plugin {spec.name!r} registered twice (by {_REGISTRY[spec.name].package} and "
+                         f"{spec.package}): give the new op another name")
+    unknown = [n for n in spec.added_once if n not in spec.input_names]
+    if unknown:
+        raise ValueError(f"plugin {spec.name!r}: added_once names {unknown}, which are not among its inputs "
+                         f"{spec.input_names}")
     _REGISTRY[spec.name] = spec
     torch.library.custom_op(f"{NAMESPACE}::{spec.name}", spec.reference, mutates_args=spec.mutates)
     return spec
@@ -70,7 +105,8 @@ def get_plugin(name: str) -> PluginSpec:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise KeyError(f"no Kiln plugin named {name!r}; known plugins: {', '.join(sorted(_REGISTRY))}") from None
+        raise KeyError(f"no Kiln plugin named {name!r}; known plugins: {', '.join(sorted(_REGISTRY))} "
+                       "(an op kept outside Kiln is registered by importing its package first)") from None
 
 
 def all_plugins() -> dict[str, PluginSpec]:

@@ -16,13 +16,13 @@ per kernel. Other steps (prefill chunks, mixed steps) launch the kernels one by 
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 import torch.distributed
 
+from kiln.plugins import PluginSpec
 from kiln.runtime.cuda_driver import CudaKernel, device_arch, load_kernel
 from kiln.runtime.decode_graphs import graph_batch_sizes, is_pure_decode, pad_decode, padding_step
 from kiln.runtime.engine import Engine, EngineLoadError
@@ -42,6 +42,7 @@ class _CudaOp:
     inputs: list[str | None]    # the tensors bound to them
     attrs: dict
     output: str
+    added_once: tuple[str, ...]  # the spec's: inputs only rank 0 adds after the sum
 
     @property
     def reduces(self) -> bool:
@@ -49,18 +50,13 @@ class _CudaOp:
         return bool(self.attrs.get("all_reduce"))
 
 
-# Inputs a row-parallel op adds after the sum over ranks: only rank 0 adds them; the kernels
-# were built with them, so the other ranks pass zeros.
-ADDED_ONCE = ("bias", "b_o", "residual")
-
-
-def _launcher(op_name: str) -> ModuleType:
+def _launcher(spec: PluginSpec) -> ModuleType:
     try:
-        return importlib.import_module(f"kiln.plugins.{op_name}.launch")
+        return spec.module("launch")
     except ModuleNotFoundError as e:
-        if e.name != f"kiln.plugins.{op_name}.launch":
+        if e.name != f"{spec.package}.launch":
             raise
-        raise EngineLoadError(f"op {op_name!r} has no CUDA launcher (plugins/{op_name}/launch.py): "
+        raise EngineLoadError(f"op {spec.name!r} has no CUDA launcher ({spec.package}.launch): "
                               "this engine cannot run on the GPU yet; use device='cpu'") from None
 
 
@@ -98,7 +94,7 @@ class CudaExecutor(ArenaExecutor):
         # The one arena comes first: torch's allocation makes its primary context current, which
         # is the context load_kernel loads the cubins into. One KV block more than asked for:
         # the padding sequences of graph batches write their KV there.
-        launchers = [_launcher(op.spec.name) for op in engine.plan]
+        launchers = [_launcher(op.spec) for op in engine.plan]
         scratch = scratch_bytes(engine, launchers)
         self.vocab = engine.tensors[engine.manifest["outputs"][0]]["shape"][-1]
         logits = engine.bounds["L"] * self.vocab * 4
@@ -137,7 +133,7 @@ class CudaExecutor(ArenaExecutor):
                                               info["num_warps"], info["shared_bytes"])
             ops.append(_CudaOp(launcher, [loaded[k] for k in keys],
                                [m["kernels"][k]["launch"] for k in keys], list(op.inputs),
-                               list(op.inputs.values()), op.attrs, op.output))
+                               list(op.inputs.values()), op.attrs, op.output, op.spec.added_once))
         return ops
 
     def _stage_inputs(self, step: StepInputs, dims: dict[str, int]) -> None:
@@ -150,11 +146,11 @@ class CudaExecutor(ArenaExecutor):
 
     @staticmethod
     def _zeros_bytes(engine: Engine) -> int:
-        """Room for the largest input a row-parallel op adds once (see ADDED_ONCE)."""
+        """Room for the largest input a row-parallel op adds once (`PluginSpec.added_once`)."""
         if engine.world_size == 1:
             return 0
         planned = engine.manifest["memory_plan"]["tensors"]  # activations, sized for the bounds
-        tensors = [op.inputs.get(name) for op in engine.plan if op.attrs.get("all_reduce") for name in ADDED_ONCE]
+        tensors = [op.inputs[name] for op in engine.plan if op.attrs.get("all_reduce") for name in op.spec.added_once]
         return max((engine.weights[t].nbytes if t in engine.weights else planned[t]["nbytes"]
                     for t in tensors if t is not None), default=0)
 
@@ -167,7 +163,9 @@ class CudaExecutor(ArenaExecutor):
         for op in self.ops:
             args = [None if t is None else values[t] if t in values else self.weights[t] for t in op.inputs]
             if tensor_parallel and op.reduces and self.engine.rank > 0:
-                args = [self._zeros_like(a) if name in ADDED_ONCE and a is not None else a
+                # Only rank 0 adds these after the sum; the kernels were built with them, so
+                # the other ranks pass zeros.
+                args = [self._zeros_like(a) if name in op.added_once and a is not None else a
                         for name, a in zip(op.names, args)]
             out = self._view(op.output, dims)
             op.launcher.launch(op.kernels, op.metas, args, op.attrs, out, dims, stream, self.scratch)

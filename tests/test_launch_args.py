@@ -28,7 +28,6 @@ import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -46,6 +45,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 import kiln.builder.kernels as builder_kernels  # noqa: E402
 from kiln.builder.build import build_engine  # noqa: E402
 from kiln.builder.config import BuildConfig  # noqa: E402
+from kiln.plugins import get_plugin  # noqa: E402
 from kiln.plugins.aot import AotKernel, Cubin  # noqa: E402
 from kiln.runtime.cuda_executor import scratch_bytes  # noqa: E402
 from kiln.runtime.engine import Engine, load_engine  # noqa: E402
@@ -256,11 +256,11 @@ def allocate_scratch(engine) -> dict[str, torch.Tensor]:
 
 
 def node_shapes(engine, entry: dict) -> dict:
-    """`builder.kernels.SHAPES` for one plan entry, from the manifest's tensors and the weights."""
-    tensors = {name: SimpleNamespace(shape=tuple(t["shape"])) for name, t in engine.manifest["tensors"].items()}
-    tensors.update((name, SimpleNamespace(shape=tuple(w.shape))) for name, w in engine.weights.items())
-    node = SimpleNamespace(inputs=entry["inputs"], attrs=entry["attrs"])
-    return builder_kernels.SHAPES[entry["op"]](SimpleNamespace(tensors=tensors), node, engine.kv_cache["block_size"])
+    """The plugin's `compile_shapes` for one plan entry, from the manifest's tensors and the weights."""
+    shapes = {name: tuple(t["shape"]) for name, t in engine.manifest["tensors"].items()}
+    shapes.update((name, tuple(w.shape)) for name, w in engine.weights.items())
+    inputs = {name: None if t is None else shapes[t] for name, t in entry["inputs"].items()}
+    return get_plugin(entry["op"]).compile_shapes(inputs, entry["attrs"], engine.kv_cache["block_size"])
 
 
 def _json(meta: dict) -> dict:

@@ -2,7 +2,7 @@
 decode, or split-KV decode with its combine kernel), picked as `kernels.run` picks them.
 
 The split-KV workspaces come from the executor's scratch buffers, allocated once for the
-engine's bounds (`scratch_bytes`), so a step allocates nothing. See `plugins.linear.launch`
+engine's bounds (`scratch_bytes`), so a step allocates nothing. See `plugins.driver_launch`
 for the launcher contract.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kiln.plugins.attention.kernels import choose_num_splits
-from kiln.plugins.linear.launch import check_aligned, grid, ptr
+from kiln.plugins.driver_launch import check_aligned, grid, ptr
 
 FP32_BYTES = 4
 

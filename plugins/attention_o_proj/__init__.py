@@ -1,12 +1,29 @@
-"""Fused plugin `attention_o_proj`: attention -> o_proj -> + residual, giving [T, H]."""
-from kiln.plugins.attention import ATTRS, CACHE_INPUTS
+"""Fused plugin `attention_o_proj`: attention -> o_proj -> + residual, giving [T, H].
+Under tensor parallelism each rank keeps its heads and their columns of w_o (row parallel),
+sums its partial result over the ranks, and only rank 0 adds b_o and the residual."""
+from kiln.plugins import attention
 from kiln.plugins.attention_o_proj.reference import attention_o_proj
 from kiln.plugins.registry import PluginSpec, register
+from kiln.plugins.sharding import Shard, input_split
+
+
+def compile_shapes(shapes: dict, attrs: dict, block_size: int) -> dict:
+    """attention's shapes, plus the o_proj GEMM's output width and whether it adds a bias."""
+    return {**attention.compile_shapes(shapes, attrs, block_size), "hidden": shapes["w_o"][0],
+            "bias": shapes["b_o"] is not None}
+
+
+def shard(shapes: dict, attrs: dict, rank: int, world: int, source: str) -> Shard:
+    heads = attention.shard(shapes, attrs, rank, world, source)
+    width = heads.attrs["num_heads"] * attrs["head_dim"]
+    return Shard(attrs={**heads.attrs, "all_reduce": True}, weights={"w_o": input_split(rank * width, width)})
+
 
 SPEC = register(PluginSpec(
-    name="attention_o_proj", version=1,
-    inputs=("q", "k?", "v?") + CACHE_INPUTS + ("w_o", "b_o?", "residual"),
-    attrs={**ATTRS, "all_reduce": bool},
+    name="attention_o_proj", version=1, package=__name__,
+    inputs=("q", "k?", "v?") + attention.CACHE_INPUTS + ("w_o", "b_o?", "residual"),
+    attrs={**attention.ATTRS, "all_reduce": bool},
     shape=lambda s, a: s["residual"],
     dtype="residual", reference=attention_o_proj, mutates=("kv_cache",), fused=True,
+    compile_shapes=compile_shapes, shard=shard, added_once=("b_o", "residual"),
 ))

@@ -2,7 +2,7 @@
 buffer [T, heads*head_dim], then `linear_residual`'s GEMM (o_proj + residual) from it.
 
 Its kernels are attention's (their metas carry a `role`) followed by the GEMM buckets (their
-metas carry a `bucket`). See `plugins.linear.launch` for the launcher contract.
+metas carry a `bucket`). See `plugins.driver_launch` for the launcher contract.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Driver launch of `embedding`'s AOT kernel: `take_rows`'s gather over the token table.
-See `plugins.linear.launch` for the launcher contract."""
+See `plugins.driver_launch` for the launcher contract."""
 from __future__ import annotations
 
 import torch

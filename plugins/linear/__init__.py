@@ -1,15 +1,42 @@
 """Plugin `linear`: [T, K] x [N, K]^T -> [T, N].
 
-Attributes tell the sharding pass how to split it: `parallel` is "column" (split output
-features), "row" (split input features, then all-reduce) or "none" (replicate); `heads` > 0
-says the output features are that many heads, so a column split keeps heads whole.
+Attributes say how it shards: `parallel` is "column" (split output features), "row" (split
+input features, then all-reduce) or "none" (replicate); `heads` > 0 says the output features
+are that many heads, so a column split keeps heads whole. A row-parallel op's bias is added
+once, after the sum.
 """
 from kiln.plugins.linear.reference import linear
 from kiln.plugins.registry import PluginSpec, register
+from kiln.plugins.sharding import Shard, heads, input_split, output_split, split_even
+
+
+def compile_shapes(shapes: dict, attrs: dict, block_size: int) -> dict:
+    """What `kernels.aot_kernels` needs: the GEMM's K and N, and whether it adds a bias."""
+    return {"K": shapes["weight"][1], "N": shapes["weight"][0], "bias": shapes["bias"] is not None}
+
+
+def shard(shapes: dict, attrs: dict, rank: int, world: int, source: str) -> Shard:
+    """Column parallel: a slice of the output features (whole heads when `heads` is set), and
+    of the bias. Row parallel: a slice of the input features, then an all-reduce."""
+    out_features, in_features = shapes["weight"]
+    if attrs["parallel"] == "column":
+        if attrs["heads"]:
+            first, count = heads(attrs["heads"], rank, world, f"heads of {source}")
+            head_dim = out_features // attrs["heads"]
+            start, count = first * head_dim, count * head_dim
+        else:
+            start, count = split_even(out_features, rank, world, f"output features of {source}")
+        return Shard(weights={"weight": output_split(start, count), "bias": output_split(start, count)})
+    if attrs["parallel"] == "row":
+        start, count = split_even(in_features, rank, world, f"input features of {source}")
+        return Shard(attrs={"all_reduce": True}, weights={"weight": input_split(start, count)})
+    return Shard()
+
 
 SPEC = register(PluginSpec(
-    name="linear", version=1,
+    name="linear", version=1, package=__name__,
     inputs=("x", "weight", "bias?"), attrs={"parallel": str, "heads": int, "all_reduce": bool},
     shape=lambda s, a: (s["x"][0], s["weight"][0]),
     dtype="x", reference=linear,
+    compile_shapes=compile_shapes, shard=shard, added_once=("bias",),
 ))

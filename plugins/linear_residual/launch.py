@@ -1,5 +1,5 @@
 """Driver launch of `linear_residual`'s AOT kernels: `linear`'s GEMM with the residual read in
-its epilogue (see `plugins.linear.launch` for the launcher contract)."""
+its epilogue (see `plugins.driver_launch` for the launcher contract)."""
 from __future__ import annotations
 
 import torch

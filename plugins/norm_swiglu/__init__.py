@@ -1,10 +1,32 @@
-"""Fused plugin `norm_swiglu`: RMSNorm + gate/up projection + SwiGLU, [T, H] -> [T, I]."""
+"""Fused plugin `norm_swiglu`: RMSNorm + gate/up projection + SwiGLU, [T, H] -> [T, I].
+Under tensor parallelism each rank keeps an equal slice of the intermediate features, of both
+the gate and the up half of w_gu."""
+import torch
+
 from kiln.plugins.norm_swiglu.reference import norm_swiglu
 from kiln.plugins.registry import PluginSpec, register
+from kiln.plugins.sharding import Shard, Split, rows, split_even
+
+
+def compile_shapes(shapes: dict, attrs: dict, block_size: int) -> dict:
+    """What `kernels.aot_kernels` needs: K, I, the gate/up interleave block and the norm weight."""
+    return {"K": shapes["w_gu"][1], "I": shapes["w_gu"][0] // 2, "block": attrs["block"],
+            "norm_weight": shapes["norm_weight"] is not None}
+
+
+def shard(shapes: dict, attrs: dict, rank: int, world: int, source: str) -> Shard:
+    inter = shapes["w_gu"][0] // 2
+    start, count = split_even(inter, rank, world, "MLP intermediate size")
+
+    def take(w: torch.Tensor) -> torch.Tensor:
+        return torch.cat([rows(w, start, count), rows(w, inter + start, count)])
+    return Shard(weights={"w_gu": Split(f"gate_up {start}+{count}", take)})
+
 
 SPEC = register(PluginSpec(
-    name="norm_swiglu", version=1,
+    name="norm_swiglu", version=1, package=__name__,
     inputs=("x", "norm_weight?", "w_gu"), attrs={"eps": float, "block": int},
     shape=lambda s, a: (s["x"][0], s["w_gu"][0] // 2),
     dtype="x", reference=norm_swiglu, fused=True,
+    compile_shapes=compile_shapes, shard=shard,
 ))

@@ -1,10 +1,11 @@
 """Driver launch of `norm_swiglu`'s AOT kernels, one per GEMM shape bucket. See
-`plugins.linear.launch` for the launcher contract."""
+`plugins.driver_launch` for the launcher contract."""
 from __future__ import annotations
 
 import torch
 
-from kiln.plugins.linear.launch import check_aligned, grid, pick_bucket, split_args
+from kiln.plugins.driver_launch import check_aligned, grid
+from kiln.plugins.linear.launch import pick_bucket, split_args
 
 
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,

@@ -1,11 +1,11 @@
 """Driver launch of `rms_norm`'s AOT kernels. Two variants are compiled, with a weight and
-folded (no weight); the meta's `weight` flag tells them apart. See `plugins.linear.launch`
+folded (no weight); the meta's `weight` flag tells them apart. See `plugins.driver_launch`
 for the launcher contract."""
 from __future__ import annotations
 
 import torch
 
-from kiln.plugins.linear.launch import grid, ptr
+from kiln.plugins.driver_launch import grid, ptr
 
 
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,

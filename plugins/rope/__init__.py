@@ -3,7 +3,7 @@ from kiln.plugins.registry import PluginSpec, register
 from kiln.plugins.rope.reference import rope
 
 SPEC = register(PluginSpec(
-    name="rope", version=1,
+    name="rope", version=1, package=__name__,
     inputs=("x", "positions", "rope_cache"), attrs={"head_dim": int},
     shape=lambda s, a: s["x"],
     dtype="x", reference=rope,

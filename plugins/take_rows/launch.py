@@ -1,10 +1,10 @@
 """Driver launch of `take_rows`'s AOT gather (out[i] = x[indices[i]]); `embedding` uses the
-same gather. See `plugins.linear.launch` for the launcher contract."""
+same gather. See `plugins.driver_launch` for the launcher contract."""
 from __future__ import annotations
 
 import torch
 
-from kiln.plugins.linear.launch import grid
+from kiln.plugins.driver_launch import grid
 
 
 def launch_gather(kernel, meta: dict, src: torch.Tensor, indices: torch.Tensor, out: torch.Tensor,
