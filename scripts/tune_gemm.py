@@ -1,16 +1,19 @@
 """Sweep the decode GEMMs' tilings, split-K included, as the engine runs them (a developer's tool).
 
-    PYTHONPATH=. python3 scripts/tune_gemm.py compile cubins.pkl   # anywhere: AOT, no GPU needed
-    PYTHONPATH=. python3 scripts/tune_gemm.py run cubins.pkl       # on the GPU
+    PYTHONPATH=. python3 scripts/tune_gemm.py compile cubins.pkl [NAME]  # anywhere: AOT, no GPU needed
+    PYTHONPATH=. python3 scripts/tune_gemm.py run cubins.pkl [ALL.txt]   # on the GPU
 
 `compile` builds every configuration into a cubin with `plugins.aot` (as build-engine does),
 spread over the CPU's cores; `run` loads them with `runtime.cuda_driver` (as the CUDA executor
 does), checks each against torch's matmul, and times it in a CUDA graph of 20 launches (median
 of 5 replays). Printed: the best configurations per shape with the bandwidth of weights they
-reach, beside the device copy rate measured in the same run.
+reach, beside the device copy rate measured in the same run; ALL.txt gets every configuration's
+time.
 
 Shapes: Llama-3-8B's projections (qkv, o, gate/up, down) at T = 1 and 64. Kernels: the split-K
-GEMM `linear_kernel` at tilings and K splits, and `norm_swiglu_kernel` at its tiles.
+GEMM `linear_kernel` at tilings and K splits, `norm_swiglu_kernel` at its tiles, and
+`norm_qkv_rope_kernel` (checked against its plugin's reference) at programs per head, K tiles,
+K splits and depths. NAME compiles only the configurations of that shape or kernel.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
     out = []
     for (name, (n, k)), t in itertools.product(SHAPES.items(), (1, 64)):
         bm = 16 if t == 1 else 64
-        space = (([16, 32, 64], [128, 256], [1, 2, 4, 8], [3, 5]) if t == 1 else
+        space = (([32, 64, 128], [128, 256], [1, 2, 4, 8], [3, 4, 6]) if t == 1 else
                  ([32, 64], [64, 128], [1, 2, 4], [3, 4]))
         for bn, bk, split, stages in itertools.product(*space):
             if (k // split) % bk or (name == "gate_up" and split > 2):
@@ -69,6 +72,42 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
                             AotKernel(norm_swiglu_kernel, signature, absent_as_none(signature, constexprs),
                                       num_warps=warps,
                                       num_stages=stages, aligned=pointer_params(signature))))
+    out += _norm_qkv_rope_configs()
+    return out
+
+
+QKV_HEADS = (32, 8, 128)  # Llama-3-8B: query heads, KV heads, head_dim
+
+
+def _norm_qkv_rope_configs() -> list[tuple[str, dict, AotKernel]]:
+    """The fused norm + qkv + RoPE kernel: programs per head (its weight rows per program), K
+    tile, K split and pipeline depth, at T = 1 and 64."""
+    from kiln.plugins.norm_qkv_rope.kernels import norm_qkv_rope_kernel
+
+    heads, kv_heads, d = QKV_HEADS
+    k = SHAPES["qkv"][1]
+    out = []
+    for t in (1, 64):
+        bm = 16 if t == 1 else 64
+        for head_split, bk, split, stages in itertools.product([1, 2, 4, 8], [64, 128, 256], [1, 2, 4], [3, 4, 6]):
+            if (k // split) % bk:
+                continue
+            signature = {"x_ptr": "*bf16", "norm_ptr": "constexpr", "w_ptr": "*bf16", "bias_ptr": "constexpr",
+                         "q_norm_ptr": "constexpr", "k_norm_ptr": "constexpr", "pos_ptr": "*i32", "rope_ptr": "*fp32",
+                         "kv_ptr": "*bf16", "slot_ptr": "*i32", "out_ptr": "*bf16", **split_signature(split),
+                         "T": "i32", "num_slots": "i32", "layer": "i32", "eps": "fp32", "K": "constexpr",
+                         "H": "constexpr", "KVH": "constexpr", "D": "constexpr", "HEAD_SPLIT": "constexpr",
+                         "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "UPCAST_DOT": "constexpr",
+                         "SPLIT_K": "constexpr"}
+            constexprs = {"K": k, "H": heads, "KVH": kv_heads, "D": d, "HEAD_SPLIT": head_split, "BLOCK_M": bm,
+                          "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": split}
+            grid = (triton.cdiv(t, bm), (heads + 2 * kv_heads) * head_split, split)
+            out.append(("norm_qkv_rope", {"kind": "norm_qkv_rope", "n": (heads + 2 * kv_heads) * d, "k": k, "t": t,
+                                          "grid": grid, "split": split,
+                                          "label": f"norm_qkv_rope bm{bm} bn{d // head_split} bk{bk} "
+                                                   f"split{split} s{stages}"},
+                        AotKernel(norm_qkv_rope_kernel, signature, absent_as_none(signature, constexprs),
+                                  num_warps=4, num_stages=stages, aligned=pointer_params(signature))))
     return out
 
 
@@ -80,20 +119,22 @@ def _compile(index: int):
         return index, f"{type(e).__name__}: {str(e)[:200]}"
 
 
-def compile_all(path: str) -> None:
-    count = len(configs())
+def compile_all(path: str, only: str | None = None) -> None:
+    chosen = [i for i, (name, _, _) in enumerate(configs()) if only in (None, name)]
+    count = len(chosen)
     with ProcessPoolExecutor(os.cpu_count()) as pool:
-        cubins = dict(pool.map(_compile, range(count)))
-    entries = [(name, info, kernel.signature, cubins[i]) for i, (name, info, kernel) in enumerate(configs())]
+        cubins = dict(pool.map(_compile, chosen))
+    entries = [(name, info, kernel.signature, cubins[i]) for i, (name, info, kernel) in enumerate(configs())
+               if i in cubins]
     with open(path, "wb") as f:
         pickle.dump(entries, f)
     print(f"{count} configurations, {sum(isinstance(c, str) for c in cubins.values())} failed to compile")
 
 
-def run_all(path: str) -> None:
+def run_all(path: str, every: str | None = None) -> None:
     import torch
 
-    from kiln.runtime.cuda_driver import load_kernel
+    from kiln.runtime.cuda_driver import CudaError, load_kernel
 
     with open(path, "rb") as f:
         entries = pickle.load(f)
@@ -116,6 +157,8 @@ def run_all(path: str) -> None:
             x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
             ref = x.float() @ w.float().T
+            if name == "norm_qkv_rope":
+                ref = _qkv_reference(x, w, t)
             if name == "norm_swiglu":
                 ref = ref * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
                 g, u = ref.chunk(2, dim=-1)
@@ -127,11 +170,20 @@ def run_all(path: str) -> None:
             data[key] = (x, copies, ref)
         x, copies, ref = data[key]
         out = torch.empty_like(ref, dtype=torch.bfloat16)
-        fn = load_kernel(cubin.binary, cubin.name, [signature[p] for p in signature if signature[p] != "constexpr"],
-                         cubin.num_warps, cubin.shared_bytes)
+        try:
+            fn = load_kernel(cubin.binary, cubin.name, [signature[p] for p in signature if signature[p] != "constexpr"],
+                             cubin.num_warps, cubin.shared_bytes)
+        except CudaError as e:  # more shared memory than a block may have
+            print(f"  {name} T={info['t']} {info['label']}: does not load ({e})")
+            continue
+        workspace = [part.data_ptr(), count.data_ptr()] if info.get("split", 1) > 1 else []
         if info["kind"] == "splitk":
-            workspace = [part.data_ptr(), count.data_ptr()] if info["split"] > 1 else []
             arg_lists = [[x.data_ptr(), w.data_ptr(), out.data_ptr(), *workspace, t] for w in copies]
+        elif info["kind"] == "norm_qkv_rope":
+            q_ctx = _qkv_context(t)
+            arg_lists = [[x.data_ptr(), w.data_ptr(), q_ctx["pos"].data_ptr(), q_ctx["rope"].data_ptr(),
+                          q_ctx["kv"].data_ptr(), q_ctx["slot"].data_ptr(), out.data_ptr(), *workspace, t,
+                          q_ctx["kv"].shape[2] * q_ctx["kv"].shape[3], 0, 1e-5] for w in copies]
         else:
             arg_lists = [[x.data_ptr(), w.data_ptr(), out.data_ptr(), t, 1e-5] for w in copies]
         turn = itertools.count()
@@ -145,16 +197,47 @@ def run_all(path: str) -> None:
         err = ((out.float() - ref).norm() / ref.norm()).item()
         results.setdefault(key, []).append((us, info["label"], err))
     for (name, t), rows in results.items():
-        n, k = SHAPES.get(name, SHAPES["gate_up"])
+        n, k = {"norm_swiglu": SHAPES["gate_up"], "norm_qkv_rope": SHAPES["qkv"]}.get(name) or SHAPES[name]
         rows.sort()
         print(f"{name} N={n} K={k} T={t}: weights {n * k * 2 / 1e6:.0f} MB")
         for us, label, err in rows[:8]:
             print(f"  {us:7.1f} us  {n * k * 2 / us / 1e6:5.2f} TB/s ({n * k * 2 / us / 1e6 / copy_tbs:4.0%} of copy)"
                   f"  rel err {err:.1e}  {label}")
+        if every:
+            with open(every, "a") as f:
+                f.writelines(f"{name} T={t} {us:.1f} us rel err {err:.1e} {label}\n" for us, label, err in rows)
         bad = [(label, err) for _, label, err in rows if not err < 2e-2]
         for label, err in bad:
             print(f"  WRONG: {label} rel err {err:.2e}")
 
 
+_QKV_CONTEXTS: dict = {}
+
+
+def _qkv_context(t: int) -> dict:
+    """Positions, a RoPE table, a one-layer KV cache and slots for the fused qkv kernel at T = t
+    (the same tensors for the reference and every configuration)."""
+    import torch
+
+    if t not in _QKV_CONTEXTS:
+        heads, kv_heads, d = QKV_HEADS
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        _QKV_CONTEXTS[t] = {"pos": torch.arange(t, dtype=torch.int32, device="cuda") + 100,
+                            "rope": torch.randn(4096, d, device="cuda", generator=gen),
+                            "kv": torch.zeros(1, 2, 8, 16, kv_heads, d, device="cuda", dtype=torch.bfloat16),
+                            "slot": torch.arange(t, dtype=torch.int32, device="cuda")}
+    return _QKV_CONTEXTS[t]
+
+
+def _qkv_reference(x, w, t: int):
+    """The rotated q of the plugin's PyTorch reference (float32), what the kernel writes to its output."""
+    from kiln.plugins.norm_qkv_rope.reference import norm_qkv_rope
+
+    heads, kv_heads, d = QKV_HEADS
+    ctx = _qkv_context(t)
+    return norm_qkv_rope(x.float(), None, w.float(), None, None, None, ctx["pos"], ctx["rope"], ctx["kv"].float(),
+                         ctx["slot"], 1e-5, 0, heads, kv_heads, d)
+
+
 if __name__ == "__main__":
-    {"compile": compile_all, "run": run_all}[sys.argv[1]](sys.argv[2])
+    {"compile": compile_all, "run": run_all}[sys.argv[1]](*sys.argv[2:])

@@ -24,8 +24,17 @@ import triton.language as tl
 
 from kiln.plugins.aot import AotKernel, absent_as_none, pointer_params
 from kiln.plugins.linear.kernels import (ELEMENT_BYTES, POINTER, TILES, Tile, block_k, gemm_tile,
-                                         launch_meta, num_stages, pick_tile, split_buffers, split_halves, split_k,
+                                         launch_meta, num_stages, split_buffers, split_halves, split_k,
                                          split_k_sum, split_signature, upcast_dot)
+
+# The narrow-weight tiles, but for up to 64 rows 64 weight rows (half a Llama head) per program,
+# 64-wide K tiles and K split in 4: every program re-reads its rows of x twice (the dot, and
+# the row sum of x^2 for the norm), so fewer, wider programs cut that traffic. Measured on an
+# H200 with scripts/tune_gemm.py (2026-11-30, Llama-3-8B's qkv, T = 64, weights cycled beyond
+# the L2): 23.6 us, the sweep's best; the engine's batch-64 profile took 43.7 us with the
+# shared small tile (32 rows, 128-wide K, split in 2).
+QKV_TILES = tuple(Tile(t.name, t.max_rows, t.block_m, 64, 64, t.num_warps, stages=3, split_k=4)
+                  if t.name == "small" else t for t in TILES)
 
 
 @triton.jit
@@ -117,7 +126,7 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     x, w_qkv = x.contiguous(), w_qkv.contiguous()
     t, k = x.shape
     heads, kv_heads, d = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
-    tile = pick_tile(t)
+    tile = next(b for b in QKV_TILES if b.max_rows is None or t <= b.max_rows)
     bk = block_k(tile, x.element_size())
     split = head_split(tile, d, q_norm is not None)
     ksplit, columns = split_k(tile, k, bk), (heads + 2 * kv_heads) * split
@@ -141,7 +150,7 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     optional = {"norm_ptr": shapes.get("norm_weight", False), "bias_ptr": shapes.get("bias", False),
                 "q_norm_ptr": qk_norm, "k_norm_ptr": qk_norm}
     kernels = []
-    for tile in TILES:
+    for tile in QKV_TILES:
         bk, split = block_k(tile, size), head_split(tile, d, qk_norm)
         ksplit = split_k(tile, k, bk)
         signature = {"x_ptr": ptr, "norm_ptr": ptr, "w_ptr": ptr, "bias_ptr": ptr, "q_norm_ptr": ptr,
