@@ -31,11 +31,11 @@ class StepRecorder:
         self.steps: list[StepShape] = []
         run = executor.run
 
-        def recorded_run(step, copies=()):
+        def recorded_run(step, copies=(), feed=None):
             # tolist() here, not later: a backend may pad or reuse the step's tensors.
             self.steps.append(StepShape(tuple(step.query_lens.tolist()), tuple(step.context_lens.tolist()),
                                         int(step.logits_indices.shape[0])))
-            return run(step, copies)
+            return run(step, copies, feed)
 
         executor.run = recorded_run
 

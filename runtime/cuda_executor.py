@@ -28,7 +28,7 @@ from kiln.runtime.decode_graphs import graph_batch_sizes, is_pure_decode, pad_de
 from kiln.runtime.engine import Engine, EngineLoadError
 from kiln.runtime.engine_file import read_engine_file
 from kiln.runtime.executor import DTYPES, ArenaExecutor
-from kiln.runtime.step import StepInputs
+from kiln.runtime.step import Feed, StepInputs
 
 
 @dataclass(frozen=True)
@@ -190,19 +190,21 @@ class CudaExecutor(ArenaExecutor):
         torch.cuda.synchronize(self.device)
         return graphs
 
-    def run(self, step: StepInputs, copies: list[tuple[int, int]] = ()) -> torch.Tensor:
-        """Run one step, after the copy-on-write block copies the scheduler asked for; returns
+    def run(self, step: StepInputs, copies: list[tuple[int, int]] = (), feed: Feed | None = None) -> torch.Tensor:
+        """Run one step, after the copy-on-write block copies the scheduler asked for, with the
+        `feed` token ids taken from the previous step's sampled ids on the device; returns
         the logits of the requested rows, [L, vocab] in float32 on the GPU, in a buffer of
-        their own that the next step's kernels do not touch (the next `run` overwrites it)."""
+        their own that the next step's kernels do not touch (the next `run` overwrites it).
+        Everything is enqueued on the current stream: nothing here waits for the GPU."""
         rows = step.logits_indices.shape[0]
         batch = next((b for b in self.graphs if b >= step.num_tokens), None) if is_pure_decode(step) else None
         if batch is not None:
             # The graph holds the whole step, the float32 copy of the logits included.
             step = pad_decode(step, batch, self.pad_block, self.engine.kv_cache["block_size"])
-            self._prepare(step, copies)
+            self._prepare(step, copies, feed)
             self.graphs[batch].replay()
             return self.logits[:rows * self.vocab].view(rows, self.vocab)
-        dims, values = self._begin(step, copies)
+        dims, values = self._begin(step, copies, feed)
         self._launch(dims, values)
         return self._copy_logits(dims, rows)
 

@@ -1,7 +1,9 @@
 """The engine loop's body, single-threaded: admit requests, run a step, hand tokens back.
 
-A step reads as three verbs: the scheduler picks the chunks, the executor runs them, and
-`_postprocess` samples, appends and finishes sequences. `Session` drives this from a
+A step reads as three verbs: the scheduler picks the chunks, `_launch` runs them and samples
+their tokens on the device, and the step in flight hands its tokens back to `_append`, which
+finishes sequences. Overlapped (the default on one device, see runtime/overlap.py), a step is
+launched before the previous one's tokens are handed back. `Session` drives this from a
 background thread; nothing here knows about threads.
 """
 from __future__ import annotations
@@ -21,11 +23,12 @@ from kiln.runtime.executor import CpuExecutor
 from kiln.runtime.tp_executor import TensorParallelExecutor
 from kiln.runtime.kv_cache import BlockManager, blocks_for_memory, bytes_per_block
 from kiln.runtime.outputs import CompletionOutput, RequestOutput
-from kiln.runtime.sampler import make_generator, plain_greedy, sample
+from kiln.runtime.overlap import InFlight, Launched
+from kiln.runtime.sampler import make_generator, needs_history, pick_tokens
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import ScheduledChunk, Scheduler
 from kiln.runtime.sequence import Request, Sequence, Status
-from kiln.runtime.step import SequenceChunk, pack_step
+from kiln.runtime.step import SequenceChunk, pack_step, to_device
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -53,7 +56,10 @@ def resolve_device(engine_dir: str | Path, device: str | None) -> str:
 
 class EngineCore:
     def __init__(self, engine_dir: str | Path, device: str | None = None, kv_cache_fraction: float | None = None,
-                 max_kv_tokens: int | None = None, policy: str = "max_utilization", worker_timeout: float = 60.0):
+                 max_kv_tokens: int | None = None, policy: str = "max_utilization", worker_timeout: float = 60.0,
+                 overlap: bool = True):
+        """`overlap=False` runs the plain loop; tensor-parallel engines always do (their ranks
+        cannot read the sampled ids that stay on this process's device)."""
         on_gpu = resolve_device(engine_dir, device) == "cuda"
         # A GPU runs the cubins built for its arch, so the engine must list that target.
         self.engine = load_engine(engine_dir, target=device_arch() if on_gpu else "cpu")
@@ -96,6 +102,7 @@ class EngineCore:
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.requests: dict[str, Request] = {}
         self.peak_blocks = 0
+        self.in_flight = InFlight(overlap and world == 1, self._append)
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -142,7 +149,7 @@ class EngineCore:
         return request
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.in_flight.busy
 
     def close(self) -> None:
         self.executor.close()
@@ -150,19 +157,28 @@ class EngineCore:
     # -- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """Run one step; returns the requests that got new tokens or finished."""
+        """Run one step; returns the requests that got new tokens or finished (overlapped: the
+        tokens of the step before, while this one runs)."""
+        done = self.in_flight.settle() if self.in_flight.must_settle() else []
         batch, copies = self.scheduler.schedule()
-        if not batch:
+        if not batch and not self.in_flight.busy:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("the scheduler cannot admit any waiting request (KV pool too small)")
-            return []
+            return done
         self.peak_blocks = max(self.peak_blocks, self.blocks.used_blocks())
-        chunks = [SequenceChunk(c.seq.token_ids[c.seq.num_cached:c.seq.num_cached + c.num_tokens], c.seq.num_cached,
-                                self.blocks.table(c.seq.seq_id)) for c in batch]
-        logits = self.executor.run(pack_step(chunks, self.block_size, self.engine.bounds["B"]), copies)
-        return self._postprocess(batch, logits)
+        return done + self.in_flight.hand_over(self._launch(batch, copies) if batch else None)
 
-    def _postprocess(self, batch: list[ScheduledChunk], logits) -> list[Request]:
+    def _launch(self, batch: list[ScheduledChunk], copies: list[tuple[int, int]]) -> Launched | None:
+        """Run the step and sample its tokens, both enqueued on the device; None when no chunk
+        of the step reaches the end of its sequence (prefill chunks only)."""
+        chunks = []
+        for c in batch:
+            ids = c.seq.token_ids[c.seq.num_cached:c.seq.num_cached + c.num_tokens]
+            # A pending token's id is still on the device: the feed puts it in place there.
+            chunks.append(SequenceChunk(ids + [0] * (c.num_tokens - len(ids)), c.seq.num_cached,
+                                        self.blocks.table(c.seq.seq_id)))
+        logits = self.executor.run(pack_step(chunks, self.block_size, self.engine.bounds["B"]), copies,
+                                   self.in_flight.feed(batch))
         rows: list[tuple[int, Sequence]] = []
         for i, c in enumerate(batch):
             samples = c.samples
@@ -171,24 +187,27 @@ class EngineCore:
                 rows.append((i, c.seq))
                 rows += [(i, child) for child in self._fork(c.seq)]
         if not rows:
-            return []
+            return None
         seqs = [s for _, s in rows]
         picked = [i for i, _ in rows]
         params = [s.request.params for s in seqs]
-        generated = [s.num_output for s in seqs]
-        # Only rows that penalties or masks touch read the token history: copying every row's
-        # would cost O(length) per step.
-        history = [not plain_greedy(p, n) for p, n in zip(params, generated)]
-        result = sample(logits if picked == list(range(logits.shape[0])) else logits[picked], params,
-                        [s.generator for s in seqs], [s.output_ids if h else [] for s, h in zip(seqs, history)],
-                        [s.token_ids[:s.num_prompt] if h else [] for s, h in zip(seqs, history)], generated,
-                        self.eos_ids)
-        for seq, token, logprob in zip(seqs, result.tokens, result.logprobs):
-            seq.token_ids.append(token)
-            if logprob is not None:
-                seq.logprobs.append(logprob)
-            self._check_finished(seq, token)
-        return list({id(s.request): s.request for s in seqs}.values())
+        generated = [s.num_output + s.pending for s in seqs]
+        # Only rows that penalties or bad words touch read the token history: copying every
+        # row's would cost O(length) per step. (`InFlight.must_settle` made it whole.)
+        history = [needs_history(p) for p in params]
+        if picked != list(range(logits.shape[0])):
+            logits = logits.index_select(0, to_device(picked, torch.long, logits.device))
+        tokens, logprobs = pick_tokens(logits, params, [s.generator for s in seqs],
+                                       [s.output_ids if h else [] for s, h in zip(seqs, history)],
+                                       [s.token_ids[:s.num_prompt] if h else [] for s, h in zip(seqs, history)],
+                                       generated, self.eos_ids)
+        return self.in_flight.launch(seqs, tokens, logprobs)
+
+    def _append(self, seq: Sequence, token: int, logprob: dict | None) -> None:
+        seq.token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        self._check_finished(seq, token)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """After the prompt's prefill, the other n-1 samples share its blocks."""

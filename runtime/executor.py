@@ -14,7 +14,7 @@ import torch
 from kiln.plugins import STEP_INPUTS
 from kiln.runtime.arena import Arena
 from kiln.runtime.engine import Engine
-from kiln.runtime.step import StepInputs
+from kiln.runtime.step import Feed, StepInputs
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "int32": torch.int32, "int64": torch.int64}
@@ -60,16 +60,20 @@ class ArenaExecutor:
             raise ValueError(f"block tables must have {bounds['B']} columns, got {step.block_tables.shape[1]}")
         return dims
 
-    def _prepare(self, step: StepInputs, copies: list[tuple[int, int]]) -> dict[str, int]:
-        """Do the copy-on-write copies and put the step inputs in the arena; returns the step's dims."""
+    def _prepare(self, step: StepInputs, copies: list[tuple[int, int]], feed: Feed | None = None) -> dict[str, int]:
+        """Do the copy-on-write copies and put the step inputs in the arena, with the fed token
+        ids (see `runtime.step.Feed`) in place; returns the step's dims."""
         self.copy_blocks(copies)
         dims = self._dims(step)
         self._stage_inputs(step, dims)
+        if feed is not None:
+            feed.apply(self._view("input_ids", dims))
         return dims
 
-    def _begin(self, step: StepInputs, copies: list[tuple[int, int]]) -> tuple[dict[str, int], dict]:
+    def _begin(self, step: StepInputs, copies: list[tuple[int, int]],
+               feed: Feed | None = None) -> tuple[dict[str, int], dict]:
         """`_prepare`, then the tensors bound so far (the KV cache and the step inputs)."""
-        dims = self._prepare(step, copies)
+        dims = self._prepare(step, copies, feed)
         values: dict[str, torch.Tensor] = {"kv_cache": self.kv_cache}
         values.update((spec.name, self._view(spec.name, dims)) for spec in STEP_INPUTS)
         return dims, values
@@ -101,10 +105,10 @@ class ArenaExecutor:
 
 
 class CpuExecutor(ArenaExecutor):
-    def run(self, step: StepInputs, copies: list[tuple[int, int]] = ()) -> torch.Tensor:
+    def run(self, step: StepInputs, copies: list[tuple[int, int]] = (), feed: Feed | None = None) -> torch.Tensor:
         """Run one step, after the copy-on-write block copies the scheduler asked for; returns
         the logits of the requested rows, [L, vocab] in float32."""
-        dims, values = self._begin(step, copies)
+        dims, values = self._begin(step, copies, feed)
         weights = self.engine.weights
         for op in self.engine.plan:
             args = [None if t is None else values[t] if t in values else weights[t] for t in op.inputs.values()]

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.step import to_device
 
 
 @dataclass
@@ -68,13 +69,13 @@ def apply_penalties(logits_row: torch.Tensor, params: SamplingParams, prompt_tok
         seen = set(prompt_tokens)
         seen.update(output_tokens)
         if seen:
-            idx = torch.tensor(sorted(seen), dtype=torch.long, device=row.device)
+            idx = to_device(sorted(seen), torch.long, row.device)
             vals = row[idx]
             row[idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
     if output_tokens and (params.presence_penalty or params.frequency_penalty):
-        counts = torch.bincount(torch.tensor(output_tokens, dtype=torch.long, device=row.device),
-                                minlength=row.numel())
-        counts = counts.to(torch.float32)
+        # index_add_, not bincount: CUDA's bincount reads the largest id back to the host.
+        ids = to_device(output_tokens, torch.long, row.device)
+        counts = torch.zeros_like(row).index_add_(0, ids, torch.ones(ids.shape, device=row.device))
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(torch.float32)
     return row
 
@@ -92,7 +93,7 @@ def sampling_distribution(logits_row: torch.Tensor, params: SamplingParams) -> t
 def sampling_distributions(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Step (e) for a batch of rows [n, V] with temperatures above 0: their probabilities."""
     def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=logits.device)[:, None]
+        return to_device(values, torch.float32, logits.device)[:, None]
 
     probs = torch.softmax(logits / column([p.temperature for p in params]), dim=-1)
     if all(p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0 for p in params):
@@ -122,6 +123,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     `generators[i]` should come from `make_generator(params[i].seed, logits.device)`; a row
     with None draws from torch's global RNG. Neither `logits` nor the token lists are modified.
     """
+    tokens, logprobs = pick_tokens(logits, params, generators, output_tokens, prompt_tokens, num_generated, eos_ids)
+    return SampleResult(tokens.tolist(), logprobs)
+
+
+def pick_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                output_tokens: list[list[int]], prompt_tokens: list[list[int]], num_generated: list[int],
+                eos_ids: tuple[int, ...]) -> tuple[torch.Tensor, list[dict | None]]:
+    """`sample`, with the tokens left where the logits are (int64 [B]): everything is enqueued
+    on the device's stream and nothing waits for it, except for rows that ask for logprobs,
+    whose entries need their token on the host. Only rows for which `needs_history` holds read
+    their token lists."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
     batch, vocab = logits.shape
@@ -129,43 +141,57 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
                       ("prompt_tokens", prompt_tokens), ("num_generated", num_generated)):
         if len(seq) != batch:
             raise ValueError(f"{name} has {len(seq)} entries for {batch} logits rows")
+    device = logits.device
 
-    # Plain greedy rows take one batched argmax, and only their token ids cross to the host.
-    # The other rows get their penalties and masks one by one, then one argmax or one draw.
+    def index(rows: list[int]) -> torch.Tensor:
+        return to_device(rows, torch.long, device)
+
+    # Plain greedy rows take one batched argmax. The other rows get their penalties and masks
+    # one by one, then one argmax or one draw.
     plain = [i for i, p in enumerate(params) if plain_greedy(p, num_generated[i])]
-    tokens: list[int] = [0] * batch
     logprobs: list[dict | None] = [None] * batch
+    if len(plain) == batch:
+        return logits.argmax(dim=-1), logprobs
+    tokens = torch.empty(batch, dtype=torch.long, device=device)
     if plain:
-        picked = (logits if len(plain) == batch else logits[plain]).argmax(dim=-1).tolist()
-        for i, token in zip(plain, picked):
-            tokens[i] = token
+        rows = index(plain)
+        tokens.index_copy_(0, rows, logits.index_select(0, rows).argmax(dim=-1))
     others = sorted(set(range(batch)) - set(plain))
-    if not others:
-        return SampleResult(tokens, logprobs)
-    rows = logits[others].to(torch.float32)
+    rows = logits.index_select(0, index(others)).to(torch.float32)
     for j, i in enumerate(others):
         p = params[i]
-        rows[j] = apply_penalties(rows[j], p, prompt_tokens[i], output_tokens[i])
+        if needs_history(p):
+            rows[j] = apply_penalties(rows[j], p, prompt_tokens[i], output_tokens[i])
         banned = _bad_words_banned(p, output_tokens[i], vocab)
         if num_generated[i] < p.min_tokens:
             banned += [t for t in (*eos_ids, *p.stop_token_ids) if 0 <= t < vocab]
         if banned:
-            rows[j, torch.tensor(banned, dtype=torch.long, device=rows.device)] = float("-inf")
-    greedy = [j for j, i in enumerate(others) if params[others[j]].greedy]
-    drawn = [j for j in range(len(others)) if j not in set(greedy)]
-    picks: dict[int, int] = {}
+            rows[j].index_fill_(0, index(banned), float("-inf"))
+    greedy = [j for j, i in enumerate(others) if params[i].greedy]
+    drawn = [j for j, i in enumerate(others) if not params[i].greedy]
+    picks = torch.empty(len(others), dtype=torch.long, device=device)
     if greedy:
-        picks.update(zip(greedy, rows[greedy].argmax(dim=-1).tolist()))
+        at = index(greedy)
+        picks.index_copy_(0, at, rows.index_select(0, at).argmax(dim=-1))
     if drawn:
-        probs = sampling_distributions(rows[drawn], [params[others[j]] for j in drawn])
-        race = torch.stack([torch.empty(vocab, device=rows.device).exponential_(generator=generators[others[j]])
+        at = index(drawn)
+        probs = sampling_distributions(rows.index_select(0, at), [params[others[j]] for j in drawn])
+        race = torch.stack([torch.empty(vocab, device=device).exponential_(generator=generators[others[j]])
                             for j in drawn])
-        picks.update(zip(drawn, (probs / race).argmax(dim=-1).tolist()))
-    for j, i in enumerate(others):
-        tokens[i] = picks[j]
-        if params[i].logprobs is not None:
-            logprobs[i] = _token_logprobs(rows[j], params[i], picks[j])
-    return SampleResult(tokens, logprobs)
+        picks.index_copy_(0, at, (probs / race).argmax(dim=-1))
+    tokens.index_copy_(0, index(others), picks)
+    wanted = [j for j, i in enumerate(others) if params[i].logprobs is not None]
+    if wanted:
+        chosen = picks.tolist()
+        for j in wanted:
+            logprobs[others[j]] = _token_logprobs(rows[j], params[others[j]], chosen[j])
+    return tokens, logprobs
+
+
+def needs_history(p: SamplingParams) -> bool:
+    """Whether the row's token lists change its pick: penalties and bad words read them
+    (min_tokens reads only how many tokens were generated)."""
+    return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.bad_words)
 
 
 def plain_greedy(p: SamplingParams, num_generated: int) -> bool:

@@ -10,6 +10,10 @@ Policies:
   to waiting, to be prefilled again with the tokens it already has).
 - `guaranteed_no_evict`: admit a request only when the worst case of every admitted request
   (prompt + max_tokens, for each of its samples) fits, so nothing is ever preempted.
+
+With the overlapped loop (runtime/overlap.py) a sequence may have a pending token, sampled on
+the device but not on the host yet: it counts as a token to compute, so the sequence decodes
+in the next step, unless that token is its last (`Sequence.out_of_tokens`).
 """
 from __future__ import annotations
 
@@ -28,9 +32,10 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        """Whether this chunk reaches the end of the sequence's tokens, so its last row's
-        logits give the next token."""
-        return self.seq.num_cached + self.num_tokens == self.seq.num_tokens
+        """Whether this chunk reaches the end of the sequence's tokens (a pending one included),
+        so its last row's logits give the next token. Read before the step advances
+        `num_cached`."""
+        return self.num_tokens == self.seq.num_uncached
 
 
 class Scheduler:
@@ -88,13 +93,13 @@ class Scheduler:
         budget, batch, copies = self.max_num_tokens, [], []
         scheduled: set[int] = set()
         # Decode tokens first: a long prompt's remaining chunks must never stall decoding.
-        decoding_first = sorted(self.running, key=lambda s: (s.num_tokens - s.num_cached > 1, s.sort_key))
+        decoding_first = sorted(self.running, key=lambda s: (s.num_uncached > 1, s.sort_key))
         for seq in decoding_first:
-            if seq not in self.running:
-                continue  # preempted while making room for an earlier sequence
+            if seq not in self.running or seq.out_of_tokens:
+                continue  # preempted while making room for an earlier sequence, or done once its token lands
             if len(batch) == self.max_batch_size or budget == 0:
                 break
-            n = min(seq.num_tokens - seq.num_cached, budget)
+            n = min(seq.num_uncached, budget)
             while not self.blocks.can_append(seq.seq_id, seq.num_cached + n):
                 victims = [s for s in self.running if s.seq_id not in scheduled]
                 victim = max(victims, key=lambda s: s.sort_key)
@@ -109,6 +114,8 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(batch) < self.max_batch_size:
             seq = self.waiting[0]
+            if seq.pending:
+                break  # preempted with its last token still on the device: admitted once it lands
             n = min(seq.num_tokens, budget)
             if self.policy == "guaranteed_no_evict" and seq.num_cached == 0 and not seq.request.forked:
                 if self.blocks.num_free - self._reserved_blocks() < self._worst_case_blocks(seq):

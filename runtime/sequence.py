@@ -36,6 +36,9 @@ class Sequence:
     generator: torch.Generator | None
     seq_id: int = field(default_factory=lambda: next(_ids))
     num_cached: int = 0
+    # Tokens sampled on the device that have not reached `token_ids` yet (the overlapped loop,
+    # runtime/overlap.py): they count as tokens to compute, not as output.
+    pending: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
     text: str = ""  # what callers see: held back mid-stream, cut at a stop string
@@ -50,6 +53,17 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_uncached(self) -> int:
+        """Tokens the KV cache still lacks, the pending ones included."""
+        return self.num_tokens + self.pending - self.num_cached
+
+    @property
+    def out_of_tokens(self) -> bool:
+        """Whether the pending token is the last that max_tokens allows, so the sequence needs
+        no further step."""
+        return self.pending > 0 and self.num_output + self.pending >= self.request.params.max_tokens
 
     @property
     def num_output(self) -> int:

@@ -25,11 +25,14 @@ class Session:
     """Serve an engine folder. A tensor-parallel engine starts one worker process per rank
     (a fresh interpreter each, so the caller's script needs no `__main__` guard); a rank that
     dies or does not answer within `worker_timeout` seconds fails the requests in flight with an
-    error naming it."""
+    error naming it. `overlap=False` runs the plain engine loop instead of the overlapped one
+    (runtime/overlap.py); the tokens are the same."""
 
     def __init__(self, engine_dir: str | Path, device: str | None = None, kv_cache_fraction: float | None = None,
-                 max_kv_tokens: int | None = None, policy: str = "max_utilization", worker_timeout: float = 60.0):
-        self._core = EngineCore(engine_dir, device, kv_cache_fraction, max_kv_tokens, policy, worker_timeout)
+                 max_kv_tokens: int | None = None, policy: str = "max_utilization", worker_timeout: float = 60.0,
+                 overlap: bool = True):
+        self._core = EngineCore(engine_dir, device, kv_cache_fraction, max_kv_tokens, policy, worker_timeout,
+                                overlap)
         self._lock = threading.Condition()
         # Python's locks are not fair: the loop takes `_lock` again right after each step, before
         # a woken caller can, so a cancel, submit or close could wait until all work is done.

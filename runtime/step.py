@@ -27,6 +27,29 @@ class SequenceChunk:
 
 
 @dataclass
+class Feed:
+    """Input tokens that the previous step sampled and the host has not seen yet: the executor
+    sets `input_ids[rows[i]] = sampled[picks[i]]` on the device after staging the inputs."""
+
+    rows: list[int]
+    picks: list[int]
+    sampled: torch.Tensor  # the previous step's sampled ids, where its logits were
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        device = input_ids.device
+        chosen = self.sampled.index_select(0, to_device(self.picks, torch.long, self.sampled.device))
+        input_ids.index_copy_(0, to_device(self.rows, torch.long, device), chosen.to(device, input_ids.dtype))
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`, without waiting for the device's stream: a CUDA copy
+    goes from pinned memory, non-blocking. (A plain `torch.tensor(values, device=...)` makes a
+    blocking copy that waits for every kernel in flight, which the overlapped loop must not.)"""
+    on_gpu = torch.device(device).type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=on_gpu).to(device, non_blocking=True)
+
+
+@dataclass
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor

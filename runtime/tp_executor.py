@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import kiln
-from kiln.runtime.step import StepInputs
+from kiln.runtime.step import Feed, StepInputs
 
 AUTHKEY_ENV = "KILN_TP_AUTHKEY"
 STARTUP_TIMEOUT = 120.0
@@ -135,7 +135,10 @@ class TensorParallelExecutor:
             code = None
         return WorkerError(f"tensor-parallel rank {rank} died while {doing} (exit code {code})")
 
-    def run(self, step: StepInputs, copies: list[tuple[int, int]] = ()) -> torch.Tensor:
+    def run(self, step: StepInputs, copies: list[tuple[int, int]] = (), feed: Feed | None = None) -> torch.Tensor:
+        if feed is not None:
+            raise ValueError("a tensor-parallel engine runs the plain engine loop: its ranks cannot read the sampled "
+                             "ids kept on this process's device (EngineCore turns overlap off for it)")
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send(("run", (step, list(copies))))

@@ -1,0 +1,132 @@
+"""The overlapped engine loop: the host prepares step N+1 while the device runs step N.
+
+Plain, a step is: schedule, run, sample, wait for the tokens, append and check them. The host
+work (scheduling, packing, detokenizing, stop checks) then leaves the GPU idle. Overlapped,
+`EngineCore.step` schedules and launches step N+1 (its forward and its sampling, enqueued on
+the device's stream) before step N's tokens are on the host, then appends and checks N's
+tokens while the device runs N+1. `InFlight` keeps the one launched step whose tokens are
+still on their way, and is what makes this exact:
+
+- A sequence whose token is still on the device has `Sequence.pending` set. The scheduler
+  counts that token as one to compute, so the sequence decodes in N+1; its input id is taken
+  on the device from N's sampled ids (`runtime.step.Feed`), and the sampler counts it among
+  the generated tokens (min_tokens). A sequence whose pending token is its last under
+  max_tokens is not scheduled again.
+- N's ids come back through a non-blocking copy into pinned memory and an event; only
+  `settle` waits, on that event. Tokens are appended and checked (stop ids, stop strings,
+  length) in step order, so outputs and text are those of the plain loop.
+- A sequence that N finished (a stop id or string) or that was cancelled meanwhile was already
+  launched in N+1: that one extra token is dropped when it arrives, never emitted. Its blocks
+  were freed when it finished; the device writes N+1's KV into them before any later step can
+  reuse them, since everything runs on one stream.
+- A sequence preempted with a pending token gets that token when N settles, and is admitted
+  again only then (the scheduler skips it before).
+- Penalties and bad words read the token history, which the pending token belongs to: when a
+  running sequence with a pending token uses them, N settles before N+1 is scheduled (the
+  plain order, for that step only). Seeded draws need nothing from the host: each sequence's
+  generator lives on the device and is used once per step, in the same order. Rows asking for
+  logprobs read their token on the host when sampled (a wait for the device in that step, but
+  the same values).
+
+With `overlap=False` each step settles at its own end: the plain loop, through the same code.
+On the CPU executor everything runs synchronously, but through the same code path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kiln.runtime.sampler import needs_history
+from kiln.runtime.scheduler import ScheduledChunk
+from kiln.runtime.sequence import Request, Sequence, Status
+from kiln.runtime.step import Feed
+
+Append = Callable[[Sequence, int, "dict | None"], None]
+
+
+@dataclass
+class Launched:
+    """A step whose sampled ids are on their way to the host: row i of `tokens` is `seqs[i]`'s."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor             # where the logits were
+    host: torch.Tensor               # the ids on the host once `ready` has passed
+    ready: torch.cuda.Event | None   # None: `host` is already there
+    logprobs: list[dict | None]
+    row_of: dict[int, int]           # seq_id -> row
+
+    def wait(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
+class InFlight:
+    """The launched step whose tokens have not been appended yet (at most one)."""
+
+    def __init__(self, overlap: bool, append: Append) -> None:
+        self.overlap = overlap
+        self._append = append
+        self.step: Launched | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.step is not None
+
+    def must_settle(self) -> bool:
+        """Whether the next step cannot be scheduled before the launched one's tokens are on the
+        host: a running sequence with a pending token reads its token history when sampled."""
+        return self.step is not None and any(
+            s.pending and s.status is Status.RUNNING and needs_history(s.request.params) for s in self.step.seqs)
+
+    def feed(self, batch: list[ScheduledChunk]) -> Feed | None:
+        """Where the batch's pending tokens go in the step's input ids: each is the last token of
+        its sequence's chunk, and the row of its sequence in the launched step's sampled ids."""
+        rows, picks, first = [], [], 0
+        for c in batch:
+            first += c.num_tokens
+            if c.seq.pending:
+                rows.append(first - 1)
+                picks.append(self.step.row_of[c.seq.seq_id])
+        return Feed(rows, picks, self.step.tokens) if rows else None
+
+    def launch(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: list[dict | None]) -> Launched:
+        """Record a step whose sampling has been enqueued: its sequences' tokens are pending, and
+        a copy of the ids to the host is started."""
+        for seq in seqs:
+            seq.pending += 1
+        row_of = {s.seq_id: i for i, s in enumerate(seqs)}
+        if tokens.device.type != "cuda":
+            return Launched(seqs, tokens, tokens, None, logprobs, row_of)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return Launched(seqs, tokens, host, ready, logprobs, row_of)
+
+    def hand_over(self, launched: Launched | None) -> list[Request]:
+        """Make `launched` the step in flight and settle the one before it; without overlap,
+        settle `launched` at once. Returns the requests that got tokens or finished."""
+        previous, self.step = self.step, launched
+        done = self._settle(previous) if previous is not None else []
+        if not self.overlap:
+            done += self.settle()
+        return list({id(r): r for r in done}.values())
+
+    def settle(self) -> list[Request]:
+        """Wait for the step in flight, then append and check its tokens."""
+        launched, self.step = self.step, None
+        return self._settle(launched) if launched is not None else []
+
+    def _settle(self, launched: Launched) -> list[Request]:
+        tokens = launched.wait()
+        updated: dict[int, Request] = {}
+        for seq, token, logprob in zip(launched.seqs, tokens, launched.logprobs):
+            seq.pending -= 1
+            if seq.status is Status.FINISHED:
+                continue  # stopped or cancelled after this step was launched: the extra token is dropped
+            self._append(seq, token, logprob)
+            updated[id(seq.request)] = seq.request
+        return list(updated.values())
