@@ -71,11 +71,14 @@ class _StreamEcho:
                    "else the CPU.")
 @click.option("--policy", type=click.Choice(POLICIES), default=POLICIES[0], show_default=True,
               help="max_utilization admits eagerly and may preempt; guaranteed_no_evict never preempts.")
+@click.option("--no-overlap", is_flag=True,
+              help="Run the plain engine loop: the host waits for each step's tokens before scheduling the next.")
 @click.option("--stream", is_flag=True, help="Print text as it arrives, one prompt after another (n must be 1).")
 @click.option("--stats", is_flag=True, help="Then print token counts, tokens/s, time to first token, KV use.")
 @click.pass_context
 def run_engine(ctx: click.Context, engine_dir: Path, prompts: tuple[str, ...], prompt_file: TextIO | None,
-               max_kv_tokens: int | None, device: str, policy: str, stream: bool, stats: bool, **sampling: Any) -> None:
+               max_kv_tokens: int | None, device: str, policy: str, no_overlap: bool, stream: bool, stats: bool,
+               **sampling: Any) -> None:
     """Generate text from a Kiln engine.
 
     All prompts are submitted together and batched in flight. Sampling is greedy unless
@@ -93,7 +96,8 @@ def run_engine(ctx: click.Context, engine_dir: Path, prompts: tuple[str, ...], p
     if stream and params.n != 1:
         raise click.UsageError("--stream prints one completion per prompt: drop --n or --stream")
     try:
-        session = Session(engine_dir, device=device, max_kv_tokens=max_kv_tokens, policy=policy)
+        session = Session(engine_dir, device=device, max_kv_tokens=max_kv_tokens, policy=policy,
+                          overlap=not no_overlap)
     except (EngineFileError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     with session:

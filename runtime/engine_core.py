@@ -166,19 +166,23 @@ class EngineCore:
                 raise RuntimeError("the scheduler cannot admit any waiting request (KV pool too small)")
             return done
         self.peak_blocks = max(self.peak_blocks, self.blocks.used_blocks())
-        return done + self.in_flight.hand_over(self._launch(batch, copies) if batch else None)
+        launched = self._sample(batch, self._run(batch, copies)) if batch else None
+        return done + self.in_flight.hand_over(launched)
 
-    def _launch(self, batch: list[ScheduledChunk], copies: list[tuple[int, int]]) -> Launched | None:
-        """Run the step and sample its tokens, both enqueued on the device; None when no chunk
-        of the step reaches the end of its sequence (prefill chunks only)."""
+    def _run(self, batch: list[ScheduledChunk], copies: list[tuple[int, int]]) -> torch.Tensor:
+        """Enqueue the step on the device; returns its logits."""
         chunks = []
         for c in batch:
             ids = c.seq.token_ids[c.seq.num_cached:c.seq.num_cached + c.num_tokens]
             # A pending token's id is still on the device: the feed puts it in place there.
             chunks.append(SequenceChunk(ids + [0] * (c.num_tokens - len(ids)), c.seq.num_cached,
                                         self.blocks.table(c.seq.seq_id)))
-        logits = self.executor.run(pack_step(chunks, self.block_size, self.engine.bounds["B"]), copies,
-                                   self.in_flight.feed(batch))
+        return self.executor.run(pack_step(chunks, self.block_size, self.engine.bounds["B"]), copies,
+                                 self.in_flight.feed(batch))
+
+    def _sample(self, batch: list[ScheduledChunk], logits: torch.Tensor) -> Launched | None:
+        """Enqueue the sampling of the chunks that reach the end of their sequence (and of the
+        samples forked from a prompt); None when there are none (prefill chunks only)."""
         rows: list[tuple[int, Sequence]] = []
         for i, c in enumerate(batch):
             samples = c.samples

@@ -17,7 +17,8 @@ Each row belongs to one sequence and is processed in this order:
       from what is left.
 
 Everything runs where the logits are (the GPU's, usually) and in batches: one argmax for the
-greedy rows, one softmax, sort and draw for the sampled rows. Only (a)-(c) touch rows one at
+greedy rows, one softmax, sort and draw for the sampled rows. `pick_tokens` leaves the tokens
+there and waits for nothing, so the engine loop can enqueue a step's sampling and move on. Only (a)-(c) touch rows one at
 a time, and only the rows that use them. A draw is an exponential race, argmax(p / E) with E
 ~ Exp(1) per token, which picks token i with probability p_i; each seeded row's E comes from
 its own generator, so a seeded request gets the same tokens whatever else shares its batch.
