@@ -228,6 +228,9 @@ def _echo_stats(results: list[_Result], wall: float, session_stats: dict) -> Non
         ("time to first token", f"{1000 * sum(ttfts) / len(ttfts):.1f} ms mean" if ttfts else "none"),
         ("KV blocks used", f"{session_stats['kv_blocks_peak']} peak / {session_stats['kv_blocks_total']} total"),
         ("preemptions", f"{session_stats['preemptions']}"),
+        ("engine loaded", f"{session_stats['loaded_s']:.2f} s after process start"),
+        ("first token", f"{session_stats['first_token_s']:.2f} s after process start"
+         if session_stats["first_token_s"] is not None else "none"),
     ]
     for name, value in rows:
         click.echo(click.style(f"{name:<21}", dim=True) + value, err=True)

@@ -28,6 +28,7 @@ from kiln.runtime.sampler import make_generator, needs_history, pick_tokens
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import ScheduledChunk, Scheduler
 from kiln.runtime.sequence import Request, Sequence, Status
+from kiln.runtime.startup import process_age
 from kiln.runtime.step import SequenceChunk, pack_step, to_device
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -103,6 +104,9 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.peak_blocks = 0
         self.in_flight = InFlight(overlap and world == 1, self._append)
+        # Start-up latency, in seconds since the process started (runtime/startup.py).
+        self.loaded_after = process_age()
+        self.first_token_after: float | None = None
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -208,6 +212,8 @@ class EngineCore:
         return self.in_flight.launch(seqs, tokens, logprobs)
 
     def _append(self, seq: Sequence, token: int, logprob: dict | None) -> None:
+        if self.first_token_after is None:
+            self.first_token_after = process_age()
         seq.token_ids.append(token)
         if logprob is not None:
             seq.logprobs.append(logprob)

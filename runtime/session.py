@@ -72,7 +72,9 @@ class Session:
             blocks = self._core.blocks
             return {"kv_blocks_total": blocks.num_blocks, "kv_blocks_used": blocks.used_blocks(),
                     "running": len(self._core.scheduler.running), "waiting": len(self._core.scheduler.waiting),
-                    "preemptions": self._core.scheduler.num_preemptions, "kv_blocks_peak": self._core.peak_blocks}
+                    "preemptions": self._core.scheduler.num_preemptions, "kv_blocks_peak": self._core.peak_blocks,
+                    # seconds from the process's start to the engine loaded and to its first token (or None)
+                    "loaded_s": self._core.loaded_after, "first_token_s": self._core.first_token_after}
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

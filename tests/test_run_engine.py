@@ -2,6 +2,10 @@
 bad flags, refused prompts and missing engines give a clear message with no traceback."""
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -87,6 +91,29 @@ def test_stats_report_throughput_and_kv_use(engine):
     kv_line = next(line for line in result.output.splitlines() if line.startswith("KV blocks used"))
     peak, total = kv_line.split()[3], kv_line.split()[6]
     assert 0 < int(peak) <= int(total), kv_line
+
+
+def test_stats_report_start_up_from_process_start(engine):
+    """In a process of its own, so the clock starts with the interpreter: loaded, then first token,
+    both within the process's life."""
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", "from kiln.runtime.cli import run_engine; run_engine()",
+                             "--engine", str(engine), "--prompt", "Hello", "--max-tokens", "2", "--stats"],
+                            capture_output=True, text=True, timeout=300)
+    lived = time.monotonic() - started
+    assert result.returncode == 0, result.stderr
+    seconds = {}
+    for line in result.stderr.splitlines():
+        for what in ("engine loaded", "first token"):
+            if line.startswith(what):
+                seconds[what] = float(line[len(what):].split()[0])
+    assert 0 < seconds["engine loaded"] <= seconds["first token"] < lived, result.stderr
+
+
+def test_no_overlap_prints_the_same_completions(engine, plain):
+    result = invoke(engine, *prompt_args(), "--max-tokens", 12, "--no-overlap")
+    assert result.exit_code == 0, result.output
+    assert result.output == plain.output
 
 
 @pytest.mark.parametrize("args, words", [
