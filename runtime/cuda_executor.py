@@ -24,7 +24,7 @@ import torch.distributed
 
 from kiln.plugins import PluginSpec
 from kiln.runtime.cuda_driver import CudaKernel, device_arch, load_kernel
-from kiln.runtime.decode_graphs import graph_batch_sizes, is_pure_decode, pad_decode, padding_step
+from kiln.runtime.decode_graphs import decode_batch_limit, graph_batch_sizes, is_pure_decode, pad_decode, padding_step
 from kiln.runtime.engine import Engine, EngineLoadError
 from kiln.runtime.engine_file import read_engine_file
 from kiln.runtime.executor import DTYPES, ArenaExecutor
@@ -179,7 +179,7 @@ class CudaExecutor(ArenaExecutor):
     def _capture_decode_graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
         bounds, block_size = self.engine.bounds, self.engine.kv_cache["block_size"]
         graphs = {}
-        for batch in graph_batch_sizes(min(bounds["T"], bounds["S"], bounds["L"])):
+        for batch in graph_batch_sizes(decode_batch_limit(bounds, self.pad_block)):
             dims, values = self._begin(padding_step(batch, self.pad_block, block_size, bounds["B"]), ())
             self._launch(dims, values)  # an eager run first, as CUDA graph capture advises
             graph = torch.cuda.CUDAGraph()

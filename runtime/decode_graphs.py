@@ -13,6 +13,14 @@ import torch
 from kiln.runtime.step import StepInputs
 
 
+def decode_batch_limit(bounds: dict[str, int], num_kv_blocks: int) -> int:
+    """The most sequences a pure decode step can hold: the engine's bounds on tokens, sequences
+    and logit rows, and the KV pool's blocks, since every sequence of a step writes its new KV
+    into a block that no other sequence holds (copy-on-write sees to it). Graphs for larger
+    batches would never be replayed."""
+    return min(bounds["T"], bounds["S"], bounds["L"], num_kv_blocks)
+
+
 def graph_batch_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 8 up to `max_batch` (and `max_batch` itself): at most
     7 padding rows per step, at the price of one small graph per size."""

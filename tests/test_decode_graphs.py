@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.runtime.decode_graphs import graph_batch_sizes, is_pure_decode, pad_decode, padding_step
+from kiln.runtime.decode_graphs import decode_batch_limit, graph_batch_sizes, is_pure_decode, pad_decode, padding_step
 from kiln.runtime.engine import load_engine
 from kiln.runtime.executor import CpuExecutor
 from kiln.runtime.step import SequenceChunk, pack_step
@@ -62,3 +62,27 @@ def test_a_padded_step_keeps_real_logits_and_caches(factory):
     assert padded_changed == plain_changed == sorted({s // bs for s in step.slot_mapping.tolist()})
     # Real blocks hold the same KV (batch size changes only the float rounding on the CPU).
     assert torch.allclose(padded_cache, plain_cache, rtol=1e-5, atol=1e-6)
+
+
+def test_no_decode_step_holds_more_sequences_than_the_pool_has_blocks(factory):
+    """What lets the CUDA executor skip graphs above `decode_batch_limit`: with forked samples
+    sharing a partly filled prompt block, and more requests than the pool can hold at once."""
+    from kiln.runtime.engine_core import EngineCore
+    from kiln.runtime.sampling_params import SamplingParams
+
+    core = EngineCore(factory.engine(factory.checkpoint("llama3"), dtype="float32"), device="cpu",
+                      max_kv_tokens=4 * 4)
+    assert core.blocks.num_blocks == 4 and decode_batch_limit(core.engine.bounds, 4) == 4
+    decode_rows, run = [], core.executor.run
+
+    def recorded(step, copies=(), feed=None):
+        if is_pure_decode(step):
+            decode_rows.append(step.num_tokens)
+        return run(step, copies, feed)
+    core.executor.run = recorded
+    core.add_request("forked", [5, 6, 7], SamplingParams(n=4, max_tokens=1, temperature=1.0, seed=1))
+    for i in range(6):
+        core.add_request(f"r{i}", [8 + i, 9], SamplingParams(max_tokens=2, ignore_eos=True))
+    while core.has_work():
+        core.step()
+    assert decode_rows and max(decode_rows) <= 4
