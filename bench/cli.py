@@ -2,8 +2,9 @@
 
 Phases, in order (each frees its device memory before the next): resolve the engine (given,
 or built from a checkpoint, or from a random Llama-3-8B-shape checkpoint), measure the
-copy bandwidth and GEMM rate, decode and offline throughput through one EngineCore, latency
-through a Session, then the eager baseline, then the table and the JSON file.
+copy bandwidth and GEMM rate, start-up in a fresh process, decode and offline throughput
+through one EngineCore, latency through a Session, then the eager baseline, then the table
+and the JSON file.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import click
 import torch
 from click.core import ParameterSource
 
-from kiln.bench import decode, latency, offline
+from kiln.bench import decode, latency, offline, startup
 from kiln.bench.driver import EngineInfo, inspect, kv_token_budget, open_core, random_prompts, release
 from kiln.bench.figures import Figure
 from kiln.bench.hardware import measure
@@ -112,9 +113,12 @@ its hardware limit and beside the same model run eagerly in PyTorch, all in one 
 
 \b
 What is measured (each phase can be chosen with --only):
+  startup  seconds from a fresh process's start to the engine loaded (weights uploaded,
+           kernels loaded, graphs captured) and to its first token.
   decode   tokens/s at each --batch-sizes: b requests with --decode-context prompt tokens
            are prefilled, then 3 windows of --decode-steps steps in which all b decode are
-           timed; the median window is the figure, all three go to the JSON.
+           timed; the median window is the figure, all three go to the JSON. Beside it, the
+           step time, its CUDA-graph replay's device time and the host's share of a step.
   offline  TensorRT-LLM perf-overview style: --offline-requests requests of each IN/OUT
            length pair submitted at once and run to completion; output and total tokens/s.
   latency  time to first token (TTFT) and inter-token latency (ITL), p50/p90/p99, with
@@ -225,6 +229,10 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
     figures: list[Figure] = []
     requests = {pair: offline_requests or offline.default_requests(*pair) for pair in offline_pairs}
 
+    if "startup" in phases:
+        status("start-up: a fresh process loads the engine and generates one token")
+        figures += startup.measure_startup(info, device, min(budget, startup.kv_tokens_wanted(info)))
+        release(device)
     if "decode" in phases or "offline" in phases:
         wanted = [decode.kv_tokens_needed(info, b, decode_context, decode_steps) for b in batch_sizes] \
             if "decode" in phases else []

@@ -6,7 +6,9 @@ decode steps, then REPEATS windows of `steps` timed steps in which every request
 token. The figure is tokens decoded / wall time of the median window (scheduler, executor,
 sampler and the tokens' trip to the host included: what a caller gets), and every window's
 rate is kept beside it, so run-to-run noise shows; its limit is the cost model's least time for
-exactly the steps of that window.
+exactly the steps of that window. Beside the step time, the device time of the step's CUDA-graph
+replay (CUDA events around each replay, no host work) and the host's share of the step: what
+the engine loop costs beyond the GPU's work. There is no graph replay on the CPU (None).
 """
 from __future__ import annotations
 
@@ -61,24 +63,26 @@ def measure_decode(run: EngineRun, batch: int, context: int, steps: int, seed: i
             core.step()
         windows = []
         for _ in range(REPEATS):
-            mark = run.recorder.mark()
+            mark, replays = run.recorder.mark(), run.replays.mark()
             synchronize(run.device)
             start = time.perf_counter()
             for _ in range(steps):
                 core.step()
             synchronize(run.device)
-            windows.append((time.perf_counter() - start, run.recorder.since(mark)))
+            windows.append((time.perf_counter() - start, run.recorder.since(mark), run.replays.seconds_since(replays)))
     finally:
         for rid in ids:
             core.cancel(rid)
-    rates = [sum(s.num_tokens for s in shapes) / seconds for seconds, shapes in windows]
-    seconds, shapes = windows[sorted(range(REPEATS), key=rates.__getitem__)[REPEATS // 2]]
+    rates = [sum(s.num_tokens for s in shapes) / seconds for seconds, shapes, _ in windows]
+    seconds, shapes, replay_s = windows[sorted(range(REPEATS), key=rates.__getitem__)[REPEATS // 2]]
     tokens = sum(s.num_tokens for s in shapes)
     limit_s = info.cost.limit_seconds(shapes, run.hw)
-    note = "" if all(s.is_decode and s.num_tokens == batch for _, w in windows for s in w) else \
+    note = "" if all(s.is_decode and s.num_tokens == batch for _, w, _ in windows for s in w) else \
         "some timed steps were not a pure decode of the whole batch"
     return Figure("decode", name, "tok/s", tokens / seconds, tokens / limit_s, info.cost.bound(shapes, run.hw),
                   note=note, key=key,
                   params={"batch": batch, "context": context, "steps": len(shapes), "tokens": tokens,
                           "seconds": seconds, "ms_per_step": 1e3 * seconds / len(shapes),
-                          "limit_ms_per_step": 1e3 * limit_s / len(shapes), "window_tok_s": rates})
+                          "limit_ms_per_step": 1e3 * limit_s / len(shapes), "window_tok_s": rates,
+                          "replay_ms_per_step": None if replay_s is None else 1e3 * replay_s,
+                          "host_share": None if replay_s is None else max(0.0, 1 - replay_s * len(shapes) / seconds)})

@@ -46,6 +46,42 @@ class StepRecorder:
         return self.steps[mark:]
 
 
+class _TimedGraph:
+    """A decode graph whose every replay is bracketed by CUDA events: the device time of the
+    graph alone, no host work."""
+
+    def __init__(self, graph, times: list) -> None:
+        self.graph, self.times = graph, times
+
+    def replay(self) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.graph.replay()
+        end.record()
+        self.times.append((start, end))
+
+
+class ReplayTimer:
+    """Times every CUDA-graph replay of an executor's decode steps; `mark()` then
+    `seconds_since(mark)` gives the mean replay time of one measurement's steps (after a
+    synchronize), None when none replayed (the CPU, tensor-parallel engines, steps too big)."""
+
+    def __init__(self, executor) -> None:
+        self.times: list = []
+        graphs = getattr(executor, "graphs", {})
+        for batch, graph in graphs.items():
+            graphs[batch] = _TimedGraph(graph, self.times)
+
+    def mark(self) -> int:
+        return len(self.times)
+
+    def seconds_since(self, mark: int) -> float | None:
+        times = self.times[mark:]
+        if not times:
+            return None
+        return sum(start.elapsed_time(end) for start, end in times) / 1e3 / len(times)
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     """What a measurement needs to know about an engine before running it."""
@@ -106,6 +142,7 @@ class EngineRun:
 
     core: EngineCore
     recorder: StepRecorder
+    replays: ReplayTimer
     info: EngineInfo
     hw: Hardware
     device: str
@@ -122,7 +159,7 @@ class EngineRun:
 def open_core(info: EngineInfo, hw: Hardware, kv_tokens: int) -> EngineRun:
     """An EngineCore whose KV pool holds `kv_tokens` tokens, with its steps recorded."""
     core = EngineCore(info.path, device=hw.device, max_kv_tokens=max(kv_tokens, info.block_size))
-    return EngineRun(core, StepRecorder(core.executor), info, hw, hw.device)
+    return EngineRun(core, StepRecorder(core.executor), ReplayTimer(core.executor), info, hw, hw.device)
 
 
 def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:

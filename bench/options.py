@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-PHASES = ("decode", "offline", "latency")
+PHASES = ("startup", "decode", "offline", "latency")
 
 
 class IntList(click.ParamType):

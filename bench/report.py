@@ -17,7 +17,7 @@ import torch
 from kiln.bench.figures import Figure
 from kiln.bench.hardware import Hardware
 
-SECTIONS = ("decode", "offline", "latency")
+SECTIONS = ("startup", "decode", "offline", "latency")
 
 
 def commit() -> str | None:
@@ -75,6 +75,31 @@ def _ratio(x: float | None, percent: bool) -> str:
     return f"{100 * x:.1f}%" if percent else f"{x:.2f}x"
 
 
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    """Rows as lines: the first column left-aligned, the others right-aligned, a rule under the header."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for i, r in enumerate(rows):
+        lines.append("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return lines
+
+
+def _step_times(figures: list[Figure]) -> list[str]:
+    """Each decode batch's step time beside its CUDA-graph replay's device time: the rest is
+    the host's share of a step ("-" where no graph replayed: the CPU, tensor parallelism)."""
+    decode = [f for f in figures if f.section == "decode" and f.value is not None]
+    if not decode:
+        return []
+    rows = [("decode step", "end to end (ms)", "graph replay (ms)", "host share")]
+    for f in decode:
+        replay, share = f.params["replay_ms_per_step"], f.params["host_share"]
+        rows.append((f.name, f"{f.params['ms_per_step']:.3f}", "-" if replay is None else f"{replay:.3f}",
+                     "-" if share is None else f"{100 * share:.1f}%"))
+    return [""] + _table(rows)
+
+
 def render(figures: list[Figure], hw: Hardware, header: list[str], notes: list[str]) -> str:
     """The table: each figure, its limit (and which ceiling sets it), the share of the limit
     reached, the eager baseline, and how many times better than it Kiln is."""
@@ -90,12 +115,9 @@ def render(figures: list[Figure], hw: Hardware, header: list[str], notes: list[s
         limit = f"{_num(f.limit)} ({f.bound})" if f.limit is not None else "-"
         rows.append((f"{f.name} ({f.unit})", _num(f.value), limit, _ratio(f.ratio_to_limit, True),
                      _num(f.eager), _ratio(f.ratio_to_eager, False)))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines.append("")
-    for i, r in enumerate(rows):
-        lines.append("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]))
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
+    lines += _table(rows)
+    lines += _step_times(figures)
     by_note: dict[str, list[str]] = {}
     for f in figures:
         if f.note:

@@ -9,10 +9,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from kiln.bench import startup
 from kiln.bench.cli import bench_engine
 from kiln.bench.eager import EagerModel
+from kiln.bench.figures import Figure
 from kiln.bench.hardware import Hardware
 from kiln.bench.limits import CostModel, StepShape, attended_pairs
+from kiln.bench.report import render
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.session import Session
 
@@ -50,6 +53,36 @@ def test_json_has_every_section_with_positive_figures(tiny_run):
             assert f["value"] > 0 and f["limit"] > 0 and f["bound"] in ("bytes", "flops"), f
     for f in data["decode"] + data["offline"]:
         assert f["eager"] > 0, f  # the baseline ran beside every throughput figure
+
+
+def test_start_up_is_timed_in_a_fresh_process(tiny_run):
+    _, result, data = tiny_run
+    loaded, first = data["startup"]
+    assert (loaded["name"], first["name"]) == ("start-up to engine loaded", "start-up to first token")
+    # A fresh interpreter: importing torch alone takes a good part of a second.
+    assert 0.2 < loaded["value"] <= first["value"] < startup.TIMEOUT_S
+    assert loaded["unit"] == "s" and loaded["limit"] is None and first["kv_tokens"] == 8 * 64
+    assert "start-up to first token (s)" in result.stdout
+
+
+def test_decode_step_time_beside_graph_replay(tiny_run):
+    _, result, data = tiny_run
+    for f in data["decode"]:
+        assert f["ms_per_step"] == pytest.approx(1e3 * f["seconds"] / f["steps"])
+        # No CUDA graphs on the CPU: the replay time and the host's share are absent, not 0.
+        assert f["replay_ms_per_step"] is None and f["host_share"] is None
+    table = result.stdout[result.stdout.index("decode step"):].splitlines()
+    assert table[0].split()[:2] == ["decode", "step"] and "graph replay (ms)" in table[0]
+    assert table[2].startswith("decode b=1") and table[2].split()[-2:] == ["-", "-"]
+
+
+def test_step_table_shows_the_hosts_share_where_graphs_replayed():
+    hw = Hardware("cuda", "H200", 4e12, 8e14, 2**30, 8192, "bfloat16")
+    f = Figure("decode", "decode b=8", "tok/s", 1000.0, key=("decode", 8),
+               params={"ms_per_step": 5.0, "replay_ms_per_step": 4.0, "host_share": 0.2})
+    lines = render([f], hw, [], []).splitlines()
+    row = lines[lines.index(next(line for line in lines if line.startswith("decode step"))) + 2]
+    assert row.split()[-3:] == ["5.000", "4.000", "20.0%"]
 
 
 def test_ratios_are_the_figure_over_its_limit(tiny_run):
@@ -201,7 +234,7 @@ def test_tensor_parallel_engine_folder_needs_no_flags(factory, tmp_path):
     (["--offline", "128x128"], "like 128/128"),
     (["--offline", "128/0"], "like 128/128"),
     (["--rate", "0"], "--rate"),
-    (["--only", "prefill"], "choose from decode, offline, latency"),
+    (["--only", "prefill"], "choose from startup, decode, offline, latency"),
     (["--rate-lengths", "8/8,16/16"], "give one IN/OUT pair"),
     (["--engine", "/nonexistent/engine"], "does not exist"),
     (["--shape", "tiny", "--heads", "3"], "divide"),
