@@ -161,3 +161,42 @@ def test_decode_graphs_equal_eager_launches(engine_dir):
     finally:
         graphed.close()
         eager.close()
+
+
+def test_overlapped_loop_on_cuda_matches_the_plain_loop_and_never_waits_for_the_gpu(engine_dir):
+    """On the GPU the overlapped loop gives the plain loop's tokens, and scheduling, running and
+    sampling a step wait for nothing the device does: torch's sync debug mode turns any implicit
+    synchronisation there (`.item()`, `.tolist()`, a blocking copy) into an error. Only the
+    settling of the step before waits, on its event."""
+    from kiln.runtime.engine_core import EngineCore
+    from kiln.runtime.sampling_params import SamplingParams
+
+    path = engine_dir("qwen3", "float32", 512)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (5, 17, 40, 9, 23)]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=50, seed=4, n=3, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, min_tokens=2, stop_token_ids=[7, 11]),
+              SamplingParams(temperature=0.7, min_p=0.1, seed=5, max_tokens=12)]
+    outputs = {}
+    for overlap in (False, True):
+        core = EngineCore(path, device="cuda", overlap=overlap)
+        if overlap:
+            for name in ("_run", "_sample"):
+                def no_sync(*args, _fn=getattr(core, name)):
+                    torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        return _fn(*args)
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                setattr(core, name, no_sync)
+        try:
+            requests = [core.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+            while core.has_work():
+                core.step()
+            outputs[overlap] = [[s.output_ids for s in r.seqs] for r in requests]
+            assert core.blocks.num_free == core.blocks.num_blocks
+        finally:
+            core.close()
+    assert outputs[True] == outputs[False]
