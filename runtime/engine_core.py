@@ -1,9 +1,9 @@
 """The engine loop's body, single-threaded: admit requests, run a step, hand tokens back.
 
-A step reads as three verbs: the scheduler picks the chunks, `_launch` runs them and samples
-their tokens on the device, and the step in flight hands its tokens back to `_append`, which
-finishes sequences. Overlapped (the default on one device, see runtime/overlap.py), a step is
-launched before the previous one's tokens are handed back. `Session` drives this from a
+A step reads as three verbs: the scheduler picks the chunks, `_run` and `_sample` enqueue the
+step and the picking of its tokens on the device, and the step in flight hands its tokens back
+to `_append`, which finishes sequences. Overlapped (the default on one device, see
+runtime/overlap.py), a step is launched before the previous one's tokens are handed back. `Session` drives this from a
 background thread; nothing here knows about threads.
 """
 from __future__ import annotations
