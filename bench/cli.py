@@ -191,6 +191,8 @@ Examples:
 @click.option("--rate-lengths", type=LengthPairs(), default="128/128", show_default=True,
               help="Latency test: input/output token lengths.")
 @click.option("--no-baseline", is_flag=True, help="Skip the eager PyTorch baseline.")
+@click.option("--no-overlap", is_flag=True,
+              help="Measure the plain engine loop (host work between steps not overlapped with the device).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random prompts.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               default=Path("bench-results.json"), show_default=True, help="Where to write the results.")
@@ -201,7 +203,7 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
                  max_batch_size: int, max_seq_len: int, max_num_tokens: int, phases: list[str],
                  batch_sizes: list[int], decode_context: int, decode_steps: int,
                  offline_pairs: list[tuple[int, int]], offline_requests: int | None, rate: float,
-                 rate_requests: int, rate_lengths: list[tuple[int, int]], no_baseline: bool, seed: int,
+                 rate_requests: int, rate_lengths: list[tuple[int, int]], no_baseline: bool, no_overlap: bool, seed: int,
                  json_path: Path) -> None:
     if len(rate_lengths) != 1:
         raise click.BadParameter("give one IN/OUT pair", param_hint="--rate-lengths")
@@ -238,7 +240,7 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
             if "decode" in phases else []
         wanted += [offline.kv_tokens_wanted(info, i, o, requests[i, o]) for i, o in offline_pairs] \
             if "offline" in phases else []
-        run = open_core(info, hw, min(budget, max(wanted + [info.block_size])))
+        run = open_core(info, hw, min(budget, max(wanted + [info.block_size])), overlap=not no_overlap)
         try:
             if "decode" in phases:
                 for b in batch_sizes:
@@ -254,7 +256,8 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
         (i, o), = rate_lengths
         status(f"latency: {rate_requests} requests of {i}/{o} tokens at {rate:g} per second")
         kv = min(budget, latency.kv_tokens_wanted(info, i, o, rate_requests))
-        figures += latency.measure_latency(info, hw, kv, rate, rate_requests, i, o, seed, progress=True)
+        figures += latency.measure_latency(info, hw, kv, rate, rate_requests, i, o, seed, progress=True,
+                                           overlap=not no_overlap)
         release(device)
 
     if no_baseline:

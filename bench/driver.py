@@ -156,9 +156,9 @@ class EngineRun:
         release(self.device)
 
 
-def open_core(info: EngineInfo, hw: Hardware, kv_tokens: int) -> EngineRun:
+def open_core(info: EngineInfo, hw: Hardware, kv_tokens: int, overlap: bool = True) -> EngineRun:
     """An EngineCore whose KV pool holds `kv_tokens` tokens, with its steps recorded."""
-    core = EngineCore(info.path, device=hw.device, max_kv_tokens=max(kv_tokens, info.block_size))
+    core = EngineCore(info.path, device=hw.device, max_kv_tokens=max(kv_tokens, info.block_size), overlap=overlap)
     return EngineRun(core, StepRecorder(core.executor), ReplayTimer(core.executor), info, hw, hw.device)
 
 

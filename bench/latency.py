@@ -45,7 +45,8 @@ def _timestamps(session: Session, prompt: list[int], params: SamplingParams, out
 
 
 def measure_latency(info: EngineInfo, hw: Hardware, kv_tokens: int, rate: float, requests: int,
-                    input_len: int, output_len: int, seed: int = 0, progress: bool = False) -> list[Figure]:
+                    input_len: int, output_len: int, seed: int = 0, progress: bool = False,
+                    overlap: bool = True) -> list[Figure]:
     """TTFT and ITL percentiles, in ms, for `requests` arriving at `rate` per second."""
     names = [(what, p) for what in ("TTFT", "ITL") for p in PERCENTILES]
     if input_len + output_len > info.build["max_seq_len"]:
@@ -54,7 +55,7 @@ def measure_latency(info: EngineInfo, hw: Hardware, kv_tokens: int, rate: float,
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     prompts = random_prompts(requests, input_len, info.vocab_size, seed)
     results: list = [None] * requests
-    session = Session(info.path, device=hw.device, max_kv_tokens=max(kv_tokens, info.block_size))
+    session = Session(info.path, device=hw.device, max_kv_tokens=max(kv_tokens, info.block_size), overlap=overlap)
     try:
         # The Session owns its EngineCore; recording its steps is the one place bench reaches in.
         recorder = StepRecorder(session._core.executor)

@@ -120,6 +120,15 @@ def test_second_run_reuses_checkpoint_and_engine(tiny_run):
     assert data["offline"] == data["latency"] == [] and "eager baseline skipped (--no-baseline)" in data["notes"]
 
 
+def test_plain_loop_is_measured_with_no_overlap(tiny_run):
+    root, _, _ = tiny_run
+    result = invoke(*TINY, "--only", "decode", "--batch-sizes", "1", "--no-baseline", "--no-overlap",
+                    "--work-dir", root / "work", "--json", root / "plain.json")
+    assert result.exit_code == 0, result.output
+    data = json.loads((root / "plain.json").read_text())
+    assert data["options"]["no_overlap"] is True and data["decode"][0]["value"] > 0
+
+
 def test_batches_the_engine_cannot_hold_are_skipped_with_a_note(tiny_run):
     root, _, _ = tiny_run
     result = invoke(*TINY, "--only", "decode,offline", "--batch-sizes", "1,16", "--offline", "40/40",
