@@ -27,7 +27,7 @@ import triton
 
 from kiln.plugins.aot import AotKernel, absent_as_none, compile_cubin, pointer_params
 from kiln.plugins.linear.kernels import linear_kernel, split_signature
-from scripts.tune_decode_kernels import graph_us
+from scripts.gpu_timing import graph_us
 
 L2_ROTATION = 200_000_000  # bytes of weight copies cycled through, 4x the H200's L2
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -58,20 +58,21 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
                                   aligned=pointer_params(signature))))
         if name == "gate_up":
             inter = n // 2
-            for bn, stages, warps in itertools.product([32, 64], [3, 4, 6], [4, 8]):
+            space = (([32, 64], [128], [3, 4, 6], [4, 8]) if t == 1 else
+                     ([64, 128, 256], [64, 128], [3, 4], [4, 8]))
+            for bn, bk, stages, warps in itertools.product(*space):
                 signature = {"x_ptr": "*bf16", "norm_ptr": "constexpr", "w_ptr": "*bf16", "out_ptr": "*bf16",
-                             "part_ptr": "constexpr", "count_ptr": "constexpr", "T": "i32", "eps": "fp32", "I": "constexpr", "K": "constexpr", "GU_BLOCK": "constexpr",
+                             "part_ptr": "constexpr", "count_ptr": "constexpr", "T": "i32", "eps": "fp32",
+                             "I": "constexpr", "K": "constexpr", "GU_BLOCK": "constexpr",
                              "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                              "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr"}
-                constexprs = {"I": inter, "K": k,
-                              "GU_BLOCK": inter, "BLOCK_M": bm, "BLOCK_N": bn // 2, "BLOCK_K": 128 if t == 1 else 64,
-                              "UPCAST_DOT": False, "SPLIT_K": 1}
+                constexprs = {"I": inter, "K": k, "GU_BLOCK": inter, "BLOCK_M": bm, "BLOCK_N": bn // 2,
+                              "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": 1}
                 grid = (triton.cdiv(t, bm), inter // (bn // 2), 1)
                 out.append(("norm_swiglu", {"kind": "norm_swiglu", "n": n, "k": k, "t": t, "grid": grid,
-                                            "label": f"norm_swiglu bm{bm} bn{bn} s{stages} w{warps}"},
+                                            "label": f"norm_swiglu bm{bm} bn{bn} bk{bk} s{stages} w{warps}"},
                             AotKernel(norm_swiglu_kernel, signature, absent_as_none(signature, constexprs),
-                                      num_warps=warps,
-                                      num_stages=stages, aligned=pointer_params(signature))))
+                                      num_warps=warps, num_stages=stages, aligned=pointer_params(signature))))
     out += _norm_qkv_rope_configs()
     return out
 

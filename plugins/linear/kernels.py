@@ -18,6 +18,7 @@ passes bias and residual to one rank's kernel only and None to the others.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -83,8 +84,15 @@ def tiles_for(weight_rows: int) -> tuple[Tile, ...]:
     return WIDE_TILES if weight_rows >= WIDE_N else TILES
 
 
-def pick_tile(rows: int, weight_rows: int = 0) -> Tile:
-    return next(t for t in tiles_for(weight_rows) if t.max_rows is None or rows <= t.max_rows)
+def pick_tile(rows: int, weight_rows: int = 0, tiles: tuple[Tile, ...] | None = None) -> Tile:
+    """The bucket of `tiles` (default: those for a weight of `weight_rows` rows) serving `rows`."""
+    return next(t for t in tiles or tiles_for(weight_rows) if t.max_rows is None or rows <= t.max_rows)
+
+
+def with_bucket(tiles: tuple[Tile, ...], name: str, **changes) -> tuple[Tile, ...]:
+    """`tiles` with bucket `name` changed: a fused kernel whose epilogue or extra loads want
+    other proportions than the plain GEMM's keeps the same buckets."""
+    return tuple(dataclasses.replace(t, **changes) if t.name == name else t for t in tiles)
 
 
 def block_k(tile: Tile, element_bytes: int) -> int:

@@ -24,8 +24,8 @@ import triton.language as tl
 
 from kiln.plugins.aot import AotKernel, absent_as_none, pointer_params
 from kiln.plugins.linear.kernels import (ELEMENT_BYTES, POINTER, TILES, Tile, block_k, gemm_tile,
-                                         launch_meta, num_stages, split_buffers, split_halves, split_k,
-                                         split_k_sum, split_signature, upcast_dot)
+                                         launch_meta, num_stages, pick_tile, split_buffers, split_halves, split_k,
+                                         split_k_sum, split_signature, upcast_dot, with_bucket)
 
 # The narrow-weight tiles, but for up to 64 rows 64 weight rows (half a Llama head) per program,
 # 64-wide K tiles and K split in 4: every program re-reads its rows of x twice (the dot, and
@@ -33,8 +33,7 @@ from kiln.plugins.linear.kernels import (ELEMENT_BYTES, POINTER, TILES, Tile, bl
 # H200 with scripts/tune_gemm.py (2026-11-30, Llama-3-8B's qkv, T = 64, weights cycled beyond
 # the L2): 23.6 us, the sweep's best; the engine's batch-64 profile took 43.7 us with the
 # shared small tile (32 rows, 128-wide K, split in 2).
-QKV_TILES = tuple(Tile(t.name, t.max_rows, t.block_m, 64, 64, t.num_warps, stages=3, split_k=4)
-                  if t.name == "small" else t for t in TILES)
+QKV_TILES = with_bucket(TILES, "small", block_n=64, block_k=64, stages=3, split_k=4)
 
 
 @triton.jit
@@ -126,7 +125,7 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     x, w_qkv = x.contiguous(), w_qkv.contiguous()
     t, k = x.shape
     heads, kv_heads, d = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
-    tile = next(b for b in QKV_TILES if b.max_rows is None or t <= b.max_rows)
+    tile = pick_tile(t, tiles=QKV_TILES)
     bk = block_k(tile, x.element_size())
     split = head_split(tile, d, q_norm is not None)
     ksplit, columns = split_k(tile, k, bk), (heads + 2 * kv_heads) * split

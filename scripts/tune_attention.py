@@ -1,0 +1,166 @@
+"""Sweep the decode attention kernel's tiles as the engine runs them (a developer's tool).
+
+    PYTHONPATH=. python3 scripts/tune_attention.py compile cubins.pkl   # anywhere: AOT, no GPU needed
+    PYTHONPATH=. python3 scripts/tune_attention.py run cubins.pkl       # on the GPU
+
+`compile` builds `_attention_kernel` (decode and split-KV decode) and the split combine kernel
+for Llama-3-8B's heads (32 query, 8 KV, head_dim 128, 16-token cache blocks) at each tiling
+into cubins, as build-engine does; `run` loads them through `runtime.cuda_driver`, launches
+them on grids chosen as the engine's launcher chooses them (the split count from the batch
+and the engine's 4,352-token bound, `choose_num_splits`), checks the output against the
+plugin's reference for a few sequences, and times each in a CUDA graph of 20 launches that
+cycle through enough KV caches that none is read from the L2. Printed per batch and
+context: the best tilings with the KV bytes they stream per second.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+from kiln.plugins.aot import AotKernel, compile_cubin, pointer_params
+from kiln.plugins.attention.kernels import (MAX_SPLITS, SEQ_CHUNK, _attention_kernel, _combine_splits_kernel,
+                                            _head_block, choose_num_splits)
+from scripts.gpu_timing import graph_us
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+MAX_KEYS = 4352            # the bench engine's max_seq_len: the launcher's split rule reads it
+CASES = ((1, 128), (1, 2048), (8, 1024), (64, 128), (64, 1024), (256, 128), (256, 1024))
+L2_ROTATION = 200_000_000  # bytes of KV cycled through, 4x the H200's L2
+
+
+def configs() -> list[tuple[dict, AotKernel]]:
+    signature = {
+        "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
+        "part_ptr": "*fp32", "stats_ptr": "*fp32", "block_tables_ptr": "*i32", "query_lens_ptr": "*i32",
+        "context_lens_ptr": "*i32", "num_seqs": "i32", "q_stride": "i32", "out_stride": "i32",
+        "table_stride": "i32", "scale": "fp32", "window": "i32",
+        **{name: "constexpr" for name in ("NUM_HEADS", "NUM_KV_HEADS", "HEAD_DIM", "BLOCK_SIZE", "BLOCK_M",
+                                          "BLOCK_N", "BLOCK_D", "SEQ_CHUNK", "SPLIT", "INTERPRETER")}}
+    out = []
+    for split, block_n, warps, stages in itertools.product((False, True), (32, 64, 128), (2, 4, 8), (1, 2, 3)):
+        constexprs = {"NUM_HEADS": HEADS, "NUM_KV_HEADS": KV_HEADS, "HEAD_DIM": HEAD_DIM, "BLOCK_SIZE": BLOCK_SIZE,
+                      "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_D": _head_block(HEAD_DIM), "SEQ_CHUNK": SEQ_CHUNK,
+                      "SPLIT": split, "INTERPRETER": False}
+        out.append(({"split": split, "label": f"bn{block_n} w{warps} s{stages}"},
+                    AotKernel(_attention_kernel, signature, constexprs, num_warps=warps, num_stages=stages,
+                              aligned=pointer_params(signature))))
+    combine = {"part_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": "*bf16", "out_stride": "i32", "num_splits": "i32",
+               "NUM_HEADS": "constexpr", "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "MAX_SPLITS": "constexpr"}
+    out.append(({"combine": True, "label": "combine"},
+                AotKernel(_combine_splits_kernel, combine, {"NUM_HEADS": HEADS, "HEAD_DIM": HEAD_DIM,
+                                                            "BLOCK_D": _head_block(HEAD_DIM), "MAX_SPLITS": MAX_SPLITS},
+                          aligned=("part_ptr", "stats_ptr", "out_ptr"))))
+    return out
+
+
+def _compile(index: int):
+    info, kernel = configs()[index]
+    try:
+        return index, compile_cubin(kernel, "sm_90")
+    except Exception as e:  # a configuration that does not fit is reported, not fatal
+        return index, f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def compile_all(path: str) -> None:
+    count = len(configs())
+    with ProcessPoolExecutor(os.cpu_count()) as pool:
+        cubins = dict(pool.map(_compile, range(count)))
+    with open(path, "wb") as f:
+        pickle.dump([(info, kernel.signature, cubins[i]) for i, (info, kernel) in enumerate(configs())], f)
+    print(f"{count} configurations, {sum(isinstance(c, str) for c in cubins.values())} failed to compile")
+
+
+def _case(seqs: int, context: int, gen):
+    """Inputs of one decode step: `seqs` sequences with `context` cached tokens each (the last is
+    the current token's, written before attention), and copies of the KV cache to cycle through."""
+    import torch
+
+    per_seq = -(-context // BLOCK_SIZE)
+    blocks = seqs * per_seq
+    tables = torch.randperm(blocks, generator=gen).view(seqs, per_seq).to(torch.int32)
+    table_cols = -(-MAX_KEYS // BLOCK_SIZE)
+    padded = torch.zeros(seqs, table_cols, dtype=torch.int32)
+    padded[:, :per_seq] = tables
+    one = blocks * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 2 * 2  # k and v, bf16
+    caches = [torch.randn(2, blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen).to("cuda", torch.bfloat16)
+              for _ in range(max(1, -(-L2_ROTATION // one)))]
+    return {"q": torch.randn(seqs, HEADS * HEAD_DIM, generator=gen).to("cuda", torch.bfloat16),
+            "tables": padded.cuda(), "query_lens": torch.ones(seqs, dtype=torch.int32, device="cuda"),
+            "context_lens": torch.full((seqs,), context, dtype=torch.int32, device="cuda"),
+            "caches": caches, "kv_bytes": one}
+
+
+def run_all(path: str) -> None:
+    import torch
+
+    from kiln.plugins.attention.reference import paged_attention
+    from kiln.runtime.cuda_driver import CudaError, load_kernel
+
+    with open(path, "rb") as f:
+        entries = pickle.load(f)
+    gen = torch.Generator().manual_seed(0)
+    loaded = []
+    for info, signature, cubin in entries:
+        if isinstance(cubin, str):
+            print(f"  {info['label']}: did not compile ({cubin})")
+            continue
+        try:
+            fn = load_kernel(cubin.binary, cubin.name, [t for t in signature.values() if t != "constexpr"],
+                             cubin.num_warps, cubin.shared_bytes)
+        except CudaError as e:
+            print(f"  {info['label']}: does not load ({e})")
+            continue
+        loaded.append((info, fn))
+    combine = next(fn for info, fn in loaded if info.get("combine"))
+    part = torch.empty(256 * HEADS * MAX_SPLITS * HEAD_DIM, dtype=torch.float32, device="cuda")
+    stats = torch.empty(256 * HEADS * MAX_SPLITS * 2, dtype=torch.float32, device="cuda")
+    scale = HEAD_DIM ** -0.5
+    for seqs, context in CASES:
+        case = _case(seqs, context, gen)
+        splits = choose_num_splits(seqs, seqs, KV_HEADS, MAX_KEYS)
+        grid = (seqs * (HEADS // KV_HEADS) // 16 + seqs, KV_HEADS, splits)
+        q, out = case["q"], torch.empty_like(case["q"])
+        ref_cache = case["caches"][0].float().cpu()[None]
+        check = min(seqs, 4)
+        ref = paged_attention(q[:check].float().cpu(), ref_cache, case["tables"][:check].cpu(),
+                              case["query_lens"][:check].cpu(), case["context_lens"][:check].cpu(), 0, HEADS,
+                              KV_HEADS, HEAD_DIM, scale, 0)
+        rows = []
+        for info, fn in loaded:
+            if info.get("combine") or info["split"] != (splits > 1):
+                continue
+            turn = itertools.count()
+
+            def call(cache=None):
+                kv = cache if cache is not None else case["caches"][next(turn) % len(case["caches"])]
+                stream = torch.cuda.current_stream().cuda_stream
+                fn.launch(grid, [q.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(), out.data_ptr(), part.data_ptr(),
+                                 stats.data_ptr(), case["tables"].data_ptr(), case["query_lens"].data_ptr(),
+                                 case["context_lens"].data_ptr(), seqs, q.stride(0), out.stride(0),
+                                 case["tables"].stride(0), scale, 0], stream)
+                if splits > 1:
+                    combine.launch((seqs, HEADS, 1), [part.data_ptr(), stats.data_ptr(), out.data_ptr(),
+                                                      out.stride(0), splits], stream)
+            us = graph_us(call)
+            out.zero_()
+            call(case["caches"][0])
+            torch.cuda.synchronize()
+            err = ((out[:check].float().cpu() - ref).norm() / ref.norm()).item()
+            rows.append((us, info["label"], err))
+        rows.sort()
+        print(f"batch {seqs}, context {context}: {splits} split(s), KV {case['kv_bytes'] / 1e6:.1f} MB")
+        for us, label, err in rows[:6]:
+            print(f"  {us:7.1f} us  {case['kv_bytes'] / us / 1e6:5.2f} TB/s of KV  rel err {err:.1e}  {label}")
+        current = [r for r in rows if r[1] == "bn64 w4 s2"]
+        if current:
+            print(f"  engine's tile now: {current[0][0]:.1f} us")
+        for us, label, err in rows:
+            if not err < 2e-2:
+                print(f"  WRONG: {label} rel err {err:.2e}")
+
+
+if __name__ == "__main__":
+    {"compile": compile_all, "run": run_all}[sys.argv[1]](sys.argv[2])
