@@ -22,9 +22,10 @@ from kiln.bench.hardware import measure
 from kiln.bench.model import SHAPES, Shape, check_shape, ensure_checkpoint, ensure_engine, with_overrides
 from kiln.bench.options import PHASES, IntList, LengthPairs, Phases
 from kiln.bench.report import render, results, write_json
-from kiln.builder.config import DTYPES, BuildConfig, BuildConfigError, default_targets
+from kiln.builder.config import BuildConfig, BuildConfigError, default_targets
+from kiln.dtypes import MODEL_DTYPES, torch_dtype
+from kiln.engines.format import EngineFileError
 from kiln.models.config import CheckpointError
-from kiln.runtime.engine_file import EngineFileError
 
 
 def _command_line(ctx: click.Context) -> str:
@@ -84,21 +85,21 @@ def _eager_baseline(figures: list[Figure], checkpoint: Path, info: EngineInfo, d
     """Fill in `eager` on every decode and offline figure that has a value."""
     from kiln.bench.eager import EagerModel, eager_decode, eager_offline
     status(f"eager baseline: loading {checkpoint}")
-    model = EagerModel.load(checkpoint, info.build["dtype"], info.build["max_seq_len"], device)
+    model = EagerModel.load(checkpoint, info.manifest.dtype, info.manifest.max_seq_len, device)
     try:
         by_key = {f.key: f for f in figures}
         for f in figures:
             if f.value is None or f.section != "decode":
                 continue
             status(f"eager decode b={f.params['batch']}")
-            prompts = random_prompts(f.params["batch"], context, info.vocab_size, seed)
+            prompts = random_prompts(f.params["batch"], context, info.manifest.vocab_size, seed)
             f.eager = eager_decode(model, prompts, steps)
         for f in figures:
             if f.value is None or f.section != "offline" or f.key[-1] != "output":
                 continue
             p = f.params
             status(f"eager offline {p['input_len']}/{p['output_len']} x {p['requests']}")
-            seconds = eager_offline(model, random_prompts(p["requests"], p["input_len"], info.vocab_size, seed),
+            seconds = eager_offline(model, random_prompts(p["requests"], p["input_len"], info.manifest.vocab_size, seed),
                                     p["output_len"])
             f.eager = p["requests"] * p["output_len"] / seconds
             total = by_key[f.key[:-1] + ("total",)]
@@ -166,7 +167,7 @@ Examples:
 @click.option("--kv-heads", type=int, help="Override the shape's KV heads.")
 @click.option("--intermediate-size", type=int, help="Override the shape's MLP width.")
 @click.option("--vocab-size", type=int, help="Override the shape's vocabulary (at least 384).")
-@click.option("--dtype", type=click.Choice(DTYPES), default="bfloat16", show_default=True,
+@click.option("--dtype", type=click.Choice(MODEL_DTYPES), default="bfloat16", show_default=True,
               help="Weights and KV cache of the engine bench builds (not with --engine).")
 @click.option("--max-batch-size", type=int, default=256, show_default=True, help="Build flag (not with --engine).")
 @click.option("--max-seq-len", type=int, default=4352, show_default=True, help="Build flag: 2048+2048 fits.")
@@ -225,7 +226,7 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
         raise click.ClickException(str(e)) from e
 
     status(f"measuring copy bandwidth and GEMM rate on {device}")
-    hw = measure(device, getattr(torch, info.build["dtype"]))
+    hw = measure(device, torch_dtype(info.manifest.dtype))
     release(device)  # the measurement's buffers, before free memory is read to size the KV pool
     budget = kv_token_budget(info, device)
     figures: list[Figure] = []
@@ -240,7 +241,7 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
             if "decode" in phases else []
         wanted += [offline.kv_tokens_wanted(info, i, o, requests[i, o]) for i, o in offline_pairs] \
             if "offline" in phases else []
-        run = open_core(info, hw, min(budget, max(wanted + [info.block_size])), overlap=not no_overlap)
+        run = open_core(info, hw, min(budget, max(wanted + [info.manifest.kv.block_size])), overlap=not no_overlap)
         try:
             if "decode" in phases:
                 for b in batch_sizes:
@@ -264,21 +265,23 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
         notes.append("eager baseline skipped (--no-baseline)")
     elif checkpoint is None:
         notes.append(f"no eager baseline: pass --checkpoint with the checkpoint this engine was built from "
-                     f"({info.manifest['model'].get('source', 'unknown')})")
+                     f"({info.manifest.source})")
     elif any(f.value is not None and f.section in ("decode", "offline") for f in figures):
         _eager_baseline(figures, checkpoint, info, device, decode_context, decode_steps, seed)
     if any(f.section == "latency" for f in figures):
         notes.append("latency has no eager baseline: an eager script has no server loop to compare with")
-    if info.manifest["world_size"] > 1:
-        notes.append(f"tensor-parallel engine ({info.manifest['world_size']} ranks): limits are one rank's "
+    m = info.manifest
+    if m.world_size > 1:
+        notes.append(f"tensor-parallel engine ({m.world_size} ranks): limits are one rank's "
                      "share over one device's ceilings; the eager baseline runs on one device")
 
-    header = [(f"engine {engine_dir}  ({info.build['dtype']}, tp {info.manifest['world_size']}, "
-               f"targets {', '.join(info.manifest['targets'])})"),
+    header = [f"engine {engine_dir}  ({m.dtype}, tp {m.world_size}, targets {', '.join(m.targets)})",
               f"device {hw.device_name}  torch {torch.__version__}"]
     click.echo(render(figures, hw, header, notes))
     context = {"engine": str(engine_dir), "checkpoint": str(checkpoint) if checkpoint else None,
-               "build": info.build, "world_size": info.manifest["world_size"],
+               "build": {"dtype": m.dtype, "max_batch_size": m.max_batch_size, "max_seq_len": m.max_seq_len,
+                         "max_num_tokens": m.max_num_tokens, "kv_block_size": m.kv.block_size},
+               "world_size": m.world_size,
                "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in ctx.params.items()}}
     write_json(results(figures, hw, _command_line(ctx), context, notes), json_path)
     status(f"results written to {json_path}")

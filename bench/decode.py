@@ -25,16 +25,16 @@ REPEATS = 3
 
 def decode_plan(info: EngineInfo, batch: int, context: int, steps: int) -> tuple[int, str | None]:
     """max_tokens per request for this measurement, or the reason it cannot run on this engine."""
-    build = info.build
-    if batch > build["max_batch_size"]:
-        return 0, f"batch {batch} is above the engine's max_batch_size {build['max_batch_size']}"
+    m = info.manifest
+    if batch > m.max_batch_size:
+        return 0, f"batch {batch} is above the engine's max_batch_size {m.max_batch_size}"
     # Requests that got their first token early keep decoding while others prefill; this many
     # more tokens keeps every request alive through the timed steps.
-    prefill_steps = -(-batch * context // build["max_num_tokens"]) + 1
+    prefill_steps = -(-batch * context // m.max_num_tokens) + 1
     max_tokens = 1 + prefill_steps + WARMUP_STEPS + REPEATS * steps
-    if context + max_tokens > build["max_seq_len"]:
+    if context + max_tokens > m.max_seq_len:
         return 0, (f"context {context} + {max_tokens} tokens exceeds the engine's max_seq_len "
-                   f"{build['max_seq_len']}")
+                   f"{m.max_seq_len}")
     return max_tokens, None
 
 
@@ -55,7 +55,7 @@ def measure_decode(run: EngineRun, batch: int, context: int, steps: int, seed: i
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ids = [f"decode-{batch}-{i}" for i in range(batch)]
     requests = [core.add_request(rid, prompt, params)
-                for rid, prompt in zip(ids, random_prompts(batch, context, info.vocab_size, seed))]
+                for rid, prompt in zip(ids, random_prompts(batch, context, info.manifest.vocab_size, seed))]
     try:
         while not all(r.seqs[0].output_ids for r in requests):
             core.step()

@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 
 from kiln.bench.hardware import Hardware
-from kiln.bench.limits import DTYPE_BYTES, CostModel, StepShape
-from kiln.runtime.engine import Engine, load_engine
+from kiln.bench.limits import CostModel, StepShape
+from kiln.engines.manifest import Manifest
+from kiln.runtime.engine import load_engine
 from kiln.runtime.engine_core import EngineCore
 
 # Share of the free memory the KV pool may take: the rest is headroom for the allocator,
@@ -87,23 +88,13 @@ class EngineInfo:
     """What a measurement needs to know about an engine before running it."""
 
     path: Path
-    manifest: dict
+    manifest: Manifest
     cost: CostModel
-    weight_bytes: int
-    kv_bytes_per_token: int   # all layers, K and V
-    block_size: int
-
-    @property
-    def build(self) -> dict:
-        return self.manifest["build"]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.manifest["tensors"][self.manifest["outputs"][0]]["shape"][-1]
 
     def kv_tokens(self, num_tokens: int) -> int:
         """KV slots a sequence of `num_tokens` tokens holds: whole blocks."""
-        return -(-num_tokens // self.block_size) * self.block_size
+        block = self.manifest.kv.block_size
+        return -(-num_tokens // block) * block
 
 
 def engine_target(device: str) -> str:
@@ -117,23 +108,18 @@ def engine_target(device: str) -> str:
 def inspect(engine_dir: str | Path, device: str) -> EngineInfo:
     """Read rank 0's manifest (checksums skipped: the run that follows checks them) and check the
     engine was built for this machine, so a wrong target fails before anything is measured."""
-    engine: Engine = load_engine(engine_dir, rank=0, target=engine_target(device), verify=False)
-    m = engine.manifest
-    kv = m["kv_cache"]
-    return EngineInfo(Path(engine_dir), m, CostModel.from_manifest(m),
-                      sum(w["nbytes"] for w in m["weights"].values()),
-                      kv["num_layers"] * 2 * kv["num_kv_heads"] * kv["head_dim"] * DTYPE_BYTES[kv["dtype"]],
-                      kv["block_size"])
+    m = load_engine(engine_dir, rank=0, target=engine_target(device), verify=False).manifest
+    return EngineInfo(Path(engine_dir), m, CostModel.from_manifest(m))
 
 
 def kv_token_budget(info: EngineInfo, device: str) -> int:
     """How many KV tokens fit in this device's free memory, next to the engine's weights and arena."""
     if device == "cuda":
-        free = torch.cuda.mem_get_info()[0] - info.weight_bytes - info.manifest["memory_plan"]["arena_bytes"]
+        free = torch.cuda.mem_get_info()[0] - info.manifest.weight_bytes - info.manifest.arena_bytes
     else:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    tokens = int(max(free, 0) * KV_MEMORY_FRACTION[device]) // info.kv_bytes_per_token
-    return tokens // info.block_size * info.block_size
+    tokens = int(max(free, 0) * KV_MEMORY_FRACTION[device]) // info.manifest.kv.bytes_per_token
+    return tokens // info.manifest.kv.block_size * info.manifest.kv.block_size
 
 
 @dataclass
@@ -149,7 +135,7 @@ class EngineRun:
 
     @property
     def kv_pool_tokens(self) -> int:
-        return self.core.blocks.num_blocks * self.info.block_size
+        return self.core.blocks.num_blocks * self.info.manifest.kv.block_size
 
     def close(self) -> None:
         self.core.close()
@@ -158,7 +144,8 @@ class EngineRun:
 
 def open_core(info: EngineInfo, hw: Hardware, kv_tokens: int, overlap: bool = True) -> EngineRun:
     """An EngineCore whose KV pool holds `kv_tokens` tokens, with its steps recorded."""
-    core = EngineCore(info.path, device=hw.device, max_kv_tokens=max(kv_tokens, info.block_size), overlap=overlap)
+    core = EngineCore(info.path, device=hw.device, max_kv_tokens=max(kv_tokens, info.manifest.kv.block_size),
+                      overlap=overlap)
     return EngineRun(core, StepRecorder(core.executor), ReplayTimer(core.executor), info, hw, hw.device)
 
 

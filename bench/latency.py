@@ -49,13 +49,14 @@ def measure_latency(info: EngineInfo, hw: Hardware, kv_tokens: int, rate: float,
                     overlap: bool = True) -> list[Figure]:
     """TTFT and ITL percentiles, in ms, for `requests` arriving at `rate` per second."""
     names = [(what, p) for what in ("TTFT", "ITL") for p in PERCENTILES]
-    if input_len + output_len > info.build["max_seq_len"]:
-        why = f"{input_len}+{output_len} tokens exceed the engine's max_seq_len {info.build['max_seq_len']}"
+    if input_len + output_len > info.manifest.max_seq_len:
+        why = f"{input_len}+{output_len} tokens exceed the engine's max_seq_len {info.manifest.max_seq_len}"
         return [skipped("latency", f"{what} p{p}", "ms", why, ("latency", what, p)) for what, p in names]
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    prompts = random_prompts(requests, input_len, info.vocab_size, seed)
+    prompts = random_prompts(requests, input_len, info.manifest.vocab_size, seed)
     results: list = [None] * requests
-    session = Session(info.path, device=hw.device, max_kv_tokens=max(kv_tokens, info.block_size), overlap=overlap)
+    session = Session(info.path, device=hw.device, max_kv_tokens=max(kv_tokens, info.manifest.kv.block_size),
+                      overlap=overlap)
     try:
         # The Session owns its EngineCore; recording its steps is the one place bench reaches in.
         recorder = StepRecorder(session._core.executor)
@@ -80,7 +81,7 @@ def measure_latency(info: EngineInfo, hw: Hardware, kv_tokens: int, rate: float,
     ttft = [times[0] - submitted for submitted, times in results]
     itl = [b - a for _, times in results for a, b in pairwise(times)]
     step_limits = [info.cost.step(s).seconds(hw) for s in recorder.steps]
-    prefill = info.cost.prefill_shapes(input_len, info.build["max_num_tokens"])
+    prefill = info.cost.prefill_shapes(input_len, info.manifest.max_num_tokens)
     ttft_floor = info.cost.limit_seconds(prefill, hw)
     common = {"rate": rate, "requests": requests, "input_len": input_len, "output_len": output_len,
               "steps": len(recorder.steps)}

@@ -25,8 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kiln.bench.hardware import Hardware
-
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
+from kiln.engines.manifest import Manifest
 # Inputs that an op gathers rows from instead of reading whole: (op, input), "*" for any op.
 GATHERED = {("embedding", "weight"), ("*", "rope_cache")}
 
@@ -94,36 +93,35 @@ class CostModel:
     layers: tuple[AttentionLayer, ...]
 
     @classmethod
-    def from_manifest(cls, manifest: dict) -> CostModel:
-        weights, tensors = manifest["weights"], manifest["tensors"]
+    def from_manifest(cls, manifest: Manifest) -> CostModel:
+        weights, tensors = manifest.weights, manifest.tensors
         dense: set[str] = set()
         gathered: set[str] = set()
         token_params = logit_params = 0
         layers = []
-        for op in manifest["plan"]:
-            rows = tensors[op["output"]]["shape"][0] if op["output"] in tensors else "T"
-            for key, name in op["inputs"].items():
+        for op in manifest.plan:
+            rows = tensors[op.output].shape[0] if op.output in tensors else "T"
+            for key, name in op.inputs.items():
                 if name is None or name not in weights:
                     continue
-                if (op["op"], key) in GATHERED or ("*", key) in GATHERED:
+                if (op.op, key) in GATHERED or ("*", key) in GATHERED:
                     gathered.add(name)
                     continue
                 dense.add(name)
-                shape = weights[name]["shape"]
+                shape = weights[name].shape
                 if len(shape) == 2:  # a matrix multiplied by the op's rows; 1-D are norms and biases
                     params = shape[0] * shape[1]
                     if rows == "L":
                         logit_params += params
                     else:
                         token_params += params
-            if "block_tables" in op["inputs"]:  # an op that attends over the paged KV cache
-                a = op["attrs"]
+            if "block_tables" in op.inputs:  # an op that attends over the paged KV cache
+                a = op.attrs
                 layers.append(AttentionLayer(a["num_heads"], a["head_dim"], a.get("window", 0) or 0))
-        kv = manifest["kv_cache"]
-        row_bytes = sum(weights[n]["nbytes"] // weights[n]["shape"][0] for n in gathered - dense)
-        return cls(dense_bytes=sum(weights[n]["nbytes"] for n in dense), gathered_row_bytes=row_bytes,
+        row_bytes = sum(weights[n].nbytes // weights[n].shape[0] for n in gathered - dense)
+        return cls(dense_bytes=sum(weights[n].nbytes for n in dense), gathered_row_bytes=row_bytes,
                    token_params=token_params, logit_params=logit_params,
-                   kv_token_bytes=2 * kv["num_kv_heads"] * kv["head_dim"] * DTYPE_BYTES[kv["dtype"]],
+                   kv_token_bytes=manifest.kv.bytes_per_token // manifest.kv.num_layers,
                    layers=tuple(layers))
 
     def step(self, shape: StepShape) -> StepCost:

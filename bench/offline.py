@@ -29,8 +29,8 @@ def default_requests(input_len: int, output_len: int) -> int:
 
 def offline_problem(info: EngineInfo, input_len: int, output_len: int) -> str | None:
     """Why this pair cannot run on this engine, or None."""
-    if input_len + output_len > info.build["max_seq_len"]:
-        return (f"{input_len}+{output_len} tokens exceed the engine's max_seq_len {info.build['max_seq_len']}: "
+    if input_len + output_len > info.manifest.max_seq_len:
+        return (f"{input_len}+{output_len} tokens exceed the engine's max_seq_len {info.manifest.max_seq_len}: "
                 "rebuild with a larger --max-seq-len")
     return None
 
@@ -48,7 +48,7 @@ def measure_offline(run: EngineRun, input_len: int, output_len: int, requests: i
         return [skipped("offline", f"{label} {what}", "tok/s", why, key) for what, key in
                 zip(("output", "total"), keys)]
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    prompts = random_prompts(requests, input_len, info.vocab_size, seed)
+    prompts = random_prompts(requests, input_len, info.manifest.vocab_size, seed)
     preempted = core.scheduler.num_preemptions
     bar = tqdm(total=requests, desc=label, unit="req", disable=not progress, leave=False)
     mark = run.recorder.mark()

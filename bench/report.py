@@ -9,11 +9,11 @@ import datetime
 import json
 import os
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from kiln.atomic import write_bytes
 from kiln.bench.figures import Figure
 from kiln.bench.hardware import Hardware
 
@@ -48,17 +48,7 @@ def results(figures: list[Figure], hw: Hardware, command: str, context: dict, no
 
 
 def write_json(data: dict, path: Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_bytes(path, (json.dumps(data, indent=2) + "\n").encode())
 
 
 def _num(x: float | None) -> str:

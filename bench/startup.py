@@ -24,7 +24,7 @@ TIMEOUT_S = 900.0
 
 def kv_tokens_wanted(info: EngineInfo) -> int:
     """A full batch at full length, as a Session sizes its pool by default."""
-    return info.build["max_batch_size"] * info.kv_tokens(info.build["max_seq_len"])
+    return info.manifest.max_batch_size * info.kv_tokens(info.manifest.max_seq_len)
 
 
 def measure_startup(info: EngineInfo, device: str, kv_tokens: int) -> list[Figure]:

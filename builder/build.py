@@ -15,16 +15,20 @@ from torch import nn
 from tqdm import tqdm
 
 from kiln import models
+from kiln.atomic import atomic_folder
 from kiln.builder.config import BuildConfig
 from kiln.builder.ir import Graph
 from kiln.builder.kernels import compile_kernels
 from kiln.builder.passes import FUSIONS, fold_weights, plan_memory, shard
+from kiln.builder.passes.memory import MemoryPlan
 from kiln.builder.trace import trace
+from kiln.engines.format import write_engine_file
+from kiln.engines.manifest import KVLayout, Manifest, PlanEntry, TensorSpec
 from kiln.plugins import get_plugin
-from kiln.runtime.engine_file import write_engine_file
 
 KILN_VERSION = "0.1.0"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+TOKENIZER_FILE = "tokenizer.json"  # what the runtime encodes and decodes with
+TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "tokenizer.model")
 
 
@@ -70,33 +74,30 @@ def layer_of(source: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def lower_rank(graph: Graph, cfg: BuildConfig, rank: int) -> tuple[Graph, dict]:
+def lower_rank(graph: Graph, cfg: BuildConfig, rank: int) -> tuple[Graph, MemoryPlan]:
     """One rank's graph, with weights folded, and its memory plan."""
     g = fold_weights(shard(graph, rank, cfg.tp_size))
     return g, plan_memory(g, cfg.bounds)
 
 
-def manifest_for(graph: Graph, memory: dict, cfg: BuildConfig, model_info: dict, rank: int,
-                 kernel_keys: dict[str, dict]) -> dict:
-    kv_shape = graph.tensors["kv_cache"].shape
-    return {
-        "kiln_version": KILN_VERSION,
-        "model": model_info,
-        "build": cfg.to_dict(),
-        "targets": list(cfg.targets),
-        "rank": rank,
-        "world_size": cfg.tp_size,
-        "inputs": graph.inputs,
-        "outputs": graph.outputs,
-        "tensors": {name: {"shape": list(t.shape), "dtype": t.dtype, "kind": t.kind}
-                    for name, t in graph.tensors.items() if t.kind != "weight"},
-        "plan": [{"op": n.op, "version": get_plugin(n.op).version, "inputs": n.inputs, "attrs": n.attrs,
-                  "output": n.output, "source": n.source, "kernel_keys": kernel_keys.get(n.output, {})}
-                 for n in graph.nodes],
-        "memory_plan": memory,
-        "kv_cache": {"num_layers": kv_shape[0], "block_size": cfg.kv_block_size, "num_kv_heads": kv_shape[4],
-                     "head_dim": kv_shape[5], "dtype": graph.tensors["kv_cache"].dtype},
-    }
+def manifest_for(graph: Graph, memory: MemoryPlan, cfg: BuildConfig, model_info: dict, rank: int,
+                 kernel_keys: dict[str, dict], tokenizer_file: str | None) -> Manifest:
+    """Rank `rank`'s manifest; the writer adds the weight and kernel indexes."""
+    kv = graph.tensors["kv_cache"]
+    return Manifest(
+        kiln_version=KILN_VERSION, model=model_info, dtype=cfg.dtype, targets=tuple(cfg.targets),
+        rank=rank, world_size=cfg.tp_size, max_num_tokens=cfg.max_num_tokens,
+        max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len,
+        kv=KVLayout(num_layers=kv.shape[0], block_size=cfg.kv_block_size, num_kv_heads=kv.shape[4],
+                    head_dim=kv.shape[5], dtype=kv.dtype),
+        tokenizer_file=tokenizer_file, inputs=tuple(graph.inputs), outputs=tuple(graph.outputs),
+        tensors={name: TensorSpec(tuple(t.shape), t.dtype, t.kind)
+                 for name, t in graph.tensors.items() if t.kind != "weight"},
+        plan=tuple(PlanEntry(n.op, get_plugin(n.op).version, n.inputs, n.attrs, n.output, n.source,
+                             {t: tuple(k) for t, k in kernel_keys.get(n.output, {}).items()})
+                   for n in graph.nodes),
+        arena_bytes=memory.arena_bytes, slots=memory.slots,
+    )
 
 
 def _fusions_per_layer(graph: Graph) -> tuple[int, dict[str, int]]:
@@ -108,13 +109,11 @@ def _fusions_per_layer(graph: Graph) -> tuple[int, dict[str, int]]:
     return len(layers), {op: c // max(len(layers), 1) for op, c in counts.items()}
 
 
-def _prepare_output(output: Path) -> Path:
+def _check_output(output: Path) -> None:
     if output.exists() and not output.is_dir():
         raise BuildError(f"--output {output} is a file, not a folder")
-    if output.is_dir() and any(output.iterdir()) and not (output / "rank0.engine").exists():
+    if output.is_dir() and any(output.iterdir()) and not (output / Manifest.rank_file(0)).exists():
         raise BuildError(f"--output {output} is not empty and holds no engine: choose an empty or new folder")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    return Path(str(output.parent / f".{output.name}.tmp-{time.time_ns()}"))
 
 
 def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, model_info: dict,
@@ -122,44 +121,39 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
     """Compile an in-memory model definition into an engine folder."""
     start = time.time()
     output = Path(output)
-    tmp = _prepare_output(output)
+    _check_output(output)
+    tokenizer_file = TOKENIZER_FILE if any(f.name == TOKENIZER_FILE for f in extra_files) else None
     steps = ["trace", *[f.__name__ for f in FUSIONS]]
     for r in range(cfg.tp_size):
         steps += [f"rank {r}: shard+fold+plan", f"rank {r}: kernels", f"rank {r}: write"]
     bar = tqdm(total=len(steps), desc="build-engine", unit="step", disable=not progress)
     try:
-        tmp.mkdir()
-        bar.set_postfix_str("trace")
-        graph = trace(model)
-        bar.update()
-        for fusion in FUSIONS:
-            bar.set_postfix_str(fusion.__name__)
-            graph = fusion(graph)
+        with atomic_folder(output) as tmp:
+            bar.set_postfix_str("trace")
+            graph = trace(model)
             bar.update()
-        layers, fusions = _fusions_per_layer(graph)
-        weight_bytes, arena_bytes, kernel_counts = [], [], []
-        for rank in range(cfg.tp_size):
-            bar.set_postfix_str(f"rank {rank}: shard, fold, plan memory")
-            g, memory = lower_rank(graph, cfg, rank)
-            bar.update()
-            blobs, keys = compile_kernels(g, cfg.dtype, list(cfg.targets), cfg.kv_block_size,
-                                          lambda what, r=rank: bar.set_postfix_str(f"rank {r}: compile {what}"))
-            bar.update()
-            bar.set_postfix_str(f"rank {rank}: write {len(g.weights)} weights")
-            write_engine_file(tmp / f"rank{rank}.engine", manifest_for(g, memory, cfg, model_info, rank, keys),
-                              g.weights, blobs)
-            bar.update()
-            kernel_counts.append(len(blobs))
-            weight_bytes.append(sum(w.numel() * w.element_size() for w in g.weights.values()))
-            arena_bytes.append(memory["arena_bytes"])
-        for f in extra_files:
-            shutil.copy2(f, tmp / f.name)
-        if output.exists():
-            shutil.rmtree(output)
-        tmp.rename(output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            for fusion in FUSIONS:
+                bar.set_postfix_str(fusion.__name__)
+                graph = fusion(graph)
+                bar.update()
+            layers, fusions = _fusions_per_layer(graph)
+            weight_bytes, arena_bytes, kernel_counts = [], [], []
+            for rank in range(cfg.tp_size):
+                bar.set_postfix_str(f"rank {rank}: shard, fold, plan memory")
+                g, memory = lower_rank(graph, cfg, rank)
+                bar.update()
+                blobs, keys = compile_kernels(g, cfg.dtype, list(cfg.targets), cfg.kv_block_size,
+                                              lambda what, r=rank: bar.set_postfix_str(f"rank {r}: compile {what}"))
+                bar.update()
+                bar.set_postfix_str(f"rank {rank}: write {len(g.weights)} weights")
+                write_engine_file(tmp / Manifest.rank_file(rank),
+                                  manifest_for(g, memory, cfg, model_info, rank, keys, tokenizer_file), g.weights, blobs)
+                bar.update()
+                kernel_counts.append(len(blobs))
+                weight_bytes.append(sum(w.numel() * w.element_size() for w in g.weights.values()))
+                arena_bytes.append(memory.arena_bytes)
+            for f in extra_files:
+                shutil.copy2(f, tmp / f.name)
     finally:
         bar.close()
     return BuildSummary(output, layers, fusions, graph.count_ops(), weight_bytes, arena_bytes,

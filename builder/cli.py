@@ -7,13 +7,14 @@ from pathlib import Path
 import click
 
 from kiln.builder.build import BuildError, build_engine as run_build
-from kiln.builder.config import DTYPES, TARGETS, BuildConfig, BuildConfigError, default_targets
+from kiln.builder.config import TARGETS, BuildConfig, BuildConfigError, default_targets
 from kiln.builder.kernels import KernelError
 from kiln.builder.passes import ShardError
 from kiln.builder.trace import TraceError
+from kiln.dtypes import MODEL_DTYPES
+from kiln.engines.format import EngineFileError, read_engine_file
+from kiln.engines.manifest import Manifest
 from kiln.models import CheckpointError, read_config
-from kiln.runtime.engine_file import EngineFileError, read_engine_file
-from kiln.runtime.triton.repo import RepoError, write_repo
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -22,7 +23,7 @@ from kiln.runtime.triton.repo import RepoError, write_repo
 @click.option("--output", required=True, type=click.Path(path_type=Path),
               help="Engine folder to write (rank{r}.engine, config.json, tokenizer). A previous engine there "
                    "is replaced; any other non-empty folder is refused.")
-@click.option("--dtype", type=click.Choice(("auto",) + DTYPES), default="auto", show_default=True,
+@click.option("--dtype", type=click.Choice(("auto",) + MODEL_DTYPES), default="auto", show_default=True,
               help="Weight and activation dtype; auto takes the checkpoint's. float32 is exact on CPU.")
 @click.option("--tp-size", type=int, default=1, show_default=True,
               help="Tensor-parallel ranks: one rank{r}.engine each. Must divide the attention heads.")
@@ -36,12 +37,10 @@ from kiln.runtime.triton.repo import RepoError, write_repo
               help="Tokens per paged KV-cache block (a power of two).")
 @click.option("--target", "targets", multiple=True, type=click.Choice(TARGETS),
               help="Hardware to build for; repeat for several. Default: this machine's GPU, else cpu.")
-@click.option("--triton-repo", type=click.Path(path_type=Path),
-              help="Then write a Triton Inference Server model repository for the engine here (see triton-repo).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_batch_size: int,
                  max_seq_len: int | None, max_num_tokens: int, kv_block_size: int, targets: tuple[str, ...],
-                 triton_repo: Path | None, quiet: bool) -> None:
+                 quiet: bool) -> None:
     """Compile a Hugging Face checkpoint into a Kiln engine folder.
 
     Traces Kiln's definition of the model, fuses each decoder layer (RMSNorm+QKV+RoPE,
@@ -53,6 +52,7 @@ def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_b
     Example:
       build-engine --checkpoint ./Llama-3.2-1B --output engines/llama1b --dtype float32 --target cpu
       inspect-engine engines/llama1b
+      triton-repo --engine engines/llama1b --output /tmp/kiln-repo   (to serve it with Triton)
     """
     try:
         model_cfg = read_config(checkpoint)
@@ -74,13 +74,6 @@ def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_b
     except (BuildError, TraceError, BuildConfigError, KernelError) as e:
         raise click.UsageError(str(e)) from None
     click.echo(summary.render())
-    if triton_repo is not None:
-        try:
-            write_repo(output, triton_repo)
-        except RepoError as e:
-            raise click.BadParameter(str(e), param_hint="--triton-repo") from None
-        click.echo(f"triton repository {triton_repo}: serve it with "
-                   f"serve-triton --engine {output} --repo {triton_repo}")
 
 
 def _shape(shape: list) -> str:
@@ -94,7 +87,7 @@ def _shape(shape: list) -> str:
 def inspect_engine(engine_dir: Path, rank: int, as_json: bool) -> None:
     """Show what an engine holds: model, build flags, targets, the plan op by op, the memory
     plan and the KV cache layout."""
-    path = engine_dir / f"rank{rank}.engine" if engine_dir.is_dir() else engine_dir
+    path = engine_dir / Manifest.rank_file(rank) if engine_dir.is_dir() else engine_dir
     if not path.is_file():
         raise click.BadParameter(f"{path} does not exist: pass an engine folder made by build-engine",
                                  param_hint="ENGINE_DIR")
@@ -103,32 +96,30 @@ def inspect_engine(engine_dir: Path, rank: int, as_json: bool) -> None:
     except EngineFileError as e:
         raise click.ClickException(str(e)) from None
     if as_json:
-        click.echo(json.dumps(m, indent=2))
+        click.echo(json.dumps(m.to_json(), indent=2))
         return
-    model, build, mem = m["model"], m["build"], m["memory_plan"]
-    click.echo(f"engine   {path}  (rank {m['rank']} of {m['world_size']}, Kiln {m['kiln_version']})")
-    click.echo(f"model    {model.get('architecture', '?')}  layers {model.get('num_layers', '?')}  "
-               f"hidden {model.get('hidden_size', '?')}  vocab {model.get('vocab_size', '?')}")
-    click.echo("build    " + "  ".join(f"{k}={v}" for k, v in build.items() if k != "targets"))
-    click.echo(f"targets  {', '.join(m['targets'])}")
-    click.echo(f"\nplan ({len(m['plan'])} ops)")
-    for i, op in enumerate(m["plan"]):
-        t = m["tensors"][op["output"]]
-        ins = ", ".join(v for v in op["inputs"].values() if v)
-        attrs = " ".join(f"{k}={v}" for k, v in op["attrs"].items())
-        click.echo(f"  {i:3d} {op['op']:<17} -> {op['output']} {_shape(t['shape'])} {t['dtype']}")
+    click.echo(f"engine   {path}  (rank {m.rank} of {m.world_size}, Kiln {m.kiln_version})")
+    click.echo("model    " + "  ".join(f"{k}={v}" for k, v in m.model.items()))
+    click.echo(f"build    dtype={m.dtype}  max_batch_size={m.max_batch_size}  max_seq_len={m.max_seq_len}  "
+               f"max_num_tokens={m.max_num_tokens}  tp_size={m.world_size}")
+    click.echo(f"targets  {', '.join(m.targets)}")
+    click.echo(f"\nplan ({len(m.plan)} ops)")
+    for i, op in enumerate(m.plan):
+        t = m.tensors[op.output]
+        ins = ", ".join(v for v in op.inputs.values() if v)
+        attrs = " ".join(f"{k}={v}" for k, v in op.attrs.items())
+        click.echo(f"  {i:3d} {op.op:<17} -> {op.output} {_shape(t.shape)} {t.dtype}")
         click.echo(f"      in: {ins}" + (f"\n      attrs: {attrs}" if attrs else ""))
-    click.echo(f"\nmemory plan: arena {mem['arena_bytes']:,} bytes for bounds "
-               + " ".join(f"{k}={v}" for k, v in mem["bounds"].items()))
-    for name, slot in sorted(mem["tensors"].items(), key=lambda kv: kv[1]["offset"]):
-        click.echo(f"  {slot['offset']:>12,} {slot['nbytes']:>12,}  {name}")
-    kv = m["kv_cache"]
-    click.echo(f"\nkv cache: {kv['num_layers']} layers x {kv['num_kv_heads']} kv heads x head_dim {kv['head_dim']}, "
-               f"{kv['dtype']}, {kv['block_size']} tokens per block")
+    click.echo(f"\nmemory plan: arena {m.arena_bytes:,} bytes for at most {m.max_num_tokens} tokens, "
+               f"{m.max_batch_size} sequences and {m.blocks_per_sequence} KV blocks per sequence in a step")
+    for name, slot in sorted(m.slots.items(), key=lambda kv: kv[1].offset):
+        click.echo(f"  {slot.offset:>12,} {slot.nbytes:>12,}  {name}")
+    kv = m.kv
+    click.echo(f"\nkv cache: {kv.num_layers} layers x {kv.num_kv_heads} kv heads x head_dim {kv.head_dim}, "
+               f"{kv.dtype}, {kv.block_size} tokens per block, {kv.bytes_per_token:,} bytes per token")
     by_target: dict[str, int] = {}
-    for entry in m["kernels"].values():
-        by_target[entry["target"]] = by_target.get(entry["target"], 0) + 1
+    for entry in m.kernels.values():
+        by_target[entry.target] = by_target.get(entry.target, 0) + 1
     click.echo("kernels: " + (", ".join(f"{n} cubins for {t}" for t, n in sorted(by_target.items()))
                               or "none (CPU engine)"))
-    weights = m["weights"]
-    click.echo(f"weights: {len(weights)} tensors, {sum(w['nbytes'] for w in weights.values()):,} bytes")
+    click.echo(f"weights: {len(m.weights)} tensors, {m.weight_bytes:,} bytes")

@@ -1,10 +1,12 @@
 """Build configuration: the flags of `build-engine`, checked once where they enter."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+
+from kiln.dtypes import MODEL_DTYPES
+from kiln.engines.manifest import blocks_per_sequence, symbol_bounds
 
 TARGETS = ("cpu", "sm_80", "sm_89", "sm_90", "sm_100")
-DTYPES = ("bfloat16", "float16", "float32")
 
 
 class BuildConfigError(ValueError):
@@ -22,8 +24,8 @@ class BuildConfig:
     targets: tuple[str, ...] = field(default=("cpu",))
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise BuildConfigError(f"--dtype {self.dtype}: choose one of {', '.join(DTYPES)}")
+        if self.dtype not in MODEL_DTYPES:
+            raise BuildConfigError(f"--dtype {self.dtype}: choose one of {', '.join(MODEL_DTYPES)}")
         for flag, value in (("--tp-size", self.tp_size), ("--max-batch-size", self.max_batch_size),
                             ("--max-seq-len", self.max_seq_len), ("--max-num-tokens", self.max_num_tokens),
                             ("--kv-block-size", self.kv_block_size)):
@@ -38,16 +40,10 @@ class BuildConfig:
             raise BuildConfigError(f"--target {unknown[0]}: choose from {', '.join(TARGETS)}")
 
     @property
-    def blocks_per_seq(self) -> int:
-        return -(-self.max_seq_len // self.kv_block_size)
-
-    @property
     def bounds(self) -> dict[str, int]:
-        return {"T": self.max_num_tokens, "S": self.max_batch_size, "L": self.max_batch_size,
-                "B": self.blocks_per_seq}
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "targets": list(self.targets)}
+        """The largest value of each symbolic dim, which the memory plan sizes tensors for."""
+        return symbol_bounds(self.max_num_tokens, self.max_batch_size,
+                             blocks_per_sequence(self.max_seq_len, self.kv_block_size))
 
 
 def default_targets() -> tuple[str, ...]:

@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
+from kiln.atomic import write_bytes
 from kiln.builder.ir import Graph
 from kiln.plugins import get_plugin
 from kiln.plugins.aot import AotKernel, Cubin, compile_cubin
@@ -51,13 +52,10 @@ def _compile_cached(kernel: AotKernel, target: str, key: str) -> Cubin:
         meta = json.loads(meta_path.read_text())
         return Cubin(meta["name"], path.read_bytes(), meta["shared_bytes"], meta["num_warps"])
     cubin = compile_cubin(kernel, target)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Written under temporary names and renamed, so a concurrent build never reads half a file.
-    for dst, data in ((path, cubin.binary), (meta_path, json.dumps(
-            {"name": cubin.name, "shared_bytes": cubin.shared_bytes, "num_warps": cubin.num_warps}).encode())):
-        tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        tmp.replace(dst)
+    # Atomic, so a concurrent build never reads half a file; the metadata last, as it marks the entry.
+    write_bytes(path, cubin.binary)
+    write_bytes(meta_path, json.dumps(
+        {"name": cubin.name, "shared_bytes": cubin.shared_bytes, "num_warps": cubin.num_warps}).encode())
     return cubin
 
 

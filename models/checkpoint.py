@@ -9,10 +9,10 @@ from typing import Iterator
 import torch
 from safetensors import SafetensorError, safe_open
 
+from kiln.dtypes import MODEL_DTYPES, torch_dtype
 from kiln.models.config import CheckpointError, ModelConfig, read_config
 from kiln.models.llama import LlamaForCausalLM
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Tensors some exporters save that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -52,10 +52,10 @@ def load(checkpoint_dir: str | Path, dtype: str = "float32", max_positions: int 
     """Build Kiln's model for a checkpoint and fill it with the checkpoint's weights in `dtype`."""
     checkpoint_dir = Path(checkpoint_dir)
     cfg = read_config(checkpoint_dir)
-    if dtype not in DTYPES:
-        raise CheckpointError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    if dtype not in MODEL_DTYPES:
+        raise CheckpointError(f"dtype {dtype!r} is not supported; choose one of {', '.join(MODEL_DTYPES)}")
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, DTYPES[dtype], max_positions)
+        model = LlamaForCausalLM(cfg, torch_dtype(dtype), max_positions)
     expected = dict(model.named_parameters())
     state: dict[str, torch.Tensor] = {}
     for name, tensor in iter_tensors(checkpoint_dir):
@@ -67,7 +67,7 @@ def load(checkpoint_dir: str | Path, dtype: str = "float32", max_positions: int 
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise CheckpointError(f"{checkpoint_dir}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                   f"config.json implies {tuple(expected[name].shape)}")
-        state[name] = tensor.to(DTYPES[dtype])
+        state[name] = tensor.to(torch_dtype(dtype))
     missing = sorted(set(expected) - set(state))
     if missing:
         raise CheckpointError(f"{checkpoint_dir}: missing tensors {', '.join(missing[:5])}"

@@ -35,12 +35,13 @@ from __future__ import annotations
 import inspect
 import json
 import math
-import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
+
+from kiln.atomic import atomic_folder
+from kiln.dtypes import MODEL_DTYPES
 
 if TYPE_CHECKING:
     import tokenizers
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
 FAMILIES: tuple[str, ...] = (
     "llama2", "llama3", "llama3.2", "llama-linear-rope", "mistral", "qwen2", "qwen3",
 )
-DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
 # Listed first so they get ids 0, 1, 2 whatever the corpus contains.
@@ -260,8 +260,8 @@ def write_random_checkpoint(
     from transformers.utils import logging as hf_logging
 
     output_dir = Path(output_dir).resolve()
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    if dtype not in MODEL_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(MODEL_DTYPES)}")
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError("hidden_size must be divisible by num_heads, and num_heads by num_kv_heads")
     _check_device(device)
@@ -281,32 +281,25 @@ def write_random_checkpoint(
     torch.manual_seed(seed)  # seeds every CUDA device too
     model = _random_model(config, dtype, device)
 
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+    save_kwargs: dict[str, Any] = {}
+    if max_shard_size is not None:
+        save_kwargs["max_shard_size"] = max_shard_size
+    # transformers 4.x defaults to pickle unless asked; 5.x always writes
+    # safetensors and silently swallows the unknown keyword.
+    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+        save_kwargs["safe_serialization"] = True
     try:
-        save_kwargs: dict[str, Any] = {}
-        if max_shard_size is not None:
-            save_kwargs["max_shard_size"] = max_shard_size
-        # transformers 4.x defaults to pickle unless asked; 5.x always writes
-        # safetensors and silently swallows the unknown keyword.
-        if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
-            save_kwargs["safe_serialization"] = True
-        # Its per-shard progress bar would drown the CLI's one-line summary.
-        was_enabled = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()
-        try:
-            model.save_pretrained(staging, **save_kwargs)
-        finally:
-            if was_enabled:
-                hf_logging.enable_progress_bar()
-        _save_tokenizer(tokenizer, staging, max_position_embeddings)
-        _check_target(output_dir, overwrite)
-        if output_dir.exists():
-            shutil.rmtree(output_dir)
-        staging.rename(output_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        with atomic_folder(output_dir) as staging:
+            # Its per-shard progress bar would drown the CLI's one-line summary.
+            was_enabled = hf_logging.is_progress_bar_enabled()
+            hf_logging.disable_progress_bar()
+            try:
+                model.save_pretrained(staging, **save_kwargs)
+            finally:
+                if was_enabled:
+                    hf_logging.enable_progress_bar()
+            _save_tokenizer(tokenizer, staging, max_position_embeddings)
+            _check_target(output_dir, overwrite)  # again: the folder may have filled meanwhile
     finally:
         del model
         if torch.device(device).type == "cuda":
@@ -340,7 +333,7 @@ def _count_parameters(directory: Path) -> int:
               help="Model family whose config.json layout to reproduce.")
 @click.option("--output", "output", type=click.Path(file_okay=False, path_type=Path),
               required=True, help="Directory to create.")
-@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(MODEL_DTYPES), default="float32", show_default=True)
 @click.option("--hidden-size", type=int, default=64, show_default=True)
 @click.option("--layers", type=int, default=2, show_default=True)
 @click.option("--heads", type=int, default=4, show_default=True)

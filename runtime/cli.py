@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, TextIO
 
 import click
 
-from kiln.runtime.engine_file import EngineFileError
+from kiln.engines.format import EngineFileError
 from kiln.runtime.outputs import CompletionOutput, RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import POLICIES

@@ -22,12 +22,12 @@ from types import ModuleType
 import torch
 import torch.distributed
 
+from kiln.dtypes import element_bytes
 from kiln.plugins import PluginSpec
 from kiln.runtime.cuda_driver import CudaKernel, device_arch, load_kernel
 from kiln.runtime.decode_graphs import decode_batch_limit, graph_batch_sizes, is_pure_decode, pad_decode, padding_step
 from kiln.runtime.engine import Engine, EngineLoadError
-from kiln.runtime.engine_file import read_engine_file
-from kiln.runtime.executor import DTYPES, ArenaExecutor
+from kiln.runtime.executor import ArenaExecutor
 from kiln.runtime.step import Feed, StepInputs
 
 
@@ -62,14 +62,14 @@ def _launcher(spec: PluginSpec) -> ModuleType:
 
 def scratch_bytes(engine: Engine, launchers: list[ModuleType]) -> dict[str, int]:
     """Bytes of each scratch buffer the plan's launchers and kernels ask for: the largest need of any op."""
-    limits = {**engine.bounds, "block_size": engine.kv_cache["block_size"],
-              "element_bytes": DTYPES[engine.build["dtype"]].itemsize}
+    m = engine.manifest
+    limits = {**m.symbol_bounds, "block_size": m.kv.block_size, "element_bytes": element_bytes(m.dtype)}
     sizes: dict[str, int] = {}
-    for op, entry, launcher in zip(engine.plan, engine.manifest["plan"], launchers):
+    for op, launcher in zip(engine.plan, launchers):
         needs = [launcher.scratch_bytes(op.attrs, limits)] if hasattr(launcher, "scratch_bytes") else []
         # Kernels sized at build time (the split-K GEMMs) name their workspace in their metadata.
-        for keys in entry.get("kernel_keys", {}).values():
-            needs += [engine.manifest["kernels"][key]["launch"].get("scratch", {}) for key in keys]
+        for keys in op.kernel_keys.values():
+            needs += [m.kernels[key].launch.get("scratch", {}) for key in keys]
         for need in needs:
             for name, nbytes in need.items():
                 sizes[name] = max(sizes.get(name, 0), nbytes)
@@ -88,16 +88,14 @@ class CudaExecutor(ArenaExecutor):
             raise EngineLoadError("no CUDA device is visible to torch: use device='cpu'")
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.arch = device_arch()
-        if self.arch not in engine.manifest["targets"]:
-            raise EngineLoadError(f"engine built for {', '.join(engine.manifest['targets'])}; this GPU needs "
-                                  f"{self.arch}: rebuild with --target {self.arch}")
+        engine.require_target(self.arch)
         # The one arena comes first: torch's allocation makes its primary context current, which
         # is the context load_kernel loads the cubins into. One KV block more than asked for:
         # the padding sequences of graph batches write their KV there.
         launchers = [_launcher(op.spec) for op in engine.plan]
         scratch = scratch_bytes(engine, launchers)
-        self.vocab = engine.tensors[engine.manifest["outputs"][0]]["shape"][-1]
-        logits = engine.bounds["L"] * self.vocab * 4
+        self.vocab = engine.manifest.vocab_size
+        logits = engine.manifest.max_batch_size * self.vocab * 4
         super().__init__(engine, num_kv_blocks + 1, self.device,
                          {**{f"weight:{n}": w.nbytes for n, w in engine.weights.items()},
                           **{f"scratch:{n}": b for n, b in scratch.items()}, "logits": logits,
@@ -115,24 +113,21 @@ class CudaExecutor(ArenaExecutor):
         self.graphs = self._capture_decode_graphs() if cuda_graphs else {}
 
     def _load_ops(self, launchers: list[ModuleType]) -> list[_CudaOp]:
-        m = self.engine.manifest
-        # The Engine keeps no kernel blobs; they are memory-mapped from its file again here.
-        blobs = read_engine_file(self.engine.path / f"rank{self.engine.rank}.engine", rank=self.engine.rank,
-                                 verify=False).kernels
+        index = self.engine.manifest.kernels
         loaded: dict[str, CudaKernel] = {}
         ops = []
-        for op, entry, launcher in zip(self.engine.plan, m["plan"], launchers):
-            keys = entry.get("kernel_keys", {}).get(self.arch)
+        for op, launcher in zip(self.engine.plan, launchers):
+            keys = op.kernel_keys.get(self.arch)
             if not keys:
                 raise EngineLoadError(f"plan op {op.spec.name} -> {op.output} has no kernels for {self.arch}: "
                                       f"rebuild with --target {self.arch}")
             for key in keys:
                 if key not in loaded:
-                    info = m["kernels"][key]
-                    loaded[key] = load_kernel(blobs[key], info["entry"], info["signature"],
-                                              info["num_warps"], info["shared_bytes"])
+                    info = index[key]
+                    loaded[key] = load_kernel(self.engine.kernels[key], info.entry, list(info.signature),
+                                              info.num_warps, info.shared_bytes)
             ops.append(_CudaOp(launcher, [loaded[k] for k in keys],
-                               [m["kernels"][k]["launch"] for k in keys], list(op.inputs),
+                               [index[k].launch for k in keys], list(op.inputs),
                                list(op.inputs.values()), op.attrs, op.output, op.spec.added_once))
         return ops
 
@@ -147,11 +142,11 @@ class CudaExecutor(ArenaExecutor):
     @staticmethod
     def _zeros_bytes(engine: Engine) -> int:
         """Room for the largest input a row-parallel op adds once (`PluginSpec.added_once`)."""
-        if engine.world_size == 1:
+        if engine.manifest.world_size == 1:
             return 0
-        planned = engine.manifest["memory_plan"]["tensors"]  # activations, sized for the bounds
+        planned = engine.manifest.slots  # activations, sized for the bounds
         tensors = [op.inputs[name] for op in engine.plan if op.attrs.get("all_reduce") for name in op.spec.added_once]
-        return max((engine.weights[t].nbytes if t in engine.weights else planned[t]["nbytes"]
+        return max((engine.weights[t].nbytes if t in engine.weights else planned[t].nbytes
                     for t in tensors if t is not None), default=0)
 
     def _launch(self, dims: dict[str, int], values: dict[str, torch.Tensor]) -> None:
@@ -159,10 +154,10 @@ class CudaExecutor(ArenaExecutor):
         A row-parallel op's output is summed over the ranks right after it, with NCCL on the
         same stream, so graphs capture the collectives too."""
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        tensor_parallel = self.engine.world_size > 1
+        tensor_parallel = self.engine.manifest.world_size > 1
         for op in self.ops:
             args = [None if t is None else values[t] if t in values else self.weights[t] for t in op.inputs]
-            if tensor_parallel and op.reduces and self.engine.rank > 0:
+            if tensor_parallel and op.reduces and self.engine.manifest.rank > 0:
                 # Only rank 0 adds these after the sum; the kernels were built with them, so
                 # the other ranks pass zeros.
                 args = [self._zeros_like(a) if name in op.added_once and a is not None else a
@@ -177,10 +172,10 @@ class CudaExecutor(ArenaExecutor):
         return self.zeros[:t.numel() * t.element_size()].view(t.dtype).view(t.shape)
 
     def _capture_decode_graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
-        bounds, block_size = self.engine.bounds, self.engine.kv_cache["block_size"]
+        m = self.engine.manifest
         graphs = {}
-        for batch in graph_batch_sizes(decode_batch_limit(bounds, self.pad_block)):
-            dims, values = self._begin(padding_step(batch, self.pad_block, block_size, bounds["B"]), ())
+        for batch in graph_batch_sizes(decode_batch_limit(m.max_num_tokens, m.max_batch_size, self.pad_block)):
+            dims, values = self._begin(padding_step(batch, self.pad_block, m.kv.block_size, m.blocks_per_sequence), ())
             self._launch(dims, values)  # an eager run first, as CUDA graph capture advises
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -200,7 +195,7 @@ class CudaExecutor(ArenaExecutor):
         batch = next((b for b in self.graphs if b >= step.num_tokens), None) if is_pure_decode(step) else None
         if batch is not None:
             # The graph holds the whole step, the float32 copy of the logits included.
-            step = pad_decode(step, batch, self.pad_block, self.engine.kv_cache["block_size"])
+            step = pad_decode(step, batch, self.pad_block, self.engine.manifest.kv.block_size)
             self._prepare(step, copies, feed)
             self.graphs[batch].replay()
             return self.logits[:rows * self.vocab].view(rows, self.vocab)

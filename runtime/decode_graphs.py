@@ -13,12 +13,12 @@ import torch
 from kiln.runtime.step import StepInputs
 
 
-def decode_batch_limit(bounds: dict[str, int], num_kv_blocks: int) -> int:
-    """The most sequences a pure decode step can hold: the engine's bounds on tokens, sequences
-    and logit rows, and the KV pool's blocks, since every sequence of a step writes its new KV
-    into a block that no other sequence holds (copy-on-write sees to it). Graphs for larger
-    batches would never be replayed."""
-    return min(bounds["T"], bounds["S"], bounds["L"], num_kv_blocks)
+def decode_batch_limit(max_num_tokens: int, max_batch_size: int, num_kv_blocks: int) -> int:
+    """The most sequences a pure decode step can hold: the engine's limits on tokens and
+    sequences (one logit row each), and the KV pool's blocks, since every sequence of a step
+    writes its new KV into a block that no other sequence holds (copy-on-write sees to it).
+    Graphs for larger batches would never be replayed."""
+    return min(max_num_tokens, max_batch_size, num_kv_blocks)
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:

@@ -1,7 +1,7 @@
-"""Loading an engine folder: one rank's engine file, its plan, and the model's tokenizer.
+"""Loading one rank of an engine folder: its engine file, read once, and the plugins of its plan.
 
-The runtime knows no architecture: everything it needs to run a step is in the manifest
-(plan, memory plan, KV cache layout, bounds).
+The runtime knows no architecture: everything it needs to run a step is in the engine's typed
+`Manifest` (plan, memory plan, KV-cache layout, step limits) and its weights and kernels.
 """
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
+from kiln.engines.format import EngineFileError, read_engine_file
+from kiln.engines.manifest import Manifest
 from kiln.plugins import PluginSpec, get_plugin
-from kiln.runtime.engine_file import EngineFileError, read_engine_file
 
 
 class EngineLoadError(EngineFileError):
@@ -24,38 +25,22 @@ class PlanOp:
     inputs: dict[str, str | None]
     attrs: dict
     output: str
+    kernel_keys: dict[str, tuple[str, ...]]  # per GPU target
 
 
 @dataclass
 class Engine:
-    path: Path
-    manifest: dict
+    path: Path                     # the engine folder
+    manifest: Manifest
     weights: dict[str, torch.Tensor]
+    kernels: dict[str, bytes]      # every target's kernel blobs, by key
     plan: list[PlanOp]
 
-    @property
-    def rank(self) -> int:
-        return self.manifest["rank"]
-
-    @property
-    def world_size(self) -> int:
-        return self.manifest["world_size"]
-
-    @property
-    def build(self) -> dict:
-        return self.manifest["build"]
-
-    @property
-    def kv_cache(self) -> dict:
-        return self.manifest["kv_cache"]
-
-    @property
-    def bounds(self) -> dict[str, int]:
-        return self.manifest["memory_plan"]["bounds"]
-
-    @property
-    def tensors(self) -> dict[str, dict]:
-        return self.manifest["tensors"]
+    def require_target(self, target: str) -> None:
+        """Refuse to run where the engine was not built for: `target` is a GPU arch or "cpu"."""
+        if target not in self.manifest.targets:
+            raise EngineLoadError(f"engine built for {', '.join(self.manifest.targets)}; this machine needs "
+                                  f"{target}: rebuild with --target {target}")
 
 
 def engine_world_size(engine_dir: str | Path) -> int:
@@ -68,27 +53,27 @@ def engine_world_size(engine_dir: str | Path) -> int:
     return len(ranks)
 
 
-def load_engine(engine_dir: str | Path, rank: int = 0, target: str = "cpu", verify: bool = True) -> Engine:
+def load_engine(engine_dir: str | Path, rank: int = 0, target: str | None = "cpu", verify: bool = True) -> Engine:
     """Load `rank{rank}.engine` from an engine folder, checking it belongs to this folder's
-    tensor-parallel group and was built for `target`."""
+    tensor-parallel group and, unless `target` is None, that it was built for `target`."""
     engine_dir = Path(engine_dir)
     world_size = engine_world_size(engine_dir)
-    path = engine_dir / f"rank{rank}.engine"
+    path = engine_dir / Manifest.rank_file(rank)
     if not path.is_file():
-        raise EngineLoadError(f"{engine_dir} has no rank{rank}.engine ({world_size} rank files found)")
+        raise EngineLoadError(f"{engine_dir} has no {path.name} ({world_size} rank files found)")
     ef = read_engine_file(path, rank=rank, verify=verify)
     m = ef.manifest
-    if m["world_size"] != world_size:
-        raise EngineLoadError(f"{path} is rank {rank} of {m['world_size']} but the folder holds {world_size} "
+    if m.world_size != world_size:
+        raise EngineLoadError(f"{path} is rank {rank} of {m.world_size} but the folder holds {world_size} "
                               "rank files: rebuild the engine into an empty folder")
-    if target not in m["targets"]:
-        raise EngineLoadError(f"engine built for {', '.join(m['targets'])}; this machine needs {target}: "
-                              f"rebuild with --target {target}")
     plan = []
-    for entry in m["plan"]:
-        spec = get_plugin(entry["op"])
-        if spec.version != entry["version"]:
-            raise EngineLoadError(f"engine uses plugin {spec.name} v{entry['version']}, this Kiln has "
+    for entry in m.plan:
+        spec = get_plugin(entry.op)
+        if spec.version != entry.version:
+            raise EngineLoadError(f"engine uses plugin {spec.name} v{entry.version}, this Kiln has "
                                   f"v{spec.version}: rebuild the engine with this Kiln")
-        plan.append(PlanOp(spec, entry["inputs"], entry["attrs"], entry["output"]))
-    return Engine(engine_dir, m, ef.weights, plan)
+        plan.append(PlanOp(spec, entry.inputs, entry.attrs, entry.output, entry.kernel_keys))
+    engine = Engine(engine_dir, m, ef.weights, ef.kernels, plan)
+    if target is not None:
+        engine.require_target(target)
+    return engine

@@ -8,21 +8,11 @@ background thread; nothing here knows about threads.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer
 
-from kiln.runtime.cuda_driver import device_arch
-from kiln.runtime.cuda_executor import CudaExecutor
-from kiln.runtime.detokenizer import Detokenizer
-from kiln.runtime.engine import EngineLoadError, engine_world_size, load_engine
-from kiln.runtime.engine_file import read_engine_file
-from kiln.runtime.executor import CpuExecutor
-from kiln.runtime.tp_executor import TensorParallelExecutor
-from kiln.runtime.kv_cache import BlockManager, blocks_for_memory, bytes_per_block
-from kiln.runtime.outputs import CompletionOutput, RequestOutput
+from kiln.runtime.backend import kv_pool, open_engine, open_executor, open_tokenizer
 from kiln.runtime.overlap import InFlight, Launched
 from kiln.runtime.sampler import make_generator, needs_history, pick_tokens
 from kiln.runtime.sampling_params import SamplingParams
@@ -31,29 +21,6 @@ from kiln.runtime.sequence import Request, Sequence, Status
 from kiln.runtime.startup import process_age
 from kiln.runtime.step import SequenceChunk, pack_step, to_device
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def _available_memory() -> int:
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def resolve_device(engine_dir: str | Path, device: str | None) -> str:
-    """"cpu" or "cuda"; "auto" (or None) picks the GPU when there is one and the engine holds
-    cubins for its arch, and the CPU otherwise."""
-    if device not in (None, "auto", "cpu", "cuda"):
-        raise ValueError(f"device {device!r}: choose 'auto', 'cpu' or 'cuda'")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise EngineLoadError("device 'cuda' was asked for but torch sees no CUDA GPU here: "
-                              "use device 'cpu' (an engine built with --target cpu) or 'auto'")
-    if device in ("cpu", "cuda"):
-        return device
-    if not torch.cuda.is_available():
-        return "cpu"
-    engine_world_size(engine_dir)  # a missing or empty folder gets its clear error here
-    targets = read_engine_file(Path(engine_dir) / "rank0.engine", verify=False).manifest["targets"]
-    return "cuda" if device_arch() in targets else "cpu"
-
 
 class EngineCore:
     def __init__(self, engine_dir: str | Path, device: str | None = None, kv_cache_fraction: float | None = None,
@@ -61,49 +28,22 @@ class EngineCore:
                  overlap: bool = True):
         """`overlap=False` runs the plain loop; tensor-parallel engines always do (their ranks
         cannot read the sampled ids that stay on this process's device)."""
-        on_gpu = resolve_device(engine_dir, device) == "cuda"
-        # A GPU runs the cubins built for its arch, so the engine must list that target.
-        self.engine = load_engine(engine_dir, target=device_arch() if on_gpu else "cpu")
-        kv, build = self.engine.kv_cache, self.engine.build
-        self.block_size = kv["block_size"]
-        self.max_seq_len = build["max_seq_len"]
-        per_block = bytes_per_block(kv["num_layers"], kv["num_kv_heads"], kv["head_dim"], self.block_size,
-                                    DTYPE_BYTES[kv["dtype"]])
-        if max_kv_tokens is not None:
-            if max_kv_tokens < self.block_size:
-                raise ValueError(f"max_kv_tokens {max_kv_tokens} is less than one KV block ({self.block_size} tokens)")
-            num_blocks = max_kv_tokens // self.block_size
-        elif kv_cache_fraction is not None:
-            # On the GPU the weights and the arena are uploaded after this, out of the same memory.
-            free = (torch.cuda.mem_get_info()[0] - self.engine.manifest["memory_plan"]["arena_bytes"]
-                    - sum(w.nbytes for w in self.engine.weights.values())) if on_gpu else _available_memory()
-            num_blocks = blocks_for_memory(free, kv_cache_fraction, per_block)
-        else:
-            # Enough for every sequence of a full batch at full length.
-            num_blocks = build["max_batch_size"] * self.engine.bounds["B"]
-        world = self.engine.world_size
-        if on_gpu and world > torch.cuda.device_count():
-            raise EngineLoadError(f"this engine has {world} tensor-parallel ranks, one GPU each, but this machine has "
-                                  f"{torch.cuda.device_count()} GPU(s): rebuild with --tp-size "
-                                  f"{torch.cuda.device_count()} or fewer, or run it on a machine with {world} GPUs")
+        self.engine, on_gpu = open_engine(engine_dir, device)
+        m = self.engine.manifest
+        self.block_size = m.kv.block_size
+        self.max_seq_len = m.max_seq_len
+        self.blocks = kv_pool(self.engine, on_gpu, kv_cache_fraction, max_kv_tokens)
+        self.executor = open_executor(self.engine, on_gpu, self.blocks.num_blocks, worker_timeout)
         # The sampler's generators live where each step's logits are: on the GPU for a
         # single-rank GPU engine, on the host when tensor-parallel workers send them back.
-        self.logits_device = "cuda" if on_gpu and world == 1 else "cpu"
-        if world > 1:
-            self.executor = TensorParallelExecutor(engine_dir, world, num_blocks, worker_timeout,
-                                                   "cuda" if on_gpu else "cpu")
-        else:
-            self.executor = CudaExecutor(self.engine, num_blocks) if on_gpu else CpuExecutor(self.engine, num_blocks)
-        self.blocks = BlockManager(num_blocks, self.block_size)
-        self.scheduler = Scheduler(self.blocks, build["max_num_tokens"], build["max_batch_size"], policy)
-        self.vocab_size = self.engine.tensors[self.engine.manifest["outputs"][0]]["shape"][-1]
-        self.eos_ids = tuple(self.engine.manifest["model"].get("eos_token_ids", ()))
-        tokenizer_file = Path(engine_dir) / "tokenizer.json"
-        self.tokenizer = Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.is_file() else None
-        self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self.logits_device = "cuda" if on_gpu and m.world_size == 1 else "cpu"
+        self.scheduler = Scheduler(self.blocks, m.max_num_tokens, m.max_batch_size, policy)
+        self.vocab_size = m.vocab_size
+        self.eos_ids = m.eos_token_ids
+        self.tokenizer, self.detokenizer = open_tokenizer(self.engine)
         self.requests: dict[str, Request] = {}
         self.peak_blocks = 0
-        self.in_flight = InFlight(overlap and world == 1, self._append)
+        self.in_flight = InFlight(overlap and m.world_size == 1, self._append)
         # Start-up latency, in seconds since the process started (runtime/startup.py).
         self.loaded_after = process_age()
         self.first_token_after: float | None = None
@@ -181,7 +121,7 @@ class EngineCore:
             # A pending token's id is still on the device: the feed puts it in place there.
             chunks.append(SequenceChunk(ids + [0] * (c.num_tokens - len(ids)), c.seq.num_cached,
                                         self.blocks.table(c.seq.seq_id)))
-        return self.executor.run(pack_step(chunks, self.block_size, self.engine.bounds["B"]), copies,
+        return self.executor.run(pack_step(chunks, self.block_size, self.engine.manifest.blocks_per_sequence), copies,
                                  self.in_flight.feed(batch))
 
     def _sample(self, batch: list[ScheduledChunk], logits: torch.Tensor) -> Launched | None:
@@ -261,12 +201,3 @@ class EngineCore:
         self.scheduler.remove(seq)
         if seq.request.finished:
             self.requests.pop(seq.request.request_id, None)
-
-    # -- outputs -------------------------------------------------------------------------------
-
-    @staticmethod
-    def snapshot(request: Request) -> RequestOutput:
-        outs = [CompletionOutput(s.index, s.text, list(s.output_ids), s.finish_reason,
-                                 list(s.logprobs) if s.request.params.logprobs is not None else None)
-                for s in sorted(request.seqs, key=lambda s: s.index)]
-        return RequestOutput(request.request_id, list(request.prompt_ids), outs, request.finished)

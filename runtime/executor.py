@@ -11,13 +11,11 @@ import math
 
 import torch
 
+from kiln.dtypes import torch_dtype
 from kiln.plugins import STEP_INPUTS
 from kiln.runtime.arena import Arena
 from kiln.runtime.engine import Engine
 from kiln.runtime.step import Feed, StepInputs
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-          "int32": torch.int32, "int64": torch.int64}
 
 
 class ArenaExecutor:
@@ -28,37 +26,38 @@ class ArenaExecutor:
     def __init__(self, engine: Engine, num_kv_blocks: int, device: torch.device | str = "cpu",
                  extra: dict[str, int] | None = None):
         self.engine = engine
-        kv = engine.kv_cache
-        kv_shape = (kv["num_layers"], 2, num_kv_blocks, kv["block_size"], kv["num_kv_heads"], kv["head_dim"])
-        kv_dtype = DTYPES[kv["dtype"]]
-        self.memory = Arena({"activations": engine.manifest["memory_plan"]["arena_bytes"],
+        m = engine.manifest
+        kv_shape = m.kv.pool_shape(num_kv_blocks)
+        kv_dtype = torch_dtype(m.kv.dtype)
+        self.memory = Arena({"activations": m.arena_bytes,
                              "kv_cache": math.prod(kv_shape) * kv_dtype.itemsize, **(extra or {})}, device)
         self.kv_cache = self.memory.view("kv_cache", kv_dtype, kv_shape)
         self.arena = self.memory.bytes("activations")
-        self.layout = engine.manifest["memory_plan"]["tensors"]
-        spans = [(self.layout[s.name]["offset"], self.layout[s.name]["offset"] + self.layout[s.name]["nbytes"])
+        self.layout = m.slots
+        spans = [(self.layout[s.name].offset, self.layout[s.name].offset + self.layout[s.name].nbytes)
                  for s in STEP_INPUTS]
         self.input_region = (min(a for a, _ in spans), max(b for _, b in spans))
-        self.output = engine.manifest["outputs"][0]
+        self.output = m.logits
 
     def _view(self, name: str, dims: dict[str, int]) -> torch.Tensor:
-        info = self.engine.tensors[name]
-        shape = [dims[d] if isinstance(d, str) else d for d in info["shape"]]
-        dtype = DTYPES[info["dtype"]]
-        offset = self.layout[name]["offset"]
+        info = self.engine.manifest.tensors[name]
+        shape = info.resolve(dims)
+        dtype = torch_dtype(info.dtype)
+        offset = self.layout[name].offset
         size = math.prod(shape) * dtype.itemsize
         return self.arena[offset:offset + size].view(dtype).view(shape)
 
     def _dims(self, step: StepInputs) -> dict[str, int]:
-        bounds = self.engine.bounds
-        dims = {"T": step.num_tokens, "S": step.query_lens.shape[0], "L": step.logits_indices.shape[0],
-                "B": bounds["B"]}
-        for d, what in (("T", "tokens"), ("S", "sequences"), ("L", "logit rows")):
-            if dims[d] > bounds[d]:
-                raise ValueError(f"step has {dims[d]} {what}; the engine was built for at most {bounds[d]}")
-        if step.block_tables.shape[1] != bounds["B"]:
-            raise ValueError(f"block tables must have {bounds['B']} columns, got {step.block_tables.shape[1]}")
-        return dims
+        """The step's value of each symbolic dim, checked against the engine's limits."""
+        m = self.engine.manifest
+        tokens, seqs, rows = step.num_tokens, step.query_lens.shape[0], step.logits_indices.shape[0]
+        for count, what, limit in ((tokens, "tokens", m.max_num_tokens), (seqs, "sequences", m.max_batch_size),
+                                   (rows, "logit rows", m.max_batch_size)):
+            if count > limit:
+                raise ValueError(f"step has {count} {what}; the engine was built for at most {limit}")
+        if step.block_tables.shape[1] != m.blocks_per_sequence:
+            raise ValueError(f"block tables must have {m.blocks_per_sequence} columns, got {step.block_tables.shape[1]}")
+        return {**m.symbol_bounds, "T": tokens, "S": seqs, "L": rows}
 
     def _prepare(self, step: StepInputs, copies: list[tuple[int, int]], feed: Feed | None = None) -> dict[str, int]:
         """Do the copy-on-write copies and put the step inputs in the arena, with the fed token
@@ -90,8 +89,8 @@ class ArenaExecutor:
         start = self.input_region[0]
         for spec in STEP_INPUTS:
             value = getattr(step, spec.name)
-            offset = self.layout[spec.name]["offset"] - start
-            dtype = DTYPES[spec.dtype]
+            offset = self.layout[spec.name].offset - start
+            dtype = torch_dtype(spec.dtype)
             buffer[offset:offset + value.numel() * dtype.itemsize].view(dtype).view(value.shape).copy_(value)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

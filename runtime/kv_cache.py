@@ -136,17 +136,6 @@ class BlockManager:
         return block
 
 
-def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                    dtype_bytes: int) -> int:
-    """Bytes one block takes across all layers, keys and values together."""
-    for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
-                        ("head_dim", head_dim), ("block_size", block_size),
-                        ("dtype_bytes", dtype_bytes)):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    return 2 * num_layers * num_kv_heads * head_dim * block_size * dtype_bytes
-
-
 def blocks_for_memory(free_bytes: int, fraction: float, bytes_per_block: int) -> int:
     """Number of blocks that fit in `fraction` of `free_bytes`."""
     if not 0 < fraction <= 1:

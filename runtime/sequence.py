@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kiln.runtime.outputs import CompletionOutput, RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -92,3 +93,10 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(s.status is Status.FINISHED for s in self.seqs) and (self.forked or self.params.n == 1)
+
+    def snapshot(self) -> RequestOutput:
+        """What the caller sees of this request now: copies, so later steps do not change it."""
+        outs = [CompletionOutput(s.index, s.text, list(s.output_ids), s.finish_reason,
+                                 list(s.logprobs) if self.params.logprobs is not None else None)
+                for s in sorted(self.seqs, key=lambda s: s.index)]
+        return RequestOutput(self.request_id, list(self.prompt_ids), outs, self.finished)

@@ -103,7 +103,7 @@ class Session:
                         self._deliver(rid, e)
                     continue
                 for request in updated:
-                    out = self._core.snapshot(request)
+                    out = request.snapshot()
                     self._deliver(request.request_id, out)
 
     def _deliver(self, request_id: str, out: RequestOutput | BaseException) -> None:
@@ -144,7 +144,7 @@ class Session:
     def _cancel_locked(self, request_id: str) -> None:
         request = self._core.cancel(request_id)
         if request is not None:
-            self._deliver(request_id, self._core.snapshot(request))
+            self._deliver(request_id, request.snapshot())
 
     # -- blocking and streaming ----------------------------------------------------------------
 

@@ -37,12 +37,13 @@ def time_ms(fn, repeats: int = 20) -> float:
 
 def profile(ex: CudaExecutor, batch: int, context: int) -> None:
     engine = ex.engine
-    bs, nb = engine.kv_cache["block_size"], engine.bounds["B"]
+    bs, nb = engine.manifest.kv.block_size, engine.manifest.blocks_per_sequence
     per_seq = -(-(context + 1) // bs)
     tables = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(batch)]
     g = torch.Generator().manual_seed(0)
-    for first in range(0, batch, max(1, engine.bounds["T"] // context)):
-        chunk = range(first, min(batch, first + max(1, engine.bounds["T"] // context)))
+    per_step = max(1, engine.manifest.max_num_tokens // context)
+    for first in range(0, batch, per_step):
+        chunk = range(first, min(batch, first + per_step))
         ex.run(pack_step([SequenceChunk(torch.randint(0, 1000, (context,), generator=g).tolist(), 0, tables[s])
                           for s in chunk], bs, nb))
     step = pack_step([SequenceChunk([7], context, t) for t in tables], bs, nb)
@@ -92,7 +93,7 @@ def main() -> None:
     engine = load_engine(args.engine, target=f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}",
                          verify=False)
     batches = args.batch or [1, 64]
-    bs = engine.kv_cache["block_size"]
+    bs = engine.manifest.kv.block_size
     ex = CudaExecutor(engine, max(batches) * -(-(args.context + 1) // bs))
     for batch in batches:
         profile(ex, batch, args.context)

@@ -54,9 +54,9 @@ def open_executor(engine_dir, device: str):
         from kiln.runtime.cuda_executor import CudaExecutor
 
         engine = load_engine(engine_dir, target=device_arch())
-        return CudaExecutor(engine, engine.bounds["B"])
+        return CudaExecutor(engine, engine.manifest.blocks_per_sequence)
     engine = load_engine(engine_dir)
-    return CpuExecutor(engine, engine.bounds["B"])
+    return CpuExecutor(engine, engine.manifest.blocks_per_sequence)
 
 
 def teacher_forced_tokens(prompt: list[int], generated: list[int]) -> tuple[list[int], int]:
@@ -71,16 +71,17 @@ def kiln_teacher_forced(executor, prompt: list[int], generated: list[int],
     float32 on the CPU. The sequence runs as prefill chunks within the engine's bounds (the
     ones holding those positions ask for every logit), in blocks 0.. of the executor's pool,
     which each call overwrites from position 0."""
-    bounds, block_size = executor.engine.bounds, executor.engine.kv_cache["block_size"]
+    m = executor.engine.manifest
+    block_size = m.kv.block_size
     tokens, first = teacher_forced_tokens(prompt, generated)
-    table = list(range(bounds["B"]))
+    table = list(range(m.blocks_per_sequence))
     rows, pos = [], 0
     while pos < len(tokens):
         wanted = pos >= first
-        limit = min(bounds["T"], bounds["L"]) if wanted else bounds["T"]
+        limit = min(m.max_num_tokens, m.max_batch_size) if wanted else m.max_num_tokens
         limit = min(limit, max_chunk or limit)
         end = min(pos + limit, len(tokens) if wanted else first)
-        step = pack_step([SequenceChunk(tokens[pos:end], pos, table, all_logits=wanted)], block_size, bounds["B"])
+        step = pack_step([SequenceChunk(tokens[pos:end], pos, table, all_logits=wanted)], block_size, m.blocks_per_sequence)
         logits = executor.run(step)
         if wanted:
             rows.append(logits.float().cpu())
@@ -139,11 +140,11 @@ def publish(line: str, record_property) -> None:
 # -- checkpoints and engines, kept between runs in KILN_GPU_WORKDIR ------------------------------
 
 def _sources_hash() -> str:
-    """Content hash of what an engine's bytes come from: the builder, models, plugins and the
-    engine file format."""
+    """Content hash of what an engine's bytes come from: the builder, models, plugins, the
+    engine contract (format and manifest) and the shared helpers in kiln/."""
     h = hashlib.sha256()
-    files = [p for pkg in ("builder", "models", "plugins") for p in (ROOT / pkg).rglob("*.py")]
-    for f in sorted(files + [ROOT / "runtime" / "engine_file.py"]):
+    files = [p for pkg in ("builder", "models", "plugins", "engines", "kiln") for p in (ROOT / pkg).rglob("*.py")]
+    for f in sorted(files):
         h.update(f.relative_to(ROOT).as_posix().encode())
         h.update(f.read_bytes())
     return h.hexdigest()[:12]

@@ -34,5 +34,5 @@ def test_cpu_executor_keeps_activations_and_kv_pool_in_one_arena(factory):
     base, end = ex.memory.buffer.data_ptr(), ex.memory.buffer.data_ptr() + ex.memory.nbytes
     for t in (ex.arena, ex.kv_cache):
         assert base <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= end
-    assert ex.kv_cache.shape[2] == 12 and ex.arena.numel() == engine.manifest["memory_plan"]["arena_bytes"]
+    assert ex.kv_cache.shape[2] == 12 and ex.arena.numel() == engine.manifest.arena_bytes
     ex.close()

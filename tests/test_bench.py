@@ -16,6 +16,7 @@ from kiln.bench.figures import Figure
 from kiln.bench.hardware import Hardware
 from kiln.bench.limits import CostModel, StepShape, attended_pairs
 from kiln.bench.report import render
+from kiln.engines.manifest import KVLayout, Manifest, PlanEntry, TensorSpec, WeightEntry
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.session import Session
 
@@ -147,29 +148,36 @@ def _weight(*shape):
     n = 1
     for d in shape:
         n *= d
-    return {"dtype": "float32", "shape": list(shape), "nbytes": 4 * n}
+    return WeightEntry("float32", shape, 0, 4 * n)
+
+
+def _op(op, output, attrs=None, **inputs):
+    return PlanEntry(op, 1, inputs, attrs or {}, output, "")
 
 
 # One layer, 2 heads of dim 2, 1 KV head; hidden 4, vocab 10, float32 (4-byte) everything.
-MANIFEST = {
-    "weights": {"embed": _weight(10, 4), "rope_cache": _weight(8, 2), "w_qkv": _weight(8, 4),
-                "w_o": _weight(4, 4), "norm": _weight(4), "lm_head": _weight(10, 4)},
-    "tensors": {"x": {"shape": ["T", 4]}, "q": {"shape": ["T", 4]}, "h": {"shape": ["T", 4]},
-                "rows": {"shape": ["L", 4]}, "normed": {"shape": ["L", 4]}, "logits": {"shape": ["L", 10]}},
-    "plan": [
-        {"op": "embedding", "inputs": {"input_ids": "input_ids", "weight": "embed"}, "attrs": {}, "output": "x"},
-        {"op": "norm_qkv_rope", "inputs": {"x": "x", "w_qkv": "w_qkv", "rope_cache": "rope_cache"},
-         "attrs": {"num_heads": 2, "num_kv_heads": 1, "head_dim": 2}, "output": "q"},
-        {"op": "attention_o_proj", "inputs": {"q": "q", "block_tables": "block_tables", "w_o": "w_o",
-                                              "residual": "x"},
-         "attrs": {"num_heads": 2, "num_kv_heads": 1, "head_dim": 2, "window": 0}, "output": "h"},
-        {"op": "take_rows", "inputs": {"x": "h", "indices": "logits_indices"}, "attrs": {}, "output": "rows"},
-        {"op": "rms_norm", "inputs": {"x": "rows", "weight": "norm"}, "attrs": {}, "output": "normed"},
-        {"op": "linear", "inputs": {"x": "normed", "weight": "lm_head", "bias": None}, "attrs": {},
-         "output": "logits"},
-    ],
-    "kv_cache": {"num_layers": 1, "block_size": 4, "num_kv_heads": 1, "head_dim": 2, "dtype": "float32"},
-}
+HEADS = {"num_heads": 2, "num_kv_heads": 1, "head_dim": 2}
+MANIFEST = Manifest(
+    kiln_version="test", model={}, dtype="float32", targets=("cpu",), rank=0, world_size=1, max_num_tokens=8,
+    max_batch_size=2, max_seq_len=16, kv=KVLayout(num_layers=1, block_size=4, num_kv_heads=1, head_dim=2,
+                                                 dtype="float32"),
+    tokenizer_file=None, inputs=(), outputs=("logits",),
+    tensors={name: TensorSpec(shape, "float32", "activation") for name, shape in (
+        ("x", ("T", 4)), ("q", ("T", 4)), ("h", ("T", 4)), ("rows", ("L", 4)), ("normed", ("L", 4)),
+        ("logits", ("L", 10)))},
+    plan=(
+        _op("embedding", "x", input_ids="input_ids", weight="embed"),
+        _op("norm_qkv_rope", "q", HEADS, x="x", w_qkv="w_qkv", rope_cache="rope_cache"),
+        _op("attention_o_proj", "h", {**HEADS, "window": 0}, q="q", block_tables="block_tables", w_o="w_o",
+            residual="x"),
+        _op("take_rows", "rows", x="h", indices="logits_indices"),
+        _op("rms_norm", "normed", x="rows", weight="norm"),
+        _op("linear", "logits", x="normed", weight="lm_head", bias=None),
+    ),
+    arena_bytes=0, slots={},
+    weights={"embed": _weight(10, 4), "rope_cache": _weight(8, 2), "w_qkv": _weight(8, 4),
+             "w_o": _weight(4, 4), "norm": _weight(4), "lm_head": _weight(10, 4)},
+)
 
 
 def test_cost_model_on_a_hand_computed_step():
@@ -202,8 +210,8 @@ def test_cost_model_of_a_real_engine_counts_each_weight_once(factory):
     from kiln.runtime.engine import load_engine
     engine = load_engine(factory.engine(factory.checkpoint("llama3"), dtype="float32"))
     cost = CostModel.from_manifest(engine.manifest)
-    weights = engine.manifest["weights"]
-    full = sum(w["nbytes"] for n, w in weights.items() if n not in ("model.embed_tokens.weight", "rope_cache"))
+    weights = engine.manifest.weights
+    full = sum(w.nbytes for n, w in weights.items() if n not in ("model.embed_tokens.weight", "rope_cache"))
     assert cost.dense_bytes == full
     assert cost.logit_params == 512 * 64  # the LM head runs on logit rows only
     assert len(cost.layers) == 2

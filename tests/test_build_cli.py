@@ -37,7 +37,7 @@ def test_build_prints_summary_and_inspect_shows_plan(factory, tmp_path):
     assert shown.exit_code == 0, shown.output
     assert "plan (" in shown.output and "memory plan: arena" in shown.output and "kv cache:" in shown.output
     as_json = json.loads(invoke(inspect_engine, [out, "--json"]).output)
-    assert as_json["build"]["max_seq_len"] == 64 and as_json["targets"] == ["cpu"]
+    assert as_json["limits"]["max_seq_len"] == 64 and as_json["targets"] == ["cpu"]
 
 
 def test_rebuild_replaces_previous_engine(factory, tmp_path):

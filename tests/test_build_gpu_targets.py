@@ -12,7 +12,7 @@ from kiln.builder.config import BuildConfig
 from kiln.builder.kernels import KernelError
 from gpu_build import build_cli
 from kiln.runtime.engine import EngineLoadError, load_engine
-from kiln.runtime.engine_file import read_engine_file
+from kiln.engines.format import read_engine_file
 from test_gelu_model import gelu_model
 
 GPU_TARGETS = ["sm_80", "sm_89", "sm_90", "sm_100"]
@@ -30,14 +30,14 @@ def all_targets(factory, tmp_path_factory):
 def test_every_plan_kernel_is_compiled_for_every_target(all_targets):
     _, root, result = all_targets
     m = read_engine_file(root / "engine" / "rank0.engine").manifest
-    assert m["targets"] == ["cpu", *GPU_TARGETS]
-    for op in m["plan"]:
-        assert set(op["kernel_keys"]) == set(GPU_TARGETS), op["op"]
-        for target, keys in op["kernel_keys"].items():
-            assert keys and all(m["kernels"][k]["target"] == target for k in keys)
+    assert m.targets == ("cpu", *GPU_TARGETS)
+    for op in m.plan:
+        assert set(op.kernel_keys) == set(GPU_TARGETS), op.op
+        for target, keys in op.kernel_keys.items():
+            assert keys and all(m.kernels[k].target == target for k in keys)
     blobs = read_engine_file(root / "engine" / "rank0.engine").kernels
     assert all(blob[:4] == b"\x7fELF" for blob in blobs.values())
-    assert {e["plugin"] for e in m["kernels"].values()} == {op["op"] for op in m["plan"]}
+    assert {e.plugin for e in m.kernels.values()} == {op.op for op in m.plan}
     assert f"kernels     {len(blobs)} cubins per rank" in result.stdout
     shown = CliRunner().invoke(inspect_engine, [str(root / "engine")]).output
     assert all(f"cubins for {t}" in shown for t in GPU_TARGETS)
@@ -46,7 +46,7 @@ def test_every_plan_kernel_is_compiled_for_every_target(all_targets):
 def test_engine_with_cpu_among_its_targets_runs_here(all_targets):
     _, root, _ = all_targets
     engine = load_engine(root / "engine")
-    assert engine.manifest["build"]["dtype"] == "bfloat16"
+    assert engine.manifest.dtype == "bfloat16"
 
 
 def test_gpu_only_engine_is_refused_on_the_cpu(all_targets):

@@ -35,7 +35,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def steps(engine) -> tuple[list[list[int]], list[list[int]], int, int]:
     """The scenario's prompts and block tables, the engine's block size and blocks per sequence."""
-    bs, nb = engine.kv_cache["block_size"], engine.bounds["B"]
+    bs, nb = engine.manifest.kv.block_size, engine.manifest.blocks_per_sequence
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (100, 30, 20)]
     # Interleaved, out-of-order blocks so that paging is exercised.
@@ -116,8 +116,8 @@ def test_cuda_executor_refuses_step_beyond_bounds(engine_dir):
 
     engine = load_engine(engine_dir("llama3", "bfloat16", 256))
     gpu = CudaExecutor(engine, NUM_BLOCKS)
-    bs, nb = engine.kv_cache["block_size"], engine.bounds["B"]
-    too_many = engine.bounds["T"] + 1
+    bs, nb = engine.manifest.kv.block_size, engine.manifest.blocks_per_sequence
+    too_many = engine.manifest.max_num_tokens + 1
     with pytest.raises(ValueError, match=f"step has {too_many} tokens"):
         gpu.run(pack_step([SequenceChunk([5] * too_many, 0, list(range(nb)))], bs, nb))
     gpu.close()

@@ -43,7 +43,7 @@ def test_padding_rows_point_at_the_spare_block():
 
 def test_a_padded_step_keeps_real_logits_and_caches(factory):
     engine = load_engine(factory.engine(factory.checkpoint("llama3"), dtype="float32"))
-    bs, nb = engine.kv_cache["block_size"], engine.bounds["B"]
+    bs, nb = engine.manifest.kv.block_size, engine.manifest.blocks_per_sequence
     blocks, spare = 24, 24
     prompts = [[5, 17, 42, 99, 7], [11, 12, 13], [3, 4, 5, 6, 7, 8, 9]]
     tables = [list(range(s * 8, s * 8 + 8))[:nb] for s in range(3)]
@@ -72,7 +72,7 @@ def test_no_decode_step_holds_more_sequences_than_the_pool_has_blocks(factory):
 
     core = EngineCore(factory.engine(factory.checkpoint("llama3"), dtype="float32"), device="cpu",
                       max_kv_tokens=4 * 4)
-    assert core.blocks.num_blocks == 4 and decode_batch_limit(core.engine.bounds, 4) == 4
+    assert core.blocks.num_blocks == 4 and decode_batch_limit(core.engine.manifest.max_num_tokens, core.engine.manifest.max_batch_size, 4) == 4
     decode_rows, run = [], core.executor.run
 
     def recorded(step, copies=(), feed=None):

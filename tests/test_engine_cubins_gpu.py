@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.runtime.engine_file import read_engine_file
+from kiln.engines.format import read_engine_file
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +26,7 @@ def test_every_cubin_for_this_gpu_loads(factory, tmp_path):
         assert result.returncode == 0, result.stderr
         engine = tmp_path / "engine"
     ef = read_engine_file(Path(engine) / "rank0.engine")
-    mine = {k: e for k, e in ef.manifest["kernels"].items() if e["target"] == arch}
-    assert mine, f"the engine has no cubins for {arch}; its targets are {ef.manifest['targets']}"
+    mine = {k: e for k, e in ef.manifest.kernels.items() if e.target == arch}
+    assert mine, f"the engine has no cubins for {arch}; its targets are {ef.manifest.targets}"
     for key, entry in mine.items():
-        load_kernel(ef.kernels[key], entry["entry"], entry["signature"], entry["num_warps"], entry["shared_bytes"])
+        load_kernel(ef.kernels[key], entry.entry, list(entry.signature), entry.num_warps, entry.shared_bytes)

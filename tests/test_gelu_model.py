@@ -53,7 +53,7 @@ def test_gelu_mlp_builds_unfused_and_matches_eager(tmp_path):
 
     ex = CpuExecutor(engine, num_kv_blocks=16)
     eager_cache = torch.zeros_like(ex.kv_cache)
-    bs, nb = 4, engine.bounds["B"]
+    bs, nb = 4, engine.manifest.blocks_per_sequence
     steps = [[SequenceChunk([3, 9, 27, 81, 5, 7], 0, [2, 0], all_logits=True)]]
     steps += [[SequenceChunk([10 + i], 6 + i, [2, 0, 5])] for i in range(4)]
     for chunks in steps:

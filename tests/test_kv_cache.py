@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from kiln.runtime.kv_cache import BlockManager, OutOfBlocks, blocks_for_memory, bytes_per_block
+from kiln.runtime.kv_cache import BlockManager, OutOfBlocks, blocks_for_memory
 
 
 def check_invariants(bm: BlockManager, seq_ids: list[int]) -> None:
@@ -227,16 +227,8 @@ def test_randomized_ops_keep_invariants() -> None:
     assert bm.num_free == bm.num_blocks
 
 
-def test_bytes_per_block() -> None:
-    # k and v: 2 * layers * heads * head_dim * tokens * bytes
-    assert bytes_per_block(32, 8, 128, 16, 2) == 2 * 32 * 8 * 128 * 16 * 2 == 2 * 1024 * 1024
-    assert bytes_per_block(1, 1, 1, 1, 1) == 2
-    with pytest.raises(ValueError, match="head_dim"):
-        bytes_per_block(2, 2, 0, 16, 2)
-
-
 def test_blocks_for_memory() -> None:
-    per_block = bytes_per_block(2, 2, 64, 16, 2)  # 16 KiB
+    per_block = 2 * 2 * 2 * 64 * 16 * 2  # 16 KiB: K and V, 2 layers, 2 heads of 64, 16 tokens, 2 bytes
     assert blocks_for_memory(1 << 30, 0.9, per_block) == int((1 << 30) * 0.9) // per_block
     assert blocks_for_memory(10 * per_block, 1.0, per_block) == 10
     assert blocks_for_memory(10 * per_block + per_block - 1, 1.0, per_block) == 10

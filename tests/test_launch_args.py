@@ -45,6 +45,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 import kiln.builder.kernels as builder_kernels  # noqa: E402
 from kiln.builder.build import build_engine  # noqa: E402
 from kiln.builder.config import BuildConfig  # noqa: E402
+from kiln.engines.manifest import PlanEntry  # noqa: E402
 from kiln.plugins import get_plugin  # noqa: E402
 from kiln.plugins.aot import AotKernel, Cubin  # noqa: E402
 from kiln.runtime.cuda_executor import scratch_bytes  # noqa: E402
@@ -255,12 +256,12 @@ def allocate_scratch(engine) -> dict[str, torch.Tensor]:
     return {name: torch.empty(nbytes, dtype=torch.uint8) for name, nbytes in sizes.items()}
 
 
-def node_shapes(engine, entry: dict) -> dict:
+def node_shapes(engine, entry: PlanEntry) -> dict:
     """The plugin's `compile_shapes` for one plan entry, from the manifest's tensors and the weights."""
-    shapes = {name: tuple(t["shape"]) for name, t in engine.manifest["tensors"].items()}
+    shapes = {name: t.shape for name, t in engine.manifest.tensors.items()}
     shapes.update((name, tuple(w.shape)) for name, w in engine.weights.items())
-    inputs = {name: None if t is None else shapes[t] for name, t in entry["inputs"].items()}
-    return get_plugin(entry["op"]).compile_shapes(inputs, entry["attrs"], engine.kv_cache["block_size"])
+    inputs = {name: None if t is None else shapes[t] for name, t in entry.inputs.items()}
+    return get_plugin(entry.op).compile_shapes(inputs, entry.attrs, engine.manifest.kv.block_size)
 
 
 def _json(meta: dict) -> dict:
@@ -324,17 +325,17 @@ def test_launchers_pass_what_run_passes(engines, family, dtype, max_seq_len, hid
     scratch = allocate_scratch(engine)
     checked: dict[str, set] = {}
     attention_paths = set()
-    for step_name, chunks in scenario(engine.kv_cache["block_size"], engine.bounds["B"]):
-        dims, values = executor._begin(pack_step(chunks, engine.kv_cache["block_size"], engine.bounds["B"]), ())
+    for step_name, chunks in scenario(engine.manifest.kv.block_size, engine.manifest.blocks_per_sequence):
+        dims, values = executor._begin(pack_step(chunks, engine.manifest.kv.block_size, engine.manifest.blocks_per_sequence), ())
         external = [executor.arena, executor.kv_cache, *engine.weights.values()]
-        for op, entry in zip(engine.plan, manifest["plan"]):
+        for op, entry in zip(engine.plan, manifest.plan):
             name = op.spec.name
-            keys = entry["kernel_keys"][TARGET]
-            assert all(manifest["kernels"][k]["target"] == TARGET for k in keys)
+            keys = entry.kernel_keys[TARGET]
+            assert all(manifest.kernels[k].target == TARGET for k in keys)
             args = [None if t is None else values[t] if t in values else engine.weights[t] for t in op.inputs.values()]
             out = executor._view(op.output, dims)
-            launches = check_op(name, [built.aot[k] for k in keys], [manifest["kernels"][k]["signature"] for k in keys],
-                                [manifest["kernels"][k]["launch"] for k in keys], args, op.attrs, out, dims, scratch,
+            launches = check_op(name, [built.aot[k] for k in keys], [list(manifest.kernels[k].signature) for k in keys],
+                                [manifest.kernels[k].launch for k in keys], args, op.attrs, out, dims, scratch,
                                 external)
             checked.setdefault(name, set()).add(step_name)
             if name == "attention_o_proj":
@@ -350,6 +351,6 @@ def test_launchers_pass_what_run_passes(engines, family, dtype, max_seq_len, hid
     assert all(steps == {"prefill", "mixed", "decode"} for steps in checked.values()), checked
     # attention then the GEMM; a split-KV decode adds the combine kernel.
     assert attention_paths == ({2, 3} if max_seq_len > 256 else {2})
-    split_buckets = {m["launch"]["bucket"] for m in manifest["kernels"].values() if m["launch"].get("split_k", 1) > 1}
+    split_buckets = {k.launch["bucket"] for k in manifest.kernels.values() if k.launch.get("split_k", 1) > 1}
     if hidden >= 512:
         assert split_buckets == {"decode", "small"}

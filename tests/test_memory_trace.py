@@ -9,7 +9,8 @@ from torch import nn
 
 from kiln.builder.ir import Graph, TensorInfo
 from kiln.builder.passes import (fold_weights, plan_memory, shard)
-from kiln.builder.passes.memory import ALIGN, DTYPE_BYTES
+from kiln.builder.passes.memory import ALIGN, MemoryPlan
+from kiln.dtypes import element_bytes
 from kiln.builder.trace import TraceError, trace
 from kiln.plugins import op
 from kiln.plugins.step_inputs import KV_CACHE
@@ -35,16 +36,16 @@ def _lifetimes(g: Graph) -> dict[str, tuple[int, int]]:
     return {k: tuple(v) for k, v in life.items()}
 
 
-def _check_plan(g: Graph, plan: dict, bounds: dict) -> None:
+def _check_plan(g: Graph, plan: MemoryPlan, bounds: dict) -> None:
     life = _lifetimes(g)
-    tensors = plan["tensors"]
+    tensors = plan.slots
     assert set(tensors) == set(life)  # every step input and activation, no weights or state
     for name, t in tensors.items():
-        assert t["offset"] % ALIGN == 0 and t["nbytes"] % ALIGN == 0
+        assert t.offset % ALIGN == 0 and t.nbytes % ALIGN == 0
         info = g.tensors[name]
-        need = math.prod(bounds[d] if isinstance(d, str) else d for d in info.shape) * DTYPE_BYTES[info.dtype]
-        assert t["nbytes"] >= need
-        assert t["offset"] + t["nbytes"] <= plan["arena_bytes"]
+        need = math.prod(bounds[d] if isinstance(d, str) else d for d in info.shape) * element_bytes(info.dtype)
+        assert t.nbytes >= need
+        assert t.offset + t.nbytes <= plan.arena_bytes
     names = list(tensors)
     for i, a in enumerate(names):
         for b in names[i + 1:]:
@@ -52,14 +53,14 @@ def _check_plan(g: Graph, plan: dict, bounds: dict) -> None:
             if la < fb or lb < fa:
                 continue  # lifetimes disjoint: may share bytes
             ta, tb = tensors[a], tensors[b]
-            disjoint = ta["offset"] + ta["nbytes"] <= tb["offset"] or tb["offset"] + tb["nbytes"] <= ta["offset"]
+            disjoint = ta.offset + ta.nbytes <= tb.offset or tb.offset + tb.nbytes <= ta.offset
             assert disjoint, f"{a} {life[a]} and {b} {life[b]} overlap in memory"
     for node in g.nodes:  # explicit: an op's output never aliases its inputs
         out = tensors[node.output]
         for t in node.tensor_inputs():
             if t in tensors:
                 ti = tensors[t]
-                assert out["offset"] + out["nbytes"] <= ti["offset"] or ti["offset"] + ti["nbytes"] <= out["offset"]
+                assert out.offset + out.nbytes <= ti.offset or ti.offset + ti.nbytes <= out.offset
 
 
 @pytest.mark.parametrize("pipeline", ["unfused", "fused_folded", "sharded"])
@@ -72,11 +73,10 @@ def test_plan_memory_no_overlapping_lifetimes_share_bytes(pipeline):
     snap = snapshot(g)
     plan = plan_memory(g, BOUNDS)
     assert_unchanged(g, snap)
-    assert plan["bounds"] == BOUNDS
     _check_plan(g, plan, BOUNDS)
-    assert KV_CACHE not in plan["tensors"] and "lm_head.weight" not in plan["tensors"]
-    total = sum(t["nbytes"] for t in plan["tensors"].values())
-    assert plan["arena_bytes"] < total
+    assert KV_CACHE not in plan.slots and "lm_head.weight" not in plan.slots
+    total = sum(t.nbytes for t in plan.slots.values())
+    assert plan.arena_bytes < total
 
 
 def _chain(n: int) -> Graph:
@@ -92,18 +92,18 @@ def test_plan_memory_chain_reuses_bytes_and_respects_bounds():
     g = _chain(6)
     plan = plan_memory(g, BOUNDS)
     _check_plan(g, plan, BOUNDS)
-    t = plan["tensors"]
+    t = plan.slots
     assert g.tensors["norm0"].shape == ("T", H)
-    assert t["norm0"]["nbytes"] >= 8 * 16 * 4 == 512
-    assert t["input_ids"]["nbytes"] >= 8 * 4
-    total = sum(v["nbytes"] for v in t.values())
-    assert plan["arena_bytes"] < total
+    assert t["norm0"].nbytes >= 8 * 16 * 4 == 512
+    assert t["input_ids"].nbytes >= 8 * 4
+    total = sum(v.nbytes for v in t.values())
+    assert plan.arena_bytes < total
     # a chain needs only two live [T, H] buffers at a time (plus the step inputs)
-    inputs = sum(v["nbytes"] for k, v in t.items() if k in g.inputs)
-    assert plan["arena_bytes"] <= inputs + 2 * 512 + 512
+    inputs = sum(v.nbytes for k, v in t.items() if k in g.inputs)
+    assert plan.arena_bytes <= inputs + 2 * 512 + 512
     # bigger bounds, bigger buffers
     big = plan_memory(g, {**BOUNDS, "T": 64})
-    assert big["tensors"]["norm0"]["nbytes"] >= 64 * 16 * 4
+    assert big.slots["norm0"].nbytes >= 64 * 16 * 4
     _check_plan(g, big, {**BOUNDS, "T": 64})
 
 
@@ -117,10 +117,10 @@ def test_plan_memory_graph_outputs_live_to_the_end():
     b.g.outputs += [early, y]
     plan = plan_memory(b.g, BOUNDS)
     _check_plan(b.g, plan, BOUNDS)
-    e = plan["tensors"]["early"]
+    e = plan.slots["early"]
     for i in range(4):
-        o = plan["tensors"][f"n{i}"]
-        assert o["offset"] + o["nbytes"] <= e["offset"] or e["offset"] + e["nbytes"] <= o["offset"]
+        o = plan.slots[f"n{i}"]
+        assert o.offset + o.nbytes <= e.offset or e.offset + e.nbytes <= o.offset
 
 
 # --------------------------------------------------------------------------------------------

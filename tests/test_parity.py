@@ -24,7 +24,7 @@ def run_engine(engine_dir, prompts: list[list[int]]) -> tuple[list[list[int]], l
     batched steps. Returns the full token lists and, per sequence, logits for every position."""
     engine = load_engine(engine_dir)
     ex = CpuExecutor(engine, num_kv_blocks=64)
-    bs, nb = engine.kv_cache["block_size"], engine.bounds["B"]
+    bs, nb = engine.manifest.kv.block_size, engine.manifest.blocks_per_sequence
     # Interleaved, out-of-order blocks so paging is really exercised.
     tables = [list(range(s, 64, len(prompts)))[::-1][:nb] for s in range(len(prompts))]
     tokens = [list(p) for p in prompts]

@@ -84,7 +84,7 @@ def test_new_op_builds_and_runs_in_the_cpu_engine(tmp_path):
     steps = [[SequenceChunk([3, 9, 27, 81, 5, 7], 0, [2, 0], all_logits=True)]]
     steps += [[SequenceChunk([10 + i], 6 + i, [2, 0, 5])] for i in range(4)]
     for chunks in steps:
-        step = pack_step(chunks, BUILD["kv_block_size"], engine.bounds["B"])
+        step = pack_step(chunks, BUILD["kv_block_size"], engine.manifest.blocks_per_sequence)
         with torch.no_grad():
             expected = model(**step.as_dict(), kv_cache=eager_cache)
         torch.testing.assert_close(ex.run(step), expected, rtol=1e-5, atol=1e-5)

@@ -164,7 +164,7 @@ def test_n_samples_share_the_prompt_blocks(engine_dir, session):
     while core.has_work():
         core.step()
     assert request.finished and blocks.used_blocks() == 0
-    outs = core.snapshot(request).outputs
+    outs = request.snapshot().outputs
     assert [o.index for o in outs] == [0, 1, 2, 3]
     assert len({tuple(o.token_ids) for o in outs}) == 4
     # Sample i draws from seed + i, so it is the n=1 request with that seed.

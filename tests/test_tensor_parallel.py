@@ -188,13 +188,13 @@ def test_qkv_weights_are_sharded(builds, family, tp):
     shards = {}
     for rank in range(tp):
         engine = load_engine(built.engines[tp], rank)
-        assert (engine.rank, engine.world_size) == (rank, tp)
+        assert (engine.manifest.rank, engine.manifest.world_size) == (rank, tp)
         shards[rank] = _first_layer_qkv(engine)
         qn = nh // tp
         k0, kn = _kv_head_first(nkv, rank, tp)
         assert shards[rank][2].shape[0] < full[2].shape[0]
         assert shards[rank][2].shape == ((qn + 2 * kn) * hd, fam.hidden)
-        assert engine.kv_cache["num_kv_heads"] == kn
+        assert engine.manifest.kv.num_kv_heads == kn
         # This rank's rows are exactly its heads' rows of the tp 1 weight (and bias).
         q_rows, kv_rows = nh * hd, nkv * hd
         for dim, w in full.items():

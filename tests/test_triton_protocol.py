@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from kiln.builder.cli import build_engine
 from kiln.runtime.outputs import CompletionOutput, RequestOutput
 from kiln.runtime.triton.cli import triton_repo
 from kiln.runtime.triton.protocol import INPUTS, OUTPUTS, Reply, decode_word_list, parse_request
@@ -154,14 +153,9 @@ def test_repo_layout_and_config(factory, tmp_path):
         write_repo(engine, tmp_path / "r3", "a b")
 
 
-def test_cli_triton_repo_and_build_engine_triton_repo(factory, tmp_path):
+def test_cli_triton_repo(factory, tmp_path):
     engine = factory.engine(factory.checkpoint("llama3"), dtype="float32")
     result = CliRunner().invoke(triton_repo, ["--engine", str(engine), "--output", str(tmp_path / "repo")])
     assert result.exit_code == 0 and "serve-triton" in result.output
     result = CliRunner().invoke(triton_repo, ["--engine", str(tmp_path), "--output", str(tmp_path / "r")])
     assert result.exit_code == 2 and "no rank0.engine" in result.output
-    args = ["--checkpoint", str(factory.checkpoint("llama3")), "--output", str(tmp_path / "engine"), "--dtype",
-            "float32", "--max-seq-len", "64", "--target", "cpu", "--quiet", "--triton-repo", str(tmp_path / "built")]
-    result = CliRunner().invoke(build_engine, args)
-    assert result.exit_code == 0, result.output
-    assert (tmp_path / "built" / "kiln" / "config.pbtxt").is_file() and "triton repository" in result.output

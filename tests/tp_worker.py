@@ -31,8 +31,8 @@ def run_scenario(engine) -> dict:
     from kiln.runtime.step import SequenceChunk, pack_step
 
     ex = CpuExecutor(engine, num_kv_blocks=NUM_KV_BLOCKS)
-    block_size = engine.kv_cache["block_size"]
-    blocks_per_seq = engine.bounds["B"]
+    block_size = engine.manifest.kv.block_size
+    blocks_per_seq = engine.manifest.blocks_per_sequence
     chunks = [SequenceChunk(list(p), 0, list(t), all_logits=a)
               for p, t, a in zip(PROMPTS, BLOCK_TABLES, ALL_LOGITS)]
     lengths = [len(p) for p in PROMPTS]
@@ -70,8 +70,8 @@ def run_rank(rank: int, world_size: int, engine_dir: str, port: int, out_path: s
             from kiln.runtime.engine import load_engine
 
             engine = load_engine(engine_dir, rank)
-            if (engine.rank, engine.world_size) != (rank, world_size):
-                raise AssertionError(f"loaded rank {engine.rank}/{engine.world_size}, "
+            if (engine.manifest.rank, engine.manifest.world_size) != (rank, world_size):
+                raise AssertionError(f"loaded rank {engine.manifest.rank}/{engine.manifest.world_size}, "
                                      f"expected {rank}/{world_size}")
             result = run_scenario(engine)
             dist.barrier()

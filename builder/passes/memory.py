@@ -1,25 +1,34 @@
 """Activation memory planning: one arena, an offset per tensor, from lifetimes in plan order.
 
-Step inputs and activations are sized for the build's bounds (T = max_num_tokens, S and L =
-max_batch_size, B = blocks per sequence). Two tensors share bytes only when their lifetimes
-[first write, last read] do not overlap; an op's output never aliases its inputs.
+Step inputs and activations are sized for the largest value of each symbolic dim of their
+shapes (`engines.manifest.symbol_bounds`: tokens, sequences, logit rows and blocks per sequence
+of the build's limits). Two tensors share bytes only when their lifetimes [first write, last
+read] do not overlap; an op's output never aliases its inputs.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from kiln.builder.ir import Graph
+from kiln.dtypes import element_bytes
+from kiln.engines.manifest import Slot
 
 ALIGN = 256
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    arena_bytes: int
+    slots: dict[str, Slot]  # every step input and activation
 
 
 def nbytes(shape: tuple, dtype: str, bounds: dict[str, int]) -> int:
-    return math.prod(bounds[d] if isinstance(d, str) else d for d in shape) * DTYPE_BYTES[dtype]
+    return math.prod(bounds[d] if isinstance(d, str) else d for d in shape) * element_bytes(dtype)
 
 
-def plan_memory(graph: Graph, bounds: dict[str, int]) -> dict:
-    """Returns {"arena_bytes", "bounds", "tensors": {name: {"offset", "nbytes"}}}."""
+def plan_memory(graph: Graph, bounds: dict[str, int]) -> MemoryPlan:
+    """Place every step input and activation of `graph`, with its symbolic dims at `bounds`."""
     end = len(graph.nodes)
     life: dict[str, list[int]] = {}
     for name in graph.inputs:
@@ -43,6 +52,6 @@ def plan_memory(graph: Graph, bounds: dict[str, int]) -> dict:
                 break
             offset = max(offset, o + s)
         placed.append((offset, size, first, last))
-        tensors[name] = {"offset": offset, "nbytes": size}
+        tensors[name] = Slot(offset, size)
     arena = max((o + s for o, s, _, _ in placed), default=0)
-    return {"arena_bytes": arena, "bounds": dict(bounds), "tensors": tensors}
+    return MemoryPlan(arena, tensors)

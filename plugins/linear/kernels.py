@@ -26,11 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.dtypes import element_bytes
 from kiln.plugins.aot import AotKernel, absent_as_none, pointer_params
 
 # Pointer types of the signatures AOT compilation needs, per engine dtype.
 POINTER = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
-ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Shared memory for the software pipeline's x and W buffers: sm_89 has 99 KiB per block, the
 # smallest of the targets; the rest is left for the epilogue's layout conversions.
 PIPELINE_SMEM = 80 * 1024
@@ -293,7 +293,7 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool) -> list[AotKernel]:
     """One linear_kernel per shape bucket of TILES."""
-    ptr, size = POINTER[dtype], ELEMENT_BYTES[dtype]
+    ptr, size = POINTER[dtype], element_bytes(dtype)
     kernels = []
     for tile in tiles_for(n):
         bk = block_k(tile, size)

@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.dtypes import element_bytes
 from kiln.plugins.aot import AotKernel, absent_as_none, pointer_params
-from kiln.plugins.linear.kernels import (ELEMENT_BYTES, POINTER, TILES, Tile, block_k, gemm_tile,
+from kiln.plugins.linear.kernels import (POINTER, TILES, Tile, block_k, gemm_tile,
                                          launch_meta, num_stages, pick_tile, split_buffers, split_halves, split_k,
                                          split_k_sum, split_signature, upcast_dot, with_bucket)
 
@@ -143,7 +144,7 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     "bias": bool, "qk_norm": bool, "norm_weight": bool (defaults False; False norm_weight
     means folded)}. One kernel per shape bucket; num_slots (KV-cache blocks * block size),
     layer and eps are runtime arguments, positions and slot_mapping int32, rope_cache fp32."""
-    ptr, size = POINTER[dtype], ELEMENT_BYTES[dtype]
+    ptr, size = POINTER[dtype], element_bytes(dtype)
     k, heads, kv_heads, d = shapes["K"], shapes["num_heads"], shapes["num_kv_heads"], shapes["head_dim"]
     qk_norm = shapes.get("qk_norm", False)
     optional = {"norm_ptr": shapes.get("norm_weight", False), "bias_ptr": shapes.get("bias", False),

@@ -20,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.dtypes import element_bytes
 from kiln.plugins.aot import AotKernel, absent_as_none, pointer_params
-from kiln.plugins.linear.kernels import (ELEMENT_BYTES, POINTER, WIDE_N, block_k, gemm_tile,
+from kiln.plugins.linear.kernels import (POINTER, WIDE_N, block_k, gemm_tile,
                                          launch_meta, num_stages, pick_tile, split_buffers, split_halves, split_k,
                                          split_k_sum, split_signature, tiles_for, upcast_dot, with_bucket)
 
@@ -84,7 +85,7 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     """shapes: {"K": hidden size, "I": intermediate size (this rank's), "block": gate/up
     interleave block (0: not interleaved), "norm_weight": bool (default False: folded)}.
     One kernel per shape bucket; eps is a runtime argument."""
-    ptr, size = POINTER[dtype], ELEMENT_BYTES[dtype]
+    ptr, size = POINTER[dtype], element_bytes(dtype)
     k, inter, norm = shapes["K"], shapes["I"], shapes.get("norm_weight", False)
     kernels = []
     for tile in swiglu_tiles(2 * inter):

@@ -6,7 +6,8 @@ import json
 import shutil
 from pathlib import Path
 
-from kiln.runtime.engine_file import EngineFileError, read_engine_file
+from kiln.engines.format import EngineFileError, read_engine_file
+from kiln.engines.manifest import Manifest
 from kiln.runtime.scheduler import POLICIES
 from kiln.runtime.triton.protocol import INPUTS, OUTPUTS, TensorSpec
 
@@ -27,11 +28,11 @@ def write_repo(engine_dir: Path, output: Path, model_name: str = "kiln", max_kv_
     """
     engine_dir = Path(engine_dir).resolve()
     output = Path(output)
-    engine_file = engine_dir / "rank0.engine"
+    engine_file = engine_dir / Manifest.rank_file(0)
     if not engine_file.is_file():
-        raise RepoError(f"{engine_dir} holds no rank0.engine: pass an engine folder written by build-engine")
+        raise RepoError(f"{engine_dir} holds no {engine_file.name}: pass an engine folder written by build-engine")
     try:
-        build = read_engine_file(engine_file, verify=False).manifest["build"]
+        manifest = read_engine_file(engine_file, verify=False).manifest
     except EngineFileError as e:
         raise RepoError(str(e)) from None
     if not model_name or not all(c.isalnum() or c in "-_." for c in model_name):
@@ -51,7 +52,7 @@ def write_repo(engine_dir: Path, output: Path, model_name: str = "kiln", max_kv_
     parameters = {"engine_dir": str(engine_dir), "policy": policy}
     if max_kv_tokens is not None:
         parameters["max_kv_tokens"] = str(max_kv_tokens)
-    (model_dir / "config.pbtxt").write_text(model_config(model_name, build["max_batch_size"], parameters))
+    (model_dir / "config.pbtxt").write_text(model_config(model_name, manifest.max_batch_size, parameters))
     (output / "README.md").write_text(_readme(model_name, engine_dir))
     (output / MARKER).write_text(json.dumps({"engine_dir": str(engine_dir), "model_name": model_name}, indent=2) + "\n")
     return output

@@ -1,12 +1,13 @@
 """Reader and writer for Kiln's `.engine` files (one file per tensor-parallel rank).
 
-An engine file is a 64-byte header, a UTF-8 JSON manifest and two page-aligned
-sections (weights, kernels), so the runtime can memory-map the weights instead of
-copying them. The byte layout is documented in engines/README.md.
+An engine file is a 64-byte header, a UTF-8 JSON manifest (`engines.manifest.Manifest`) and
+two page-aligned sections (weights, kernels), so the runtime can memory-map the weights
+instead of copying them. The byte layout is documented in engines/README.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import mmap
 import os
@@ -18,7 +19,12 @@ from pathlib import Path
 
 import torch
 
-FORMAT_VERSION: int = 1
+from kiln.atomic import atomic_file
+from kiln.dtypes import dtype_name, torch_dtype
+from kiln.engines.manifest import KernelEntry, Manifest, Section, WeightEntry
+
+# 2: the typed manifest (limits stored once, no memory_plan.bounds, no duplicate build keys).
+FORMAT_VERSION: int = 2
 MAGIC: bytes = b"KILNENG\x00"
 
 HEADER_SIZE = 64
@@ -26,7 +32,6 @@ SECTION_ALIGN = 4096  # page size: lets sections be mmapped
 TENSOR_ALIGN = 256  # enough for any dtype and for vectorised/DMA loads
 # magic, version, flags, manifest offset, manifest length, total length, manifest crc32
 _HEADER = struct.Struct("<8sIIQQQI")
-_SECTIONS = ("weights", "kernels")
 _PLACEHOLDER_CRC = 0xFFFFFFFF  # widest crc32 in JSON, so the reserved manifest size always fits
 _CRC_CHUNK = 64 << 20
 
@@ -70,7 +75,7 @@ class EngineFile:
     """
 
     path: Path
-    manifest: dict
+    manifest: Manifest
     weights: dict[str, torch.Tensor]
     kernels: dict[str, bytes]
 
@@ -79,12 +84,8 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _dump(manifest: dict) -> bytes:
-    return json.dumps(manifest, ensure_ascii=False, allow_nan=False).encode("utf-8")
+def _dump(manifest: Manifest) -> bytes:
+    return json.dumps(manifest.to_json(), ensure_ascii=False, allow_nan=False).encode("utf-8")
 
 
 def _check_little_endian() -> None:
@@ -93,15 +94,15 @@ def _check_little_endian() -> None:
         raise EngineFileError("Kiln engine files are little-endian; big-endian hosts are not supported")
 
 
-def write_engine_file(path: str | Path, manifest: dict, weights: dict[str, torch.Tensor],
+def write_engine_file(path: str | Path, manifest: Manifest, weights: dict[str, torch.Tensor],
                       kernels: dict[str, tuple[bytes, dict]] | None = None) -> None:
-    """Atomically write an engine file: `path` holds either the old file or the complete new one."""
+    """Atomically write an engine file: `path` holds either the old file or the complete new one.
+
+    `kernels` maps a key to its blob and its launch metadata (the fields of `KernelEntry` other
+    than `offset` and `nbytes`). The manifest's weight and kernel indexes and sections are
+    replaced by the ones of the data written."""
     _check_little_endian()
-    path = Path(path)
     kernels = kernels or {}
-    for key in ("rank", "world_size"):
-        if not isinstance(manifest.get(key), int):
-            raise ValueError(f"manifest[{key!r}] must be an int, got {manifest.get(key)!r}")
 
     # Lay out both sections from sizes alone, so the data can be streamed later.
     weight_index, off = {}, 0
@@ -109,8 +110,7 @@ def write_engine_file(path: str | Path, manifest: dict, weights: dict[str, torch
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"weight {name!r} is a {type(t).__name__}, not a torch.Tensor")
         off = _align(off, TENSOR_ALIGN)
-        weight_index[name] = {"dtype": _dtype_name(t.dtype), "shape": list(t.shape),
-                              "offset": off, "nbytes": t.nbytes}
+        weight_index[name] = WeightEntry(dtype_name(t.dtype), tuple(t.shape), off, t.nbytes)
         off += t.nbytes
     weights_len = off
     kernel_index, off = {}, 0
@@ -120,64 +120,53 @@ def write_engine_file(path: str | Path, manifest: dict, weights: dict[str, torch
         if {"offset", "nbytes"} & set(meta):
             raise ValueError(f"kernel {key!r} metadata may not use the reserved keys 'offset'/'nbytes'")
         off = _align(off, TENSOR_ALIGN)
-        kernel_index[key] = {"offset": off, "nbytes": len(blob), **meta}
+        kernel_index[key] = KernelEntry(offset=off, nbytes=len(blob), **{**meta, "signature": tuple(meta["signature"])})
         off += len(blob)
     kernels_len = off
 
-    out = dict(manifest)  # shallow copy: only top-level keys are replaced
-    out["weights"], out["kernels"] = weight_index, kernel_index
-    sections = {"weights": {"offset": 0, "length": weights_len, "crc32": _PLACEHOLDER_CRC},
-                "kernels": {"offset": 0, "length": kernels_len, "crc32": _PLACEHOLDER_CRC}}
-    out["sections"] = sections
+    def settled(weights_off: int, crcs: tuple[int, int]) -> Manifest:
+        kernels_off = _align(weights_off + weights_len, SECTION_ALIGN)
+        return dataclasses.replace(manifest, weights=weight_index, kernels=kernel_index, sections={
+            "weights": Section(weights_off, weights_len, crcs[0]), "kernels": Section(kernels_off, kernels_len, crcs[1])})
+
     # The manifest holds the section offsets, which depend on the manifest's length.
     # That length grows monotonically with the offsets, so iterating from 0 converges.
+    placeholder = (_PLACEHOLDER_CRC, _PLACEHOLDER_CRC)
     weights_off = 0
     while True:
-        sections["weights"]["offset"] = weights_off
-        sections["kernels"]["offset"] = _align(weights_off + weights_len, SECTION_ALIGN)
-        reserved = _dump(out)
+        reserved = _dump(settled(weights_off, placeholder))
         needed = _align(HEADER_SIZE + len(reserved), SECTION_ALIGN)
         if needed == weights_off:
             break
         weights_off = needed
     manifest_len = len(reserved)
-    total_len = sections["kernels"]["offset"] + kernels_len
+    kernels_off = settled(weights_off, placeholder).sections["kernels"].offset
+    total_len = kernels_off + kernels_len
 
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.seek(weights_off)  # header and manifest are written last, once the crcs are known
-            crc = 0
-            for name, t in weights.items():
-                crc = _pad_to(f, weights_off + weight_index[name]["offset"], crc)
-                data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-                f.write(memoryview(data))
-                crc = zlib.crc32(data, crc)
-            sections["weights"]["crc32"] = crc
-            f.write(bytes(sections["kernels"]["offset"] - f.tell()))  # gap between sections
-            kernels_off, crc = sections["kernels"]["offset"], 0
-            for key, (blob, _meta) in kernels.items():
-                crc = _pad_to(f, kernels_off + kernel_index[key]["offset"], crc)
-                f.write(blob)
-                crc = zlib.crc32(blob, crc)
-            sections["kernels"]["crc32"] = crc
-            if f.tell() != total_len:
-                raise AssertionError(f"engine layout error: wrote {f.tell()} bytes, expected {total_len}")
+    with atomic_file(path) as f:
+        f.seek(weights_off)  # header and manifest are written last, once the crcs are known
+        weights_crc = 0
+        for name, t in weights.items():
+            weights_crc = _pad_to(f, weights_off + weight_index[name].offset, weights_crc)
+            data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            f.write(memoryview(data))
+            weights_crc = zlib.crc32(data, weights_crc)
+        f.write(bytes(kernels_off - f.tell()))  # gap between sections
+        kernels_crc = 0
+        for key, (blob, _meta) in kernels.items():
+            kernels_crc = _pad_to(f, kernels_off + kernel_index[key].offset, kernels_crc)
+            f.write(blob)
+            kernels_crc = zlib.crc32(blob, kernels_crc)
+        if f.tell() != total_len:
+            raise AssertionError(f"engine layout error: wrote {f.tell()} bytes, expected {total_len}")
 
-            # Real crcs are never wider than the placeholder, so pad back to the reserved size.
-            manifest_bytes = _dump(out).ljust(manifest_len, b" ")
-            header = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, HEADER_SIZE, manifest_len, total_len,
-                                  zlib.crc32(manifest_bytes)).ljust(HEADER_SIZE, b"\0")
-            f.seek(0)
-            f.write(header + manifest_bytes)
-            f.write(bytes(weights_off - f.tell()))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+        # Real crcs are never wider than the placeholder, so pad back to the reserved size.
+        manifest_bytes = _dump(settled(weights_off, (weights_crc, kernels_crc))).ljust(manifest_len, b" ")
+        header = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, HEADER_SIZE, manifest_len, total_len,
+                              zlib.crc32(manifest_bytes)).ljust(HEADER_SIZE, b"\0")
+        f.seek(0)
+        f.write(header + manifest_bytes)
+        f.write(bytes(weights_off - f.tell()))
 
 
 def _pad_to(f, target: int, crc: int) -> int:
@@ -188,20 +177,6 @@ def _pad_to(f, target: int, crc: int) -> int:
         f.write(zeros)
         crc = zlib.crc32(zeros, crc)
     return crc
-
-
-def _fsync_dir(directory: Path) -> None:
-    # Makes the rename itself durable; not every platform lets you open a directory.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _crc_of(buf: memoryview) -> int:
@@ -227,7 +202,11 @@ def read_engine_file(path: str | Path, rank: int | None = None, world_size: int 
                 f"{path}: engine file is truncated: only {size} bytes, shorter than the "
                 f"{HEADER_SIZE}-byte header; {rebuild}")
         _magic, version, _flags, m_off, m_len, total, m_crc = _HEADER.unpack_from(head)
-        if version == 0 or version > FORMAT_VERSION:
+        if 0 < version < FORMAT_VERSION:
+            raise UnsupportedVersionError(
+                f"{path}: engine file format version {version} was written by an older Kiln; this Kiln "
+                f"reads version {FORMAT_VERSION}: rebuild the engine with this Kiln's build-engine")
+        if version != FORMAT_VERSION:
             raise UnsupportedVersionError(
                 f"{path}: engine file format version {version} is not supported by this Kiln "
                 f"(supports version {FORMAT_VERSION}); rebuild the engine with this Kiln or upgrade Kiln")
@@ -255,51 +234,48 @@ def _load(path: Path, mm: mmap.mmap, m_off: int, m_len: int, m_crc: int, total: 
         raise ChecksumError(f"{path}: checksum mismatch in the manifest section "
                             f"(the file is corrupted); {rebuild}", "manifest")
     try:
-        manifest = json.loads(raw.decode("utf-8"))
-        sections = {name: manifest["sections"][name] for name in _SECTIONS}
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        manifest = Manifest.from_json(json.loads(raw.decode("utf-8")))
+    except (UnicodeDecodeError, ValueError) as e:  # ManifestError is a ValueError
         raise CorruptEngineError(f"{path}: manifest is unreadable ({e}); {rebuild}") from None
 
     # Before the section checksums: no point hashing gigabytes of the wrong rank.
-    f_rank, f_world = manifest.get("rank"), manifest.get("world_size")
+    f_rank, f_world = manifest.rank, manifest.world_size
     want_rank = f_rank if rank is None else rank
     want_world = f_world if world_size is None else world_size
     if (want_rank, want_world) != (f_rank, f_world):
-        hint = (f"load rank{want_rank}.engine for each rank" if want_world == f_world else
+        hint = (f"load {Manifest.rank_file(want_rank)} for each rank" if want_world == f_world else
                 f"launch {f_world} ranks, or rebuild the engine for {want_world} ranks")
         raise RankMismatchError(f"{path}: engine file is rank {f_rank} of {f_world} but was loaded "
                                 f"as rank {want_rank} of {want_world}: {hint}")
 
     view = memoryview(mm)
     try:
-        for name, sec in sections.items():
-            start, length = sec["offset"], sec["length"]
+        for name, sec in manifest.sections.items():
+            start, length = sec.offset, sec.length
             if start % SECTION_ALIGN or start + length > total:
                 raise CorruptEngineError(f"{path}: {name} section lies outside the file; {rebuild}")
-            if verify and _crc_of(view[start:start + length]) != sec["crc32"]:
+            if verify and _crc_of(view[start:start + length]) != sec.crc32:
                 raise ChecksumError(f"{path}: checksum mismatch in the {name} section "
                                     f"(the file is corrupted); {rebuild}", name)
     finally:
         view.release()
 
-    w_off, w_len = sections["weights"]["offset"], sections["weights"]["length"]
+    w_off, w_len = manifest.sections["weights"].offset, manifest.sections["weights"].length
     specs = []
-    for name, e in manifest["weights"].items():
-        dtype = getattr(torch, str(e["dtype"]), None)
-        if not isinstance(dtype, torch.dtype):
-            raise CorruptEngineError(f"{path}: weight {name!r} has unknown dtype {e['dtype']!r}")
+    for name, e in manifest.weights.items():
+        dtype = torch_dtype(e.dtype)  # a known name: Manifest.from_json checked it
         numel = 1
-        for d in e["shape"]:
+        for d in e.shape:
             numel *= d
-        if numel * dtype.itemsize != e["nbytes"] or e["offset"] + e["nbytes"] > w_len:
+        if numel * dtype.itemsize != e.nbytes or e.offset + e.nbytes > w_len:
             raise CorruptEngineError(f"{path}: weight {name!r} index entry is inconsistent; {rebuild}")
-        specs.append((name, dtype, e["shape"], numel, w_off + e["offset"]))
-    k_off, k_len = sections["kernels"]["offset"], sections["kernels"]["length"]
+        specs.append((name, dtype, e.shape, numel, w_off + e.offset))
+    k_off, k_len = manifest.sections["kernels"].offset, manifest.sections["kernels"].length
     kernels = {}
-    for key, e in manifest["kernels"].items():
-        if e["offset"] + e["nbytes"] > k_len:
+    for key, e in manifest.kernels.items():
+        if e.offset + e.nbytes > k_len:
             raise CorruptEngineError(f"{path}: kernel {key!r} lies outside its section; {rebuild}")
-        kernels[key] = mm[k_off + e["offset"]:k_off + e["offset"] + e["nbytes"]]
+        kernels[key] = mm[k_off + e.offset:k_off + e.offset + e.nbytes]
 
     # ACCESS_COPY makes the mapping writable (so frombuffer does not warn) without
     # any write ever reaching the file. frombuffer rejects empty ranges, hence empty().

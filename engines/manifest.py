@@ -1,0 +1,350 @@
+"""The manifest of an engine file, typed: what the builder writes and the runtime reads.
+
+`Manifest` is the one place that knows the manifest's JSON keys. The builder makes one and
+`engines.format.write_engine_file` serializes it (adding the weight and kernel indexes and the
+sections); `read_engine_file` parses it back with `Manifest.from_json`, which checks every
+field once, so the code that reads it afterwards trusts named, typed fields. Each fact is
+stored once: the step bounds are `max_num_tokens`, `max_batch_size` and `blocks_per_sequence`
+(derived from `max_seq_len` and the KV block size), and the vocabulary size is the width of the
+logits tensor. engines/README.md documents the JSON.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.dtypes import element_bytes, torch_dtype
+
+
+class ManifestError(ValueError):
+    """The manifest's JSON does not have the shape this Kiln writes; the message names the field."""
+
+
+def blocks_per_sequence(max_seq_len: int, block_size: int) -> int:
+    """KV blocks one sequence of `max_seq_len` tokens needs: the width of a block table."""
+    return -(-max_seq_len // block_size)
+
+
+def symbol_bounds(max_num_tokens: int, max_batch_size: int, blocks_per_seq: int) -> dict[str, int]:
+    """The largest value of each symbolic dim in the plan's tensor shapes (see builder/ir.py):
+    T tokens in a step, S sequences in a step, L logit rows (one per sequence), B blocks per
+    sequence. Shapes and plugin launch rules are written in these symbols; code outside them
+    uses the manifest's named fields."""
+    return {"T": max_num_tokens, "S": max_batch_size, "L": max_batch_size, "B": blocks_per_seq}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The paged KV cache's layout; the pool is [layers, K and V, blocks, block_size, kv heads, head_dim]."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token in every layer."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element_bytes(self.dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A step input, activation or state (the KV cache, which lives outside the arena): its
+    shape may hold the symbols of `symbol_bounds`."""
+
+    shape: tuple[int | str, ...]
+    dtype: str
+    kind: str
+
+    def resolve(self, dims: dict[str, int]) -> tuple[int, ...]:
+        return tuple(dims[d] if isinstance(d, str) else d for d in self.shape)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a tensor lives in the activation arena."""
+
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One op of the plan: the plugin and version it runs, its tensors and attributes, and the
+    keys of its kernels per GPU target."""
+
+    op: str
+    version: int
+    inputs: dict[str, str | None]
+    attrs: dict[str, Any]
+    output: str
+    source: str
+    kernel_keys: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WeightEntry:
+    """A weight's place in the weights section (`offset` from the section's start)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class KernelEntry:
+    """A kernel blob's place in the kernels section and how to launch it (engines/README.md)."""
+
+    offset: int
+    nbytes: int
+    plugin: str
+    target: str
+    entry: str
+    signature: tuple[str, ...]
+    num_warps: int
+    shared_bytes: int
+    launch: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Section:
+    offset: int
+    length: int
+    crc32: int
+
+
+SECTIONS = ("weights", "kernels")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    kiln_version: str
+    model: dict[str, Any]          # the checkpoint's configuration as the builder read it, for people
+    dtype: str                     # weights and activations
+    targets: tuple[str, ...]
+    rank: int
+    world_size: int
+    max_num_tokens: int            # tokens in one step: decode tokens plus prefill chunks
+    max_batch_size: int            # sequences in one step
+    max_seq_len: int               # prompt plus output of one sequence
+    kv: KVLayout
+    tokenizer_file: str | None     # in the engine folder, beside the rank files
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    tensors: dict[str, TensorSpec]
+    plan: tuple[PlanEntry, ...]
+    arena_bytes: int
+    slots: dict[str, Slot]         # the memory plan: every step input and activation
+    # Set by the writer (engines.format), replacing whatever the builder left there.
+    weights: dict[str, WeightEntry] = field(default_factory=dict)
+    kernels: dict[str, KernelEntry] = field(default_factory=dict)
+    sections: dict[str, Section] = field(default_factory=dict)
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        return blocks_per_sequence(self.max_seq_len, self.kv.block_size)
+
+    @property
+    def symbol_bounds(self) -> dict[str, int]:
+        return symbol_bounds(self.max_num_tokens, self.max_batch_size, self.blocks_per_sequence)
+
+    @property
+    def logits(self) -> str:
+        """The plan's output: the logits of the step's requested rows."""
+        return self.outputs[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tensors[self.logits].shape[-1]
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.model.get("eos_token_ids", ()))
+
+    @property
+    def source(self) -> str:
+        """The checkpoint the engine was built from."""
+        return str(self.model.get("source", "unknown"))
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(w.nbytes for w in self.weights.values())
+
+    @staticmethod
+    def rank_file(rank: int) -> str:
+        """The name of rank `rank`'s engine file in an engine folder."""
+        return f"rank{rank}.engine"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kiln_version": self.kiln_version, "model": self.model, "dtype": self.dtype,
+            "targets": list(self.targets), "rank": self.rank, "world_size": self.world_size,
+            "limits": {"max_num_tokens": self.max_num_tokens, "max_batch_size": self.max_batch_size,
+                       "max_seq_len": self.max_seq_len},
+            "kv_cache": _fields(self.kv), "tokenizer": self.tokenizer_file,
+            "inputs": list(self.inputs), "outputs": list(self.outputs),
+            "tensors": {n: {**_fields(t), "shape": list(t.shape)} for n, t in self.tensors.items()},
+            "plan": [{**_fields(p), "kernel_keys": {t: list(k) for t, k in p.kernel_keys.items()}}
+                     for p in self.plan],
+            "memory_plan": {"arena_bytes": self.arena_bytes, "tensors": {n: _fields(s) for n, s in self.slots.items()}},
+            "weights": {n: {**_fields(w), "shape": list(w.shape)} for n, w in self.weights.items()},
+            "kernels": {k: {**_fields(e), "signature": list(e.signature)} for k, e in self.kernels.items()},
+            "sections": {n: _fields(s) for n, s in self.sections.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> Manifest:
+        """Parse and check a manifest; ManifestError names the first field that is wrong."""
+        m = _Fields(data, "manifest")
+        limits, kv, memory = m.obj("limits"), m.obj("kv_cache"), m.obj("memory_plan")
+        manifest = cls(
+            kiln_version=m.string("kiln_version"), model=m.obj("model").data, dtype=m.dtype("dtype"),
+            targets=m.strs("targets"), rank=m.integer("rank", low=0), world_size=m.integer("world_size"),
+            max_num_tokens=limits.integer("max_num_tokens"), max_batch_size=limits.integer("max_batch_size"),
+            max_seq_len=limits.integer("max_seq_len"),
+            kv=KVLayout(kv.integer("num_layers"), kv.integer("block_size"), kv.integer("num_kv_heads"), kv.integer("head_dim"),
+                        kv.dtype("dtype")),
+            tokenizer_file=m.string("tokenizer", optional=True),
+            inputs=m.strs("inputs"), outputs=m.strs("outputs"),
+            tensors={n: TensorSpec(t.shape("shape", symbols=True), t.dtype("dtype"), t.string("kind"))
+                     for n, t in m.objs("tensors")},
+            plan=tuple(_plan_entry(p) for p in m.list_of_objs("plan")),
+            arena_bytes=memory.integer("arena_bytes", low=0),
+            slots={n: Slot(s.integer("offset", low=0), s.integer("nbytes", low=0)) for n, s in memory.objs("tensors")},
+            weights={n: WeightEntry(w.dtype("dtype"), w.shape("shape"), w.integer("offset", low=0), w.integer("nbytes", low=0))
+                     for n, w in m.objs("weights")},
+            kernels={k: KernelEntry(e.integer("offset", low=0), e.integer("nbytes", low=0), e.string("plugin"), e.string("target"),
+                                    e.string("entry"), e.strs("signature"), e.integer("num_warps"),
+                                    e.integer("shared_bytes", low=0), e.obj("launch").data)
+                     for k, e in m.objs("kernels")},
+            sections={n: Section(s.integer("offset", low=0), s.integer("length", low=0), s.integer("crc32", low=0))
+                      for n, s in ((n, m.obj("sections").obj(n)) for n in SECTIONS)},
+        )
+        manifest._check()
+        return manifest
+
+    def _check(self) -> None:
+        """What the fields must agree on, beyond each field's own type."""
+        if self.rank >= self.world_size:
+            raise ManifestError(f"manifest: rank {self.rank} is not below world_size {self.world_size}")
+        if not self.outputs or self.logits not in self.tensors or not isinstance(self.vocab_size, int):
+            raise ManifestError("manifest: the first output must be a tensor of fixed width (the logits)")
+        known = set(self.tensors) | set(self.weights)
+        for i, p in enumerate(self.plan):
+            missing = [t for t in (*p.inputs.values(), p.output) if t is not None and t not in known]
+            if missing:
+                raise ManifestError(f"manifest: plan op {i} ({p.op}) names tensor {missing[0]!r}, which is "
+                                    "neither a tensor nor a weight")
+            absent = [k for keys in p.kernel_keys.values() for k in keys if k not in self.kernels]
+            if absent:
+                raise ManifestError(f"manifest: plan op {i} ({p.op}) names kernel {absent[0]!r}, which is not stored")
+        unplaced = [n for n, t in self.tensors.items() if t.kind != "state" and n not in self.slots]
+        if unplaced:
+            raise ManifestError(f"manifest: tensor {unplaced[0]!r} has no place in the memory plan")
+
+
+def _fields(record: Any) -> dict[str, Any]:
+    return {name: getattr(record, name) for name in record.__dataclass_fields__}
+
+
+def _plan_entry(p: _Fields) -> PlanEntry:
+    return PlanEntry(p.string("op"), p.integer("version", low=0), p.inputs("inputs"), p.obj("attrs").data, p.string("output"),
+                     p.string("source"), {t: k.strs_value() for t, k in p.obj("kernel_keys").items()})
+
+
+class _Fields:
+    """Typed reads of one JSON object, each naming where it failed (e.g. `manifest.limits.max_seq_len`)."""
+
+    def __init__(self, data: Any, where: str) -> None:
+        if not isinstance(data, dict):
+            raise ManifestError(f"{where} must be an object, got {type(data).__name__}")
+        self.data, self.where = data, where
+
+    def _get(self, key: str, optional: bool = False) -> Any:
+        if key not in self.data:
+            if optional:
+                return None
+            raise ManifestError(f"{self.where} has no {key!r}")
+        return self.data[key]
+
+    def _bad(self, key: str, what: str) -> ManifestError:
+        return ManifestError(f"{self.where}.{key} must be {what}, got {self.data.get(key)!r}")
+
+    def integer(self, key: str, low: int = 1) -> int:
+        value = self._get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise self._bad(key, f"an integer >= {low}")
+        return value
+
+    def string(self, key: str, optional: bool = False) -> str | None:
+        value = self._get(key, optional)
+        if value is None and optional:
+            return None
+        if not isinstance(value, str):
+            raise self._bad(key, "a string")
+        return value
+
+    def dtype(self, key: str) -> str:
+        name = self.string(key)
+        try:
+            torch_dtype(name)
+        except ValueError:
+            raise self._bad(key, "a torch dtype name") from None
+        return name
+
+    def strs(self, key: str) -> tuple[str, ...]:
+        value = self._get(key)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self._bad(key, "a list of strings")
+        return tuple(value)
+
+    def shape(self, key: str, symbols: bool = False) -> tuple:
+        value = self._get(key)
+        ok = (int, str) if symbols else (int,)
+        if not isinstance(value, list) or not all(isinstance(d, ok) and not isinstance(d, bool) for d in value):
+            raise self._bad(key, "a list of dims")
+        return tuple(value)
+
+    def inputs(self, key: str) -> dict[str, str | None]:
+        value = self.obj(key).data
+        if not all(v is None or isinstance(v, str) for v in value.values()):
+            raise self._bad(key, "an object of tensor names")
+        return dict(value)
+
+    def obj(self, key: str) -> _Fields:
+        return _Fields(self._get(key), f"{self.where}.{key}")
+
+    def objs(self, key: str) -> list[tuple[str, _Fields]]:
+        inner = self.obj(key)
+        return [(name, inner.obj(name)) for name in inner.data]
+
+    def items(self) -> list[tuple[str, _List]]:
+        return [(k, _List(v, f"{self.where}.{k}")) for k, v in self.data.items()]
+
+    def list_of_objs(self, key: str) -> list[_Fields]:
+        value = self._get(key)
+        if not isinstance(value, list):
+            raise self._bad(key, "a list")
+        return [_Fields(v, f"{self.where}.{key}[{i}]") for i, v in enumerate(value)]
+
+
+class _List:
+    """A JSON value that should be a list of strings (a target's kernel keys)."""
+
+    def __init__(self, data: Any, where: str) -> None:
+        self.data, self.where = data, where
+
+    def strs_value(self) -> tuple[str, ...]:
+        if not isinstance(self.data, list) or not all(isinstance(v, str) for v in self.data):
+            raise ManifestError(f"{self.where} must be a list of strings, got {self.data!r}")
+        return tuple(self.data)

@@ -1,0 +1,85 @@
+"""Where an engine runs: the device it runs on, its KV pool, the executor that runs its steps
+there (the CPU, one GPU, or one worker process per tensor-parallel rank) and the tokenizer its
+text goes through.
+
+`EngineCore` asks this module once, when it opens an engine folder; the engine loop itself
+only sees what it returns.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from kiln.runtime.cuda_driver import device_arch
+from kiln.runtime.cuda_executor import CudaExecutor
+from kiln.runtime.detokenizer import Detokenizer
+from kiln.runtime.engine import Engine, EngineLoadError, load_engine
+from kiln.runtime.executor import CpuExecutor
+from kiln.runtime.kv_cache import BlockManager, blocks_for_memory
+from kiln.runtime.tp_executor import TensorParallelExecutor
+
+
+def _available_memory() -> int:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def open_engine(engine_dir: str | Path, device: str | None) -> tuple[Engine, bool]:
+    """Rank 0 of the engine folder, read once, and whether it runs on the GPU: "auto" (or None)
+    picks the GPU when there is one and the engine holds cubins for its arch, the CPU otherwise."""
+    if device not in (None, "auto", "cpu", "cuda"):
+        raise ValueError(f"device {device!r}: choose 'auto', 'cpu' or 'cuda'")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise EngineLoadError("device 'cuda' was asked for but torch sees no CUDA GPU here: "
+                              "use device 'cpu' (an engine built with --target cpu) or 'auto'")
+    engine = load_engine(engine_dir, target=None)
+    on_gpu = device == "cuda" or (device in (None, "auto") and torch.cuda.is_available()
+                                  and device_arch() in engine.manifest.targets)
+    # A GPU runs the cubins built for its arch, so the engine must list that target.
+    engine.require_target(device_arch() if on_gpu else "cpu")
+    return engine, on_gpu
+
+
+def kv_pool(engine: Engine, on_gpu: bool, kv_cache_fraction: float | None, max_kv_tokens: int | None) -> BlockManager:
+    """The KV pool's blocks: `max_kv_tokens` worth, else `kv_cache_fraction` of the free memory,
+    else enough for every sequence of a full batch at full length."""
+    return BlockManager(_pool_blocks(engine, on_gpu, kv_cache_fraction, max_kv_tokens), engine.manifest.kv.block_size)
+
+
+def _pool_blocks(engine: Engine, on_gpu: bool, kv_cache_fraction: float | None, max_kv_tokens: int | None) -> int:
+    m = engine.manifest
+    if max_kv_tokens is not None:
+        if max_kv_tokens < m.kv.block_size:
+            raise ValueError(f"max_kv_tokens {max_kv_tokens} is less than one KV block ({m.kv.block_size} tokens)")
+        return max_kv_tokens // m.kv.block_size
+    if kv_cache_fraction is not None:
+        # On the GPU the weights and the arena are uploaded after this, out of the same memory.
+        free = (torch.cuda.mem_get_info()[0] - m.arena_bytes - sum(w.nbytes for w in engine.weights.values())
+                if on_gpu else _available_memory())
+        return blocks_for_memory(free, kv_cache_fraction, m.kv.bytes_per_block)
+    return m.max_batch_size * m.blocks_per_sequence
+
+
+def open_executor(engine: Engine, on_gpu: bool, num_blocks: int, worker_timeout: float):
+    """The executor for `engine` with a pool of `num_blocks` KV blocks; a tensor-parallel engine
+    gets one worker process per rank."""
+    world = engine.manifest.world_size
+    if on_gpu and world > torch.cuda.device_count():
+        raise EngineLoadError(f"this engine has {world} tensor-parallel ranks, one GPU each, but this machine has "
+                              f"{torch.cuda.device_count()} GPU(s): rebuild with --tp-size "
+                              f"{torch.cuda.device_count()} or fewer, or run it on a machine with {world} GPUs")
+    if world > 1:
+        return TensorParallelExecutor(engine.path, world, num_blocks, worker_timeout, "cuda" if on_gpu else "cpu")
+    return CudaExecutor(engine, num_blocks) if on_gpu else CpuExecutor(engine, num_blocks)
+
+
+def open_tokenizer(engine: Engine) -> tuple[Tokenizer | None, Detokenizer | None]:
+    """The engine folder's tokenizer and the detokenizer over it; None for both when the
+    checkpoint had no tokenizer (then requests give token ids)."""
+    name = engine.manifest.tokenizer_file
+    if name is None:
+        return None, None
+    tokenizer = Tokenizer.from_file(str(engine.path / name))
+    return tokenizer, Detokenizer(tokenizer)
