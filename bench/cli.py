@@ -55,6 +55,20 @@ def _device(requested: str | None) -> str:
     return requested or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+# Flags that override one field of the --shape preset: flag -> (Shape field, what it is).
+SHAPE_FLAGS = {"--layers": ("num_layers", "decoder layers"), "--hidden-size": ("hidden_size", "hidden size"),
+               "--heads": ("num_heads", "attention heads"), "--kv-heads": ("num_kv_heads", "KV heads"),
+               "--intermediate-size": ("intermediate_size", "MLP width"),
+               "--vocab-size": ("vocab_size", "vocabulary (at least 384)")}
+
+
+def _shape_flags(command):
+    """Adds one int option per SHAPE_FLAGS entry, named after its Shape field."""
+    for flag, (field, what) in reversed(SHAPE_FLAGS.items()):
+        command = click.option(flag, field, type=int, help=f"Override the shape's {what}.")(command)
+    return command
+
+
 def _shape(preset: str, overrides: dict) -> Shape:
     shape = with_overrides(SHAPES[preset], **overrides)
     problem = check_shape(shape)
@@ -161,12 +175,7 @@ Examples:
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), help="[default: cuda when a GPU is present]")
 @click.option("--shape", type=click.Choice(list(SHAPES)), default="llama3-8b", show_default=True,
               help="Shape of the random checkpoint (no --engine or --checkpoint).")
-@click.option("--layers", type=int, help="Override the shape's decoder layers.")
-@click.option("--hidden-size", type=int, help="Override the shape's hidden size.")
-@click.option("--heads", type=int, help="Override the shape's attention heads.")
-@click.option("--kv-heads", type=int, help="Override the shape's KV heads.")
-@click.option("--intermediate-size", type=int, help="Override the shape's MLP width.")
-@click.option("--vocab-size", type=int, help="Override the shape's vocabulary (at least 384).")
+@_shape_flags
 @click.option("--dtype", type=click.Choice(MODEL_DTYPES), default="bfloat16", show_default=True,
               help="Weights and KV cache of the engine bench builds (not with --engine).")
 @click.option("--max-batch-size", type=int, default=256, show_default=True, help="Build flag (not with --engine).")
@@ -199,8 +208,9 @@ Examples:
               default=Path("bench-results.json"), show_default=True, help="Where to write the results.")
 @click.pass_context
 def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path | None, work_dir: Path,
-                 device: str | None, shape: str, layers: int | None, hidden_size: int | None, heads: int | None,
-                 kv_heads: int | None, intermediate_size: int | None, vocab_size: int | None, dtype: str,
+                 device: str | None, shape: str, num_layers: int | None, hidden_size: int | None,
+                 num_heads: int | None, num_kv_heads: int | None, intermediate_size: int | None,
+                 vocab_size: int | None, dtype: str,
                  max_batch_size: int, max_seq_len: int, max_num_tokens: int, phases: list[str],
                  batch_sizes: list[int], decode_context: int, decode_steps: int,
                  offline_pairs: list[tuple[int, int]], offline_requests: int | None, rate: float,
@@ -209,9 +219,7 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
     if len(rate_lengths) != 1:
         raise click.BadParameter("give one IN/OUT pair", param_hint="--rate-lengths")
     device = _device(device)
-    model_shape = _shape(shape, dict(num_layers=layers, hidden_size=hidden_size, num_heads=heads,
-                                     num_kv_heads=kv_heads, intermediate_size=intermediate_size,
-                                     vocab_size=vocab_size))
+    model_shape = _shape(shape, {field: ctx.params[field] for field, _ in SHAPE_FLAGS.values()})
     model_shape = with_overrides(model_shape, max_position_embeddings=max(model_shape.max_position_embeddings,
                                                                           max_seq_len))
     notes: list[str] = []

@@ -7,48 +7,52 @@ import click
 PHASES = ("startup", "decode", "offline", "latency")
 
 
-class IntList(click.ParamType):
+class CommaList(click.ParamType):
+    """A comma-separated list; `parse` checks its items. A default that is already a list passes."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (list, tuple)):
+            return list(value)
+        return self.parse([v.strip() for v in str(value).split(",")], value, param, ctx)
+
+    def parse(self, items: list[str], value, param, ctx) -> list:
+        raise NotImplementedError
+
+
+class IntList(CommaList):
     name = "N,N,..."
 
-    def convert(self, value, param, ctx):
-        if isinstance(value, (list, tuple)):
-            return list(value)
+    def parse(self, items, value, param, ctx):
         try:
-            items = [int(v) for v in str(value).split(",") if v.strip()]
+            numbers = [int(v) for v in items if v]
         except ValueError:
             self.fail(f"{value!r}: expected positive integers separated by commas, like 1,8,64", param, ctx)
-        if not items or any(i < 1 for i in items):
+        if not numbers or any(i < 1 for i in numbers):
             self.fail(f"{value!r}: every batch size must be a positive integer", param, ctx)
-        return items
+        return numbers
 
 
-class LengthPairs(click.ParamType):
+class LengthPairs(CommaList):
     name = "IN/OUT,..."
 
-    def convert(self, value, param, ctx):
-        if isinstance(value, (list, tuple)):
-            return list(value)
+    def parse(self, items, value, param, ctx):
         pairs = []
-        for item in str(value).split(","):
-            parts = item.strip().split("/")
+        for item in items:
             try:
-                pair = tuple(int(p) for p in parts)
+                pair = tuple(int(p) for p in item.split("/"))
             except ValueError:
                 pair = ()
             if len(pair) != 2 or min(pair) < 1:
-                self.fail(f"{item.strip()!r}: expected input/output token counts like 128/128", param, ctx)
+                self.fail(f"{item!r}: expected input/output token counts like 128/128", param, ctx)
             pairs.append(pair)
         return pairs
 
 
-class Phases(click.ParamType):
+class Phases(CommaList):
     name = "PHASE,..."
 
-    def convert(self, value, param, ctx):
-        if isinstance(value, (list, tuple)):
-            return list(value)
-        items = [v.strip() for v in str(value).split(",") if v.strip()]
-        unknown = [v for v in items if v not in PHASES]
-        if unknown or not items:
+    def parse(self, items, value, param, ctx):
+        phases = [v for v in items if v]
+        if not phases or any(v not in PHASES for v in phases):
             self.fail(f"{value!r}: choose from {', '.join(PHASES)}", param, ctx)
-        return items
+        return phases

@@ -177,12 +177,17 @@ class Session:
         return self._drain(rid, q)
 
     def _drain(self, rid: str, q: queue.Queue) -> Iterator[RequestOutput]:
-        try:
-            while True:
+        with self._cancel_at_end(rid):
+            out = None
+            while out is None or not out.finished:
                 out = _checked(rid, q.get())
                 yield out
-                if out.finished:
-                    return
+
+    @contextlib.contextmanager
+    def _cancel_at_end(self, rid: str) -> Iterator[None]:
+        """A stream cancels its request when it ends: finished, abandoned by the caller, or failed."""
+        try:
+            yield
         finally:
             self.cancel(rid)
 
@@ -195,14 +200,11 @@ class Session:
         aq: asyncio.Queue = asyncio.Queue()
         rid = self._submit(prompt, prompt_token_ids, sampling_params,
                            lambda out: loop.call_soon_threadsafe(aq.put_nowait, out), priority)
-        try:
-            while True:
+        with self._cancel_at_end(rid):
+            out = None
+            while out is None or not out.finished:
                 out = _checked(rid, await aq.get())
                 yield out
-                if out.finished:
-                    return
-        finally:
-            self.cancel(rid)
 
     async def generate_async(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                              prompt_token_ids: Seq[int] | None = None, priority: int = 0) -> RequestOutput:

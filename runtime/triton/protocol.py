@@ -31,36 +31,29 @@ class TensorSpec:
 NUMPY_DTYPES = {"TYPE_INT32": np.int32, "TYPE_UINT64": np.uint64, "TYPE_FP32": np.float32,
                 "TYPE_BOOL": np.bool_, "TYPE_STRING": np.object_}
 
+
+def _scalars(**dtypes: str) -> tuple[TensorSpec, ...]:
+    """Inputs of one value each: declared as dims [1], handed to the model reshaped to []."""
+    return tuple(TensorSpec(name, dtype, (1,), scalar=True) for name, dtype in dtypes.items())
+
+
 TOKEN_INPUTS = (
     TensorSpec("input_ids", "TYPE_INT32", (-1,)),
-    TensorSpec("input_lengths", "TYPE_INT32", (1,), scalar=True),
-    TensorSpec("request_output_len", "TYPE_INT32", (1,), scalar=True),
-    TensorSpec("runtime_top_k", "TYPE_INT32", (1,), scalar=True),
-    TensorSpec("runtime_top_p", "TYPE_FP32", (1,), scalar=True),
-    TensorSpec("streaming", "TYPE_BOOL", (1,), scalar=True),
     TensorSpec("stop_words_list", "TYPE_INT32", (2, -1)),
     TensorSpec("bad_words_list", "TYPE_INT32", (2, -1)),
-    TensorSpec("exclude_input_in_output", "TYPE_BOOL", (1,), scalar=True),
+    *_scalars(input_lengths="TYPE_INT32", request_output_len="TYPE_INT32", runtime_top_k="TYPE_INT32",
+              runtime_top_p="TYPE_FP32", streaming="TYPE_BOOL", exclude_input_in_output="TYPE_BOOL"),
 )
 TEXT_INPUTS = (
     TensorSpec("text_input", "TYPE_STRING", (-1,)),
-    TensorSpec("max_tokens", "TYPE_INT32", (1,), scalar=True),
-    TensorSpec("top_k", "TYPE_INT32", (1,), scalar=True),
-    TensorSpec("top_p", "TYPE_FP32", (1,), scalar=True),
-    TensorSpec("stream", "TYPE_BOOL", (1,), scalar=True),
     TensorSpec("stop_words", "TYPE_STRING", (-1,)),
     TensorSpec("bad_words", "TYPE_STRING", (-1,)),
+    *_scalars(max_tokens="TYPE_INT32", top_k="TYPE_INT32", top_p="TYPE_FP32", stream="TYPE_BOOL"),
 )
-SHARED_INPUTS = (
-    TensorSpec("end_id", "TYPE_INT32", (1,), scalar=True),
-    TensorSpec("pad_id", "TYPE_INT32", (1,), scalar=True),
-    TensorSpec("temperature", "TYPE_FP32", (1,), scalar=True),
-    TensorSpec("repetition_penalty", "TYPE_FP32", (1,), scalar=True),
-    TensorSpec("presence_penalty", "TYPE_FP32", (1,), scalar=True),
-    TensorSpec("frequency_penalty", "TYPE_FP32", (1,), scalar=True),
-    TensorSpec("min_length", "TYPE_INT32", (1,), scalar=True),
-    TensorSpec("random_seed", "TYPE_UINT64", (1,), scalar=True),
-    TensorSpec("return_log_probs", "TYPE_BOOL", (1,), scalar=True),
+SHARED_INPUTS = _scalars(
+    end_id="TYPE_INT32", pad_id="TYPE_INT32", temperature="TYPE_FP32", repetition_penalty="TYPE_FP32",
+    presence_penalty="TYPE_FP32", frequency_penalty="TYPE_FP32", min_length="TYPE_INT32",
+    random_seed="TYPE_UINT64", return_log_probs="TYPE_BOOL",
 )
 INPUTS = TOKEN_INPUTS + TEXT_INPUTS + SHARED_INPUTS
 OUTPUTS = (
