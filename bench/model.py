@@ -15,11 +15,10 @@ import shutil
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from kiln import builder
-from kiln import models
-from kiln import plugins
+from kiln import builder, engines, models, plugins
 from kiln.builder.build import build_engine
 from kiln.builder.config import BuildConfig
+from kiln.engines.manifest import Manifest
 
 FAMILY = "llama3"  # Llama 3.1's rope scaling ("llama3"), untied embeddings
 
@@ -71,9 +70,9 @@ def check_shape(shape: Shape) -> str | None:
 
 
 def source_hash() -> str:
-    """Hash of the code that decides an engine's bytes: models, builder, plugins."""
+    """Hash of the code that decides an engine's bytes: models, builder, plugins and the format."""
     digest = hashlib.sha256()
-    for package in (models, builder, plugins):
+    for package in (models, builder, plugins, engines):
         root = Path(package.__file__).parent
         for path in sorted(root.rglob("*.py")):
             digest.update(str(path.relative_to(root)).encode())
@@ -112,7 +111,7 @@ def ensure_engine(work_dir: Path, checkpoint: Path, cfg: BuildConfig, progress: 
     Engines of the same checkpoint and flags built by other versions of the compiler are
     deleted first: they can never be reused, and each can be as large as the checkpoint."""
     path = engine_path(work_dir, checkpoint, cfg)
-    if (path / "rank0.engine").is_file():
+    if (path / Manifest.rank_file(0)).is_file():
         return path, True
     prefix = path.name.rsplit("-", 1)[0] + "-"
     if path.parent.is_dir():

@@ -1,7 +1,7 @@
 """Serving Kiln engines through Triton Inference Server.
 
-`triton-repo --engine DIR --output REPO` (or `build-engine --triton-repo REPO`) writes a model
-repository; `serve-triton --engine DIR` starts the real `tritonserver` on 127.0.0.1 with it.
+`triton-repo --engine DIR --output REPO` writes a model repository; `serve-triton --engine DIR`
+starts the real `tritonserver` on 127.0.0.1 with it.
 
 The repository holds one decoupled Python-backend model (default name `kiln`) that serves two
 interfaces, so both share one `Session`: one copy of the weights, one KV pool, one in-flight
