@@ -113,8 +113,8 @@ def _eager_baseline(figures: list[Figure], checkpoint: Path, info: EngineInfo, d
                 continue
             p = f.params
             status(f"eager offline {p['input_len']}/{p['output_len']} x {p['requests']}")
-            seconds = eager_offline(model, random_prompts(p["requests"], p["input_len"], info.manifest.vocab_size, seed),
-                                    p["output_len"])
+            prompts = random_prompts(p["requests"], p["input_len"], info.manifest.vocab_size, seed)
+            seconds = eager_offline(model, prompts, p["output_len"])
             f.eager = p["requests"] * p["output_len"] / seconds
             total = by_key[f.key[:-1] + ("total",)]
             total.eager = p["requests"] * (p["input_len"] + p["output_len"]) / seconds

@@ -146,8 +146,8 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
                                               lambda what, r=rank: bar.set_postfix_str(f"rank {r}: compile {what}"))
                 bar.update()
                 bar.set_postfix_str(f"rank {rank}: write {len(g.weights)} weights")
-                write_engine_file(tmp / Manifest.rank_file(rank),
-                                  manifest_for(g, memory, cfg, model_info, rank, keys, tokenizer_file), g.weights, blobs)
+                manifest = manifest_for(g, memory, cfg, model_info, rank, keys, tokenizer_file)
+                write_engine_file(tmp / Manifest.rank_file(rank), manifest, g.weights, blobs)
                 bar.update()
                 kernel_counts.append(len(blobs))
                 weight_bytes.append(sum(w.numel() * w.element_size() for w in g.weights.values()))

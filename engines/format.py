@@ -120,7 +120,8 @@ def write_engine_file(path: str | Path, manifest: Manifest, weights: dict[str, t
         if {"offset", "nbytes"} & set(meta):
             raise ValueError(f"kernel {key!r} metadata may not use the reserved keys 'offset'/'nbytes'")
         off = _align(off, TENSOR_ALIGN)
-        kernel_index[key] = KernelEntry(offset=off, nbytes=len(blob), **{**meta, "signature": tuple(meta["signature"])})
+        kernel_index[key] = KernelEntry(offset=off, nbytes=len(blob),
+                                        **{**meta, "signature": tuple(meta["signature"])})
         off += len(blob)
     kernels_len = off
 

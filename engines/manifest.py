@@ -207,13 +207,14 @@ class Manifest:
         """Parse and check a manifest; ManifestError names the first field that is wrong."""
         m = _Fields(data, "manifest")
         limits, kv, memory = m.obj("limits"), m.obj("kv_cache"), m.obj("memory_plan")
+        sections = m.obj("sections")
         manifest = cls(
             kiln_version=m.string("kiln_version"), model=m.obj("model").data, dtype=m.dtype("dtype"),
             targets=m.strs("targets"), rank=m.integer("rank", low=0), world_size=m.integer("world_size"),
             max_num_tokens=limits.integer("max_num_tokens"), max_batch_size=limits.integer("max_batch_size"),
             max_seq_len=limits.integer("max_seq_len"),
-            kv=KVLayout(kv.integer("num_layers"), kv.integer("block_size"), kv.integer("num_kv_heads"), kv.integer("head_dim"),
-                        kv.dtype("dtype")),
+            kv=KVLayout(kv.integer("num_layers"), kv.integer("block_size"), kv.integer("num_kv_heads"),
+                        kv.integer("head_dim"), kv.dtype("dtype")),
             tokenizer_file=m.string("tokenizer", optional=True),
             inputs=m.strs("inputs"), outputs=m.strs("outputs"),
             tensors={n: TensorSpec(t.shape("shape", symbols=True), t.dtype("dtype"), t.string("kind"))
@@ -221,14 +222,15 @@ class Manifest:
             plan=tuple(_plan_entry(p) for p in m.list_of_objs("plan")),
             arena_bytes=memory.integer("arena_bytes", low=0),
             slots={n: Slot(s.integer("offset", low=0), s.integer("nbytes", low=0)) for n, s in memory.objs("tensors")},
-            weights={n: WeightEntry(w.dtype("dtype"), w.shape("shape"), w.integer("offset", low=0), w.integer("nbytes", low=0))
+            weights={n: WeightEntry(w.dtype("dtype"), w.shape("shape"), w.integer("offset", low=0),
+                                    w.integer("nbytes", low=0))
                      for n, w in m.objs("weights")},
-            kernels={k: KernelEntry(e.integer("offset", low=0), e.integer("nbytes", low=0), e.string("plugin"), e.string("target"),
-                                    e.string("entry"), e.strs("signature"), e.integer("num_warps"),
+            kernels={k: KernelEntry(e.integer("offset", low=0), e.integer("nbytes", low=0), e.string("plugin"),
+                                    e.string("target"), e.string("entry"), e.strs("signature"), e.integer("num_warps"),
                                     e.integer("shared_bytes", low=0), e.obj("launch").data)
                      for k, e in m.objs("kernels")},
             sections={n: Section(s.integer("offset", low=0), s.integer("length", low=0), s.integer("crc32", low=0))
-                      for n, s in ((n, m.obj("sections").obj(n)) for n in SECTIONS)},
+                      for n, s in ((n, sections.obj(n)) for n in SECTIONS)},
         )
         manifest._check()
         return manifest
@@ -237,8 +239,12 @@ class Manifest:
         """What the fields must agree on, beyond each field's own type."""
         if self.rank >= self.world_size:
             raise ManifestError(f"manifest: rank {self.rank} is not below world_size {self.world_size}")
-        if not self.outputs or self.logits not in self.tensors or not isinstance(self.vocab_size, int):
+        logits = self.tensors.get(self.logits) if self.outputs else None
+        if logits is None or not logits.shape or not isinstance(logits.shape[-1], int):
             raise ManifestError("manifest: the first output must be a tensor of fixed width (the logits)")
+        eos = self.model.get("eos_token_ids", [])
+        if not isinstance(eos, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
+            raise ManifestError(f"manifest.model.eos_token_ids must be a list of token ids, got {eos!r}")
         known = set(self.tensors) | set(self.weights)
         for i, p in enumerate(self.plan):
             missing = [t for t in (*p.inputs.values(), p.output) if t is not None and t not in known]
@@ -258,8 +264,9 @@ def _fields(record: Any) -> dict[str, Any]:
 
 
 def _plan_entry(p: _Fields) -> PlanEntry:
-    return PlanEntry(p.string("op"), p.integer("version", low=0), p.inputs("inputs"), p.obj("attrs").data, p.string("output"),
-                     p.string("source"), {t: k.strs_value() for t, k in p.obj("kernel_keys").items()})
+    return PlanEntry(p.string("op"), p.integer("version", low=0), p.inputs("inputs"), p.obj("attrs").data,
+                     p.string("output"), p.string("source"),
+                     {t: k.strs_value() for t, k in p.obj("kernel_keys").items()})
 
 
 class _Fields:

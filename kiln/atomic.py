@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -21,15 +21,15 @@ def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
     to `path` (replacing what was there), and the rename itself is made durable."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=_staging_prefix(path), dir=path.parent)
+    tmp = _staging(path)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
 
@@ -40,7 +40,8 @@ def atomic_folder(path: str | Path) -> Iterator[Path]:
     folder there is removed first). The caller checks beforehand that replacing is allowed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(path), dir=path.parent))
+    staging = _staging(path)
+    staging.mkdir()
     try:
         yield staging
         if path.exists():
@@ -57,8 +58,9 @@ def write_bytes(path: str | Path, data: bytes) -> None:
         f.write(data)
 
 
-def _staging_prefix(path: Path) -> str:
-    return f".{path.name}.tmp-{os.getpid()}-"
+def _staging(path: Path) -> Path:
+    # Made with the process's usual permissions (not tempfile's owner-only ones), as the target would be.
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -43,7 +43,8 @@ def _manifest(rank=0, world_size=2, plan=()):
         targets=("cpu", "sm_90"), rank=rank, world_size=world_size, max_num_tokens=16, max_batch_size=4,
         max_seq_len=32, kv=KVLayout(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8, dtype="float32"),
         tokenizer_file=None, inputs=("input_ids",), outputs=("logits",),
-        tensors={"input_ids": TensorSpec(("T",), "int32", "input"), "logits": TensorSpec(("L", 7), "float32", "activation")},
+        tensors={"input_ids": TensorSpec(("T",), "int32", "input"),
+                 "logits": TensorSpec(("L", 7), "float32", "activation")},
         plan=plan,
         arena_bytes=512, slots={"input_ids": Slot(0, 256), "logits": Slot(256, 256)})
 
@@ -276,7 +277,8 @@ def _write_raw(path, version, manifest: dict):
 
 def _version_1_manifest():
     """The manifest as format version 1 wrote it: build flags and memory_plan.bounds, both with the limits."""
-    sections = {"weights": {"offset": 4096, "length": 0, "crc32": 0}, "kernels": {"offset": 4096, "length": 0, "crc32": 0}}
+    empty = {"offset": 4096, "length": 0, "crc32": 0}
+    sections = {"weights": empty, "kernels": empty}
     return {"kiln_version": "0.1.0", "model": {}, "targets": ["cpu"], "rank": 0, "world_size": 1,
             "build": {"dtype": "float32", "tp_size": 1, "max_batch_size": 8, "max_seq_len": 64, "max_num_tokens": 64,
                       "kv_block_size": 16, "targets": ["cpu"]},
@@ -314,6 +316,7 @@ def test_a_manifest_of_another_shape_is_refused_naming_the_field(tmp_path):
     (lambda m: m["memory_plan"]["tensors"].pop("logits"), r"tensor 'logits' has no place in the memory plan"),
     (lambda m: m["tensors"]["logits"].update(shape=["L", "V"]), r"the first output must be a tensor of fixed width"),
     (lambda m: m.update(targets="cpu"), r"manifest.targets must be a list of strings"),
+    (lambda m: m["model"].update(eos_token_ids=2), r"manifest.model.eos_token_ids must be a list of token ids"),
 ])
 def test_manifest_checks_each_field_once_when_read(engine, change, message):
     raw = read_engine_file(engine).manifest.to_json()
