@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.dtypes import element_bytes
+from kiln import dtypes
 from kiln.plugins.aot import AotKernel, absent_as_none, pointer_params
 
 # Pointer types of the signatures AOT compilation needs, per engine dtype.
@@ -293,7 +293,7 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool) -> list[AotKernel]:
     """One linear_kernel per shape bucket of TILES."""
-    ptr, size = POINTER[dtype], element_bytes(dtype)
+    ptr, size = POINTER[dtype], dtypes.element_bytes(dtype)
     kernels = []
     for tile in tiles_for(n):
         bk = block_k(tile, size)
