@@ -50,7 +50,8 @@ class _StreamEcho:
               help="File with one prompt per line (blank lines skipped); - reads stdin.")
 @click.option("--max-tokens", type=int, default=32, show_default=True, help="Most tokens per completion.")
 @click.option("--temperature", type=float, default=0.0, show_default=True,
-              help="0 is greedy (always the most likely token); above 0 samples.")
+              help="0 is greedy (always the most likely token); above 0 samples. The default here is 0, "
+                   "so a quick try is reproducible; SamplingParams and the Triton backend default to 1.")
 @click.option("--top-k", type=int, help="Sample from the K most likely tokens only [default: 0, off].")
 @click.option("--top-p", type=float, help="Sample from the likeliest tokens that sum to P [default: 1, off].")
 @click.option("--min-p", type=float, help="Drop tokens less likely than P x the most likely one [default: 0].")
@@ -103,8 +104,8 @@ def run_engine(ctx: click.Context, engine_dir: Path, prompts: tuple[str, ...], p
     with session:
         # Checked here, not per prompt, because the Session's own message suggests token ids,
         # which this command does not take.
-        if not (engine_dir / "tokenizer.json").is_file():
-            raise click.ClickException(f"{engine_dir} has no tokenizer.json: rebuild from a checkpoint that has one")
+        if session.tokenizer is None:
+            raise click.ClickException(f"{engine_dir} has no tokenizer: rebuild from a checkpoint that has one")
         start = time.perf_counter()
         try:
             results = _run_streaming(session, texts, params) if stream else _run_batch(session, texts, params)

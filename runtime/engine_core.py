@@ -14,7 +14,7 @@ import torch
 
 from kiln.runtime.backend import kv_pool, open_engine, open_executor, open_tokenizer
 from kiln.runtime.overlap import InFlight, Launched
-from kiln.runtime.sampler import make_generator, needs_history, pick_tokens
+from kiln.runtime.sampler import make_generator, pick_tokens
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import ScheduledChunk, Scheduler
 from kiln.runtime.sequence import Request, Sequence, Status
@@ -142,7 +142,7 @@ class EngineCore:
         generated = [s.num_output + s.pending for s in seqs]
         # Only rows that penalties or bad words touch read the token history: copying every
         # row's would cost O(length) per step. (`InFlight.must_settle` made it whole.)
-        history = [needs_history(p) for p in params]
+        history = [p.reads_history for p in params]
         if picked != list(range(logits.shape[0])):
             logits = logits.index_select(0, to_device(picked, torch.long, logits.device))
         tokens, logprobs = pick_tokens(logits, params, [s.generator for s in seqs],

@@ -38,7 +38,6 @@ from typing import Callable
 
 import torch
 
-from kiln.runtime.sampler import needs_history
 from kiln.runtime.scheduler import ScheduledChunk
 from kiln.runtime.sequence import Request, Sequence, Status
 from kiln.runtime.step import Feed
@@ -79,7 +78,7 @@ class InFlight:
         """Whether the next step cannot be scheduled before the launched one's tokens are on the
         host: a running sequence with a pending token reads its token history when sampled."""
         return self.step is not None and any(
-            s.pending and s.status is Status.RUNNING and needs_history(s.request.params) for s in self.step.seqs)
+            s.pending and s.status is Status.RUNNING and s.request.params.reads_history for s in self.step.seqs)
 
     def feed(self, batch: list[ScheduledChunk]) -> Feed | None:
         """Where the batch's pending tokens go in the step's input ids: each is the last token of

@@ -133,7 +133,7 @@ def pick_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: 
                 eos_ids: tuple[int, ...]) -> tuple[torch.Tensor, list[dict | None]]:
     """`sample`, with the tokens left where the logits are (int64 [B]): everything is enqueued
     on the device's stream and nothing waits for it, except for rows that ask for logprobs,
-    whose entries need their token on the host. Only rows for which `needs_history` holds read
+    whose entries need their token on the host. Only rows whose params `reads_history` read
     their token lists."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
@@ -149,7 +149,7 @@ def pick_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: 
 
     # Plain greedy rows take one batched argmax. The other rows get their penalties and masks
     # one by one, then one argmax or one draw.
-    plain = [i for i, p in enumerate(params) if plain_greedy(p, num_generated[i])]
+    plain = [i for i, p in enumerate(params) if p.argmax_only and num_generated[i] >= p.min_tokens]
     logprobs: list[dict | None] = [None] * batch
     if len(plain) == batch:
         return logits.argmax(dim=-1), logprobs
@@ -161,7 +161,7 @@ def pick_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: 
     rows = logits.index_select(0, index(others)).to(torch.float32)
     for j, i in enumerate(others):
         p = params[i]
-        if needs_history(p):
+        if p.reads_history:
             rows[j] = apply_penalties(rows[j], p, prompt_tokens[i], output_tokens[i])
         banned = _bad_words_banned(p, output_tokens[i], vocab)
         if num_generated[i] < p.min_tokens:
@@ -187,18 +187,6 @@ def pick_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: 
         for j in wanted:
             logprobs[others[j]] = _token_logprobs(rows[j], params[others[j]], chosen[j])
     return tokens, logprobs
-
-
-def needs_history(p: SamplingParams) -> bool:
-    """Whether the row's token lists change its pick: penalties and bad words read them
-    (min_tokens reads only how many tokens were generated)."""
-    return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.bad_words)
-
-
-def plain_greedy(p: SamplingParams, num_generated: int) -> bool:
-    """A greedy row that no penalty, mask or logprobs request touches: its token is the argmax."""
-    return (p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-            and num_generated >= p.min_tokens and not p.bad_words and p.logprobs is None)
 
 
 def _bad_words_banned(params: SamplingParams, output: list[int], vocab: int) -> list[int]:

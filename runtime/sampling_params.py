@@ -7,7 +7,7 @@ trust every field without re-validating it on each step.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -38,11 +38,17 @@ class SamplingParams:
     max_tokens: int = 16
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Derived once here, read for every row of every step: the pick is the argmax (temperature 0
+    # or top_k 1); the pick reads the token history (penalties, bad words); the token is the
+    # plain argmax once min_tokens are out (greedy, no history, no logprobs).
+    greedy: bool = field(init=False, repr=False, compare=False)
+    reads_history: bool = field(init=False, repr=False, compare=False)
+    argmax_only: bool = field(init=False, repr=False, compare=False)
 
     def __init__(self, **kwargs: Any) -> None:
         # Hand-written so an unknown name is a ValueError (a bad request), not the TypeError
         # the generated __init__ would raise.
-        known = {f.name: f for f in fields(self)}
+        known = {f.name: f for f in fields(self) if f.init}
         unknown = sorted(set(kwargs) - set(known))
         if unknown:
             raise ValueError(f"unknown sampling parameter {unknown[0]!r}; known: {', '.join(known)}")
@@ -87,11 +93,12 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
-
-    @property
-    def greedy(self) -> bool:
-        """True when the pick is the argmax: temperature 0 or top_k 1."""
-        return self.temperature == 0 or self.top_k == 1
+        greedy = self.temperature == 0 or self.top_k == 1
+        reads_history = bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
+                             or self.bad_words)
+        object.__setattr__(self, "greedy", greedy)
+        object.__setattr__(self, "reads_history", reads_history)
+        object.__setattr__(self, "argmax_only", greedy and not reads_history and self.logprobs is None)
 
 
 def _require_int(name: str, value: object) -> None:

@@ -10,15 +10,11 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
 
 import torch
 
 from kiln.runtime.outputs import CompletionOutput, RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from kiln.runtime.detokenizer import DecodeStream
 
 _ids = itertools.count()
 
@@ -45,7 +41,9 @@ class Sequence:
     text: str = ""  # what callers see: held back mid-stream, cut at a stop string
     full_text: str = ""  # all text decoded so far (whole characters mid-stream), not cut or held back
     logprobs: list[dict] = field(default_factory=list)
-    decode_stream: DecodeStream | None = field(default=None, repr=False)  # the detokenizer's state
+    # The detokenizer's state for this sequence (a runtime.detokenizer.DecodeStream), owned and
+    # typed there: the import runs one way, detokenizer -> sequence.
+    decode_stream: object | None = field(default=None, repr=False)
 
     @property
     def num_prompt(self) -> int:

@@ -67,6 +67,12 @@ class Session:
         self._core.close()
 
     @property
+    def tokenizer(self):
+        """The engine's tokenizer (a `tokenizers.Tokenizer`), or None when its checkpoint had none
+        (then requests give token ids)."""
+        return self._core.tokenizer
+
+    @property
     def stats(self) -> dict:
         with self._locked():
             blocks = self._core.blocks

@@ -19,8 +19,6 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 try:
-    from tokenizers import Tokenizer
-
     from kiln.runtime.session import Session
     from kiln.runtime.triton import protocol
 except ImportError as e:
@@ -60,8 +58,7 @@ class TritonPythonModel:
         engine_dir = Path(params["engine_dir"])
         max_kv_tokens = int(params["max_kv_tokens"]) if params.get("max_kv_tokens") else None
         self.session = Session(engine_dir, max_kv_tokens=max_kv_tokens, policy=params.get("policy", "max_utilization"))
-        tokenizer_file = engine_dir / "tokenizer.json"
-        self.tokenizer = Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.is_file() else None
+        self.tokenizer = self.session.tokenizer
         self.lock = threading.Lock()
         self.in_flight: set[_InFlight] = set()
         self._init_metrics(args["model_name"])
