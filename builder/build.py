@@ -28,6 +28,7 @@ from kiln.plugins import get_plugin
 
 KILN_VERSION = "0.1.0"
 TOKENIZER_FILE = "tokenizer.json"  # what the runtime encodes and decodes with
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "tokenizer.model")
 
@@ -81,7 +82,8 @@ def lower_rank(graph: Graph, cfg: BuildConfig, rank: int) -> tuple[Graph, Memory
 
 
 def manifest_for(graph: Graph, memory: MemoryPlan, cfg: BuildConfig, model_info: dict, rank: int,
-                 kernel_keys: dict[str, dict], tokenizer_file: str | None) -> Manifest:
+                 kernel_keys: dict[str, dict], tokenizer_file: str | None,
+                 chat_template_file: str | None = None) -> Manifest:
     """Rank `rank`'s manifest; the writer adds the weight and kernel indexes."""
     kv = graph.tensors["kv_cache"]
     return Manifest(
@@ -90,7 +92,8 @@ def manifest_for(graph: Graph, memory: MemoryPlan, cfg: BuildConfig, model_info:
         max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len,
         kv=KVLayout(num_layers=kv.shape[0], block_size=cfg.kv_block_size, num_kv_heads=kv.shape[4],
                     head_dim=kv.shape[5], dtype=kv.dtype),
-        tokenizer_file=tokenizer_file, inputs=tuple(graph.inputs), outputs=tuple(graph.outputs),
+        tokenizer_file=tokenizer_file, chat_template_file=chat_template_file,
+        inputs=tuple(graph.inputs), outputs=tuple(graph.outputs),
         tensors={name: TensorSpec(tuple(t.shape), t.dtype, t.kind)
                  for name, t in graph.tensors.items() if t.kind != "weight"},
         plan=tuple(PlanEntry(n.op, get_plugin(n.op).version, n.inputs, n.attrs, n.output, n.source,
@@ -117,8 +120,10 @@ def _check_output(output: Path) -> None:
 
 
 def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, model_info: dict,
-                     extra_files: tuple[Path, ...] = (), progress: bool = False) -> BuildSummary:
-    """Compile an in-memory model definition into an engine folder."""
+                     extra_files: tuple[Path, ...] = (), progress: bool = False,
+                     chat_template: str | None = None) -> BuildSummary:
+    """Compile an in-memory model definition into an engine folder; `extra_files` are copied
+    into it, and `chat_template` (Jinja text) is written there as CHAT_TEMPLATE_FILE."""
     start = time.time()
     output = Path(output)
     _check_output(output)
@@ -146,7 +151,8 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
                                               lambda what, r=rank: bar.set_postfix_str(f"rank {r}: compile {what}"))
                 bar.update()
                 bar.set_postfix_str(f"rank {rank}: write {len(g.weights)} weights")
-                manifest = manifest_for(g, memory, cfg, model_info, rank, keys, tokenizer_file)
+                manifest = manifest_for(g, memory, cfg, model_info, rank, keys, tokenizer_file,
+                                        CHAT_TEMPLATE_FILE if chat_template is not None else None)
                 write_engine_file(tmp / Manifest.rank_file(rank), manifest, g.weights, blobs)
                 bar.update()
                 kernel_counts.append(len(blobs))
@@ -154,6 +160,8 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
                 arena_bytes.append(memory.arena_bytes)
             for f in extra_files:
                 shutil.copy2(f, tmp / f.name)
+            if chat_template is not None:
+                (tmp / CHAT_TEMPLATE_FILE).write_text(chat_template, encoding="utf-8")
     finally:
         bar.close()
     return BuildSummary(output, layers, fusions, graph.count_ops(), weight_bytes, arena_bytes,
@@ -170,6 +178,6 @@ def build_engine(checkpoint: str | Path, output: str | Path, cfg: BuildConfig, p
                      f"({mcfg.max_position_embeddings}): quality past it is not guaranteed")
     extra = [checkpoint / "config.json"] + [checkpoint / f for f in TOKENIZER_FILES if (checkpoint / f).is_file()]
     summary = build_from_model(model, output, cfg, {"source": str(checkpoint), **mcfg.to_dict()},
-                               tuple(extra), progress)
+                               tuple(extra), progress, models.read_chat_template(checkpoint))
     summary.notes += notes
     return summary

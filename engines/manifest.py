@@ -145,6 +145,7 @@ class Manifest:
     plan: tuple[PlanEntry, ...]
     arena_bytes: int
     slots: dict[str, Slot]         # the memory plan: every step input and activation
+    chat_template_file: str | None = None  # the checkpoint's chat template (Jinja), in the engine folder
     # Set by the writer (engines.format), replacing whatever the builder left there.
     weights: dict[str, WeightEntry] = field(default_factory=dict)
     kernels: dict[str, KernelEntry] = field(default_factory=dict)
@@ -192,6 +193,7 @@ class Manifest:
             "limits": {"max_num_tokens": self.max_num_tokens, "max_batch_size": self.max_batch_size,
                        "max_seq_len": self.max_seq_len},
             "kv_cache": _fields(self.kv), "tokenizer": self.tokenizer_file,
+            "chat_template": self.chat_template_file,
             "inputs": list(self.inputs), "outputs": list(self.outputs),
             "tensors": {n: {**_fields(t), "shape": list(t.shape)} for n, t in self.tensors.items()},
             "plan": [{**_fields(p), "kernel_keys": {t: list(k) for t, k in p.kernel_keys.items()}}
@@ -216,6 +218,7 @@ class Manifest:
             kv=KVLayout(kv.integer("num_layers"), kv.integer("block_size"), kv.integer("num_kv_heads"),
                         kv.integer("head_dim"), kv.dtype("dtype")),
             tokenizer_file=m.string("tokenizer", optional=True),
+            chat_template_file=m.string("chat_template", optional=True),
             inputs=m.strs("inputs"), outputs=m.strs("outputs"),
             tensors={n: TensorSpec(t.shape("shape", symbols=True), t.dtype("dtype"), t.string("kind"))
                      for n, t in m.objs("tensors")},

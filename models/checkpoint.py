@@ -17,6 +17,26 @@ from kiln.models.llama import LlamaForCausalLM
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def read_chat_template(checkpoint_dir: Path) -> str | None:
+    """The checkpoint's chat template, as transformers finds it: `chat_template.jinja`, else the
+    `chat_template` of `tokenizer_config.json` (a string, or a list of named templates of which
+    "default" is the one used); None when it has none."""
+    jinja = checkpoint_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    config = checkpoint_dir / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    try:
+        template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config} is not valid JSON: {e}") from None
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return template if isinstance(template, str) else None
+
+
 def safetensors_files(checkpoint_dir: Path) -> list[Path]:
     index = checkpoint_dir / "model.safetensors.index.json"
     if index.is_file():

@@ -307,11 +307,18 @@ def write_random_checkpoint(
     return output_dir
 
 
+# A plain role-tagged template, so engines built from random checkpoints carry one as real
+# chat models' do (transformers keeps it in tokenizer_config.json).
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}"
+                 "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
 def _save_tokenizer(tokenizer: "tokenizers.Tokenizer", directory: Path, max_length: int) -> None:
     tokenizer.save(str(directory / "tokenizer.json"))
     special = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}
     tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **special,
-                        "model_max_length": max_length, "clean_up_tokenization_spaces": False}
+                        "model_max_length": max_length, "clean_up_tokenization_spaces": False,
+                        "chat_template": CHAT_TEMPLATE}
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 

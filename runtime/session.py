@@ -73,6 +73,14 @@ class Session:
         return self._core.tokenizer
 
     @property
+    def chat_template(self) -> str | None:
+        """The checkpoint's chat template (Jinja text), as build-engine copied it into the engine
+        folder; None when the checkpoint had none."""
+        engine = self._core.engine
+        name = engine.manifest.chat_template_file
+        return None if name is None else (engine.path / name).read_text(encoding="utf-8")
+
+    @property
     def stats(self) -> dict:
         with self._locked():
             blocks = self._core.blocks
