@@ -8,20 +8,21 @@ background thread; nothing here knows about threads.
 """
 from __future__ import annotations
 
-import os
+import logging
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
+from kiln.runtime.arguments import ArgumentError, check_engine_options
 from kiln.runtime.cuda_driver import device_arch
 from kiln.runtime.cuda_executor import CudaExecutor
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.engine import EngineLoadError, engine_world_size, load_engine
 from kiln.runtime.engine_file import read_engine_file
 from kiln.runtime.executor import CpuExecutor
-from kiln.runtime.tp_executor import TensorParallelExecutor
-from kiln.runtime.kv_cache import BlockManager, blocks_for_memory, bytes_per_block
+from kiln.runtime.kv_cache import BlockManager
+from kiln.runtime.kv_pool import size_kv_pool
 from kiln.runtime.outputs import CompletionOutput, RequestOutput
 from kiln.runtime.overlap import InFlight, Launched
 from kiln.runtime.sampler import make_generator, needs_history, pick_tokens
@@ -30,19 +31,14 @@ from kiln.runtime.scheduler import ScheduledChunk, Scheduler
 from kiln.runtime.sequence import Request, Sequence, Status
 from kiln.runtime.startup import process_age
 from kiln.runtime.step import SequenceChunk, pack_step, to_device
+from kiln.runtime.tp_executor import TensorParallelExecutor
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def _available_memory() -> int:
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+log = logging.getLogger(__name__)
 
 
 def resolve_device(engine_dir: str | Path, device: str | None) -> str:
     """"cpu" or "cuda"; "auto" (or None) picks the GPU when there is one and the engine holds
     cubins for its arch, and the CPU otherwise."""
-    if device not in (None, "auto", "cpu", "cuda"):
-        raise ValueError(f"device {device!r}: choose 'auto', 'cpu' or 'cuda'")
     if device == "cuda" and not torch.cuda.is_available():
         raise EngineLoadError("device 'cuda' was asked for but torch sees no CUDA GPU here: "
                               "use device 'cpu' (an engine built with --target cpu) or 'auto'")
@@ -61,26 +57,16 @@ class EngineCore:
                  overlap: bool = True):
         """`overlap=False` runs the plain loop; tensor-parallel engines always do (their ranks
         cannot read the sampled ids that stay on this process's device)."""
+        check_engine_options(device, kv_cache_fraction, max_kv_tokens, policy, worker_timeout)
         on_gpu = resolve_device(engine_dir, device) == "cuda"
         # A GPU runs the cubins built for its arch, so the engine must list that target.
         self.engine = load_engine(engine_dir, target=device_arch() if on_gpu else "cpu")
-        kv, build = self.engine.kv_cache, self.engine.build
-        self.block_size = kv["block_size"]
+        build = self.engine.build
+        self.block_size = self.engine.kv_cache["block_size"]
         self.max_seq_len = build["max_seq_len"]
-        per_block = bytes_per_block(kv["num_layers"], kv["num_kv_heads"], kv["head_dim"], self.block_size,
-                                    DTYPE_BYTES[kv["dtype"]])
-        if max_kv_tokens is not None:
-            if max_kv_tokens < self.block_size:
-                raise ValueError(f"max_kv_tokens {max_kv_tokens} is less than one KV block ({self.block_size} tokens)")
-            num_blocks = max_kv_tokens // self.block_size
-        elif kv_cache_fraction is not None:
-            # On the GPU the weights and the arena are uploaded after this, out of the same memory.
-            free = (torch.cuda.mem_get_info()[0] - self.engine.manifest["memory_plan"]["arena_bytes"]
-                    - sum(w.nbytes for w in self.engine.weights.values())) if on_gpu else _available_memory()
-            num_blocks = blocks_for_memory(free, kv_cache_fraction, per_block)
-        else:
-            # Enough for every sequence of a full batch at full length.
-            num_blocks = build["max_batch_size"] * self.engine.bounds["B"]
+        self.kv_pool = size_kv_pool(self.engine, on_gpu, kv_cache_fraction, max_kv_tokens)
+        log.info(self.kv_pool.describe())
+        num_blocks = self.kv_pool.num_blocks
         world = self.engine.world_size
         if on_gpu and world > torch.cuda.device_count():
             raise EngineLoadError(f"this engine has {world} tensor-parallel ranks, one GPU each, but this machine has "
@@ -111,26 +97,38 @@ class EngineCore:
     # -- admission -----------------------------------------------------------------------------
 
     def encode(self, prompt: str) -> list[int]:
+        """The prompt's token ids. Empty text is refused: the tokenizer would turn it into the
+        start-of-sequence tokens alone, a request few callers mean."""
         if self.tokenizer is None:
-            raise ValueError("this engine folder has no tokenizer.json: pass prompt_token_ids instead of text")
+            raise ArgumentError("prompt", "is text, but this engine folder has no tokenizer.json: pass "
+                                          "prompt_token_ids instead")
+        if not prompt:
+            start = self.tokenizer.encode("").ids
+            hint = f": to generate from the start-of-sequence token alone, pass prompt_token_ids={start}" if start else ""
+            raise ArgumentError("prompt", f"is empty{hint}")
         return self.tokenizer.encode(prompt).ids
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Refuse what can never be served, before anything runs."""
+        """Refuse what this engine can never serve, before anything runs."""
         if not prompt_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            raise ArgumentError("prompt_token_ids", "is empty: give at least one token id")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary (0..{self.vocab_size - 1})")
+            raise ArgumentError("prompt_token_ids", f"holds token id {bad[0]}, outside the vocabulary "
+                                                    f"(0..{self.vocab_size - 1})")
         if len(prompt_ids) > self.max_seq_len:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the engine's max_seq_len is {self.max_seq_len}")
+            raise ArgumentError("prompt", f"has {len(prompt_ids)} tokens; the engine's max_seq_len is "
+                                          f"{self.max_seq_len}")
         if len(prompt_ids) + params.max_tokens > self.max_seq_len:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                             f"engine's max_seq_len {self.max_seq_len}: lower max_tokens")
+            raise ArgumentError("max_tokens", f"is {params.max_tokens}: with the prompt's {len(prompt_ids)} tokens "
+                                              f"that exceeds the engine's max_seq_len {self.max_seq_len}: lower it "
+                                              f"to {self.max_seq_len - len(prompt_ids)} or less")
         worst = self.blocks.blocks_needed(len(prompt_ids) + params.max_tokens) * params.n
         if worst > self.blocks.num_blocks:
-            raise ValueError(f"this request needs up to {worst} KV blocks but the pool has {self.blocks.num_blocks}: "
-                             "lower max_tokens or n, or give the Session more max_kv_tokens")
+            raise ArgumentError("n", f"is {params.n}: {params.n} samples of up to {len(prompt_ids) + params.max_tokens} "
+                                     f"tokens need up to {worst} KV blocks but the pool has {self.blocks.num_blocks}: "
+                                     "lower n or max_tokens, or give the Session a larger pool "
+                                     "(kv_cache_fraction, max_kv_tokens)")
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> Request:
         if request_id in self.requests:

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from kiln.runtime.kv_cache import BlockManager, OutOfBlocks, blocks_for_memory, bytes_per_block
+from kiln.runtime.kv_cache import BlockManager, OutOfBlocks, bytes_per_block
 
 
 def check_invariants(bm: BlockManager, seq_ids: list[int]) -> None:
@@ -234,21 +234,3 @@ def test_bytes_per_block() -> None:
     with pytest.raises(ValueError, match="head_dim"):
         bytes_per_block(2, 2, 0, 16, 2)
 
-
-def test_blocks_for_memory() -> None:
-    per_block = bytes_per_block(2, 2, 64, 16, 2)  # 16 KiB
-    assert blocks_for_memory(1 << 30, 0.9, per_block) == int((1 << 30) * 0.9) // per_block
-    assert blocks_for_memory(10 * per_block, 1.0, per_block) == 10
-    assert blocks_for_memory(10 * per_block + per_block - 1, 1.0, per_block) == 10
-    assert blocks_for_memory(10 * per_block, 0.5, per_block) == 5
-
-
-@pytest.mark.parametrize("fraction", [0.0, -0.1, 1.5, float("nan")])
-def test_blocks_for_memory_rejects_bad_fraction(fraction: float) -> None:
-    with pytest.raises(ValueError, match="fraction"):
-        blocks_for_memory(1 << 30, fraction, 1024)
-
-
-def test_blocks_for_memory_too_little_memory_names_block_size() -> None:
-    with pytest.raises(ValueError, match="4096 bytes"):
-        blocks_for_memory(8000, 0.5, 4096)
