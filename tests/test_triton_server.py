@@ -188,8 +188,8 @@ BAD_GRPC = {
                                          input_lengths=np.array([[4], [4]], np.int32),
                                          request_output_len=np.array([[4], [4]], np.int32)), "batch size 2"),
     "temperature": (lambda: token_request(PROMPT, 4, temperature=-1.0), "temperature must be >= 0"),
-    "vocabulary": (lambda: token_request([5, 100000], 4), "outside the vocabulary"),
-    "too-long": (lambda: token_request(PROMPT, 100), "max_seq_len"),
+    "vocabulary": (lambda: token_request([5, 100000], 4), "input_ids holds token id 100000, outside the vocabulary"),
+    "too-long": (lambda: token_request(PROMPT, 100), "request_output_len is 100: with the prompt's 4 tokens"),
     "mixed": (lambda: token_request(PROMPT, 4, max_tokens=4), "for the text interface"),
     "offsets": (lambda: token_request(PROMPT, 4, stop_words_list=np.array([[[5, 6], [3, -1]]], np.int32)),
                 "end offsets"),
@@ -200,7 +200,8 @@ BAD_GRPC = {
 def test_bad_requests_get_invalid_arg_while_good_ones_complete(server, session):
     good = _expected(session, PROMPT, temperature=0, max_tokens=8)
     bad_http = [{"text_input": "hi", "max_tokens": 4, "top_p": 1.5}, {"text_input": "hi"},
-                {"text_input": "hi", "max_tokens": 4, "stop_words": ["x"], "runtime_top_k": 2}]
+                {"text_input": "hi", "max_tokens": 4, "stop_words": ["x"], "runtime_top_k": 2},
+                {"text_input": "", "max_tokens": 4}]
     good_http = {"text_input": "The kiln was hot", "max_tokens": 8}
     good_ids = [f"good-{i}" for i in range(len(BAD_GRPC))]
     with Stream(server.grpc_url) as stream, ThreadPoolExecutor(8) as pool:
@@ -216,8 +217,9 @@ def test_bad_requests_get_invalid_arg_while_good_ones_complete(server, session):
     for rid in good_ids:
         assert stream.tokens(rid) == good and stream.responses[rid][-1].final and not stream.errors.get(rid)
     # Over HTTP the error code shows: INVALID_ARG is 400.
-    assert [status for status, _ in replies[:3]] == [400, 400, 400]
+    assert [status for status, _ in replies[:4]] == [400, 400, 400, 400]
     assert "top_p" in replies[0][1] and "max_tokens is missing" in replies[1][1] and "token interface" in replies[2][1]
+    assert "text_input is empty" in replies[3][1]
     text = session.generate("The kiln was hot", SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
-    assert all(status == 200 and json.loads(body)["text_output"] == text for status, body in replies[3:])
+    assert all(status == 200 and json.loads(body)["text_output"] == text for status, body in replies[4:])
     wait_until_idle(server)
