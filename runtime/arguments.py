@@ -51,25 +51,3 @@ def token_ids(name: str, value: object) -> list[int]:
             raise ArgumentError(name, f"must hold ints, got {t!r} at position {i}") from None
     return ids
 
-
-def check_engine_options(device: object, kv_cache_fraction: object, max_kv_tokens: object, policy: object,
-                         worker_timeout: object) -> None:
-    """The options of loading an engine (`Session`, `EngineCore`), checked before anything loads."""
-    from kiln.runtime.scheduler import POLICIES  # the scheduler owns its policies' names
-
-    if device not in (None, "auto", "cpu", "cuda"):
-        raise ArgumentError("device", f"must be 'auto', 'cpu' or 'cuda', got {device!r}")
-    if kv_cache_fraction is not None:
-        require_number("kv_cache_fraction", kv_cache_fraction)
-        if not 0 < kv_cache_fraction <= 1:
-            raise ArgumentError("kv_cache_fraction", f"must be in (0, 1] (a share of the memory left after the "
-                                                     f"weights and arena), got {kv_cache_fraction!r}")
-    if max_kv_tokens is not None:
-        require_int("max_kv_tokens", max_kv_tokens, low=1)
-    if kv_cache_fraction is not None and max_kv_tokens is not None:
-        raise ArgumentError("kv_cache_fraction", "and max_kv_tokens both size the KV pool: give one of them")
-    if policy not in POLICIES:
-        raise ArgumentError("policy", f"must be one of {', '.join(POLICIES)}, got {policy!r}")
-    require_number("worker_timeout", worker_timeout)
-    if not worker_timeout > 0:
-        raise ArgumentError("worker_timeout", f"must be > 0 seconds, got {worker_timeout!r}")

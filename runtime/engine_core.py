@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from kiln.runtime.arguments import ArgumentError, check_engine_options
+from kiln.runtime.arguments import ArgumentError, require_int, require_number
 from kiln.runtime.cuda_driver import device_arch
 from kiln.runtime.cuda_executor import CudaExecutor
 from kiln.runtime.detokenizer import Detokenizer
@@ -27,13 +27,34 @@ from kiln.runtime.outputs import CompletionOutput, RequestOutput
 from kiln.runtime.overlap import InFlight, Launched
 from kiln.runtime.sampler import make_generator, needs_history, pick_tokens
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import ScheduledChunk, Scheduler
+from kiln.runtime.scheduler import POLICIES, ScheduledChunk, Scheduler
 from kiln.runtime.sequence import Request, Sequence, Status
 from kiln.runtime.startup import process_age
 from kiln.runtime.step import SequenceChunk, pack_step, to_device
 from kiln.runtime.tp_executor import TensorParallelExecutor
 
 log = logging.getLogger(__name__)
+
+
+def check_engine_options(device: object, kv_cache_fraction: object, max_kv_tokens: object, policy: object,
+                         worker_timeout: object) -> None:
+    """The options of loading an engine (`Session`, `EngineCore`), checked before anything loads."""
+    if device not in (None, "auto", "cpu", "cuda"):
+        raise ArgumentError("device", f"must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if kv_cache_fraction is not None:
+        require_number("kv_cache_fraction", kv_cache_fraction)
+        if not 0 < kv_cache_fraction <= 1:
+            raise ArgumentError("kv_cache_fraction", f"must be in (0, 1] (a share of the memory left after the "
+                                                     f"weights and arena), got {kv_cache_fraction!r}")
+    if max_kv_tokens is not None:
+        require_int("max_kv_tokens", max_kv_tokens, low=1)
+    if kv_cache_fraction is not None and max_kv_tokens is not None:
+        raise ArgumentError("kv_cache_fraction", "and max_kv_tokens both size the KV pool: give one of them")
+    if policy not in POLICIES:
+        raise ArgumentError("policy", f"must be one of {', '.join(POLICIES)}, got {policy!r}")
+    require_number("worker_timeout", worker_timeout)
+    if not worker_timeout > 0:
+        raise ArgumentError("worker_timeout", f"must be > 0 seconds, got {worker_timeout!r}")
 
 
 def resolve_device(engine_dir: str | Path, device: str | None) -> str:
@@ -104,8 +125,8 @@ class EngineCore:
                                           "prompt_token_ids instead")
         if not prompt:
             start = self.tokenizer.encode("").ids
-            hint = f": to generate from the start-of-sequence token alone, pass prompt_token_ids={start}" if start else ""
-            raise ArgumentError("prompt", f"is empty{hint}")
+            hint = f": to generate from the start-of-sequence token alone, pass prompt_token_ids={start}"
+            raise ArgumentError("prompt", f"is empty{hint if start else ''}")
         return self.tokenizer.encode(prompt).ids
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -123,9 +144,10 @@ class EngineCore:
             raise ArgumentError("max_tokens", f"is {params.max_tokens}: with the prompt's {len(prompt_ids)} tokens "
                                               f"that exceeds the engine's max_seq_len {self.max_seq_len}: lower it "
                                               f"to {self.max_seq_len - len(prompt_ids)} or less")
-        worst = self.blocks.blocks_needed(len(prompt_ids) + params.max_tokens) * params.n
+        longest = len(prompt_ids) + params.max_tokens
+        worst = self.blocks.blocks_needed(longest) * params.n
         if worst > self.blocks.num_blocks:
-            raise ArgumentError("n", f"is {params.n}: {params.n} samples of up to {len(prompt_ids) + params.max_tokens} "
+            raise ArgumentError("n", f"is {params.n}: {params.n} samples of up to {longest} "
                                      f"tokens need up to {worst} KV blocks but the pool has {self.blocks.num_blocks}: "
                                      "lower n or max_tokens, or give the Session a larger pool "
                                      "(kv_cache_fraction, max_kv_tokens)")

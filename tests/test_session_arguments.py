@@ -76,16 +76,19 @@ def test_a_fraction_sizes_the_pool_from_memory_left(engine_dir):
 
 
 @pytest.mark.gpu
-def test_gpu_pool_is_sized_from_the_free_memory(factory):
+def test_gpu_pool_fits_the_free_memory_when_a_full_batch_would_not(factory):
+    # 2**17 sequences of 8192 tokens at 256 bytes a token would want 275 GB of KV cache: sizing
+    # the pool for a full batch (the old default) cannot even be allocated on one GPU.
     arch = "sm_{}{}".format(*torch.cuda.get_device_capability())
-    engine = factory.engine(factory.checkpoint("llama3"), dtype="bfloat16", max_batch_size=256, max_seq_len=4096,
-                            targets=(arch,))
+    checkpoint = factory.checkpoint("llama3", max_position_embeddings=8192)
+    engine = factory.engine(checkpoint, dtype="bfloat16", max_batch_size=2**17, max_seq_len=8192, targets=(arch,))
     free = torch.cuda.mem_get_info()[0]
     with Session(engine, device="cuda") as s:
-        assert s.kv_pool.nbytes <= 0.9 * free and s.kv_pool.num_blocks <= 256 * 4096 // 4
-    with Session(engine, device="cuda", kv_cache_fraction=1e-4) as s:
-        assert s.kv_pool.reason.startswith("kv_cache_fraction 0.0001") and s.kv_pool.nbytes <= 1e-4 * free
-        assert s.generate(prompt_token_ids=PROMPTS[0], sampling_params=greedy(4))[0].outputs[0].finish_reason == "length"
+        pool = s.kv_pool
+        assert pool.reason.startswith("kv_cache_fraction 0.9") and pool.nbytes <= 0.9 * free
+        assert 8192 // 4 <= pool.num_blocks < 2**17 * 8192 // 4
+        out = s.generate(prompt_token_ids=PROMPTS[0], sampling_params=greedy(4))[0]
+        assert out.outputs[0].finish_reason == "length"
 
 
 # -- prompts ---------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
-from kiln.runtime.arguments import check_engine_options
+from kiln.runtime.engine_core import check_engine_options
 from kiln.runtime.engine_file import EngineFileError, read_engine_file
 from kiln.runtime.kv_pool import check_max_kv_tokens
 from kiln.runtime.triton.protocol import INPUTS, OUTPUTS, TensorSpec
