@@ -126,14 +126,20 @@ def refuse(session, bad: Invalid) -> None:
 
 def run(session, request: Valid, results: dict, key: int) -> None:
     outs = []
-    for out in session.stream(**request.kwargs, sampling_params=request.params):
-        outs.append(out)
-        if request.cancel_after is not None and len(outs) > request.cancel_after:
-            session.cancel(out.request_id)
+    try:
+        for out in session.stream(**request.kwargs, sampling_params=request.params):
+            outs.append(out)
+            if request.cancel_after is not None and len(outs) > request.cancel_after:
+                session.cancel(out.request_id)
+    except Exception as e:  # noqa: BLE001 - raised in the test's thread by check_completed
+        results[key] = e
+        return
     results[key] = outs
 
 
-def check_completed(request: Valid, outs: list) -> None:
+def check_completed(request: Valid, outs: list | Exception) -> None:
+    if isinstance(outs, Exception):
+        raise AssertionError(f"a valid request failed: {outs!r}") from outs
     final = outs[-1]
     assert final.finished and len(final.outputs) == request.params.n
     for c in final.outputs:
