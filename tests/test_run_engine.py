@@ -113,7 +113,7 @@ def test_stats_report_start_up_from_process_start(engine):
 def test_no_overlap_prints_the_same_completions(engine, plain):
     result = invoke(engine, *prompt_args(), "--max-tokens", 12, "--no-overlap")
     assert result.exit_code == 0, result.output
-    assert result.output == plain.output
+    assert result.stdout == plain.stdout
 
 
 @pytest.mark.parametrize("args, words", [
