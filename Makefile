@@ -12,7 +12,8 @@ ENGINE ?= $(DEMO_ENGINE)
 # in a row and stops at the first failure, to show they do not flake.
 COUNT ?= 20
 REPEAT_TESTS ?= tests/test_triton_server.py tests/test_triton_tp.py tests/test_session_batching.py \
-	tests/test_session_requests.py tests/test_session_streaming.py tests/test_session_fuzz.py \
+	tests/test_session_requests.py tests/test_session_streaming.py tests/test_session_arguments.py \
+	tests/test_session_fuzz.py \
 	tests/test_tp_session.py tests/test_tensor_parallel.py
 
 .PHONY: install demo test test-repeat serve clean
