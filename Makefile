@@ -8,7 +8,15 @@ DEMO_ENGINE := engines/demo
 
 ENGINE ?= $(DEMO_ENGINE)
 
-.PHONY: install demo test serve clean
+# The tests with threads, processes and a server in them: `make test-repeat` runs them COUNT times
+# in a row and stops at the first failure, to show they do not flake.
+COUNT ?= 20
+REPEAT_TESTS ?= tests/test_triton_server.py tests/test_triton_tp.py tests/test_session_batching.py \
+	tests/test_session_requests.py tests/test_session_streaming.py tests/test_session_arguments.py \
+	tests/test_session_fuzz.py \
+	tests/test_tp_session.py tests/test_tensor_parallel.py
+
+.PHONY: install demo test test-repeat serve clean
 
 install: $(VENV)/.installed
 
@@ -40,6 +48,13 @@ serve: install
 
 test: install
 	$(PY) -m pytest -q
+
+test-repeat: install
+	@for i in $$(seq 1 $(COUNT)); do \
+		start=$$(date +%s); \
+		$(PY) -m pytest -q -x -p no:cacheprovider $(REPEAT_TESTS) || { echo "test-repeat: pass $$i of $(COUNT) failed" >&2; exit 1; }; \
+		echo "test-repeat: pass $$i of $(COUNT) took $$(( $$(date +%s) - start )) s"; \
+	done
 
 clean:
 	rm -rf $(VENV) $(DEMO_CKPT) $(DEMO_ENGINE) *.egg-info

@@ -219,6 +219,13 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
     if len(rate_lengths) != 1:
         raise click.BadParameter("give one IN/OUT pair", param_hint="--rate-lengths")
     device = _device(device)
+    if (device == "cpu" and engine_dir is None and checkpoint is None
+            and ctx.get_parameter_source("shape") is ParameterSource.DEFAULT):
+        raise click.UsageError(
+            f"no GPU here, so bench-engine would run on the CPU, and the default --shape {shape} first writes a "
+            f"random {SHAPES[shape].parameters() / 1e9:.0f}B-parameter checkpoint. Measure a small engine instead "
+            "(--engine DIR, or --shape tiny with small build flags: see the examples in --help), or give "
+            f"--shape {shape} to do it anyway")
     model_shape = _shape(shape, {field: ctx.params[field] for field, _ in SHAPE_FLAGS.values()})
     model_shape = with_overrides(model_shape, max_position_embeddings=max(model_shape.max_position_embeddings,
                                                                           max_seq_len))

@@ -142,10 +142,14 @@ class EngineRun:
         release(self.device)
 
 
+def pool_tokens(info: EngineInfo, kv_tokens: int) -> int:
+    """`kv_tokens`, raised to one sequence of max_seq_len: the least pool an engine loads with."""
+    return max(kv_tokens, info.kv_tokens(info.manifest.max_seq_len))
+
+
 def open_core(info: EngineInfo, hw: Hardware, kv_tokens: int, overlap: bool = True) -> EngineRun:
-    """An EngineCore whose KV pool holds `kv_tokens` tokens, with its steps recorded."""
-    core = EngineCore(info.path, device=hw.device, max_kv_tokens=max(kv_tokens, info.manifest.kv.block_size),
-                      overlap=overlap)
+    """An EngineCore whose KV pool holds `kv_tokens` tokens (see `pool_tokens`), with its steps recorded."""
+    core = EngineCore(info.path, device=hw.device, max_kv_tokens=pool_tokens(info, kv_tokens), overlap=overlap)
     return EngineRun(core, StepRecorder(core.executor), ReplayTimer(core.executor), info, hw, hw.device)
 
 

@@ -18,7 +18,7 @@ from itertools import pairwise
 import numpy as np
 from tqdm import tqdm
 
-from kiln.bench.driver import EngineInfo, StepRecorder, random_prompts
+from kiln.bench.driver import EngineInfo, StepRecorder, pool_tokens, random_prompts
 from kiln.bench.figures import Figure, skipped
 from kiln.bench.hardware import Hardware
 from kiln.runtime.sampling_params import SamplingParams
@@ -55,8 +55,7 @@ def measure_latency(info: EngineInfo, hw: Hardware, kv_tokens: int, rate: float,
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     prompts = random_prompts(requests, input_len, info.manifest.vocab_size, seed)
     results: list = [None] * requests
-    session = Session(info.path, device=hw.device, max_kv_tokens=max(kv_tokens, info.manifest.kv.block_size),
-                      overlap=overlap)
+    session = Session(info.path, device=hw.device, max_kv_tokens=pool_tokens(info, kv_tokens), overlap=overlap)
     try:
         # The Session owns its EngineCore; recording its steps is the one place bench reaches in.
         recorder = StepRecorder(session._core.executor)

@@ -13,7 +13,7 @@ import json
 import subprocess
 import sys
 
-from kiln.bench.driver import EngineInfo, random_prompts
+from kiln.bench.driver import EngineInfo, pool_tokens, random_prompts
 from kiln.bench.figures import Figure
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.sampling_params import SamplingParams
@@ -23,12 +23,13 @@ TIMEOUT_S = 900.0
 
 
 def kv_tokens_wanted(info: EngineInfo) -> int:
-    """A full batch at full length, as a Session sizes its pool by default."""
+    """A full batch at full length: the most a Session's default pool takes (runtime/kv_pool.py)."""
     return info.manifest.max_batch_size * info.kv_tokens(info.manifest.max_seq_len)
 
 
 def measure_startup(info: EngineInfo, device: str, kv_tokens: int) -> list[Figure]:
     """Seconds from a fresh process's start to the engine loaded and to its first token."""
+    kv_tokens = pool_tokens(info, kv_tokens)
     child = subprocess.run([sys.executable, "-m", "kiln.bench.startup", str(info.path), device, str(kv_tokens)],
                            capture_output=True, text=True, timeout=TIMEOUT_S)
     if child.returncode != 0:

@@ -56,7 +56,8 @@ def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_b
     """
     try:
         model_cfg = read_config(checkpoint)
-        max_seq_len = max_seq_len or model_cfg.max_position_embeddings
+        # `is None`, not `or`: an explicit 0 must reach BuildConfig's check, not become the default.
+        max_seq_len = model_cfg.max_position_embeddings if max_seq_len is None else max_seq_len
         dtype = model_cfg.dtype if dtype == "auto" else dtype
         cfg = BuildConfig(dtype=dtype, tp_size=tp_size, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                           max_num_tokens=max_num_tokens, kv_block_size=kv_block_size,

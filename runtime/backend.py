@@ -7,7 +7,7 @@ only sees what it returns.
 """
 from __future__ import annotations
 
-import os
+import logging
 from pathlib import Path
 
 import torch
@@ -18,19 +18,17 @@ from kiln.runtime.cuda_executor import CudaExecutor
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.engine import Engine, EngineLoadError, load_engine
 from kiln.runtime.executor import CpuExecutor
-from kiln.runtime.kv_cache import BlockManager, blocks_for_memory
+from kiln.runtime.kv_cache import BlockManager
+from kiln.runtime.kv_pool import KVPool, size_kv_pool
 from kiln.runtime.tp_executor import TensorParallelExecutor
 
-
-def _available_memory() -> int:
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+log = logging.getLogger(__name__)
 
 
 def open_engine(engine_dir: str | Path, device: str | None) -> tuple[Engine, bool]:
     """Rank 0 of the engine folder, read once, and whether it runs on the GPU: "auto" (or None)
-    picks the GPU when there is one and the engine holds cubins for its arch, the CPU otherwise."""
-    if device not in (None, "auto", "cpu", "cuda"):
-        raise ValueError(f"device {device!r}: choose 'auto', 'cpu' or 'cuda'")
+    picks the GPU when there is one and the engine holds cubins for its arch, the CPU otherwise.
+    `device` was checked with the other options (`engine_core.check_engine_options`)."""
     if device == "cuda" and not torch.cuda.is_available():
         raise EngineLoadError("device 'cuda' was asked for but torch sees no CUDA GPU here: "
                               "use device 'cpu' (an engine built with --target cpu) or 'auto'")
@@ -42,24 +40,13 @@ def open_engine(engine_dir: str | Path, device: str | None) -> tuple[Engine, boo
     return engine, on_gpu
 
 
-def kv_pool(engine: Engine, on_gpu: bool, kv_cache_fraction: float | None, max_kv_tokens: int | None) -> BlockManager:
-    """The KV pool's blocks: `max_kv_tokens` worth, else `kv_cache_fraction` of the free memory,
-    else enough for every sequence of a full batch at full length."""
-    return BlockManager(_pool_blocks(engine, on_gpu, kv_cache_fraction, max_kv_tokens), engine.manifest.kv.block_size)
-
-
-def _pool_blocks(engine: Engine, on_gpu: bool, kv_cache_fraction: float | None, max_kv_tokens: int | None) -> int:
-    m = engine.manifest
-    if max_kv_tokens is not None:
-        if max_kv_tokens < m.kv.block_size:
-            raise ValueError(f"max_kv_tokens {max_kv_tokens} is less than one KV block ({m.kv.block_size} tokens)")
-        return max_kv_tokens // m.kv.block_size
-    if kv_cache_fraction is not None:
-        # On the GPU the weights and the arena are uploaded after this, out of the same memory.
-        free = (torch.cuda.mem_get_info()[0] - m.arena_bytes - sum(w.nbytes for w in engine.weights.values())
-                if on_gpu else _available_memory())
-        return blocks_for_memory(free, kv_cache_fraction, m.kv.bytes_per_block)
-    return m.max_batch_size * m.blocks_per_sequence
+def kv_pool(engine: Engine, on_gpu: bool, kv_cache_fraction: float | None,
+            max_kv_tokens: int | None) -> tuple[KVPool, BlockManager]:
+    """The KV pool chosen for `engine` (runtime/kv_pool.py says how), logged, and the block
+    manager over its blocks."""
+    pool = size_kv_pool(engine, on_gpu, kv_cache_fraction, max_kv_tokens)
+    log.info(pool.describe())
+    return pool, BlockManager(pool.num_blocks, pool.block_size)
 
 
 def open_executor(engine: Engine, on_gpu: bool, num_blocks: int, worker_timeout: float):

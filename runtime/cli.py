@@ -5,6 +5,7 @@ them in flight; with `--stream` prompts run one after another and text prints as
 """
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from typing import Any, Callable, Iterator, TextIO
 import click
 
 from kiln.engines.format import EngineFileError
+from kiln.runtime.arguments import ArgumentError
 from kiln.runtime.outputs import CompletionOutput, RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import POLICIES
@@ -25,7 +27,7 @@ class _Result:
     """One prompt's final output and what `--stats` needs from its run."""
 
     prompt: str
-    output: RequestOutput
+    output: RequestOutput | None  # None: the prompt was refused
     ttft: float | None  # seconds from submission to the first token; None if none came
 
 
@@ -65,8 +67,10 @@ class _StreamEcho:
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens.")
 @click.option("--n", type=int, help="Completions per prompt [default: 1].")
 @click.option("--logprobs", type=int, metavar="N", help="Print each token's logprob and the N likeliest ones.")
-@click.option("--max-kv-tokens", type=click.IntRange(min=1),
-              help="KV cache size in tokens [default: a full batch at max_seq_len].")
+@click.option("--kv-cache-fraction", type=float,
+              help="Share of the memory left after weights and arena that the KV cache may take, capped at what "
+                   "a full batch at max_seq_len can use [default: 0.9].")
+@click.option("--max-kv-tokens", type=int, help="KV cache size in tokens, instead of --kv-cache-fraction.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where to run: auto takes the GPU when the engine was built for its arch (--target), "
                    "else the CPU.")
@@ -78,12 +82,13 @@ class _StreamEcho:
 @click.option("--stats", is_flag=True, help="Then print token counts, tokens/s, time to first token, KV use.")
 @click.pass_context
 def run_engine(ctx: click.Context, engine_dir: Path, prompts: tuple[str, ...], prompt_file: TextIO | None,
-               max_kv_tokens: int | None, device: str, policy: str, no_overlap: bool, stream: bool, stats: bool,
-               **sampling: Any) -> None:
+               kv_cache_fraction: float | None, max_kv_tokens: int | None, device: str, policy: str, no_overlap: bool,
+               stream: bool, stats: bool, **sampling: Any) -> None:
     """Generate text from a Kiln engine.
 
     All prompts are submitted together and batched in flight. Sampling is greedy unless
-    --temperature is above 0.
+    --temperature is above 0. A prompt the engine refuses (too long, empty) is reported on
+    stderr and the others still run; the exit status is then 1.
 
     \b
     Examples:
@@ -96,9 +101,12 @@ def run_engine(ctx: click.Context, engine_dir: Path, prompts: tuple[str, ...], p
     params = _sampling_params(ctx, sampling)
     if stream and params.n != 1:
         raise click.UsageError("--stream prints one completion per prompt: drop --n or --stream")
+    show_kiln_log()
     try:
-        session = Session(engine_dir, device=device, max_kv_tokens=max_kv_tokens, policy=policy,
-                          overlap=not no_overlap)
+        session = Session(engine_dir, device=device, kv_cache_fraction=kv_cache_fraction, max_kv_tokens=max_kv_tokens,
+                          policy=policy, overlap=not no_overlap)
+    except ArgumentError as e:
+        raise bad_flag(ctx, e) from None
     except (EngineFileError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     with session:
@@ -115,8 +123,32 @@ def run_engine(ctx: click.Context, engine_dir: Path, prompts: tuple[str, ...], p
         if not stream:
             for result in results:
                 _echo_result(result)
+        done = [r for r in results if r.output is not None]
         if stats:
-            _echo_stats(results, wall, session.stats)
+            _echo_stats(done, wall, session.stats)
+    refused = len(results) - len(done)
+    if refused:
+        raise click.ClickException(f"{refused} of {len(results)} prompts were refused (see above); the others ran")
+
+
+def show_kiln_log() -> None:
+    """Show Kiln's INFO messages (the KV pool chosen at load) on stderr, once per process."""
+    logger = logging.getLogger("kiln")
+    if not any(isinstance(h, _EchoHandler) for h in logger.handlers):
+        logger.addHandler(_EchoHandler())
+    logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
+
+
+class _EchoHandler(logging.Handler):
+    # Through click.echo, so the message goes to whatever stderr is now (a test runner's too).
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(click.style(self.format(record), dim=True), err=True)
+
+
+def bad_flag(ctx: click.Context, e: ArgumentError) -> click.BadParameter:
+    """A Python-API argument's error, pointed at the flag that set it (when there is one)."""
+    param = next((p for p in ctx.command.params if p.name == e.argument), None)
+    return click.BadParameter(str(e), ctx=ctx, param=param)
 
 
 def _read_prompts(prompts: tuple[str, ...], prompt_file: TextIO | None) -> list[str]:
@@ -134,26 +166,25 @@ def _sampling_params(ctx: click.Context, sampling: dict[str, Any]) -> SamplingPa
     try:
         # Unset flags are left out so SamplingParams' own defaults apply.
         return SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
-    except ValueError as e:
-        # SamplingParams' messages start with the field's name; point at that flag.
-        field = str(e).split(" ", 1)[0]
-        param = next((p for p in ctx.command.params if p.name == field), None)
-        raise click.BadParameter(str(e), ctx=ctx, param=param) from None
+    except ArgumentError as e:
+        raise bad_flag(ctx, e) from None
 
 
-def _submit(session: Session, index: int, prompt: str, params: SamplingParams) -> Iterator[RequestOutput]:
-    """Start one request (stream() submits at once, before its first output is read)."""
+def _submit(session: Session, index: int, prompt: str, params: SamplingParams) -> Iterator[RequestOutput] | None:
+    """Start one request (stream() submits at once, before its first output is read); a refused
+    prompt is reported on stderr and gives None, so the others still run."""
     try:
         return session.stream(prompt, params)
     except ValueError as e:
         shown = prompt if len(prompt) <= 40 else prompt[:37] + "..."
-        raise click.ClickException(f"prompt {index + 1} ({shown!r}) was refused: {e}") from None
+        click.echo(click.style(f"Error: prompt {index + 1} ({shown!r}) was refused: {e}", fg="red"), err=True)
+        return None
 
 
-def _consume(prompt: str, outputs: Iterator[RequestOutput], submitted: float,
+def _consume(prompt: str, outputs: Iterator[RequestOutput] | None, submitted: float,
              on_output: Callable[[RequestOutput], None] | None = None) -> _Result:
     ttft, last = None, None
-    for out in outputs:
+    for out in outputs or ():
         if ttft is None and any(c.token_ids for c in out.outputs):
             ttft = time.perf_counter() - submitted
         if on_output is not None:
@@ -182,6 +213,9 @@ def _run_streaming(session: Session, prompts: list[str], params: SamplingParams)
     for i, prompt in enumerate(prompts):
         submitted = time.perf_counter()
         outputs = _submit(session, i, prompt, params)
+        if outputs is None:
+            results.append(_Result(prompt, None, None))
+            continue
         click.echo(click.style(prompt, bold=True), nl=False)
         result = _consume(prompt, outputs, submitted, _StreamEcho())
         completion = result.output.outputs[0]
@@ -206,6 +240,8 @@ def _echo_logprobs(completion: CompletionOutput) -> None:
 
 
 def _echo_result(result: _Result) -> None:
+    if result.output is None:  # refused: already reported when it was submitted
+        return
     completions = result.output.outputs
     if len(completions) == 1:
         click.echo(click.style(result.prompt, bold=True) + completions[0].text + _finish_note(completions[0]))

@@ -9,17 +9,42 @@ background thread; nothing here knows about threads.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from kiln.runtime.arguments import ArgumentError, require_int, require_number
 from kiln.runtime.backend import kv_pool, open_engine, open_executor, open_tokenizer
 from kiln.runtime.overlap import InFlight, Launched
 from kiln.runtime.sampler import make_generator, pick_tokens
-from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import ScheduledChunk, Scheduler
+from kiln.runtime.scheduler import POLICIES, ScheduledChunk, Scheduler
 from kiln.runtime.sequence import Request, Sequence, Status
 from kiln.runtime.startup import process_age
 from kiln.runtime.step import SequenceChunk, pack_step, to_device
+
+if TYPE_CHECKING:  # annotations only: the loop reads a request's params, it never makes them
+    from kiln.runtime.sampling_params import SamplingParams
+
+
+def check_engine_options(device: object, kv_cache_fraction: object, max_kv_tokens: object, policy: object,
+                         worker_timeout: object) -> None:
+    """The options of loading an engine (`Session`, `EngineCore`), checked before anything loads."""
+    if device not in (None, "auto", "cpu", "cuda"):
+        raise ArgumentError("device", f"must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if kv_cache_fraction is not None:
+        require_number("kv_cache_fraction", kv_cache_fraction)
+        if not 0 < kv_cache_fraction <= 1:
+            raise ArgumentError("kv_cache_fraction", f"must be in (0, 1] (a share of the memory left after the "
+                                                     f"weights and arena), got {kv_cache_fraction!r}")
+    if max_kv_tokens is not None:
+        require_int("max_kv_tokens", max_kv_tokens, low=1)
+    if kv_cache_fraction is not None and max_kv_tokens is not None:
+        raise ArgumentError("kv_cache_fraction", "and max_kv_tokens both size the KV pool: give one of them")
+    if policy not in POLICIES:
+        raise ArgumentError("policy", f"must be one of {', '.join(POLICIES)}, got {policy!r}")
+    require_number("worker_timeout", worker_timeout)
+    if not worker_timeout > 0:
+        raise ArgumentError("worker_timeout", f"must be > 0 seconds, got {worker_timeout!r}")
 
 
 class EngineCore:
@@ -28,11 +53,12 @@ class EngineCore:
                  overlap: bool = True):
         """`overlap=False` runs the plain loop; tensor-parallel engines always do (their ranks
         cannot read the sampled ids that stay on this process's device)."""
+        check_engine_options(device, kv_cache_fraction, max_kv_tokens, policy, worker_timeout)
         self.engine, on_gpu = open_engine(engine_dir, device)
         m = self.engine.manifest
         self.block_size = m.kv.block_size
         self.max_seq_len = m.max_seq_len
-        self.blocks = kv_pool(self.engine, on_gpu, kv_cache_fraction, max_kv_tokens)
+        self.kv_pool, self.blocks = kv_pool(self.engine, on_gpu, kv_cache_fraction, max_kv_tokens)
         self.executor = open_executor(self.engine, on_gpu, self.blocks.num_blocks, worker_timeout)
         # The sampler's generators live where each step's logits are: on the GPU for a
         # single-rank GPU engine, on the host when tensor-parallel workers send them back.
@@ -51,26 +77,39 @@ class EngineCore:
     # -- admission -----------------------------------------------------------------------------
 
     def encode(self, prompt: str) -> list[int]:
+        """The prompt's token ids. Empty text is refused: the tokenizer would turn it into the
+        start-of-sequence tokens alone, a request few callers mean."""
         if self.tokenizer is None:
-            raise ValueError("this engine folder has no tokenizer.json: pass prompt_token_ids instead of text")
+            raise ArgumentError("prompt", "is text, but this engine folder has no tokenizer.json: pass "
+                                          "prompt_token_ids instead")
+        if not prompt:
+            start = self.tokenizer.encode("").ids
+            hint = f": to generate from the start-of-sequence token alone, pass prompt_token_ids={start}"
+            raise ArgumentError("prompt", f"is empty{hint if start else ''}")
         return self.tokenizer.encode(prompt).ids
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Refuse what can never be served, before anything runs."""
+        """Refuse what this engine can never serve, before anything runs."""
         if not prompt_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            raise ArgumentError("prompt_token_ids", "is empty: give at least one token id")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary (0..{self.vocab_size - 1})")
+            raise ArgumentError("prompt_token_ids", f"holds token id {bad[0]}, outside the vocabulary "
+                                                    f"(0..{self.vocab_size - 1})")
         if len(prompt_ids) > self.max_seq_len:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the engine's max_seq_len is {self.max_seq_len}")
+            raise ArgumentError("prompt", f"has {len(prompt_ids)} tokens; the engine's max_seq_len is "
+                                          f"{self.max_seq_len}")
         if len(prompt_ids) + params.max_tokens > self.max_seq_len:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                             f"engine's max_seq_len {self.max_seq_len}: lower max_tokens")
-        worst = self.blocks.blocks_needed(len(prompt_ids) + params.max_tokens) * params.n
+            raise ArgumentError("max_tokens", f"is {params.max_tokens}: with the prompt's {len(prompt_ids)} tokens "
+                                              f"that exceeds the engine's max_seq_len {self.max_seq_len}: lower it "
+                                              f"to {self.max_seq_len - len(prompt_ids)} or less")
+        longest = len(prompt_ids) + params.max_tokens
+        worst = self.blocks.blocks_needed(longest) * params.n
         if worst > self.blocks.num_blocks:
-            raise ValueError(f"this request needs up to {worst} KV blocks but the pool has {self.blocks.num_blocks}: "
-                             "lower max_tokens or n, or give the Session more max_kv_tokens")
+            raise ArgumentError("n", f"is {params.n}: {params.n} samples of up to {longest} "
+                                     f"tokens need up to {worst} KV blocks but the pool has {self.blocks.num_blocks}: "
+                                     "lower n or max_tokens, or give the Session a larger pool "
+                                     "(kv_cache_fraction, max_kv_tokens)")
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> Request:
         if request_id in self.requests:

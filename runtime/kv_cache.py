@@ -2,7 +2,7 @@
 
 The cache tensor itself lives in the executor; this module only does the bookkeeping
 (per-sequence block tables, ref counts for blocks shared after `fork`, copy-on-write
-on append) plus the arithmetic for sizing the pool from free device memory.
+on append) and the size of one block; `runtime/kv_pool.py` decides how many there are.
 """
 from __future__ import annotations
 
@@ -134,18 +134,3 @@ class BlockManager:
         block = self._free.pop()
         self._refs[block] = 1
         return block
-
-
-def blocks_for_memory(free_bytes: int, fraction: float, bytes_per_block: int) -> int:
-    """Number of blocks that fit in `fraction` of `free_bytes`."""
-    if not 0 < fraction <= 1:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    if bytes_per_block < 1:
-        raise ValueError(f"bytes_per_block must be >= 1, got {bytes_per_block}")
-    budget = int(free_bytes * fraction)
-    blocks = budget // bytes_per_block
-    if blocks < 1:
-        raise ValueError(
-            f"{fraction} of {free_bytes} free bytes is {budget} bytes, less than one KV cache "
-            f"block ({bytes_per_block} bytes); free more memory or raise the fraction")
-    return blocks

@@ -10,6 +10,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kiln.runtime.arguments import ArgumentError, require_int, require_number
+
 
 @dataclass(frozen=True, init=False)
 class SamplingParams:
@@ -51,48 +53,48 @@ class SamplingParams:
         known = {f.name: f for f in fields(self) if f.init}
         unknown = sorted(set(kwargs) - set(known))
         if unknown:
-            raise ValueError(f"unknown sampling parameter {unknown[0]!r}; known: {', '.join(known)}")
+            raise ArgumentError(unknown[0], f"is not a sampling parameter; known: {', '.join(known)}")
         for name, f in known.items():
             object.__setattr__(self, name, kwargs.get(name, f.default))
         self.__post_init__()
 
     def __post_init__(self) -> None:
         for name in ("n", "top_k", "min_tokens", "max_tokens"):
-            _require_int(name, getattr(self, name))
+            require_int(name, getattr(self, name))
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
-            _require_number(name, getattr(self, name))
+            require_number(name, getattr(self, name))
         for name in ("seed", "logprobs"):
             if getattr(self, name) is not None:
-                _require_int(name, getattr(self, name))
+                require_int(name, getattr(self, name))
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise ArgumentError("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalise_token_ids("stop_token_ids", self.stop_token_ids))
         object.__setattr__(self, "bad_words", _normalise_bad_words(self.bad_words))
 
         # Written as `not (in range)` so NaN fails every check.
         if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise ArgumentError("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ArgumentError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
+            raise ArgumentError("top_k", f"must be >= 0 (0 turns it off), got {self.top_k}")
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise ArgumentError("min_p", f"must be in [0, 1], got {self.min_p}")
         if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise ArgumentError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+                raise ArgumentError(name, f"must be in [-2, 2], got {getattr(self, name)}")
         if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
+            raise ArgumentError("n", f"must be >= 1, got {self.n}")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise ArgumentError("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+            raise ArgumentError("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
+            raise ArgumentError("logprobs", f"must be >= 0 or None, got {self.logprobs}")
         greedy = self.temperature == 0 or self.top_k == 1
         reads_history = bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
                              or self.bad_words)
@@ -101,43 +103,32 @@ class SamplingParams:
         object.__setattr__(self, "argmax_only", greedy and not reads_history and self.logprobs is None)
 
 
-def _require_int(name: str, value: object) -> None:
-    # bool is an int subclass, but `seed=True` is a caller's mistake, not a seed.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-
-
-def _require_number(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-
-
 def _normalise_stop(stop: str | Iterable[str]) -> tuple[str, ...]:
     if isinstance(stop, str):
         stop = (stop,)
     if not isinstance(stop, (list, tuple)):
-        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        raise ArgumentError("stop", f"must be a string or a list of strings, got {stop!r}")
     items = tuple(stop)
     for s in items:
         if not isinstance(s, str) or not s:
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {s!r}")
+            raise ArgumentError("stop", f"must be a non-empty string or a list of them, got {s!r}")
     return items
 
 
 def _normalise_token_ids(name: str, ids: Iterable[int]) -> tuple[int, ...]:
     if not isinstance(ids, (list, tuple)):
-        raise ValueError(f"{name} must be a list of ints, got {ids!r}")
+        raise ArgumentError(name, f"must be a list of ints, got {ids!r}")
     items = tuple(ids)
     for t in items:
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise ValueError(f"{name} must be non-negative ints, got {t!r}")
+            raise ArgumentError(name, f"must be non-negative ints, got {t!r}")
     return items
 
 
 def _normalise_bad_words(words: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
     if not isinstance(words, (list, tuple)):
-        raise ValueError(f"bad_words must be a list of token-id lists, got {words!r}")
+        raise ArgumentError("bad_words", f"must be a list of token-id lists, got {words!r}")
     items = tuple(_normalise_token_ids("bad_words", w) for w in words)
     if any(not w for w in items):
-        raise ValueError("bad_words must not hold an empty token-id list")
+        raise ArgumentError("bad_words", "must not hold an empty token-id list")
     return items

@@ -2,7 +2,8 @@
 
 The engine loop runs on a background thread; callers on any thread (or asyncio task) submit
 requests and receive `RequestOutput`s through their own sink. Bad requests are refused with a
-`ValueError` in the caller's thread before anything runs.
+`ValueError` (an `ArgumentError` naming the argument) in the caller's thread before anything
+runs; the rules for prompts are in `runtime/prompts.py`.
 """
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ import threading
 from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator, Sequence as Seq
 
+from kiln.runtime.arguments import ArgumentError, require_int
 from kiln.runtime.engine_core import EngineCore
+from kiln.runtime.kv_pool import KVPool
 from kiln.runtime.outputs import RequestOutput
+from kiln.runtime.prompts import Prompt, one_prompt, prompt_batch
 from kiln.runtime.sampling_params import SamplingParams
 
 Sink = Callable[[RequestOutput | BaseException], None]
@@ -81,10 +85,17 @@ class Session:
         return None if name is None else (engine.path / name).read_text(encoding="utf-8")
 
     @property
+    def kv_pool(self) -> KVPool:
+        """The KV pool chosen at load: its size and why."""
+        return self._core.kv_pool
+
+    @property
     def stats(self) -> dict:
+        """The KV pool (`kv_cache_bytes` is one rank's) and the scheduler's state, now."""
         with self._locked():
-            blocks = self._core.blocks
+            blocks, pool = self._core.blocks, self._core.kv_pool
             return {"kv_blocks_total": blocks.num_blocks, "kv_blocks_used": blocks.used_blocks(),
+                    "kv_tokens_total": pool.num_tokens, "kv_cache_bytes": pool.nbytes,
                     "running": len(self._core.scheduler.running), "waiting": len(self._core.scheduler.waiting),
                     "preemptions": self._core.scheduler.num_preemptions, "kv_blocks_peak": self._core.peak_blocks,
                     # seconds from the process's start to the engine loaded and to its first token (or None)
@@ -133,12 +144,10 @@ class Session:
 
     # -- submitting ----------------------------------------------------------------------------
 
-    def _submit(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams | None,
-                sink: Sink, priority: int) -> str:
-        if (prompt is None) == (prompt_token_ids is None):
-            raise ValueError("give exactly one of a prompt text or prompt_token_ids")
+    def _submit(self, prompt: Prompt, params: SamplingParams | None, sink: Sink, priority: int) -> str:
         params = _sampling_params(params)
-        ids = self._core.encode(prompt) if prompt is not None else list(prompt_token_ids)
+        require_int("priority", priority)
+        ids = self._token_ids(prompt)
         with self._locked():
             if self._closed:
                 raise RuntimeError("the session is closed")
@@ -149,6 +158,9 @@ class Session:
             self._sinks[rid] = sink
             self._lock.notify_all()
         return rid
+
+    def _token_ids(self, prompt: Prompt) -> list[int]:
+        return self._core.encode(prompt.text) if prompt.text is not None else list(prompt.token_ids)
 
     def cancel(self, request_id: str) -> None:
         """Stop a request; its blocks are freed and its stream ends with finish_reason 'cancelled'."""
@@ -165,29 +177,40 @@ class Session:
     def generate(self, prompts: str | Seq[str] | None = None,
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  prompt_token_ids: Seq[int] | Seq[Seq[int]] | None = None, priority: int = 0) -> list[RequestOutput]:
-        """Run a batch of prompts (text or token ids) to completion; outputs in input order.
-        Every request is validated before any is submitted."""
-        texts, token_lists = _as_batch(prompts, prompt_token_ids)
-        n = len(texts or token_lists)
-        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * n
-        if len(params) != n:
-            raise ValueError(f"{len(params)} sampling_params for {n} prompts")
+        """Run a batch to completion; outputs in input order. `prompts` is text: one string or a
+        list of strings; `prompt_token_ids` is one list of ids or a list of them (give one of the
+        two). An empty list is an empty batch. `sampling_params` is one for all or one per prompt.
+        Every request is validated before any is submitted: a bad one raises `ValueError` naming
+        it (`prompts[2] ...`) and nothing runs."""
+        batch = prompt_batch(prompts, prompt_token_ids)
+        n = len(batch)
+        if isinstance(sampling_params, (list, tuple)):
+            params = list(sampling_params)
+            if len(params) != n:
+                raise ArgumentError("sampling_params", f"has {len(params)} entries for {n} prompts: give one, or one "
+                                                       "per prompt")
+        else:
+            params = [sampling_params] * n
         params = [_sampling_params(p) for p in params]
-        for i in range(n):
-            ids = self._core.encode(texts[i]) if texts else list(token_lists[i])
-            self._core.validate(ids, params[i])
+        require_int("priority", priority)
+        for i, (prompt, p) in enumerate(zip(batch, params)):
+            try:
+                self._core.validate(self._token_ids(prompt), p)
+            except ArgumentError as e:
+                if n == 1:
+                    raise
+                raise ArgumentError(e.argument, f"{e.detail} (prompt {i} of the batch)") from None
         queues = [queue.Queue() for _ in range(n)]
-        for i in range(n):
-            self._submit(texts[i] if texts else None, None if texts else token_lists[i], params[i],
-                         queues[i].put, priority)
+        for prompt, p, q in zip(batch, params, queues):
+            self._submit(prompt, p, q.put, priority)
         return [_final(q) for q in queues]
 
     def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                prompt_token_ids: Seq[int] | None = None, priority: int = 0) -> Iterator[RequestOutput]:
         """Yield a `RequestOutput` as each token arrives; the last has `finished=True`.
-        Stopping the iteration early cancels the request."""
+        One prompt: text, or `prompt_token_ids`. Stopping the iteration early cancels the request."""
         q: queue.Queue = queue.Queue()
-        rid = self._submit(prompt, prompt_token_ids, sampling_params, q.put, priority)
+        rid = self._submit(one_prompt(prompt, prompt_token_ids), sampling_params, q.put, priority)
         return self._drain(rid, q)
 
     def _drain(self, rid: str, q: queue.Queue) -> Iterator[RequestOutput]:
@@ -212,7 +235,7 @@ class Session:
                            ) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         aq: asyncio.Queue = asyncio.Queue()
-        rid = self._submit(prompt, prompt_token_ids, sampling_params,
+        rid = self._submit(one_prompt(prompt, prompt_token_ids), sampling_params,
                            lambda out: loop.call_soon_threadsafe(aq.put_nowait, out), priority)
         with self._cancel_at_end(rid):
             out = None
@@ -241,17 +264,8 @@ def _sampling_params(params: SamplingParams | None) -> SamplingParams:
     if params is None:
         return SamplingParams()
     if not isinstance(params, SamplingParams):
-        raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        raise ArgumentError("sampling_params", f"must be a SamplingParams, got {type(params).__name__}")
     return params
-
-
-def _as_batch(prompts, prompt_token_ids) -> tuple[list[str] | None, list[list[int]] | None]:
-    if (prompts is None) == (prompt_token_ids is None):
-        raise ValueError("give exactly one of prompts or prompt_token_ids")
-    if prompts is not None:
-        return ([prompts] if isinstance(prompts, str) else list(prompts)), None
-    ids = list(prompt_token_ids)
-    return None, ([ids] if ids and isinstance(ids[0], int) else [list(p) for p in ids])
 
 
 def _final(q: queue.Queue) -> RequestOutput:

@@ -15,6 +15,7 @@ from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.session import Session
 
 MAX_SEQ_LEN, MAX_NUM_TOKENS, MAX_BATCH_SIZE = 64, 32, 8  # SMALL_BUILD's max_seq_len and 4-token blocks
+SHORT_SEQ_LEN = 48  # the short engine's: a pool of 12 blocks holds one sequence of it
 VOCAB = 512  # the random checkpoint's embedding rows
 _rng = random.Random(0)
 PROMPTS = [[_rng.randrange(3, 380) for _ in range(_rng.randint(2, 20))] for _ in range(64)]
@@ -57,6 +58,13 @@ def checkpoint(factory):
 @pytest.fixture(scope="module")
 def engine_dir(factory, checkpoint):
     return factory.engine(checkpoint, dtype="float32", max_batch_size=MAX_BATCH_SIZE, max_num_tokens=MAX_NUM_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def short_engine_dir(factory, checkpoint):
+    """The same model with shorter sequences, so a KV pool of a few blocks still holds one."""
+    return factory.engine(checkpoint, dtype="float32", max_batch_size=MAX_BATCH_SIZE, max_num_tokens=MAX_NUM_TOKENS,
+                          max_seq_len=SHORT_SEQ_LEN)
 
 
 @pytest.fixture(scope="module")

@@ -261,3 +261,11 @@ def test_bad_flags_give_a_clear_error(args, message, tmp_path):
     assert result.exit_code != 0
     assert message in result.output
     assert "Traceback" not in result.output and not isinstance(result.exception, (TypeError, KeyError))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU does")
+def test_bare_run_without_a_gpu_writes_no_8b_checkpoint(tmp_path):
+    result = invoke("--work-dir", tmp_path / "work", "--json", tmp_path / "x.json")
+    assert result.exit_code == 2, result.output
+    assert "no GPU here" in result.output and "--shape tiny" in result.output and "8B-parameter" in result.output
+    assert not (tmp_path / "work").exists()

@@ -53,6 +53,7 @@ def test_rebuild_replaces_previous_engine(factory, tmp_path):
     (["--tp-size", "0"], "--tp-size must be a positive integer"),
     (["--kv-block-size", "6"], "--kv-block-size must be a power of two"),
     (["--max-seq-len", "-5"], "--max-seq-len must be a positive integer"),
+    (["--max-seq-len", "0"], "--max-seq-len must be a positive integer, got 0"),
     (["--target", "sm_75"], "'sm_75' is not one of"),
     (["--dtype", "int8"], "'int8' is not one of"),
     (["--tp-size", "3"], "cannot be split over --tp-size 3"),

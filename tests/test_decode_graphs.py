@@ -70,7 +70,8 @@ def test_no_decode_step_holds_more_sequences_than_the_pool_has_blocks(factory):
     from kiln.runtime.engine_core import EngineCore
     from kiln.runtime.sampling_params import SamplingParams
 
-    core = EngineCore(factory.engine(factory.checkpoint("llama3"), dtype="float32"), device="cpu",
+    # Sequences of at most 16 tokens, so a pool of 4 blocks of 4 still holds one.
+    core = EngineCore(factory.engine(factory.checkpoint("llama3"), dtype="float32", max_seq_len=16), device="cpu",
                       max_kv_tokens=4 * 4)
     assert core.blocks.num_blocks == 4 and decode_batch_limit(core.engine.manifest.max_num_tokens, core.engine.manifest.max_batch_size, 4) == 4
     decode_rows, run = [], core.executor.run

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from kiln.runtime.kv_cache import BlockManager, OutOfBlocks, blocks_for_memory
+from kiln.runtime.kv_cache import BlockManager, OutOfBlocks
 
 
 def check_invariants(bm: BlockManager, seq_ids: list[int]) -> None:
@@ -225,22 +225,3 @@ def test_randomized_ops_keep_invariants() -> None:
     for seq in list(tokens):
         bm.free(seq)
     assert bm.num_free == bm.num_blocks
-
-
-def test_blocks_for_memory() -> None:
-    per_block = 2 * 2 * 2 * 64 * 16 * 2  # 16 KiB: K and V, 2 layers, 2 heads of 64, 16 tokens, 2 bytes
-    assert blocks_for_memory(1 << 30, 0.9, per_block) == int((1 << 30) * 0.9) // per_block
-    assert blocks_for_memory(10 * per_block, 1.0, per_block) == 10
-    assert blocks_for_memory(10 * per_block + per_block - 1, 1.0, per_block) == 10
-    assert blocks_for_memory(10 * per_block, 0.5, per_block) == 5
-
-
-@pytest.mark.parametrize("fraction", [0.0, -0.1, 1.5, float("nan")])
-def test_blocks_for_memory_rejects_bad_fraction(fraction: float) -> None:
-    with pytest.raises(ValueError, match="fraction"):
-        blocks_for_memory(1 << 30, fraction, 1024)
-
-
-def test_blocks_for_memory_too_little_memory_names_block_size() -> None:
-    with pytest.raises(ValueError, match="4096 bytes"):
-        blocks_for_memory(8000, 0.5, 4096)

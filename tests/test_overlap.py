@@ -159,15 +159,15 @@ def test_cancellation_mid_stream_matches_the_plain_loop(engine_dir):
         assert overlapped[i][0][2] == "cancelled" and len(overlapped[i][0][0]) == k
 
 
-def test_preemption_matches_the_plain_loop(engine_dir):
+def test_preemption_matches_the_plain_loop(short_engine_dir):
     # 48 KV tokens for up to 8 sequences of up to 36 tokens: running sequences get preempted.
     rng = random.Random(5)
     requests = [(PROMPTS[i], greedy(rng.randint(8, 16)) if i % 2 else
                  SamplingParams(seed=i, temperature=0.8, max_tokens=rng.randint(8, 16), ignore_eos=True))
                 for i in range(40, 52)]
-    plain_core, _ = _core(engine_dir, False, max_kv_tokens=48)
+    plain_core, _ = _core(short_engine_dir, False, max_kv_tokens=48)
     plain = _drive(plain_core, requests)
-    core, _ = _core(engine_dir, True, max_kv_tokens=48)
+    core, _ = _core(short_engine_dir, True, max_kv_tokens=48)
     overlapped = _drive(core, requests)
     _assert_same(plain, overlapped)
     assert plain_core.scheduler.num_preemptions > 0 and core.scheduler.num_preemptions > 0

@@ -39,7 +39,7 @@ def plain(engine):
 
 
 def test_plain_run_prints_each_prompt_with_its_completion(plain):
-    lines = plain.output.splitlines()
+    lines = plain.stdout.splitlines()
     assert len(lines) == 2
     for line, prompt in zip(lines, PROMPTS):
         assert line.startswith(prompt) and line.endswith("]")
@@ -50,22 +50,22 @@ def test_greedy_output_matches_session_generate(engine, plain):
         outs = session.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))
     for prompt, out in zip(PROMPTS, outs):
         c = out.outputs[0]
-        assert f"{prompt}{c.text}  [{c.finish_reason}]" in plain.output.splitlines()
+        assert f"{prompt}{c.text}  [{c.finish_reason}]" in plain.stdout.splitlines()
 
 
 def test_stream_prints_the_same_text(engine, plain):
     streamed = invoke(engine, *prompt_args(), "--max-tokens", 12, "--stream")
     assert streamed.exit_code == 0, streamed.output
-    assert streamed.output == plain.output
+    assert streamed.stdout == plain.stdout
 
 
 def test_stream_holds_back_a_stop_string_until_it_is_cut(engine, plain):
-    completion = plain.output.splitlines()[0][len(PROMPTS[0]):]
+    completion = plain.stdout.splitlines()[0][len(PROMPTS[0]):]
     stop = completion[4:7]  # somewhere inside the greedy text, so the stop does fire
     args = [*prompt_args(PROMPTS[:1]), "--max-tokens", 12, "--stop", stop]
     batched, streamed = invoke(engine, *args), invoke(engine, *args, "--stream")
     assert batched.exit_code == 0 and streamed.exit_code == 0, batched.output + streamed.output
-    assert "[stop]" in batched.output and streamed.output == batched.output
+    assert "[stop]" in batched.output and streamed.stdout == batched.stdout
 
 
 def test_prompt_file_skips_blank_lines(engine, plain, tmp_path):
@@ -73,7 +73,7 @@ def test_prompt_file_skips_blank_lines(engine, plain, tmp_path):
     path.write_text(f"{PROMPTS[0]}\n\n   \n{PROMPTS[1]}\n", encoding="utf-8")
     result = invoke(engine, "--prompt-file", path, "--max-tokens", 12)
     assert result.exit_code == 0, result.output
-    assert result.output == plain.output
+    assert result.stdout == plain.stdout
 
 
 def test_n_labels_each_completion(engine):
@@ -113,7 +113,7 @@ def test_stats_report_start_up_from_process_start(engine):
 def test_no_overlap_prints_the_same_completions(engine, plain):
     result = invoke(engine, *prompt_args(), "--max-tokens", 12, "--no-overlap")
     assert result.exit_code == 0, result.output
-    assert result.output == plain.output
+    assert result.stdout == plain.stdout
 
 
 @pytest.mark.parametrize("args, words", [
@@ -131,11 +131,38 @@ def test_bad_flags_are_usage_errors(engine, args, words):
         assert word in result.output
 
 
-def test_prompt_too_long_is_refused_by_name(engine):
-    result = invoke(engine, "--prompt", "Hi", "--prompt", " ".join(["kiln"] * 200))
+@pytest.mark.parametrize("stream", [False, True], ids=["batched", "streamed"])
+def test_refused_prompts_fail_alone(engine, plain, stream):
+    long = " ".join(["kiln"] * 200)
+    result = invoke(engine, "--prompt", PROMPTS[0], "--prompt", long, "--prompt", "", "--prompt", PROMPTS[1],
+                    "--max-tokens", 12, *(["--stream"] if stream else []))
     assert result.exit_code == 1, result.output
     assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
-    assert "prompt 2 ('kiln kiln" in result.output and "max_seq_len is 64" in result.output
+    # The valid prompts print exactly what they print alone, in their order.
+    assert result.stdout == plain.stdout
+    assert "prompt 2 ('kiln kiln" in result.stderr and "max_seq_len is 64" in result.stderr
+    assert "prompt 3 ('') was refused: prompt is empty" in result.stderr
+    assert "2 of 4 prompts were refused" in result.stderr
+
+
+def test_the_kv_pool_chosen_at_load_is_printed(plain):
+    line = next(line for line in plain.stderr.splitlines() if line.startswith("KV cache:"))
+    # The test engine's bounds (32 sequences of 64 tokens in 4-token blocks) cap the default pool.
+    assert line.startswith("KV cache: 512 blocks of 4 tokens (2,048 tokens,") and "32 sequences of 64" in line
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--kv-cache-fraction", 2], ["--kv-cache-fraction", "must be in (0, 1]", "got 2"]),
+    (["--kv-cache-fraction", 0.5, "--max-kv-tokens", 64], ["--kv-cache-fraction", "give one of them"]),
+    (["--max-kv-tokens", 8], ["--max-kv-tokens", "max_seq_len 64", "--max-kv-tokens 64 or more", "--max-seq-len"]),
+    (["--max-kv-tokens", 0], ["--max-kv-tokens", "must be >= 1, got 0"]),
+])
+def test_bad_kv_pool_flags_name_the_flag(engine, args, words):
+    result = invoke(engine, "--prompt", "Hi", *args)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    for word in words:
+        assert word in result.output
 
 
 def test_missing_engine_folder(tmp_path):
@@ -152,7 +179,7 @@ def test_device_cuda_without_a_gpu_is_a_clear_error(engine):
 
 
 def test_device_auto_runs_a_cpu_engine_on_the_cpu(engine, plain):
-    assert invoke(engine, *prompt_args(), "--max-tokens", 12, "--device", "auto").output == plain.output
+    assert invoke(engine, *prompt_args(), "--max-tokens", 12, "--device", "auto").stdout == plain.stdout
 
 
 def test_help_teaches_by_example():

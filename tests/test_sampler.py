@@ -168,7 +168,7 @@ def test_invalid_values_raise_naming_the_field(field, value):
 
 
 def test_unknown_field_and_stop_normalisation():
-    with pytest.raises(ValueError, match="unknown sampling parameter 'foo'; known: n, temperature"):
+    with pytest.raises(ValueError, match="foo is not a sampling parameter; known: n, temperature"):
         SamplingParams(foo=1)
     assert SamplingParams(stop="###").stop == ("###",)
     assert SamplingParams(stop=["a", "b"], stop_token_ids=[5]).stop == ("a", "b")

@@ -80,10 +80,10 @@ def test_staggered_threads_match_alone(session, alone, hf_greedy):
 # -- 2. a small KV pool: preemption, and cancellation ------------------------------------------------
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_small_kv_pool_gives_the_same_outputs(engine_dir, alone, policy):
+def test_small_kv_pool_gives_the_same_outputs(short_engine_dir, alone, policy):
     prompts = PROMPTS[:16]
     params = [greedy(8 + i % 9) for i in range(16)]  # at most 20 + 16 tokens: 9 of the 12 blocks
-    with Session(engine_dir, max_kv_tokens=48, policy=policy) as small:
+    with Session(short_engine_dir, max_kv_tokens=48, policy=policy) as small:
         assert small.stats["kv_blocks_total"] == 12
         outs = small.generate(prompt_token_ids=prompts, sampling_params=params)
         stats = small.stats

@@ -84,10 +84,10 @@ def request_ids(session: Session) -> set[str]:
 @pytest.mark.parametrize("kwargs, message", [
     (dict(prompt_token_ids=[5] * (MAX_SEQ_LEN + 1)), "prompt has 65 tokens; the engine's max_seq_len is 64"),
     (dict(prompt_token_ids=[5] * 60, sampling_params=SamplingParams(max_tokens=5)),
-     r"prompt \(60 tokens\) \+ max_tokens \(5\) exceeds the engine's max_seq_len 64"),
-    (dict(prompt_token_ids=[]), "the prompt is empty"),
-    (dict(prompt_token_ids=[5, VOCAB]), r"token id 512 is outside the vocabulary \(0..511\)"),
-    (dict(prompt_token_ids=[5, -1]), r"token id -1 is outside the vocabulary"),
+     r"max_tokens is 5: with the prompt's 60 tokens that exceeds the engine's max_seq_len 64: lower it to 4"),
+    (dict(prompt_token_ids=[]), "prompt_token_ids is empty"),
+    (dict(prompt_token_ids=[5, VOCAB]), r"prompt_token_ids holds token id 512, outside the vocabulary \(0..511\)"),
+    (dict(prompt_token_ids=[5, -1]), r"prompt_token_ids holds token id -1, outside the vocabulary"),
     (dict(prompt_token_ids=[5, 6], sampling_params={"max_tokens": 3}), "must be a SamplingParams, got dict"),
 ])
 def test_bad_requests_are_refused_while_others_run(session, alone, kwargs, message):
@@ -111,13 +111,14 @@ def test_bad_requests_are_refused_while_others_run(session, alone, kwargs, messa
         assert finals[i].outputs[0].token_ids == alone(prompt, greedy(30))
 
 
-def test_requests_that_can_never_fit_the_kv_pool_are_refused(engine_dir, alone):
-    with Session(engine_dir, max_kv_tokens=32) as small:  # 8 blocks
+def test_requests_that_can_never_fit_the_kv_pool_are_refused(short_engine_dir, alone):
+    with Session(short_engine_dir, max_kv_tokens=48) as small:  # 12 blocks: one sequence of max_seq_len
         finals, threads = in_flight(small, [PROMPTS[30]], 12)
-        with pytest.raises(ValueError, match="needs up to 12 KV blocks but the pool has 8"):
-            small.stream(prompt_token_ids=[5] * 6, sampling_params=SamplingParams(max_tokens=40))
-        with pytest.raises(ValueError, match="needs up to 12 KV blocks but the pool has 8"):
-            small.generate(prompt_token_ids=[5] * 4, sampling_params=SamplingParams(n=4, max_tokens=8))
+        with pytest.raises(ValueError, match="n is 4: 4 samples of up to 16 tokens need up to 16 KV blocks but the "
+                                             "pool has 12"):
+            small.stream(prompt_token_ids=[5] * 4, sampling_params=SamplingParams(n=4, max_tokens=12))
+        with pytest.raises(ValueError, match="need up to 15 KV blocks but the pool has 12"):
+            small.generate(prompt_token_ids=[5] * 4, sampling_params=SamplingParams(n=5, max_tokens=8))
         for t in threads:
             t.join(60)
         assert small.stats["kv_blocks_used"] == 0
@@ -126,7 +127,8 @@ def test_requests_that_can_never_fit_the_kv_pool_are_refused(engine_dir, alone):
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-1), "top_k"),
-    (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n must"), (dict(beam_width=2), "unknown sampling parameter"),
+    (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n must"),
+    (dict(beam_width=2), "beam_width is not a sampling parameter"),
 ])
 def test_invalid_sampling_params_raise_at_construction(kwargs, field):
     with pytest.raises(ValueError, match=field):

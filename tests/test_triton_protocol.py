@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from kiln.runtime.outputs import CompletionOutput, RequestOutput
-from kiln.runtime.triton.cli import triton_repo
+from kiln.runtime.triton.cli import serve_triton, triton_repo
 from kiln.runtime.triton.protocol import INPUTS, OUTPUTS, Reply, decode_word_list, parse_request
 from kiln.runtime.triton.repo import MARKER, RepoError, write_repo
 
@@ -70,7 +70,12 @@ def test_text_request_with_stop_and_bad_words():
     (dict(input_ids=[[5]], request_output_len=4, stop_words_list=[[[5, 6], [1, 2], [0, 0]]]),
      "shape"),
     (dict(input_ids=[[5]], request_output_len=4, stop_words_list=[[[-5, 6], [2, -1]]]), "negative"),
-    (dict(input_ids=[[5]], request_output_len=4, temperature=np.float32(-1)), "temperature"),
+    (dict(input_ids=[[5]], request_output_len=4, temperature=np.float32(-1)), "temperature must be >= 0"),
+    # SamplingParams' field errors are worded with the request's own tensor names.
+    (dict(input_ids=[[5]], request_output_len=4, runtime_top_p=np.float32(1.5)), r"^runtime_top_p must be in \(0, 1\]"),
+    (dict(input_ids=[[5]], request_output_len=0), "^request_output_len must be >= 1, got 0"),
+    (dict(text_input=[[b"x"]], max_tokens=0), "^max_tokens must be >= 1, got 0"),
+    (dict(input_ids=[[5]], request_output_len=4, min_length=np.int32(9)), "^min_length must be in"),
     (dict(text_input=[[b"x", b"y"]], max_tokens=4), "one prompt per request"),
     (dict(text_input=[[b"\xff"]], max_tokens=4), "UTF-8"),
 ])
@@ -159,3 +164,29 @@ def test_cli_triton_repo(factory, tmp_path):
     assert result.exit_code == 0 and "serve-triton" in result.output
     result = CliRunner().invoke(triton_repo, ["--engine", str(tmp_path), "--output", str(tmp_path / "r")])
     assert result.exit_code == 2 and "no rank0.engine" in result.output
+
+
+def test_session_options_are_checked_when_the_repo_is_written(factory, tmp_path):
+    engine = factory.engine(factory.checkpoint("llama3"), dtype="float32")  # max_seq_len 64, 4-token blocks
+    repo = write_repo(engine, tmp_path / "repo", kv_cache_fraction=0.5)
+    assert 'key: "kv_cache_fraction"' in (repo / "kiln" / "config.pbtxt").read_text()
+    for args, words in ((["--kv-cache-fraction", "2"], ["--kv-cache-fraction", "must be in (0, 1]"]),
+                        (["--max-kv-tokens", "32"], ["--max-kv-tokens", "max_seq_len 64", "--max-seq-len"]),
+                        (["--policy", "fifo"], ["--policy"])):
+        result = CliRunner().invoke(triton_repo, ["--engine", str(engine), "--output", str(tmp_path / "r"), *args])
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert all(w in result.output for w in words), result.output
+
+
+def test_serve_triton_names_a_busy_port_before_starting(factory, tmp_path):
+    import socket
+    engine = factory.engine(factory.checkpoint("llama3"), dtype="float32")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = CliRunner().invoke(serve_triton, ["--engine", str(engine), "--grpc-port", str(port)])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "--grpc-port" in result.output and f"127.0.0.1:{port} is not free" in result.output
+    result = CliRunner().invoke(serve_triton, ["--engine", str(engine), "--http-port", "9100", "--grpc-port", "9100"])
+    assert result.exit_code == 2 and "the grpc port 9100 is also the http port" in result.output, result.output

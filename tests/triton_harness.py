@@ -167,6 +167,12 @@ def metrics(server: TritonServer) -> dict[str, float]:
     return out
 
 
+def ended_since(before: dict[str, float], now: dict[str, float]) -> dict[str, float]:
+    """How many requests the model ended between two metrics readings, by reason."""
+    return {reason: now.get(f"finished_{reason}", 0) - before.get(f"finished_{reason}", 0)
+            for reason in ("stop", "length", "cancelled", "error")}
+
+
 def wait_for(condition, timeout: float = 10.0) -> bool:
     """Poll `condition` until it holds (True) or `timeout` seconds pass (False)."""
     deadline = time.monotonic() + timeout

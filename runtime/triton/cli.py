@@ -8,9 +8,11 @@ from pathlib import Path
 
 import click
 
+from kiln.runtime.arguments import ArgumentError
+from kiln.runtime.cli import bad_flag
 from kiln.runtime.scheduler import POLICIES
 from kiln.runtime.triton.repo import MARKER, RepoError, write_repo
-from kiln.runtime.triton.server import Ports, ServerError, TritonServer
+from kiln.runtime.triton.server import PortError, Ports, ServerError, TritonServer, check_ports
 
 _SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -20,8 +22,10 @@ def _repo_options(command):
         click.option("--engine", "engine_dir", required=True, type=click.Path(path_type=Path),
                      help="Engine folder written by build-engine."),
         click.option("--model-name", default="kiln", show_default=True, help="The model's name in Triton."),
-        click.option("--max-kv-tokens", type=click.IntRange(min=1),
-                     help="KV cache size in tokens [default: a full batch at max_seq_len]."),
+        click.option("--kv-cache-fraction", type=float,
+                     help="Share of the memory left after weights and arena that the KV cache may take, capped at "
+                          "what a full batch at max_seq_len can use [default: 0.9]."),
+        click.option("--max-kv-tokens", type=int, help="KV cache size in tokens, instead of --kv-cache-fraction."),
         click.option("--policy", type=click.Choice(POLICIES), default=POLICIES[0], show_default=True,
                      help="Scheduling: max_utilization may preempt; guaranteed_no_evict never does."),
     )):
@@ -34,7 +38,9 @@ def _repo_options(command):
 @click.option("--output", required=True, type=click.Path(path_type=Path),
               help="Repository folder to write. A repository written here before is replaced; any other "
                    "non-empty folder is refused.")
-def triton_repo(engine_dir: Path, output: Path, model_name: str, max_kv_tokens: int | None, policy: str) -> None:
+@click.pass_context
+def triton_repo(ctx: click.Context, engine_dir: Path, output: Path, model_name: str, kv_cache_fraction: float | None,
+                max_kv_tokens: int | None, policy: str) -> None:
     """Write a Triton Inference Server model repository that serves a Kiln engine.
 
     The repository holds one decoupled Python-backend model with TensorRT-LLM's token interface
@@ -47,7 +53,9 @@ def triton_repo(engine_dir: Path, output: Path, model_name: str, max_kv_tokens: 
       serve-triton --engine engines/demo --repo /tmp/kiln-repo
     """
     try:
-        write_repo(engine_dir, output, model_name, max_kv_tokens, policy)
+        write_repo(engine_dir, output, model_name, max_kv_tokens, policy, kv_cache_fraction)
+    except ArgumentError as e:
+        raise bad_flag(ctx, e) from None
     except RepoError as e:
         raise click.UsageError(str(e)) from None
     click.echo(f"wrote {output}/{model_name} for {engine_dir.resolve()}; start it with: "
@@ -59,15 +67,16 @@ def triton_repo(engine_dir: Path, output: Path, model_name: str, max_kv_tokens: 
 @click.option("--repo", type=click.Path(path_type=Path),
               help="Model repository to serve; written first if it does not exist [default: a temporary one].")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the server listens on.")
-@click.option("--http-port", type=int, default=8000, show_default=True)
-@click.option("--grpc-port", type=int, default=8001, show_default=True)
-@click.option("--metrics-port", type=int, default=8002, show_default=True)
-@click.option("--ready-timeout", type=float, default=120.0, show_default=True,
+@click.option("--http-port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--grpc-port", type=click.IntRange(1, 65535), default=8001, show_default=True)
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=8002, show_default=True)
+@click.option("--ready-timeout", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
               help="Seconds to wait for the engine to load.")
 @click.option("--verbose", is_flag=True, help="tritonserver's verbose log.")
-def serve_triton(engine_dir: Path, model_name: str, max_kv_tokens: int | None, policy: str, repo: Path | None,
-                 host: str, http_port: int, grpc_port: int, metrics_port: int, ready_timeout: float,
-                 verbose: bool) -> None:
+@click.pass_context
+def serve_triton(ctx: click.Context, engine_dir: Path, model_name: str, kv_cache_fraction: float | None,
+                 max_kv_tokens: int | None, policy: str, repo: Path | None, host: str, http_port: int, grpc_port: int,
+                 metrics_port: int, ready_timeout: float, verbose: bool) -> None:
     """Serve a Kiln engine with Triton Inference Server until Ctrl-C.
 
     Writes the model repository (into a temporary folder unless --repo is given), starts the
@@ -79,16 +88,22 @@ def serve_triton(engine_dir: Path, model_name: str, max_kv_tokens: int | None, p
       serve-triton --engine engines/demo
       curl -d '{"text_input": "The kiln", "max_tokens": 20}' localhost:8000/v2/models/kiln/generate
     """
+    ports = Ports(http_port, grpc_port, metrics_port)
+    try:
+        check_ports(host, ports)
+    except PortError as e:
+        raise click.BadParameter(str(e), ctx=ctx, param_hint=f"'--{e.port_name}-port'") from None
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the server cleanly too, like Ctrl-C
     with tempfile.TemporaryDirectory(prefix="kiln-triton-") as tmp:
         if repo is None or not (repo / MARKER).is_file():
             repo = repo or Path(tmp) / "repo"
             try:
-                write_repo(engine_dir, repo, model_name, max_kv_tokens, policy)
+                write_repo(engine_dir, repo, model_name, max_kv_tokens, policy, kv_cache_fraction)
+            except ArgumentError as e:
+                raise bad_flag(ctx, e) from None
             except RepoError as e:
                 raise click.UsageError(str(e)) from None
-        server = TritonServer(repo, Path(tmp) / "server", host, Ports(http_port, grpc_port, metrics_port),
-                              verbose=verbose)
+        server = TritonServer(repo, Path(tmp) / "server", host, ports, verbose=verbose)
         try:
             server.start()
             server.wait_ready(ready_timeout)

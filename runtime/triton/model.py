@@ -19,6 +19,7 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 try:
+    from kiln.runtime.arguments import ArgumentError
     from kiln.runtime.session import Session
     from kiln.runtime.triton import protocol
 except ImportError as e:
@@ -57,7 +58,9 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         engine_dir = Path(params["engine_dir"])
         max_kv_tokens = int(params["max_kv_tokens"]) if params.get("max_kv_tokens") else None
-        self.session = Session(engine_dir, max_kv_tokens=max_kv_tokens, policy=params.get("policy", "max_utilization"))
+        fraction = float(params["kv_cache_fraction"]) if params.get("kv_cache_fraction") else None
+        self.session = Session(engine_dir, kv_cache_fraction=fraction, max_kv_tokens=max_kv_tokens,
+                               policy=params.get("policy", "max_utilization"))
         self.tokenizer = self.session.tokenizer
         self.lock = threading.Lock()
         self.in_flight: set[_InFlight] = set()
@@ -65,7 +68,7 @@ class TritonPythonModel:
         self.stopping = threading.Event()
         self.watcher = threading.Thread(target=self._watch, name="kiln-triton-watch", daemon=True)
         self.watcher.start()
-        pb_utils.Logger.log_info(f"Kiln serves {engine_dir} with {self.session.stats['kv_blocks_total']} KV blocks")
+        pb_utils.Logger.log_info(f"Kiln serves {engine_dir}; {self.session.kv_pool.describe()}")
 
     def _init_metrics(self, model_name: str) -> None:
         gauge = pb_utils.MetricFamily.GAUGE
@@ -124,7 +127,9 @@ class TritonPythonModel:
                         entry.sender.send(_response(tensors))
             finally:
                 outputs.close()  # cancels the Session request if it still runs (stop sequence, client gone)
-        except ValueError as e:  # refused by the Session's validation
+        except ArgumentError as e:  # refused by the Session's validation
+            error = _error(entry.request, protocol.client_message(e, entry.job.text), pb_utils.TritonError.INVALID_ARG)
+        except ValueError as e:
             error = _error(entry.request, str(e), pb_utils.TritonError.INVALID_ARG)
         except Exception as e:  # a failed engine step: this request ends, the model keeps serving
             error = _error(entry.request, f"Kiln could not finish this request: {e}", pb_utils.TritonError.INTERNAL)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Tokenizer
 
+from kiln.runtime.arguments import ArgumentError
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 
@@ -132,14 +133,33 @@ def parse_request(inputs: Mapping[str, np.ndarray], tokenizer: Tokenizer | None)
     if top_k == 0 and top_p == 0:
         top_k = 1
     return_log_probs = get("return_log_probs", False)
-    params = SamplingParams(
-        max_tokens=max_tokens, temperature=get("temperature", 1.0), top_k=top_k, top_p=top_p or 1.0,
-        repetition_penalty=get("repetition_penalty", 1.0), presence_penalty=get("presence_penalty", 0.0),
-        frequency_penalty=get("frequency_penalty", 0.0), min_tokens=get("min_length", 0), seed=get("random_seed"),
-        stop=stop_strings, stop_token_ids=stop_ids + (() if end_id is None else (end_id,)),
-        ignore_eos=end_id is not None, bad_words=bad_words, logprobs=0 if return_log_probs else None)
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=get("temperature", 1.0), top_k=top_k, top_p=top_p or 1.0,
+            repetition_penalty=get("repetition_penalty", 1.0), presence_penalty=get("presence_penalty", 0.0),
+            frequency_penalty=get("frequency_penalty", 0.0), min_tokens=get("min_length", 0), seed=get("random_seed"),
+            stop=stop_strings, stop_token_ids=stop_ids + (() if end_id is None else (end_id,)),
+            ignore_eos=end_id is not None, bad_words=bad_words, logprobs=0 if return_log_probs else None)
+    except ArgumentError as e:
+        raise ValueError(client_message(e, text)) from None
     return Job(params, prompt, prompt_ids, streaming, include_input and not streaming, return_log_probs,
                stop_sequences)
+
+
+# Session arguments -> the input tensor that carries them, per interface (text, token).
+_TENSOR_NAMES = {
+    "max_tokens": ("max_tokens", "request_output_len"), "top_k": ("top_k", "runtime_top_k"),
+    "top_p": ("top_p", "runtime_top_p"), "min_tokens": ("min_length", "min_length"),
+    "seed": ("random_seed", "random_seed"), "prompt": ("text_input", "input_ids"),
+    "prompt_token_ids": ("text_input", "input_ids"), "stop": ("stop_words", "stop_words_list"),
+    "stop_token_ids": ("end_id", "stop_words_list"), "bad_words": ("bad_words", "bad_words_list"),
+}
+
+
+def client_message(error: ArgumentError, text: bool) -> str:
+    """A refusal of the Session (or of SamplingParams) worded with the request's tensor names."""
+    names = _TENSOR_NAMES.get(error.argument)
+    return f"{names[0] if text else names[1]} {error.detail}" if names else str(error)
 
 
 def decode_word_list(words: np.ndarray, name: str) -> tuple[tuple[int, ...], ...]:

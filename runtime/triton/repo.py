@@ -8,7 +8,8 @@ from pathlib import Path
 
 from kiln.engines.format import EngineFileError, read_engine_file
 from kiln.engines.manifest import Manifest
-from kiln.runtime.scheduler import POLICIES
+from kiln.runtime.engine_core import check_engine_options
+from kiln.runtime.kv_pool import check_max_kv_tokens
 from kiln.runtime.triton.protocol import INPUTS, OUTPUTS, TensorSpec
 
 MARKER = "kiln-triton-repo.json"  # tells a repository written here from any other folder
@@ -20,11 +21,13 @@ class RepoError(ValueError):
 
 
 def write_repo(engine_dir: Path, output: Path, model_name: str = "kiln", max_kv_tokens: int | None = None,
-               policy: str = "max_utilization") -> Path:
+               policy: str = "max_utilization", kv_cache_fraction: float | None = None) -> Path:
     """Write the repository for `engine_dir` to `output` and return `output`.
 
     The model refers to the engine by its absolute path, so the engine must stay where it is.
-    A repository written here before is replaced; any other non-empty folder is refused.
+    A repository written here before is replaced; any other non-empty folder is refused. The
+    Session options are checked here as the Session will check them (`ArgumentError`), so a bad
+    one fails now rather than when the server loads the model.
     """
     engine_dir = Path(engine_dir).resolve()
     output = Path(output)
@@ -37,10 +40,9 @@ def write_repo(engine_dir: Path, output: Path, model_name: str = "kiln", max_kv_
         raise RepoError(str(e)) from None
     if not model_name or not all(c.isalnum() or c in "-_." for c in model_name):
         raise RepoError(f"model name {model_name!r}: use letters, digits, '-', '_' and '.' only")
-    if max_kv_tokens is not None and max_kv_tokens < 1:
-        raise RepoError(f"max_kv_tokens must be >= 1, got {max_kv_tokens}")
-    if policy not in POLICIES:
-        raise RepoError(f"policy {policy!r}: choose one of {', '.join(POLICIES)}")
+    check_engine_options(None, kv_cache_fraction, max_kv_tokens, policy, 60.0)
+    if max_kv_tokens is not None:
+        check_max_kv_tokens(max_kv_tokens, manifest)
     if output.exists():
         if not output.is_dir() or (any(output.iterdir()) and not (output / MARKER).is_file()):
             raise RepoError(f"{output} exists and is not a repository written by triton-repo: choose another folder")
@@ -52,6 +54,8 @@ def write_repo(engine_dir: Path, output: Path, model_name: str = "kiln", max_kv_
     parameters = {"engine_dir": str(engine_dir), "policy": policy}
     if max_kv_tokens is not None:
         parameters["max_kv_tokens"] = str(max_kv_tokens)
+    if kv_cache_fraction is not None:
+        parameters["kv_cache_fraction"] = repr(float(kv_cache_fraction))
     (model_dir / "config.pbtxt").write_text(model_config(model_name, manifest.max_batch_size, parameters))
     (output / "README.md").write_text(_readme(model_name, engine_dir))
     (output / MARKER).write_text(json.dumps({"engine_dir": str(engine_dir), "model_name": model_name}, indent=2) + "\n")

@@ -38,6 +38,32 @@ class Ports:
     metrics: int = 8002
 
 
+class PortError(ServerError):
+    """A port the server is to listen on is taken (or the same as another of its ports)."""
+
+    def __init__(self, port_name: str, message: str) -> None:
+        super().__init__(message)
+        self.port_name = port_name  # "http", "grpc" or "metrics"
+
+
+def check_ports(host: str, ports: Ports) -> None:
+    """Refuse ports that another process listens on, before the server starts: tritonserver
+    itself says so only deep in its log."""
+    seen: dict[int, str] = {}
+    for name, port in (("http", ports.http), ("grpc", ports.grpc), ("metrics", ports.metrics)):
+        if port in seen:
+            raise PortError(name, f"the {name} port {port} is also the {seen[port]} port: give each its own")
+        seen[port] = name
+        with socket.socket() as s:
+            # SO_REUSEADDR as servers bind, so a port only in TIME_WAIT does not count as taken.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                raise PortError(name, f"the {name} port {host}:{port} is not free ({e.strerror}): stop what listens "
+                                      f"there or choose another --{name}-port") from None
+
+
 def free_ports(host: str = "127.0.0.1") -> Ports:
     """Three ports nothing listens on now (bound together, so they differ)."""
     sockets = [socket.socket() for _ in range(3)]
