@@ -9,7 +9,6 @@ background thread; nothing here knows about threads.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,13 +16,10 @@ from kiln.runtime.arguments import ArgumentError, require_int, require_number
 from kiln.runtime.backend import kv_pool, open_engine, open_executor, open_tokenizer
 from kiln.runtime.overlap import InFlight, Launched
 from kiln.runtime.sampler import make_generator, pick_tokens
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import POLICIES, ScheduledChunk, Scheduler
 from kiln.runtime.sequence import Request, Sequence, Status
-from kiln.runtime.startup import process_age
 from kiln.runtime.step import SequenceChunk, pack_step, to_device
-
-if TYPE_CHECKING:  # annotations only: the loop reads a request's params, it never makes them
-    from kiln.runtime.sampling_params import SamplingParams
 
 
 def check_engine_options(device: object, kv_cache_fraction: object, max_kv_tokens: object, policy: object,
@@ -70,9 +66,6 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.peak_blocks = 0
         self.in_flight = InFlight(overlap and m.world_size == 1, self._append)
-        # Start-up latency, in seconds since the process started (runtime/startup.py).
-        self.loaded_after = process_age()
-        self.first_token_after: float | None = None
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -191,8 +184,6 @@ class EngineCore:
         return self.in_flight.launch(seqs, tokens, logprobs)
 
     def _append(self, seq: Sequence, token: int, logprob: dict | None) -> None:
-        if self.first_token_after is None:
-            self.first_token_after = process_age()
         seq.token_ids.append(token)
         if logprob is not None:
             seq.logprobs.append(logprob)

@@ -21,6 +21,7 @@ from kiln.runtime.kv_pool import KVPool
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.prompts import Prompt, one_prompt, prompt_batch
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.startup import process_age
 
 Sink = Callable[[RequestOutput | BaseException], None]
 
@@ -37,6 +38,9 @@ class Session:
                  overlap: bool = True):
         self._core = EngineCore(engine_dir, device, kv_cache_fraction, max_kv_tokens, policy, worker_timeout,
                                 overlap)
+        # Start-up latency, in seconds since the process started (runtime/startup.py).
+        self._loaded_after = process_age()
+        self._first_token_after: float | None = None
         self._lock = threading.Condition()
         # Python's locks are not fair: the loop takes `_lock` again right after each step, before
         # a woken caller can, so a cancel, submit or close could wait until all work is done.
@@ -99,7 +103,7 @@ class Session:
                     "running": len(self._core.scheduler.running), "waiting": len(self._core.scheduler.waiting),
                     "preemptions": self._core.scheduler.num_preemptions, "kv_blocks_peak": self._core.peak_blocks,
                     # seconds from the process's start to the engine loaded and to its first token (or None)
-                    "loaded_s": self._core.loaded_after, "first_token_s": self._core.first_token_after}
+                    "loaded_s": self._loaded_after, "first_token_s": self._first_token_after}
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -127,6 +131,8 @@ class Session:
                         self._core.cancel(rid)
                         self._deliver(rid, e)
                     continue
+                if updated and self._first_token_after is None:
+                    self._first_token_after = process_age()
                 for request in updated:
                     out = request.snapshot()
                     self._deliver(request.request_id, out)
