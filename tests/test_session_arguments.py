@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpu_build import build_cli
 from kiln.runtime.arguments import ArgumentError
 from kiln.runtime.kv_pool import host_memory_available
 from kiln.runtime.sampling_params import SamplingParams
@@ -76,12 +77,16 @@ def test_a_fraction_sizes_the_pool_from_memory_left(engine_dir):
 
 
 @pytest.mark.gpu
-def test_gpu_pool_fits_the_free_memory_when_a_full_batch_would_not(factory):
+def test_gpu_pool_fits_the_free_memory_when_a_full_batch_would_not(factory, tmp_path):
     # 2**17 sequences of 8192 tokens at 256 bytes a token would want 275 GB of KV cache: sizing
     # the pool for a full batch (the old default) cannot even be allocated on one GPU.
     arch = "sm_{}{}".format(*torch.cuda.get_device_capability())
     checkpoint = factory.checkpoint("llama3", max_position_embeddings=8192)
-    engine = factory.engine(checkpoint, dtype="bfloat16", max_batch_size=2**17, max_seq_len=8192, targets=(arch,))
+    engine = tmp_path / "engine"
+    # Built in a fresh process: kernel test modules set TRITON_INTERPRET in this one (gpu_build.py).
+    built = build_cli(checkpoint, engine, [arch], tmp_path / "cache", max_batch_size=2**17, max_seq_len=8192,
+                      kv_block_size=4)
+    assert built.returncode == 0, built.stderr
     free = torch.cuda.mem_get_info()[0]
     with Session(engine, device="cuda") as s:
         pool = s.kv_pool
