@@ -31,7 +31,8 @@ def test_build_prints_summary_and_inspect_shows_plan(factory, tmp_path):
     for word in ("fused ops per layer", "norm_qkv_rope x1", "weights", "arena", "targets cpu", "time"):
         assert word in result.output
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["rank0.engine", "config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+        ["rank0.engine", "config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+         "chat_template.jinja"]
         + [p.name for p in ckpt.glob("generation_config.json")])
     shown = invoke(inspect_engine, [out])
     assert shown.exit_code == 0, shown.output
