@@ -128,7 +128,8 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
     output = Path(output)
     _check_output(output)
     tokenizer_file = TOKENIZER_FILE if any(f.name == TOKENIZER_FILE for f in extra_files) else None
-    steps = ["trace", *[f.__name__ for f in FUSIONS]]
+    passes = FUSIONS if cfg.fuse else ()
+    steps = ["trace", *[f.__name__ for f in passes]]
     for r in range(cfg.tp_size):
         steps += [f"rank {r}: shard+fold+plan", f"rank {r}: kernels", f"rank {r}: write"]
     bar = tqdm(total=len(steps), desc="build-engine", unit="step", disable=not progress)
@@ -137,7 +138,7 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
             bar.set_postfix_str("trace")
             graph = trace(model)
             bar.update()
-            for fusion in FUSIONS:
+            for fusion in passes:
                 bar.set_postfix_str(fusion.__name__)
                 graph = fusion(graph)
                 bar.update()

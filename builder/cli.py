@@ -37,10 +37,13 @@ from kiln.models import CheckpointError, read_config
               help="Tokens per paged KV-cache block (a power of two).")
 @click.option("--target", "targets", multiple=True, type=click.Choice(TARGETS),
               help="Hardware to build for; repeat for several. Default: this machine's GPU, else cpu.")
+@click.option("--no-fuse", "no_fuse", is_flag=True,
+              help="Keep the traced plan of primitive ops (no fusion passes): runs on the CPU; the reference "
+                   "that a fusion must not change.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_batch_size: int,
                  max_seq_len: int | None, max_num_tokens: int, kv_block_size: int, targets: tuple[str, ...],
-                 quiet: bool) -> None:
+                 no_fuse: bool, quiet: bool) -> None:
     """Compile a Hugging Face checkpoint into a Kiln engine folder.
 
     Traces Kiln's definition of the model, fuses each decoder layer (RMSNorm+QKV+RoPE,
@@ -61,7 +64,7 @@ def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_b
         dtype = model_cfg.dtype if dtype == "auto" else dtype
         cfg = BuildConfig(dtype=dtype, tp_size=tp_size, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                           max_num_tokens=max_num_tokens, kv_block_size=kv_block_size,
-                          targets=tuple(dict.fromkeys(targets)) or default_targets())
+                          targets=tuple(dict.fromkeys(targets)) or default_targets(), fuse=not no_fuse)
     except BuildConfigError as e:
         raise click.UsageError(str(e)) from None
     except CheckpointError as e:

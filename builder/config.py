@@ -22,6 +22,9 @@ class BuildConfig:
     max_num_tokens: int = 256
     kv_block_size: int = 16
     targets: tuple[str, ...] = field(default=("cpu",))
+    # False keeps the traced plan of primitive ops (`--no-fuse`): it runs on the CPU, and its
+    # ONNX export is the reference that a fusion pass must not change.
+    fuse: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -33,6 +36,8 @@ class BuildConfig:
                 raise BuildConfigError(f"{flag} must be a positive integer, got {value!r}")
         if self.kv_block_size & (self.kv_block_size - 1):
             raise BuildConfigError(f"--kv-block-size must be a power of two, got {self.kv_block_size}")
+        if not isinstance(self.fuse, bool):
+            raise BuildConfigError(f"fuse must be True or False, got {self.fuse!r}")
         if not self.targets:
             raise BuildConfigError("at least one --target is needed")
         unknown = [t for t in self.targets if t not in TARGETS]

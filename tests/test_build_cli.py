@@ -6,9 +6,13 @@ import json
 import shutil
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from kiln.builder.cli import build_engine, inspect_engine
+from kiln.runtime.engine import load_engine
+from kiln.runtime.executor import CpuExecutor
+from kiln.runtime.step import SequenceChunk, pack_step
 
 SMALL = ["--dtype", "float32", "--max-seq-len", "64", "--max-num-tokens", "64", "--max-batch-size", "4",
          "--kv-block-size", "4", "--target", "cpu", "--quiet"]
@@ -135,3 +139,22 @@ def test_help_teaches(factory):
     text = invoke(build_engine, ["--help"]).output
     for flag in ("--checkpoint", "--tp-size", "--max-num-tokens", "--kv-block-size", "--target", "Example"):
         assert flag in text
+
+
+def test_no_fuse_keeps_the_traced_plan_and_its_answer(factory, tmp_path):
+    ckpt = factory.checkpoint("qwen3")
+    result = invoke(build_engine, ["--checkpoint", ckpt, "--output", tmp_path / "out", *SMALL, "--no-fuse"])
+    assert result.exit_code == 0, result.output
+    assert "fused ops per layer: none" in result.output
+    unfused, fused = load_engine(tmp_path / "out"), load_engine(factory.engine(ckpt, dtype="float32"))
+    ops = {op.spec.name for op in unfused.plan}
+    assert not any(op.spec.fused for op in unfused.plan) and {"rope", "silu_mul", "attention"} <= ops
+    step = pack_step([SequenceChunk(list(range(3, 14)), 0, [2, 0, 1])], 4, unfused.manifest.blocks_per_sequence)
+    logits = [CpuExecutor(e, num_kv_blocks=4).run(step) for e in (unfused, fused)]
+    assert torch.allclose(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+    # Only the fused plan has GPU kernels: the error names the first op without one.
+    result = invoke(build_engine, ["--checkpoint", ckpt, "--output", tmp_path / "gpu", *SMALL, "--no-fuse",
+                                   "--target", "sm_90"])
+    assert result.exit_code == 2 and "op 'head_rms_norm'" in result.output and "has no GPU kernel" in result.output
+    assert_nothing_left(tmp_path, "gpu")
