@@ -2,10 +2,12 @@
 
 A plugin is one op the engine can run, and its folder (a Python package) owns everything about
 it: its spec (inputs, attributes, output shape and dtype rules, version, how it shards, what
-only rank 0 adds, the shapes its kernels compile for), its PyTorch reference, and, when it runs
-on GPUs, `kernels.py` and `launch.py`. The reference is also registered as a torch custom op
-`kiln::<name>`, so a `torch.fx` trace of a model stops at it. The spec mirrors TensorRT's
-IPluginV3 ideas (name, version, attribute fields, shape rule) so a port stays possible.
+only rank 0 adds, the shapes its kernels compile for), its PyTorch reference, when it runs
+on GPUs `kernels.py` and `launch.py`, and for ONNX export `onnx.py` (its definition in
+standard ONNX ops, see `plugins/onnx_function.py`). The reference is also registered as a
+torch custom op `kiln::<name>`, so a `torch.fx` trace of a model stops at it. The spec mirrors
+TensorRT's IPluginV3 ideas (name, version, attribute fields, shape rule) so a port stays
+possible.
 
 Registering is the one step that makes an op known to the builder and the runtime: the
 package's `__init__` calls `register(PluginSpec(...))` when it is imported. Kiln's own op
@@ -79,8 +81,9 @@ class PluginSpec:
         return self.reference(*inputs, **attrs)
 
     def module(self, name: str) -> ModuleType:
-        """One of the plugin's own modules (`kernels`, `launch`), imported on first use: only
-        GPU builds and the CUDA executor need them (and Triton)."""
+        """One of the plugin's own modules (`kernels`, `launch`, `onnx`), imported on first use:
+        only GPU builds and the CUDA executor need the first two (and Triton), only the ONNX
+        export the last."""
         return importlib.import_module(f"{self.package}.{name}")
 
 
