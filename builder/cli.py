@@ -9,6 +9,7 @@ import click
 from kiln.builder.build import BuildError, build_engine as run_build
 from kiln.builder.config import TARGETS, BuildConfig, BuildConfigError, default_targets
 from kiln.builder.kernels import KernelError
+from kiln.builder.onnx_export import EXTERNAL_DATA_BYTES, OnnxExportError, export_onnx
 from kiln.builder.passes import ShardError
 from kiln.builder.trace import TraceError
 from kiln.dtypes import MODEL_DTYPES
@@ -40,10 +41,12 @@ from kiln.models import CheckpointError, read_config
 @click.option("--no-fuse", "no_fuse", is_flag=True,
               help="Keep the traced plan of primitive ops (no fusion passes): runs on the CPU; the reference "
                    "that a fusion must not change.")
+@click.option("--onnx", "onnx_out", type=click.Path(path_type=Path),
+              help="Then export each rank's plan as ONNX to this .onnx file (see inspect-engine --onnx).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_batch_size: int,
                  max_seq_len: int | None, max_num_tokens: int, kv_block_size: int, targets: tuple[str, ...],
-                 no_fuse: bool, quiet: bool) -> None:
+                 no_fuse: bool, onnx_out: Path | None, quiet: bool) -> None:
     """Compile a Hugging Face checkpoint into a Kiln engine folder.
 
     Traces Kiln's definition of the model, fuses each decoder layer (RMSNorm+QKV+RoPE,
@@ -78,6 +81,16 @@ def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_b
     except (BuildError, TraceError, BuildConfigError, KernelError) as e:
         raise click.UsageError(str(e)) from None
     click.echo(summary.render())
+    if onnx_out is not None:
+        _export(output, onnx_out, "--onnx")
+
+
+def _export(engine: Path, onnx_out: Path, flag: str) -> None:
+    try:
+        for export in export_onnx(engine, onnx_out):
+            click.echo(export.render())
+    except OnnxExportError as e:
+        raise click.BadParameter(str(e), param_hint=flag) from None
 
 
 def _shape(shape: list) -> str:
@@ -88,13 +101,21 @@ def _shape(shape: list) -> str:
 @click.argument("engine_dir", type=click.Path(path_type=Path))
 @click.option("--rank", type=int, default=0, show_default=True, help="Which rank's engine file to show.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
-def inspect_engine(engine_dir: Path, rank: int, as_json: bool) -> None:
+@click.option("--onnx", "onnx_out", type=click.Path(path_type=Path),
+              help="Instead, export the plan as ONNX to this .onnx file (OUT.rank{r}.onnx per rank of a "
+                   f"tensor-parallel engine; weights in OUT.onnx.data above {EXTERNAL_DATA_BYTES >> 20} MiB).")
+def inspect_engine(engine_dir: Path, rank: int, as_json: bool, onnx_out: Path | None) -> None:
     """Show what an engine holds: model, build flags, targets, the plan op by op, the memory
-    plan and the KV cache layout."""
+    plan and the KV cache layout; or, with --onnx, write it as an ONNX model per rank: fused
+    ops as functions of the `kiln` domain, the weights, the memory plan and the kernels as
+    metadata, in the dense prefill form."""
     path = engine_dir / Manifest.rank_file(rank) if engine_dir.is_dir() else engine_dir
     if not path.is_file():
         raise click.BadParameter(f"{path} does not exist: pass an engine folder made by build-engine",
                                  param_hint="ENGINE_DIR")
+    if onnx_out is not None:
+        _export(engine_dir, onnx_out, "--onnx")
+        return
     try:
         m = read_engine_file(path, verify=False).manifest
     except EngineFileError as e:

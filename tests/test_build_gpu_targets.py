@@ -3,6 +3,9 @@ ahead of time for every target into the engine file, and the runtime refuses an 
 targets do not include this machine."""
 from __future__ import annotations
 
+import json
+
+import onnx
 import pytest
 from click.testing import CliRunner
 
@@ -10,6 +13,7 @@ from kiln.builder.build import build_from_model
 from kiln.builder.cli import inspect_engine
 from kiln.builder.config import BuildConfig
 from kiln.builder.kernels import KernelError
+from kiln.builder.onnx_export import export_onnx
 from gpu_build import build_cli
 from kiln.runtime.engine import EngineLoadError, load_engine
 from kiln.engines.format import read_engine_file
@@ -56,6 +60,21 @@ def test_gpu_only_engine_is_refused_on_the_cpu(all_targets):
     assert result.returncode == 0, result.stderr
     with pytest.raises(EngineLoadError, match="engine built for sm_89; this machine needs cpu: rebuild with --target cpu"):
         load_engine(root / "sm89")
+
+
+def test_onnx_export_lists_each_ops_kernels_per_target(all_targets, tmp_path):
+    _, root, _ = all_targets
+    (export,) = export_onnx(root / "engine", tmp_path / "gpu.onnx")
+    onnx.checker.check_model(str(export.path), full_check=True)  # a bfloat16 graph
+    model = onnx.load(export.path)
+    m = read_engine_file(root / "engine" / "rank0.engine").manifest
+    props = {p.key: p.value for p in model.metadata_props}
+    assert json.loads(props["kiln.kernels"]).keys() == m.kernels.keys()
+    writers = {n.name: {p.key: p.value for p in n.metadata_props} for n in model.graph.node if n.metadata_props}
+    for op in m.plan:
+        for target, keys in op.kernel_keys.items():
+            listed = writers[op.output][f"kiln.kernels.{target}"]
+            assert listed == ", ".join(f"{m.kernels[k].entry} {k}" for k in keys)
 
 
 def test_op_without_gpu_kernel_is_a_build_error_naming_it(tmp_path):
