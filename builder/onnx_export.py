@@ -86,7 +86,7 @@ def export_onnx(engine: str | Path, output: str | Path, external_data: bool | No
         external = weight_bytes > EXTERNAL_DATA_BYTES if external_data is None else external_data
         data_path = write_model(onnx, model, ef.weights, path, external)
         exports.append(OnnxExport(path, m.rank, m.world_size, len(model.graph.node),
-                                  [f.name for f in model.functions], weight_bytes, data_path))
+                                  list(dict.fromkeys(f.name for f in model.functions)), weight_bytes, data_path))
     return exports
 
 
