@@ -82,7 +82,11 @@ def compile_kernels(graph: Graph, dtype: str, targets: list[str], block_size: in
     for node in graph.nodes:
         spec = get_plugin(node.op)
         shapes = spec.compile_shapes(graph.input_shapes(node), node.attrs, block_size)
-        kernels = spec.module("kernels").aot_kernels(dtype, shapes)
+        module = spec.module("kernels")
+        if module is None:
+            raise KernelError(f"plugin {spec.name!r} gives compile shapes but has no kernels module "
+                              f"({spec.package}.kernels)")
+        kernels = module.aot_kernels(dtype, shapes)
         per_node[node.output] = {}
         for target in gpu_targets:
             keys = []

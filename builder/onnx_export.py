@@ -14,7 +14,7 @@ model, and of the node that writes each plan tensor). `onnx_files` writes the fi
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -102,14 +102,12 @@ def _function(entry: PlanEntry) -> OnnxFunction:
 
 
 def _plugin_onnx(spec) -> ModuleType:
-    try:
-        return spec.module("onnx")
-    except ModuleNotFoundError as e:
-        if e.name != f"{spec.package}.onnx":
-            raise
+    module = spec.module("onnx")
+    if module is None:
         raise OnnxExportError(f"op {spec.name!r} has no ONNX definition: add onnx.py to its plugin folder "
                               f"({spec.package}) with function(inputs, attrs) -> OnnxFunction "
-                              "(see kiln/plugins/onnx_function.py)") from None
+                              "(see kiln/plugins/onnx_function.py)")
+    return module
 
 
 class _Plan:
@@ -235,9 +233,11 @@ def _label(model, m: Manifest, calls: list[tuple[OnnxFunction, Any]]) -> None:
 
 
 def _model_props(m: Manifest, source: str) -> dict[str, str]:
-    """The manifest's facts that the graph does not show, as its JSON writes them."""
-    j = m.to_json()
-    kernels = {k: {f: v for f, v in e.items() if f not in ("offset", "nbytes")} for k, e in j["kernels"].items()}
+    """The manifest's facts that the graph does not show, as JSON."""
+    kernels = {k: {f: v for f, v in asdict(e).items() if f not in ("offset", "nbytes")}
+               for k, e in m.kernels.items()}
+    limits = {"max_num_tokens": m.max_num_tokens, "max_batch_size": m.max_batch_size, "max_seq_len": m.max_seq_len}
+    memory_plan = {"arena_bytes": m.arena_bytes, "tensors": {n: asdict(s) for n, s in m.slots.items()}}
     form = ("dense prefill: input_ids and positions [tokens]; query_lens [sequences], the prompts packed in order, "
             "each attending to itself under a causal mask; logits_indices [logit_rows], the rows whose logits are "
             "returned. The paged KV cache is a runtime structure: the outputs named *.cache_k and *.cache_v are a "
@@ -250,9 +250,9 @@ def _model_props(m: Manifest, source: str) -> dict[str, str]:
         "kiln.world_size": str(m.world_size),
         "kiln.dtype": m.dtype,
         "kiln.targets": ", ".join(m.targets),
-        "kiln.model": json.dumps(j["model"]),
-        "kiln.limits": json.dumps(j["limits"]),
-        "kiln.kv_cache": json.dumps(j["kv_cache"]),
-        "kiln.memory_plan": json.dumps(j["memory_plan"]),
+        "kiln.model": json.dumps(m.model),
+        "kiln.limits": json.dumps(limits),
+        "kiln.kv_cache": json.dumps(asdict(m.kv)),
+        "kiln.memory_plan": json.dumps(memory_plan),
         "kiln.kernels": json.dumps(kernels),
     }

@@ -80,11 +80,17 @@ class PluginSpec:
     def call_reference(self, inputs: Sequence[torch.Tensor | None], attrs: dict) -> torch.Tensor:
         return self.reference(*inputs, **attrs)
 
-    def module(self, name: str) -> ModuleType:
-        """One of the plugin's own modules (`kernels`, `launch`, `onnx`), imported on first use:
-        only GPU builds and the CUDA executor need the first two (and Triton), only the ONNX
-        export the last."""
-        return importlib.import_module(f"{self.package}.{name}")
+    def module(self, name: str) -> ModuleType | None:
+        """One of the plugin's own modules (`kernels`, `launch`, `onnx`), imported on first use
+        (only GPU builds and the CUDA executor need the first two, and Triton; only the ONNX
+        export the last), or None when the plugin has no such module. An import that fails
+        inside the module is raised, not taken for its absence."""
+        try:
+            return importlib.import_module(f"{self.package}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{self.package}.{name}":
+                raise
+            return None
 
 
 _REGISTRY: dict[str, PluginSpec] = {}

@@ -51,13 +51,11 @@ class _CudaOp:
 
 
 def _launcher(spec: PluginSpec) -> ModuleType:
-    try:
-        return spec.module("launch")
-    except ModuleNotFoundError as e:
-        if e.name != f"{spec.package}.launch":
-            raise
+    launcher = spec.module("launch")
+    if launcher is None:
         raise EngineLoadError(f"op {spec.name!r} has no CUDA launcher ({spec.package}.launch): "
-                              "this engine cannot run on the GPU yet; use device='cpu'") from None
+                              "this engine cannot run on the GPU yet; use device='cpu'")
+    return launcher
 
 
 def scratch_bytes(engine: Engine, launchers: list[ModuleType]) -> dict[str, int]:

@@ -33,6 +33,17 @@ def _repo_options(command):
     return command
 
 
+def _write_repo(ctx: click.Context, engine_dir: Path, output: Path, model_name: str, max_kv_tokens: int | None,
+                policy: str, kv_cache_fraction: float | None) -> None:
+    """`write_repo`, with a bad option reported as its flag and a bad folder as a usage error."""
+    try:
+        write_repo(engine_dir, output, model_name, max_kv_tokens, policy, kv_cache_fraction)
+    except ArgumentError as e:
+        raise bad_flag(ctx, e) from None
+    except RepoError as e:
+        raise click.UsageError(str(e)) from None
+
+
 @click.command(context_settings=_SETTINGS)
 @_repo_options
 @click.option("--output", required=True, type=click.Path(path_type=Path),
@@ -52,12 +63,7 @@ def triton_repo(ctx: click.Context, engine_dir: Path, output: Path, model_name: 
       triton-repo --engine engines/demo --output /tmp/kiln-repo
       serve-triton --engine engines/demo --repo /tmp/kiln-repo
     """
-    try:
-        write_repo(engine_dir, output, model_name, max_kv_tokens, policy, kv_cache_fraction)
-    except ArgumentError as e:
-        raise bad_flag(ctx, e) from None
-    except RepoError as e:
-        raise click.UsageError(str(e)) from None
+    _write_repo(ctx, engine_dir, output, model_name, max_kv_tokens, policy, kv_cache_fraction)
     click.echo(f"wrote {output}/{model_name} for {engine_dir.resolve()}; start it with: "
                f"serve-triton --engine {engine_dir} --repo {output}")
 
@@ -97,12 +103,7 @@ def serve_triton(ctx: click.Context, engine_dir: Path, model_name: str, kv_cache
     with tempfile.TemporaryDirectory(prefix="kiln-triton-") as tmp:
         if repo is None or not (repo / MARKER).is_file():
             repo = repo or Path(tmp) / "repo"
-            try:
-                write_repo(engine_dir, repo, model_name, max_kv_tokens, policy, kv_cache_fraction)
-            except ArgumentError as e:
-                raise bad_flag(ctx, e) from None
-            except RepoError as e:
-                raise click.UsageError(str(e)) from None
+            _write_repo(ctx, engine_dir, repo, model_name, max_kv_tokens, policy, kv_cache_fraction)
         server = TritonServer(repo, Path(tmp) / "server", host, ports, verbose=verbose)
         try:
             server.start()
