@@ -10,7 +10,8 @@ import torch
 
 from gpu_build import build_cli
 from kiln.runtime.arguments import ArgumentError
-from kiln.runtime.kv_pool import host_memory_available
+from kiln.runtime.engine import load_engine
+from kiln.runtime.kv_pool import host_memory_available, size_kv_pool
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.session import Session
 
@@ -63,6 +64,18 @@ def test_default_pool_is_what_the_build_can_use_when_memory_allows(session):
     stats = session.stats
     assert (stats["kv_blocks_total"], stats["kv_tokens_total"], stats["kv_cache_bytes"]) == \
         (pool.num_blocks, pool.num_tokens, pool.num_blocks * pool.bytes_per_block)
+
+
+def test_default_pool_fits_the_memory_left_when_a_full_batch_would_not(factory):
+    # The H200's out-of-memory on the CPU: a full batch of full-length sequences (2**17 of 8192
+    # tokens, 2**30 tokens of KV cache) fits in no host, so the default takes 0.9 of the host's
+    # available memory instead. Only the size is computed: nothing is allocated.
+    engine = load_engine(factory.engine(factory.checkpoint("llama3", max_position_embeddings=8192), dtype="float32",
+                                        max_batch_size=2**17, max_seq_len=8192))
+    pool = size_kv_pool(engine, False, None, None)
+    full_batch = 2**17 * engine.manifest.blocks_per_sequence
+    assert pool.reason.startswith("kv_cache_fraction 0.9") and pool.num_blocks < full_batch
+    assert engine.manifest.blocks_per_sequence <= pool.num_blocks and pool.nbytes <= 0.9 * host_memory_available()
 
 
 def test_a_fraction_sizes_the_pool_from_memory_left(engine_dir):
