@@ -50,12 +50,14 @@ def _compile_cached(kernel: AotKernel, target: str, key: str) -> Cubin:
     meta_path = path.with_suffix(".json")
     if path.is_file() and meta_path.is_file():
         meta = json.loads(meta_path.read_text())
-        return Cubin(meta["name"], path.read_bytes(), meta["shared_bytes"], meta["num_warps"])
+        return Cubin(meta["name"], path.read_bytes(), meta["shared_bytes"], meta["num_warps"],
+                     meta.get("global_scratch", 0))
     cubin = compile_cubin(kernel, target)
     # Atomic, so a concurrent build never reads half a file; the metadata last, as it marks the entry.
     write_bytes(path, cubin.binary)
     write_bytes(meta_path, json.dumps(
-        {"name": cubin.name, "shared_bytes": cubin.shared_bytes, "num_warps": cubin.num_warps}).encode())
+        {"name": cubin.name, "shared_bytes": cubin.shared_bytes, "num_warps": cubin.num_warps,
+         "global_scratch": cubin.global_scratch}).encode())
     return cubin
 
 
@@ -90,7 +92,7 @@ def compile_kernels(graph: Graph, dtype: str, targets: list[str], block_size: in
         per_node[node.output] = {}
         for target in gpu_targets:
             keys = []
-            for kernel in kernels:
+            for kernel in (k for k in kernels if k.targets is None or target in k.targets):
                 key = kernel_key(kernel, target)
                 if key not in blobs:
                     progress(f"{node.op} for {target}")
@@ -99,7 +101,8 @@ def compile_kernels(graph: Graph, dtype: str, targets: list[str], block_size: in
                         "plugin": node.op, "target": target, "entry": cubin.name,
                         "signature": [t for t in kernel.signature.values() if t != "constexpr"],
                         "num_warps": cubin.num_warps, "shared_bytes": cubin.shared_bytes,
-                        "launch": kernel.meta})
+                        "launch": kernel.meta,
+                        **({"global_scratch": cubin.global_scratch} if cubin.global_scratch else {})})
                 keys.append(key)
             per_node[node.output][target] = keys
     return blobs, per_node

@@ -114,6 +114,7 @@ class KernelEntry:
     num_warps: int
     shared_bytes: int
     launch: dict[str, Any]
+    global_scratch: int = 0   # bytes per program; absent in engines whose kernels need none
 
 
 @dataclass(frozen=True)
@@ -230,7 +231,8 @@ class Manifest:
                      for n, w in m.objs("weights")},
             kernels={k: KernelEntry(e.integer("offset", low=0), e.integer("nbytes", low=0), e.string("plugin"),
                                     e.string("target"), e.string("entry"), e.strs("signature"), e.integer("num_warps"),
-                                    e.integer("shared_bytes", low=0), e.obj("launch").data)
+                                    e.integer("shared_bytes", low=0), e.obj("launch").data,
+                                    e.integer("global_scratch", low=0, default=0))
                      for k, e in m.objs("kernels")},
             sections={n: Section(s.integer("offset", low=0), s.integer("length", low=0), s.integer("crc32", low=0))
                       for n, s in ((n, sections.obj(n)) for n in SECTIONS)},
@@ -290,7 +292,9 @@ class _Fields:
     def _bad(self, key: str, what: str) -> ManifestError:
         return ManifestError(f"{self.where}.{key} must be {what}, got {self.data.get(key)!r}")
 
-    def integer(self, key: str, low: int = 1) -> int:
+    def integer(self, key: str, low: int = 1, default: int | None = None) -> int:
+        if default is not None and key not in self.data:
+            return default
         value = self._get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise self._bad(key, f"an integer >= {low}")

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 TARGET_CC = {"sm_80": 80, "sm_89": 89, "sm_90": 90, "sm_100": 100}
+# Triton's pointer type in a signature for each engine dtype.
+POINTER_TYPES = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,9 @@ class AotKernel:
     # from its arguments; a cubin only knows what it is told, and without it every load of
     # those pointers is a scalar load.
     aligned: tuple[str, ...] = ()
+    # The GPU targets this kernel is built for; None: every target. A bucket whose best kernel
+    # differs by architecture lists one kernel per group of targets, with the same launch meta.
+    targets: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,7 @@ class Cubin:
     binary: bytes
     shared_bytes: int
     num_warps: int
+    global_scratch: int = 0   # bytes of global scratch per program (TMA descriptors made on the device)
 
 
 def absent_as_none(signature: dict[str, str], constexprs: dict[str, Any]) -> dict[str, Any]:
@@ -62,4 +68,5 @@ def compile_kernel(kernel: AotKernel, target: str):
 
 def compile_cubin(kernel: AotKernel, target: str) -> Cubin:
     compiled = compile_kernel(kernel, target)
-    return Cubin(compiled.metadata.name, compiled.asm["cubin"], compiled.metadata.shared, compiled.metadata.num_warps)
+    md = compiled.metadata
+    return Cubin(md.name, compiled.asm["cubin"], md.shared, md.num_warps, md.global_scratch_size)

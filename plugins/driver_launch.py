@@ -15,7 +15,8 @@ optional pointer; constexpr parameters are baked into the cubin and not passed).
 
 Grids come from the kernels' metadata as expressions in the step dims (`"(T, 3, 1)"`, or the
 GEMM buckets' `["cdiv(T, 16)", "8"]`), evaluated here by a small arithmetic interpreter:
-integers, names, + - * //, and cdiv; nothing else is accepted.
+integers, names, + - * //, cdiv and min; nothing else is accepted. `SMS`, the GPU's
+multiprocessor count, is always a name: a persistent kernel's grid is `min(tiles, SMS)`.
 """
 from __future__ import annotations
 
@@ -33,6 +34,15 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+_CALLS = {"cdiv": cdiv, "min": min}
+
+
+@cache
+def sm_count() -> int:
+    """Streaming multiprocessors of the current GPU: the most programs a persistent kernel runs."""
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
 @cache
 def _parse(expr: str) -> ast.expr:
     # Parsed once per distinct expression: launches run every step.
@@ -48,14 +58,16 @@ def _evaluate(node: ast.expr, names: dict[str, int]) -> int | tuple:
         return _BINARY[type(node.op)](_evaluate(node.left, names), _evaluate(node.right, names))
     if isinstance(node, ast.Tuple):
         return tuple(_evaluate(e, names) for e in node.elts)
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "cdiv"
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _CALLS
             and len(node.args) == 2 and not node.keywords):
-        return cdiv(_evaluate(node.args[0], names), _evaluate(node.args[1], names))
+        return _CALLS[node.func.id](_evaluate(node.args[0], names), _evaluate(node.args[1], names))
     raise ValueError(f"grid expression element {ast.dump(node)} is not supported (names: {sorted(names)})")
 
 
 def grid(expr: str | Sequence[str], names: dict[str, int]) -> tuple[int, int, int]:
     """A kernel meta's grid (one expression string or one string per axis) as 3 ints."""
+    if "SMS" not in names and "SMS" in str(expr):
+        names = {**names, "SMS": sm_count()}
     parts = _evaluate(_parse(expr), names) if isinstance(expr, str) else tuple(
         _evaluate(_parse(e), names) for e in expr)
     parts = parts if isinstance(parts, tuple) else (parts,)

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 _ARG_TYPES = {"i1": ctypes.c_int8, "i8": ctypes.c_int8, "i16": ctypes.c_int16, "i32": ctypes.c_int32,
               "i64": ctypes.c_int64, "u32": ctypes.c_uint32, "u64": ctypes.c_uint64, "fp32": ctypes.c_float,
               "fp64": ctypes.c_double}
-# Triton 3.6 kernels take two more pointers after their own parameters (global and profile
-# scratch); with no scratch in use they are null.
-_TRAILING_NULLS = 2
+# Triton 3.6 kernels take two more pointers after their own parameters: global scratch (where
+# a kernel that makes TMA descriptors on the device keeps them) and profile scratch (null).
 _MAX_STATIC_SHARED = 48 * 1024
 
 
@@ -45,21 +44,32 @@ class CudaKernel:
     signature: list[str]   # Triton types of the non-constexpr parameters, in order
     num_warps: int
     shared_bytes: int
+    global_scratch: int = 0   # bytes of global scratch each program needs
+    # (address, programs it has room for) of the global scratch buffer, for a kernel that needs
+    # one: its owner (the CUDA executor) sets it before the first launch.
+    scratch: tuple[int, int] = (0, 0)
 
-    def params(self, args: list) -> ctypes.Array:
+    def params(self, args: list, global_scratch: int = 0) -> ctypes.Array:
         """The kernel parameter array (`void**`) for `args`; keep it alive until the launch call
-        returns. Pointer arguments are device addresses (ints, e.g. `tensor.data_ptr()`)."""
+        returns. Pointer arguments are device addresses (ints, e.g. `tensor.data_ptr()`);
+        `global_scratch` is the address of the kernel's global scratch, 0 when it needs none."""
         if len(args) != len(self.signature):
             raise ValueError(f"kernel {self.name} takes {len(self.signature)} arguments, got {len(args)}")
         values = [ctypes.c_uint64(a) if t.startswith("*") else _ARG_TYPES[t](a) for t, a in zip(self.signature, args)]
-        values += [ctypes.c_uint64(0) for _ in range(_TRAILING_NULLS)]
+        values += [ctypes.c_uint64(global_scratch), ctypes.c_uint64(0)]
         pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         pointers.values = values  # the pointers point into these
         return pointers
 
     def launch(self, grid: tuple[int, int, int], args: list, stream: int = 0) -> None:
         """Launch on `stream` (a raw CUstream handle; 0 is the legacy default stream)."""
-        pointers = self.params(args)
+        address = 0
+        if self.global_scratch:
+            address, room = self.scratch
+            if grid[0] * grid[1] * grid[2] > room:
+                raise ValueError(f"kernel {self.name}: grid {grid} has more programs than its global scratch "
+                                 f"holds ({room}); the launcher's grid must stay within the executor's bound")
+        pointers = self.params(args, address)
         _check(_driver().cuLaunchKernel(self.function, grid[0], grid[1], grid[2], 32 * self.num_warps, 1, 1,
                                         self.shared_bytes, stream, ctypes.addressof(pointers), 0),
                f"cuLaunchKernel({self.name})")
@@ -76,7 +86,8 @@ def _ensure_context() -> None:
         _check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
 
 
-def load_kernel(cubin: bytes, name: str, signature: list[str], num_warps: int, shared_bytes: int) -> CudaKernel:
+def load_kernel(cubin: bytes, name: str, signature: list[str], num_warps: int, shared_bytes: int,
+                global_scratch: int = 0) -> CudaKernel:
     """Load one kernel of a cubin into the current device's primary context."""
     _ensure_context()
     driver = _driver()
@@ -85,7 +96,7 @@ def load_kernel(cubin: bytes, name: str, signature: list[str], num_warps: int, s
     if shared_bytes > _MAX_STATIC_SHARED:
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         _check(driver.cuFuncSetAttribute(function, attr, shared_bytes), f"cuFuncSetAttribute({name})")
-    return CudaKernel(function, name, signature, num_warps, shared_bytes)
+    return CudaKernel(function, name, signature, num_warps, shared_bytes, global_scratch)
 
 
 def device_arch() -> str:

@@ -24,6 +24,7 @@ import torch.distributed
 
 from kiln.dtypes import element_bytes
 from kiln.plugins import PluginSpec
+from kiln.plugins.driver_launch import sm_count
 from kiln.runtime.cuda_driver import CudaKernel, device_arch, load_kernel
 from kiln.runtime.decode_graphs import decode_batch_limit, graph_batch_sizes, is_pure_decode, pad_decode, padding_step
 from kiln.runtime.engine import Engine, EngineLoadError
@@ -74,6 +75,13 @@ def scratch_bytes(engine: Engine, launchers: list[ModuleType]) -> dict[str, int]
     return sizes
 
 
+def global_scratch_bytes(engine: Engine, arch: str, programs: int) -> int:
+    """Room for `programs` programs of the arch's kernel that needs the most global scratch per
+    program (the persistent TMA GEMMs: their launchers keep the grid within the GPU's SMs)."""
+    keys = {key for op in engine.plan for key in op.kernel_keys.get(arch, ())}
+    return max((engine.manifest.kernels[key].global_scratch for key in keys), default=0) * programs
+
+
 class CudaExecutor(ArenaExecutor):
     """Same interface as `CpuExecutor`: `run(step, copies)` returns the logits [L, vocab] as
     float32 (on the GPU); `kv_cache` is the device pool [layers, 2, blocks, block_size, kv_heads,
@@ -92,6 +100,8 @@ class CudaExecutor(ArenaExecutor):
         # the padding sequences of graph batches write their KV there.
         launchers = [_launcher(op.spec) for op in engine.plan]
         scratch = scratch_bytes(engine, launchers)
+        if tma := global_scratch_bytes(engine, self.arch, sm_count()):
+            scratch["global"] = tma
         self.vocab = engine.manifest.vocab_size
         logits = engine.manifest.max_batch_size * self.vocab * 4
         super().__init__(engine, num_kv_blocks + 1, self.device,
@@ -123,7 +133,10 @@ class CudaExecutor(ArenaExecutor):
                 if key not in loaded:
                     info = index[key]
                     loaded[key] = load_kernel(self.engine.kernels[key], info.entry, list(info.signature),
-                                              info.num_warps, info.shared_bytes)
+                                              info.num_warps, info.shared_bytes, info.global_scratch)
+                    if info.global_scratch:
+                        buffer = self.scratch["global"]
+                        loaded[key].scratch = (buffer.data_ptr(), buffer.numel() // info.global_scratch)
             ops.append(_CudaOp(launcher, [loaded[k] for k in keys],
                                [index[k].launch for k in keys], list(op.inputs),
                                list(op.inputs.values()), op.attrs, op.output, op.spec.added_once))

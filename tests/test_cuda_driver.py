@@ -51,3 +51,38 @@ def test_driver_launch_is_captured_by_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, y - x)
+
+
+def test_persistent_tma_gemm_gets_its_global_scratch():
+    """The TMA GEMM makes its descriptors on the device, in global scratch the launcher passes:
+    loaded as the executor loads it, on a persistent grid of fewer programs than tiles, inside
+    a CUDA graph too, it matches torch; a grid beyond its scratch is refused."""
+    from kiln.plugins.linear.tma import tma_linear_aot
+    from kiln.runtime.cuda_driver import device_arch, load_kernel
+    if device_arch() not in ("sm_90", "sm_100"):
+        pytest.skip("TMA kernels are built for sm_90 and sm_100")
+    kernel = tma_linear_aot("bfloat16", 768, 512, bias=False, residual=True, bucket="prefill", max_rows=None)
+    cubin = compile_cubin(kernel, device_arch())
+    assert cubin.global_scratch > 0
+    fn = load_kernel(cubin.binary, cubin.name, [t for t in kernel.signature.values() if t != "constexpr"],
+                     cubin.num_warps, cubin.shared_bytes, cubin.global_scratch)
+    scratch = torch.empty(4 * cubin.global_scratch, dtype=torch.uint8, device="cuda")
+    fn.scratch = (scratch.data_ptr(), 4)
+    x = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(768, 512, device="cuda", dtype=torch.bfloat16) / 16
+    r = torch.randn(300, 768, device="cuda", dtype=torch.bfloat16)
+    out = torch.full_like(r, float("nan"))
+    args = [x.data_ptr(), w.data_ptr(), r.data_ptr(), out.data_ptr(), 300]
+    stream = torch.cuda.current_stream().cuda_stream
+    fn.launch((4, 1, 1), args, stream)
+    ref = (x.float() @ w.float().T + r.float())
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=5e-2)
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn.launch((4, 1, 1), args, torch.cuda.current_stream().cuda_stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=5e-2)
+    with pytest.raises(ValueError, match="global scratch"):
+        fn.launch((5, 1, 1), args, stream)

@@ -24,6 +24,7 @@ import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import kiln.plugins.linear.kernels as linear_kernels  # noqa: E402
+import kiln.plugins.linear.tma as tma  # noqa: E402
 import kiln.plugins.linear_residual.kernels as linear_residual_kernels  # noqa: E402
 import kiln.plugins.norm_qkv_rope.kernels as norm_qkv_rope_kernels  # noqa: E402
 import kiln.plugins.norm_swiglu.kernels as norm_swiglu_kernels  # noqa: E402
@@ -35,7 +36,7 @@ KERNELS = {"linear": linear_kernels, "linear_residual": linear_residual_kernels,
 # True: every kernel was imported in interpreter mode; False: none was; None: a mix.
 _MODES = {isinstance(f, InterpretedFunction) for f in (
     linear_kernels.gemm_tile, linear_kernels.linear_kernel, norm_swiglu_kernels.norm_swiglu_kernel,
-    norm_qkv_rope_kernels.norm_qkv_rope_kernel)}
+    norm_qkv_rope_kernels.norm_qkv_rope_kernel, tma.tma_linear_kernel)}
 INTERPRETED = _MODES.pop() if len(_MODES) == 1 else None
 CHILD = "KILN_GEMM_TEST_CHILD"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -264,15 +265,27 @@ def test_parity_norm_qkv_rope(request, qk_norm, bias, folded, t, k, d, dtype):
 
 
 def check_cubins(name: str, shapes: dict, targets) -> None:
+    """Every target gets one kernel per bucket (the TMA ones on sm_90 and later, which need
+    global scratch for their descriptors) and, with TMA norm GEMMs, the row-scale pre-pass."""
     kernels = KERNELS[name].aot_kernels("bfloat16", shapes)
-    assert len(kernels) == len(linear_kernels.TILES)
-    for kernel in kernels:
-        assert set(kernel.signature) == set(kernel.fn.arg_names)
-        assert len(kernel.meta["grid"]) == 3 and kernel.meta["grid"][2] == str(kernel.meta["split_k"])
-        for target in targets:
+    for target in targets:
+        mine = [k for k in kernels if k.targets is None or target in k.targets]
+        buckets = [k for k in mine if "bucket" in k.meta]
+        assert [k.meta["bucket"] for k in buckets] == [t.name for t in linear_kernels.TILES]
+        uses_tma = any(k.meta.get("tma") for k in buckets)
+        # The TMA norm GEMMs need the norm weight folded, and norm_swiglu an interleaved W_gu.
+        assert uses_tma == (target in tma.TMA_TARGETS and not shapes.get("norm_weight")
+                            and shapes.get("block", 1) > 0), target
+        assert len(mine) == len(buckets) + (uses_tma and name.startswith("norm_"))
+        for kernel in mine:
+            assert set(kernel.signature) == set(kernel.fn.arg_names)
+            if "bucket" in kernel.meta and not kernel.meta.get("tma"):
+                assert len(kernel.meta["grid"]) == 3 and kernel.meta["grid"][2] == str(kernel.meta["split_k"])
             cubin = compile_cubin(kernel, target)
             assert cubin.binary.startswith(b"\x7fELF") and cubin.name == kernel.fn.__name__
-            assert cubin.shared_bytes <= SMEM_LIMIT[target], (kernel.meta["bucket"], target, cubin.shared_bytes)
+            assert cubin.shared_bytes <= SMEM_LIMIT[target], (kernel.meta, target, cubin.shared_bytes)
+            # Device-made TMA descriptors live in global scratch; nothing else asks for any.
+            assert (cubin.global_scratch > 0) == bool(kernel.meta.get("tma")), (kernel.meta, target)
 
 
 @pytest.mark.parametrize("name", list(LLAMA))
@@ -283,3 +296,81 @@ def test_aot_llama_shapes(request, name):
 @pytest.mark.parametrize("name", list(ALL_OPTIONAL))
 def test_aot_all_optional_inputs(request, name):
     in_mode(request, False, lambda: check_cubins(name, ALL_OPTIONAL[name], ["sm_90"]))
+
+
+# The persistent TMA kernels of sm_90 and later, in the interpreter: small tiles, a grid with
+# fewer programs than tiles (each program walks several), T not a multiple of the row tile.
+TMA_PROGRAMS = 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias,residual", [(False, False), (True, True)])
+def test_parity_tma_linear(request, bias, residual, dtype):
+    def body():
+        torch.manual_seed(7)
+        t, n, k = 150, 96, 64
+        x, w = rand(t, k, dtype=dtype), rand(n, k, dtype=dtype, scale=k ** -0.5)
+        b = rand(n, dtype=dtype) if bias else None
+        r = rand(t, n, dtype=dtype) if residual else None
+        out = torch.full((t, n), float("nan"), dtype=dtype)
+        tma.tma_linear_kernel[(TMA_PROGRAMS,)](x, w, b, r, out, t, N=n, K=k, BLOCK_M=64, BLOCK_N=32, BLOCK_K=32,
+                                               GROUP_M=2, UPCAST_DOT=linear_kernels.upcast_dot(x))
+        inputs = [x, w, b] + ([r] if residual else [])
+        ref = get_plugin("linear_residual" if residual else "linear").call_reference(
+            inputs, {"parallel": "none", "heads": 0, "all_reduce": False})
+        assert_matches(out, ref)
+    in_mode(request, True, body)
+
+
+def row_scales(x: torch.Tensor) -> torch.Tensor:
+    scales = torch.full((x.shape[0],), float("nan"))
+    tma.row_scale_kernel[(x.shape[0],)](x, scales, x.shape[0], EPS, K=x.shape[1], BLOCK_K=32)
+    torch.testing.assert_close(scales, torch.rsqrt(x.float().pow(2).mean(-1) + EPS), rtol=1e-5, atol=0)
+    return scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parity_tma_norm_swiglu(request, dtype):
+    """Tiles of 32 weight rows over W_gu interleaved in blocks of 8: two gate/up pairs each."""
+    def body():
+        torch.manual_seed(8)
+        t, k, inter, block = 150, 64, 48, 8
+        x = rand(t, k, dtype=dtype, scale=3.0)
+        _, w_gu = with_norm(rand(2 * inter, k, dtype=dtype, scale=k ** -0.5), True)
+        out = torch.full((t, inter), float("nan"), dtype=dtype)
+        norm_swiglu_kernels.tma_norm_swiglu_kernel[(TMA_PROGRAMS,)](
+            x, row_scales(x), w_gu, out, t, I=inter, K=k, GU_BLOCK=block, BLOCK_M=64, BLOCK_N=16, BLOCK_K=32,
+            GROUP_M=2, UPCAST_DOT=linear_kernels.upcast_dot(x))
+        assert_matches(out, get_plugin("norm_swiglu").call_reference([x, None, w_gu], {"eps": EPS, "block": block}))
+    in_mode(request, True, body)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias,qk_norm", [(False, False), (True, True)])
+def test_parity_tma_norm_qkv_rope(request, bias, qk_norm, dtype):
+    def body():
+        torch.manual_seed(9)
+        t, k, d, heads, kv_heads, layer = 70, 64, 16, 4, 2, 1
+        rows = (heads + 2 * kv_heads) * d
+        _, w_qkv = with_norm(rand(rows, k, dtype=dtype, scale=k ** -0.5), True)
+        angles = torch.arange(128)[:, None] * 10000.0 ** (-torch.arange(0, d, 2) / d)
+        kv_cache = rand(2, 2, 20, 4, kv_heads, d, dtype=dtype)   # 80 slots per layer
+        slots = torch.randperm(80)[:t].to(torch.int32)
+        x = rand(t, k, dtype=dtype)
+        b = rand(rows, dtype=dtype) if bias else None
+        q_norm = 1 + 0.2 * rand(d, dtype=dtype) if qk_norm else None
+        k_norm = 1 + 0.2 * rand(d, dtype=dtype) if qk_norm else None
+        positions = torch.randint(0, 128, (t,), dtype=torch.int32)
+        rope = torch.cat([angles.cos(), angles.sin()], dim=1)
+        ref_cache = kv_cache.clone()
+        ref = get_plugin("norm_qkv_rope").call_reference(
+            [x, None, w_qkv, b, q_norm, k_norm, positions, rope, ref_cache, slots],
+            {"eps": EPS, "layer": layer, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d})
+        out = torch.full((t, heads * d), float("nan"), dtype=dtype)
+        norm_qkv_rope_kernels.tma_norm_qkv_rope_kernel[(TMA_PROGRAMS,)](
+            x, row_scales(x), w_qkv, b, q_norm, k_norm, positions, rope, kv_cache, slots, out, t, 80, layer, EPS,
+            K=k, H=heads, KVH=kv_heads, D=d, BLOCK_M=64, BLOCK_K=32, GROUP_M=2,
+            UPCAST_DOT=linear_kernels.upcast_dot(x))
+        assert_matches(out, ref)
+        assert_matches(kv_cache, ref_cache)
+    in_mode(request, True, body)

@@ -354,3 +354,13 @@ def test_launchers_pass_what_run_passes(engines, family, dtype, max_seq_len, hid
     split_buckets = {k.launch["bucket"] for k in manifest.kernels.values() if k.launch.get("split_k", 1) > 1}
     if hidden >= 512:
         assert split_buckets == {"decode", "small"}
+
+
+def test_grid_expressions_take_min_and_the_gpus_sm_count():
+    """A persistent kernel's grid is min(tiles, SMS): one program per SM at most."""
+    from kiln.plugins.driver_launch import grid
+    assert grid("min(cdiv(T, 128) * 16, SMS)", {"T": 4096, "SMS": 132}) == (132, 1, 1)
+    assert grid("min(cdiv(T, 128) * 16, SMS)", {"T": 300, "SMS": 132}) == (48, 1, 1)
+    assert grid(["cdiv(T, 16)", "8", "1"], {"T": 17}) == (2, 8, 1)
+    with pytest.raises(ValueError, match="not supported"):
+        grid("max(T, 2)", {"T": 1})

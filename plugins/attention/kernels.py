@@ -16,9 +16,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from kiln.plugins.aot import AotKernel, pointer_params
+from kiln.plugins.aot import POINTER_TYPES, AotKernel, pointer_params
 
-POINTER_TYPES = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}
 MAX_SPLITS = 32             # S=1, 8192 keys on an H200: 16 splits give 1.7 TB/s, 32 give 2.1
 SPLIT_MIN_KEYS = 256        # fewer keys per split than this cost more to merge than they save
 TARGET_PROGRAMS = 512       # about 4 programs per SM on an H100/H200: enough to fill the GPU

@@ -27,6 +27,21 @@ def split_args(meta: dict, scratch: dict[str, torch.Tensor]) -> list[int]:
     return [scratch["gemm_split_part"].data_ptr(), scratch["gemm_split_count"].data_ptr()]
 
 
+def row_scale_bytes(limits: dict[str, int]) -> dict[str, int]:
+    """The fused norm GEMMs' row scales on sm_90+: one fp32 per row (`linear.tma`)."""
+    return {"row_scale": limits["T"] * 4}
+
+
+def launch_row_scale(kernels: list, metas: list[dict], x: torch.Tensor, eps: float, stream: int,
+                     scratch: dict[str, torch.Tensor]) -> int:
+    """Run the row-scale pre-pass of a TMA norm GEMM over x's rows; returns the scales' address."""
+    i = next(i for i, meta in enumerate(metas) if meta.get("row_scale"))
+    scales = scratch["row_scale"]
+    rows = x.shape[0]
+    kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), [x.data_ptr(), scales.data_ptr(), rows, eps], stream)
+    return scales.data_ptr()
+
+
 def launch_gemm(kernels: list, metas: list[dict], x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None, residual: torch.Tensor | None, out: torch.Tensor,
                 stream: int, scratch: dict[str, torch.Tensor]) -> None:

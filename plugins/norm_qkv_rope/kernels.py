@@ -23,8 +23,9 @@ import triton
 import triton.language as tl
 
 from kiln.dtypes import element_bytes
-from kiln.plugins.aot import AotKernel, absent_as_none, pointer_params
-from kiln.plugins.linear.kernels import (POINTER, TILES, Tile, block_k, gemm_tile,
+from kiln.plugins.aot import POINTER_TYPES, AotKernel, absent_as_none, pointer_params
+from kiln.plugins.linear import tma
+from kiln.plugins.linear.kernels import (TILES, Tile, block_k, gemm_tile,
                                          launch_meta, num_stages, pick_tile, split_buffers, split_halves, split_k,
                                          split_k_sum, split_signature, upcast_dot, with_bucket)
 
@@ -78,17 +79,43 @@ def norm_qkv_rope_kernel(x_ptr, norm_ptr, w_ptr, bias_ptr, q_norm_ptr, k_norm_pt
     if SPLIT_K > 1:
         acc, sumsq, last = split_k_sum(acc, sumsq, part_ptr, count_ptr, mask_m, BLOCK_M, 2 * CHUNK, SPLIT_K, True)
     if last:
-        _epilogue(acc, sumsq, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr, out_ptr,
-                  rows, offs_m, mask_m, j, h, num_slots, layer, eps, K, H, KVH, D, BLOCK_M, CHUNK)
+        _epilogue(acc, tl.rsqrt(sumsq / K + eps), bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr,
+                  slot_ptr, out_ptr, rows, offs_m, mask_m, j, h, num_slots, layer, eps, H, KVH, D, BLOCK_M, CHUNK)
 
 
 @triton.jit
-def _epilogue(acc, sumsq, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr, out_ptr,
-              rows, offs_m, mask_m, j, h, num_slots, layer, eps, K: tl.constexpr, H: tl.constexpr,
+def tma_norm_qkv_rope_kernel(x_ptr, scale_ptr, w_ptr, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr,
+                             kv_ptr, slot_ptr, out_ptr, T, num_slots, layer, eps,
+                             K: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                             UPCAST_DOT: tl.constexpr):
+    """One whole head per tile (D contiguous rows of W_qkv: its two halves in order), through
+    the persistent TMA GEMM of `linear.tma`; scale_ptr holds the row scales of x's T rows."""
+    HALF: tl.constexpr = D // 2
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[T, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[(H + 2 * KVH) * D, K], strides=[K, 1],
+                                       block_shape=[D, BLOCK_K])
+    tiles_m = tl.cdiv(T, BLOCK_M)
+    # Not flattened: Triton 3.6 cannot fuse the tile loop with the K loop around the epilogue's
+    # q / k / v branches.
+    for tile in tl.range(tl.program_id(0), tiles_m * (H + 2 * KVH), tl.num_programs(0)):
+        pid_m, h = tma.tile_coords(tile, tiles_m, H + 2 * KVH, GROUP_M)
+        acc = tma.tma_dot(x_desc, w_desc, pid_m * BLOCK_M, h * D, K, BLOCK_M, D, BLOCK_K, UPCAST_DOT)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < T
+        scale = tl.load(scale_ptr + offs_m, mask=mask_m, other=0.0)
+        _epilogue(acc, scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr, out_ptr,
+                  h * D + tl.arange(0, D), offs_m, mask_m, tl.arange(0, HALF), h, num_slots, layer, eps,
+                  H, KVH, D, BLOCK_M, HALF)
+
+
+@triton.jit
+def _epilogue(acc, scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr, out_ptr,
+              rows, offs_m, mask_m, j, h, num_slots, layer, eps, H: tl.constexpr,
               KVH: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
     """Row scale, bias, then q to the output or k and v (q/k normed and rotated) to the cache."""
     HALF: tl.constexpr = D // 2
-    acc *= tl.rsqrt(sumsq / K + eps)[:, None]
+    acc *= scale[:, None]
     if bias_ptr is not None:
         acc += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
     lo, hi = split_halves(acc, BLOCK_M, CHUNK)
@@ -139,12 +166,36 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
         num_warps=tile.num_warps, num_stages=num_stages(tile.block_m, d // split, bk, x.element_size(), tile.stages))
 
 
+def uses_tma(tile: Tile, shapes: dict) -> bool:
+    """Whether a bucket runs the TMA kernel on sm_90+: with the norm weight folded."""
+    return tile.tma and not shapes.get("norm_weight", False)
+
+
+def tma_aot(dtype: str, shapes: dict, tile: Tile, optional: dict[str, bool]) -> AotKernel:
+    ptr = POINTER_TYPES[dtype]
+    bm, _, bk = tma.tile_shape(dtype)
+    heads, kv_heads = shapes["num_heads"], shapes["num_kv_heads"]
+    signature = {"x_ptr": ptr, "scale_ptr": "*fp32", "w_ptr": ptr, "bias_ptr": ptr, "q_norm_ptr": ptr,
+                 "k_norm_ptr": ptr, "pos_ptr": "*i32", "rope_ptr": "*fp32", "kv_ptr": ptr, "slot_ptr": "*i32",
+                 "out_ptr": ptr, "T": "i32", "num_slots": "i32", "layer": "i32", "eps": "fp32", "K": "constexpr",
+                 "H": "constexpr", "KVH": "constexpr", "D": "constexpr", "BLOCK_M": "constexpr",
+                 "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "UPCAST_DOT": "constexpr"}
+    for name, present in optional.items():
+        if not present and name != "norm_ptr":
+            signature[name] = "constexpr"
+    constexprs = {"K": shapes["K"], "H": heads, "KVH": kv_heads, "D": shapes["head_dim"], "BLOCK_M": bm,
+                  "BLOCK_K": bk, "GROUP_M": tma.GROUP_M, "UPCAST_DOT": False}
+    return AotKernel(tma_norm_qkv_rope_kernel, signature, absent_as_none(signature, constexprs),
+                     num_warps=tma.WARPS, num_stages=tma.STAGES, aligned=pointer_params(signature),
+                     targets=tma.TMA_TARGETS, meta=tma.tma_meta(tile.name, tile.max_rows, heads + 2 * kv_heads))
+
+
 def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     """shapes: {"K": hidden size, "num_heads", "num_kv_heads" (this rank's), "head_dim",
     "bias": bool, "qk_norm": bool, "norm_weight": bool (defaults False; False norm_weight
     means folded)}. One kernel per shape bucket; num_slots (KV-cache blocks * block size),
     layer and eps are runtime arguments, positions and slot_mapping int32, rope_cache fp32."""
-    ptr, size = POINTER[dtype], element_bytes(dtype)
+    ptr, size = POINTER_TYPES[dtype], element_bytes(dtype)
     k, heads, kv_heads, d = shapes["K"], shapes["num_heads"], shapes["num_kv_heads"], shapes["head_dim"]
     qk_norm = shapes.get("qk_norm", False)
     optional = {"norm_ptr": shapes.get("norm_weight", False), "bias_ptr": shapes.get("bias", False),
@@ -167,5 +218,10 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
         kernels.append(AotKernel(
             norm_qkv_rope_kernel, signature, absent_as_none(signature, constexprs), num_warps=tile.num_warps, aligned=pointer_params(signature),
             num_stages=num_stages(tile.block_m, d // split, bk, size, tile.stages),
-            meta=launch_meta(tile, (heads + 2 * kv_heads) * split, ksplit, d // split)))
+            meta=launch_meta(tile, (heads + 2 * kv_heads) * split, ksplit, d // split),
+            targets=tma.POINTER_TARGETS if uses_tma(tile, shapes) else None))
+        if uses_tma(tile, shapes):
+            kernels.append(tma_aot(dtype, shapes, tile, optional))
+    if any(uses_tma(tile, shapes) for tile in QKV_TILES):
+        kernels.append(tma.row_scale_aot(dtype, k))
     return kernels

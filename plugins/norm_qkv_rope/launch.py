@@ -5,7 +5,11 @@ from __future__ import annotations
 import torch
 
 from kiln.plugins.driver_launch import check_aligned, grid
-from kiln.plugins.linear.launch import pick_bucket, split_args
+from kiln.plugins.linear.launch import launch_row_scale, pick_bucket, row_scale_bytes, split_args
+
+
+def scratch_bytes(attrs: dict, limits: dict[str, int]) -> dict[str, int]:
+    return row_scale_bytes(limits)
 
 
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
@@ -24,6 +28,8 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
     # Weights and step inputs are whole arena regions (256-byte aligned); activations may be views.
     check_aligned(metas[i], x, kv_cache, out)
     args = [x.data_ptr()]
+    if metas[i].get("tma"):  # the norm weight is folded; the row scales come from a pre-pass
+        args += [launch_row_scale(kernels, metas, x, attrs["eps"], stream, scratch)]
     args += [norm_weight.data_ptr()] if norm_weight is not None else []
     args += [w_qkv.data_ptr()]
     args += [t.data_ptr() for t in (b_qkv, q_norm, k_norm) if t is not None]

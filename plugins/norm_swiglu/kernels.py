@@ -13,6 +13,11 @@ gives [gate | up] for the tile's columns, split in the epilogue. Every row of W_
 once per row block; when BLOCK_N is a multiple of `block` the gathered rows are runs of whole
 blocks. This works for any `block` and BLOCK_N, and `block` = 0 (plain [W_gate; W_up]) is
 the same rule with block = I.
+
+On sm_90 and later the wide buckets run `tma_norm_swiglu_kernel`: the persistent TMA GEMM of
+`linear.tma` over whole runs of W_gu's rows (a tile of 2 * BLOCK_N rows holds BLOCK_N // block
+pairs of gate and up blocks, so it needs an interleaved W_gu), with the row scale from the
+`row_scale_kernel` pre-pass.
 """
 from __future__ import annotations
 
@@ -21,8 +26,9 @@ import triton
 import triton.language as tl
 
 from kiln.dtypes import element_bytes
-from kiln.plugins.aot import AotKernel, absent_as_none, pointer_params
-from kiln.plugins.linear.kernels import (POINTER, WIDE_N, block_k, gemm_tile,
+from kiln.plugins.aot import POINTER_TYPES, AotKernel, absent_as_none, pointer_params
+from kiln.plugins.linear import tma
+from kiln.plugins.linear.kernels import (WIDE_N, block_k, gemm_tile,
                                          launch_meta, num_stages, pick_tile, split_buffers, split_halves, split_k,
                                          split_k_sum, split_signature, tiles_for, upcast_dot, with_bucket)
 
@@ -62,6 +68,53 @@ def norm_swiglu_kernel(x_ptr, norm_ptr, w_ptr, out_ptr, part_ptr, count_ptr, T, 
                  mask=mask)
 
 
+@triton.jit
+def tma_norm_swiglu_kernel(x_ptr, scale_ptr, w_ptr, out_ptr, T,
+                           I: tl.constexpr, K: tl.constexpr, GU_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                           UPCAST_DOT: tl.constexpr):
+    """BLOCK_N output columns per tile from 2 * BLOCK_N contiguous rows of the interleaved W_gu;
+    scale_ptr holds the row scales of x's T rows."""
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[T, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[2 * I, K], strides=[K, 1], block_shape=[2 * BLOCK_N, BLOCK_K])
+    out_desc = tl.make_tensor_descriptor(out_ptr, shape=[T, I], strides=[I, 1], block_shape=[BLOCK_M, BLOCK_N])
+    PAIRS: tl.constexpr = BLOCK_N // GU_BLOCK
+    tiles_m = tl.cdiv(T, BLOCK_M)
+    tiles_n: tl.constexpr = triton.cdiv(I, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0), flatten=True):
+        pid_m, pid_n = tma.tile_coords(tile, tiles_m, tiles_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        acc = tma.tma_dot(x_desc, w_desc, off_m, pid_n * 2 * BLOCK_N, K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, UPCAST_DOT)
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        acc *= tl.load(scale_ptr + offs_m, mask=offs_m < T, other=0.0)[:, None]
+        # Columns [g0 u0 g1 u1 ...] in blocks of GU_BLOCK: (pair, gate/up, column) -> gate, up.
+        pairs = tl.permute(tl.reshape(acc, (BLOCK_M, PAIRS, 2, GU_BLOCK)), (0, 1, 3, 2))
+        gate, up = tl.split(pairs)
+        gate = tl.reshape(gate, (BLOCK_M, BLOCK_N))
+        up = tl.reshape(up, (BLOCK_M, BLOCK_N))
+        out_desc.store([off_m, pid_n * BLOCK_N], (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty))
+
+
+def uses_tma(tile, shapes: dict, dtype: str) -> bool:
+    """Whether a bucket runs the TMA kernel on sm_90+: with the norm weight folded, and tiles
+    that hold whole gate/up block pairs."""
+    return (tile.tma and not shapes.get("norm_weight", False) and shapes["block"] > 0
+            and tma.tile_shape(dtype)[1] // 2 % shapes["block"] == 0)
+
+
+def tma_aot(dtype: str, shapes: dict, tile) -> AotKernel:
+    bm, bn, bk = tma.tile_shape(dtype)
+    ptr = POINTER_TYPES[dtype]
+    signature = {"x_ptr": ptr, "scale_ptr": "*fp32", "w_ptr": ptr, "out_ptr": ptr, "T": "i32", "I": "constexpr",
+                 "K": "constexpr", "GU_BLOCK": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+                 "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "UPCAST_DOT": "constexpr"}
+    constexprs = {"I": shapes["I"], "K": shapes["K"], "GU_BLOCK": shapes["block"], "BLOCK_M": bm, "BLOCK_N": bn // 2,
+                  "BLOCK_K": bk, "GROUP_M": tma.GROUP_M, "UPCAST_DOT": False}
+    return AotKernel(tma_norm_swiglu_kernel, signature, constexprs, num_warps=tma.WARPS, num_stages=tma.STAGES,
+                     aligned=pointer_params(signature), targets=tma.TMA_TARGETS,
+                     meta=tma.tma_meta(tile.name, tile.max_rows, triton.cdiv(shapes["I"], bn // 2)))
+
+
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     """inputs: x [T, K], norm_weight [K] or None (folded), w_gu [2I, K]; attrs eps, block."""
     x, norm_weight, w_gu = inputs
@@ -85,10 +138,11 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     """shapes: {"K": hidden size, "I": intermediate size (this rank's), "block": gate/up
     interleave block (0: not interleaved), "norm_weight": bool (default False: folded)}.
     One kernel per shape bucket; eps is a runtime argument."""
-    ptr, size = POINTER[dtype], element_bytes(dtype)
+    ptr, size = POINTER_TYPES[dtype], element_bytes(dtype)
     k, inter, norm = shapes["K"], shapes["I"], shapes.get("norm_weight", False)
     kernels = []
-    for tile in swiglu_tiles(2 * inter):
+    tiles = swiglu_tiles(2 * inter)
+    for tile in tiles:
         bk, bn = block_k(tile, size), tile.block_n // 2
         split = split_k(tile, k, bk)
         signature = {"x_ptr": ptr, "norm_ptr": ptr if norm else "constexpr", "w_ptr": ptr, "out_ptr": ptr,
@@ -100,5 +154,10 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
         kernels.append(AotKernel(
             norm_swiglu_kernel, signature, absent_as_none(signature, constexprs), num_warps=tile.num_warps, aligned=pointer_params(signature),
             num_stages=num_stages(tile.block_m, tile.block_n, bk, size, tile.stages),
-            meta=launch_meta(tile, triton.cdiv(inter, bn), split, 2 * bn)))
+            meta=launch_meta(tile, triton.cdiv(inter, bn), split, 2 * bn),
+            targets=tma.POINTER_TARGETS if uses_tma(tile, shapes, dtype) else None))
+        if uses_tma(tile, shapes, dtype):
+            kernels.append(tma_aot(dtype, shapes, tile))
+    if any(uses_tma(tile, shapes, dtype) for tile in tiles):
+        kernels.append(tma.row_scale_aot(dtype, k))
     return kernels

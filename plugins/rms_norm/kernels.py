@@ -9,9 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.plugins.aot import AotKernel
+from kiln.plugins.aot import POINTER_TYPES, AotKernel
 
-POINTER_TYPES = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}
 MAX_BLOCK = 4096  # columns per loop step; Llama-size rows take one step
 
 

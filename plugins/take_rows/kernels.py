@@ -8,9 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.plugins.aot import AotKernel
+from kiln.plugins.aot import POINTER_TYPES, AotKernel
 
-POINTER_TYPES = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}
 MAX_BLOCK = 1024  # columns per program: 2 KiB of bf16, a few vector loads per thread
 
 

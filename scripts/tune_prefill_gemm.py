@@ -1,0 +1,148 @@
+"""Sweep the GEMMs of prefill chunks and large batches beside cuBLAS (a developer's tool).
+
+    PYTHONPATH=. python3 scripts/tune_prefill_gemm.py compile cubins.pkl   # anywhere: AOT, no GPU needed
+    PYTHONPATH=. python3 scripts/tune_prefill_gemm.py run cubins.pkl [ALL.txt]  # on the GPU
+
+Kernels: the persistent TMA GEMM of `plugins.linear.tma` at tilings, depths, warps and grouping,
+with a persistent grid (one program per SM) and a one-tile-per-program grid, and the pointer-load
+GEMM `linear_kernel` at its prefill and medium tiles. `compile` builds each into a cubin with
+`plugins.aot` as build-engine does; `run` loads them through `runtime.cuda_driver` as the CUDA
+executor does, checks each against torch, and times it in a CUDA graph (weights cycled beyond the
+L2), beside `torch.mm` (cuBLAS) on the same shapes and the GEMM rate measured as bench-engine does
+(bf16 8192^3). Shapes: Llama-3-8B's projections at T = 256, 1024, 4096 and 8192.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+from kiln.plugins.aot import AotKernel, absent_as_none, compile_cubin, pointer_params
+from kiln.plugins.linear.kernels import linear_kernel
+from kiln.plugins.linear.tma import tma_linear_kernel
+from scripts.gpu_timing import graph_us
+
+L2_ROTATION = 200_000_000  # bytes of weight copies cycled through, 4x the H200's L2
+SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+ROWS = (256, 1024, 4096, 8192)
+# (block_m, block_n, block_k, warps, stages, group_m)
+TMA_TILES = [(128, 128, 64, 4, 4, 8), (128, 128, 64, 8, 4, 8), (128, 256, 64, 8, 3, 8), (256, 128, 64, 8, 3, 8),
+             (64, 128, 64, 4, 4, 8), (64, 256, 64, 4, 4, 8), (128, 256, 64, 8, 3, 16), (128, 256, 64, 8, 3, 4)]
+POINTER_TILES = [(128, 128, 64, 8, 4), (64, 64, 64, 4, 4), (128, 256, 64, 8, 3)]
+
+
+def configs() -> list[tuple[str, dict, AotKernel]]:
+    out = []
+    for (name, (n, k)), (bm, bn, bk, warps, stages, group) in itertools.product(SHAPES.items(), TMA_TILES):
+        signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "constexpr", "residual_ptr": "constexpr",
+                     "out_ptr": "*bf16", "T": "i32", "N": "constexpr", "K": "constexpr", "BLOCK_M": "constexpr",
+                     "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "UPCAST_DOT": "constexpr"}
+        constexprs = {"N": n, "K": k, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "UPCAST_DOT": False}
+        out.append((name, {"kind": "tma", "n": n, "k": k, "bm": bm, "bn": bn,
+                           "label": f"tma bm{bm} bn{bn} bk{bk} w{warps} s{stages} g{group}"},
+                    AotKernel(tma_linear_kernel, signature, absent_as_none(signature, constexprs), num_warps=warps,
+                              num_stages=stages, aligned=pointer_params(signature))))
+    for (name, (n, k)), (bm, bn, bk, warps, stages) in itertools.product(SHAPES.items(), POINTER_TILES):
+        signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "constexpr", "residual_ptr": "constexpr",
+                     "out_ptr": "*bf16", "part_ptr": "constexpr", "count_ptr": "constexpr", "T": "i32",
+                     "N": "constexpr", "K": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+                     "BLOCK_K": "constexpr", "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr"}
+        constexprs = {"N": n, "K": k, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": 1}
+        out.append((name, {"kind": "pointer", "n": n, "k": k, "bm": bm, "bn": bn,
+                           "label": f"pointer bm{bm} bn{bn} bk{bk} w{warps} s{stages}"},
+                    AotKernel(linear_kernel, signature, absent_as_none(signature, constexprs), num_warps=warps,
+                              num_stages=stages, aligned=pointer_params(signature))))
+    return out
+
+
+def _compile(index: int):
+    name, info, kernel = configs()[index]
+    try:
+        return index, compile_cubin(kernel, "sm_90")
+    except Exception as e:  # a configuration that does not fit is reported, not fatal
+        return index, f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def compile_all(path: str) -> None:
+    entries = configs()
+    with ProcessPoolExecutor(os.cpu_count()) as pool:
+        cubins = dict(pool.map(_compile, range(len(entries))))
+    with open(path, "wb") as f:
+        pickle.dump([(name, info, kernel.signature, cubins[i]) for i, (name, info, kernel) in enumerate(entries)], f)
+    print(f"{len(entries)} configurations, {sum(isinstance(c, str) for c in cubins.values())} failed to compile")
+
+
+def run_all(path: str, every: str | None = None) -> None:
+    import torch
+
+    from kiln.runtime.cuda_driver import CudaError, load_kernel
+
+    with open(path, "rb") as f:
+        entries = pickle.load(f)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    rate = 2 * 8192 ** 3 / graph_us(lambda: torch.mm(a, a)) / 1e6
+    print(f"GEMM rate (bf16 8192^3, torch.mm): {rate:.0f} TFLOP/s; {sms} SMs")
+    a = None
+    scratch = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weights, results = {}, {}
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        weights[name] = [w] + [w.clone() for _ in range(-(-L2_ROTATION // w.nbytes) - 1)]
+    for (name, (n, k)), t in itertools.product(SHAPES.items(), ROWS):
+        x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        ref = (x.float() @ weights[name][0].float().T)
+        out = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
+        turn = itertools.count()
+        us = graph_us(lambda: torch.mm(x, weights[name][next(turn) % len(weights[name])].T, out=out))
+        results[(name, t)] = [(us, "cuBLAS torch.mm", ((out.float() - ref).norm() / ref.norm()).item())]
+        for cname, info, signature, cubin in entries:
+            if cname != name:
+                continue
+            if isinstance(cubin, str):
+                print(f"  {name} {info['label']}: did not compile ({cubin})")
+                continue
+            try:
+                fn = load_kernel(cubin.binary, cubin.name, [s for s in signature.values() if s != "constexpr"],
+                                 cubin.num_warps, cubin.shared_bytes, cubin.global_scratch)
+                fn.scratch = (scratch.data_ptr(), scratch.numel() // max(cubin.global_scratch, 1))
+            except CudaError as e:
+                print(f"  {name} {info['label']}: does not load ({e})")
+                continue
+            tiles = -(-t // info["bm"]) * -(-n // info["bn"])
+            grids = {"persistent": min(tiles, sms), "one tile each": tiles} if info["kind"] == "tma" else {"": None}
+            for gname, programs in grids.items():
+                grid = (programs, 1, 1) if programs else (-(-t // info["bm"]), -(-n // info["bn"]), 1)
+                args = ([[x.data_ptr(), w.data_ptr(), out.data_ptr(), t] for w in weights[name]])
+                turn = itertools.count()
+
+                def call():
+                    fn.launch(grid, args[next(turn) % len(args)], torch.cuda.current_stream().cuda_stream)
+                out.zero_()
+                fn.launch(grid, args[0], torch.cuda.current_stream().cuda_stream)
+                torch.cuda.synchronize()
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                us = graph_us(call)
+                results[(name, t)].append((us, f"{info['label']} {gname}".strip(), err))
+        rows = sorted(results[(name, t)])
+        flops = 2 * t * n * k
+        cublas = next(us for us, label, _ in rows if label.startswith("cuBLAS"))
+        print(f"{name} N={n} K={k} T={t}: cuBLAS {cublas:.1f} us = {flops / cublas / 1e6:.0f} TFLOP/s "
+              f"({flops / cublas / 1e6 / rate:.0%} of rate)")
+        for us, label, err in rows[:6]:
+            print(f"  {us:8.1f} us {flops / us / 1e6:4.0f} TFLOP/s ({flops / us / 1e6 / rate:4.0%} of rate, "
+                  f"{cublas / us:4.2f}x cuBLAS) rel err {err:.1e}  {label}")
+        for us, label, err in rows:
+            if not err < 2e-2:
+                print(f"  WRONG: {label} rel err {err:.2e}")
+        if every:
+            with open(every, "a") as f:
+                f.writelines(f"{name} T={t} {us:.1f} us {flops / us / 1e6:.0f} TFLOP/s rel err {err:.1e} {label}\n"
+                             for us, label, err in rows)
+
+
+if __name__ == "__main__":
+    {"compile": compile_all, "run": run_all}[sys.argv[1]](*sys.argv[2:])
