@@ -11,6 +11,11 @@ and the engine's 4,352-token bound, `choose_num_splits`), checks the output agai
 plugin's reference for a few sequences, and times each in a CUDA graph of 20 launches that
 cycle through enough KV caches that none is read from the L2. Printed per batch and
 context: the best tilings with the KV bytes they stream per second.
+
+Prefill (`compile ... prefill`, `run ... prefill`): the same kernel at prefill tilings over whole
+causal prompts of 2k and 8k tokens (one sequence, and four of 2k), each checked against and timed
+beside `torch.nn.functional.scaled_dot_product_attention` on the flash backend in the same run,
+with TFLOP/s counted over the causal half.
 """
 from __future__ import annotations
 
@@ -31,7 +36,11 @@ CASES = ((1, 128), (1, 2048), (8, 1024), (64, 128), (64, 1024), (256, 128), (256
 L2_ROTATION = 200_000_000  # bytes of KV cycled through, 4x the H200's L2
 
 
-def configs() -> list[tuple[dict, AotKernel]]:
+PREFILL_CASES = ((1, 2048), (1, 8192), (4, 2048))
+PREFILL_MAX_KEYS = 8192
+
+
+def configs(kind: str = "decode") -> list[tuple[dict, AotKernel]]:
     signature = {
         "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
         "part_ptr": "*fp32", "stats_ptr": "*fp32", "block_tables_ptr": "*i32", "query_lens_ptr": "*i32",
@@ -40,11 +49,14 @@ def configs() -> list[tuple[dict, AotKernel]]:
         **{name: "constexpr" for name in ("NUM_HEADS", "NUM_KV_HEADS", "HEAD_DIM", "BLOCK_SIZE", "BLOCK_M",
                                           "BLOCK_N", "BLOCK_D", "SEQ_CHUNK", "SPLIT", "INTERPRETER")}}
     out = []
-    for split, block_n, warps, stages in itertools.product((False, True), (32, 64, 128), (2, 4, 8), (1, 2, 3)):
+    space = (((False, True), (16,), (32, 64, 128), (2, 4, 8), (1, 2, 3)) if kind == "decode" else
+             ((False,), (64, 128), (32, 64, 128), (4, 8), (1, 2, 3)))
+    for split, block_m, block_n, warps, stages in itertools.product(*space):
         constexprs = {"NUM_HEADS": HEADS, "NUM_KV_HEADS": KV_HEADS, "HEAD_DIM": HEAD_DIM, "BLOCK_SIZE": BLOCK_SIZE,
-                      "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_D": _head_block(HEAD_DIM), "SEQ_CHUNK": SEQ_CHUNK,
-                      "SPLIT": split, "INTERPRETER": False}
-        out.append(({"split": split, "label": f"bn{block_n} w{warps} s{stages}"},
+                      "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": _head_block(HEAD_DIM),
+                      "SEQ_CHUNK": SEQ_CHUNK, "SPLIT": split, "INTERPRETER": False}
+        label = f"bn{block_n} w{warps} s{stages}" if kind == "decode" else f"bm{block_m} bn{block_n} w{warps} s{stages}"
+        out.append(({"split": split, "block_m": block_m, "label": label},
                     AotKernel(_attention_kernel, signature, constexprs, num_warps=warps, num_stages=stages,
                               aligned=pointer_params(signature))))
     combine = {"part_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": "*bf16", "out_stride": "i32", "num_splits": "i32",
@@ -56,20 +68,21 @@ def configs() -> list[tuple[dict, AotKernel]]:
     return out
 
 
-def _compile(index: int):
-    info, kernel = configs()[index]
+def _compile(job: tuple[str, int]):
+    kind, index = job
+    info, kernel = configs(kind)[index]
     try:
         return index, compile_cubin(kernel, "sm_90")
     except Exception as e:  # a configuration that does not fit is reported, not fatal
         return index, f"{type(e).__name__}: {str(e)[:200]}"
 
 
-def compile_all(path: str) -> None:
-    count = len(configs())
+def compile_all(path: str, kind: str = "decode") -> None:
+    count = len(configs(kind))
     with ProcessPoolExecutor(os.cpu_count()) as pool:
-        cubins = dict(pool.map(_compile, range(count)))
+        cubins = dict(pool.map(_compile, [(kind, i) for i in range(count)]))
     with open(path, "wb") as f:
-        pickle.dump([(info, kernel.signature, cubins[i]) for i, (info, kernel) in enumerate(configs())], f)
+        pickle.dump([(info, kernel.signature, cubins[i]) for i, (info, kernel) in enumerate(configs(kind))], f)
     print(f"{count} configurations, {sum(isinstance(c, str) for c in cubins.values())} failed to compile")
 
 
@@ -93,8 +106,12 @@ def _case(seqs: int, context: int, gen):
             "caches": caches, "kv_bytes": one}
 
 
-def run_all(path: str) -> None:
+def run_all(path: str, kind: str = "decode") -> None:
     import torch
+
+    if kind == "prefill":
+        run_prefill(path)
+        return
 
     from kiln.plugins.attention.reference import paged_attention
     from kiln.runtime.cuda_driver import CudaError, load_kernel
@@ -162,5 +179,81 @@ def run_all(path: str) -> None:
                 print(f"  WRONG: {label} rel err {err:.2e}")
 
 
+def _load(path: str) -> list:
+    from kiln.runtime.cuda_driver import CudaError, load_kernel
+
+    with open(path, "rb") as f:
+        entries = pickle.load(f)
+    loaded = []
+    for info, signature, cubin in entries:
+        if isinstance(cubin, str):
+            print(f"  {info['label']}: did not compile ({cubin})")
+            continue
+        try:
+            loaded.append((info, load_kernel(cubin.binary, cubin.name,
+                                             [t for t in signature.values() if t != "constexpr"],
+                                             cubin.num_warps, cubin.shared_bytes)))
+        except CudaError as e:
+            print(f"  {info['label']}: does not load ({e})")
+    return loaded
+
+
+def run_prefill(path: str) -> None:
+    """Whole causal prompts through the paged kernel's prefill tilings, beside SDPA (flash)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    loaded = _load(path)
+    gen = torch.Generator().manual_seed(0)
+    scale = HEAD_DIM ** -0.5
+    table_cols = PREFILL_MAX_KEYS // BLOCK_SIZE
+    for seqs, length in PREFILL_CASES:
+        tokens = seqs * length
+        per_seq = length // BLOCK_SIZE
+        tables = torch.zeros(seqs, table_cols, dtype=torch.int32)
+        tables[:, :per_seq] = torch.randperm(seqs * per_seq, generator=gen).view(seqs, per_seq).to(torch.int32)
+        q = torch.randn(tokens, HEADS * HEAD_DIM, generator=gen).to("cuda", torch.bfloat16)
+        k = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen).to("cuda", torch.bfloat16)
+        v = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen).to("cuda", torch.bfloat16)
+        cache = torch.zeros(2, seqs * per_seq, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        slots = (tables[:, :per_seq, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).reshape(-1).cuda()
+        cache[0].view(-1, KV_HEADS, HEAD_DIM)[slots] = k
+        cache[1].view(-1, KV_HEADS, HEAD_DIM)[slots] = v
+        tables = tables.cuda()
+        lens = torch.full((seqs,), length, dtype=torch.int32, device="cuda")
+        # SDPA's layout: [seqs, heads, length, head_dim], K/V repeated over each GQA group.
+        sq = q.view(seqs, length, HEADS, HEAD_DIM).transpose(1, 2)
+        sk, sv = (t.view(seqs, length, KV_HEADS, HEAD_DIM).transpose(1, 2).repeat_interleave(HEADS // KV_HEADS, 1)
+                  for t in (k, v))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            ref = torch.nn.functional.scaled_dot_product_attention(sq, sk, sv, is_causal=True, scale=scale)
+            sdpa_us = graph_us(lambda: torch.nn.functional.scaled_dot_product_attention(
+                sq, sk, sv, is_causal=True, scale=scale))
+        ref = ref.transpose(1, 2).reshape(tokens, HEADS * HEAD_DIM).float()
+        flops = 4 * seqs * length * length / 2 * HEADS * HEAD_DIM
+        out = torch.empty_like(q)
+        rows = [(sdpa_us, "SDPA flash", 0.0)]
+        for info, fn in [entry for entry in loaded if not entry[0].get("combine")]:
+            grid = (tokens * (HEADS // KV_HEADS) // info["block_m"] + seqs, KV_HEADS, 1)
+            args = [q.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), out.data_ptr(), 0, 0, tables.data_ptr(),
+                    lens.data_ptr(), lens.data_ptr(), seqs, q.stride(0), out.stride(0), tables.stride(0), scale, 0]
+            stream = torch.cuda.current_stream().cuda_stream
+            out.zero_()
+            fn.launch(grid, args, stream)
+            torch.cuda.synchronize()
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            rows.append((graph_us(lambda: fn.launch(grid, args, stream)), info["label"], err))
+        rows.sort()
+        print(f"prefill {seqs} x {length} tokens: SDPA flash {sdpa_us:.0f} us = {flops / sdpa_us / 1e6:.0f} TFLOP/s")
+        for us, label, err in rows[:8]:
+            print(f"  {us:8.0f} us {flops / us / 1e6:4.0f} TFLOP/s ({sdpa_us / us:4.2f}x SDPA) rel err {err:.1e}  {label}")
+        current = [r for r in rows if r[1] == "bm64 bn64 w4 s2"]
+        if current:
+            print(f"  engine's tile now: {current[0][0]:.0f} us ({sdpa_us / current[0][0]:.2f}x SDPA)")
+        for us, label, err in rows:
+            if not err < 2e-2:
+                print(f"  WRONG: {label} rel err {err:.2e}")
+
+
 if __name__ == "__main__":
-    {"compile": compile_all, "run": run_all}[sys.argv[1]](sys.argv[2])
+    {"compile": compile_all, "run": run_all}[sys.argv[1]](*sys.argv[2:])

@@ -4,8 +4,10 @@
     PYTHONPATH=. python3 scripts/tune_prefill_gemm.py run cubins.pkl [ALL.txt]  # on the GPU
 
 Kernels: the persistent TMA GEMM of `plugins.linear.tma` at tilings, depths, warps and grouping,
-with a persistent grid (one program per SM) and a one-tile-per-program grid, and the pointer-load
-GEMM `linear_kernel` at its prefill and medium tiles. `compile` builds each into a cubin with
+with a persistent grid (one program per SM) and a one-tile-per-program grid, the pointer-load
+GEMM `linear_kernel` at its prefill and medium tiles, and the engine's own prefill-bucket kernels
+for each projection (from the plugins' `aot_kernels`, the fused epilogues and the norm's
+row-scale pre-pass included), labelled "engine". `compile` builds each into a cubin with
 `plugins.aot` as build-engine does; `run` loads them through `runtime.cuda_driver` as the CUDA
 executor does, checks each against torch, and times it in a CUDA graph (weights cycled beyond the
 L2), beside `torch.mm` (cuBLAS) on the same shapes and the GEMM rate measured as bench-engine does
@@ -57,6 +59,27 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
     return out
 
 
+# The plugin and compile shapes of each projection as a Llama-3-8B engine builds it.
+ENGINE = {"qkv": ("norm_qkv_rope", {"K": 4096, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128}),
+          "o_proj": ("linear_residual", {"K": 4096, "N": 4096}),
+          "gate_up": ("norm_swiglu", {"K": 4096, "I": 14336, "block": 64}),
+          "down": ("linear_residual", {"K": 14336, "N": 4096})}
+
+
+def engine_configs() -> list[tuple[str, dict, list[AotKernel]]]:
+    """(shape name, info, [row-scale pre-pass or nothing, the prefill bucket's TMA kernel])."""
+    import importlib
+    out = []
+    for name, (plugin, shapes) in ENGINE.items():
+        kernels = importlib.import_module(f"kiln.plugins.{plugin}.kernels").aot_kernels("bfloat16", shapes)
+        tma = [k for k in kernels if k.meta.get("tma") and k.meta["bucket"] == "prefill"]
+        pre = [k for k in kernels if k.meta.get("row_scale")]
+        n, k = SHAPES[name]
+        out.append((name, {"kind": plugin, "n": n, "k": k, "grid": tma[0].meta["grid"], "label": f"engine {plugin}"},
+                    pre + tma))
+    return out
+
+
 def _compile(index: int):
     name, info, kernel = configs()[index]
     try:
@@ -69,8 +92,11 @@ def compile_all(path: str) -> None:
     entries = configs()
     with ProcessPoolExecutor(os.cpu_count()) as pool:
         cubins = dict(pool.map(_compile, range(len(entries))))
+    engine = [(name, info, [(k.signature, compile_cubin(k, "sm_90")) for k in kernels])
+              for name, info, kernels in engine_configs()]
     with open(path, "wb") as f:
-        pickle.dump([(name, info, kernel.signature, cubins[i]) for i, (name, info, kernel) in enumerate(entries)], f)
+        pickle.dump(([(name, info, kernel.signature, cubins[i]) for i, (name, info, kernel) in enumerate(entries)],
+                     engine), f)
     print(f"{len(entries)} configurations, {sum(isinstance(c, str) for c in cubins.values())} failed to compile")
 
 
@@ -80,7 +106,7 @@ def run_all(path: str, every: str | None = None) -> None:
     from kiln.runtime.cuda_driver import CudaError, load_kernel
 
     with open(path, "rb") as f:
-        entries = pickle.load(f)
+        entries, engine = pickle.load(f)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     rate = 2 * 8192 ** 3 / graph_us(lambda: torch.mm(a, a)) / 1e6
@@ -127,6 +153,10 @@ def run_all(path: str, every: str | None = None) -> None:
                 err = ((out.float() - ref).norm() / ref.norm()).item()
                 us = graph_us(call)
                 results[(name, t)].append((us, f"{info['label']} {gname}".strip(), err))
+        for ename, info, kernels in engine:
+            if ename == name:
+                us, err = _time_engine(info, kernels, x, weights[name], t, scratch)
+                results[(name, t)].append((us, info["label"], err))
         rows = sorted(results[(name, t)])
         flops = 2 * t * n * k
         cublas = next(us for us, label, _ in rows if label.startswith("cuBLAS"))
@@ -142,6 +172,63 @@ def run_all(path: str, every: str | None = None) -> None:
             with open(every, "a") as f:
                 f.writelines(f"{name} T={t} {us:.1f} us {flops / us / 1e6:.0f} TFLOP/s rel err {err:.1e} {label}\n"
                              for us, label, err in rows)
+
+
+def _time_engine(info: dict, kernels: list, x, weights: list, t: int, scratch) -> tuple[float, float]:
+    """Time the engine's kernels for one projection (pre-pass and GEMM, as its launcher runs
+    them) over the weight copies; returns (us, relative error against the plugin reference)."""
+    import torch
+
+    from kiln.plugins import get_plugin
+    from kiln.plugins.driver_launch import grid as eval_grid
+    from kiln.runtime.cuda_driver import load_kernel
+
+    fns = []
+    for signature, cubin in kernels:
+        fn = load_kernel(cubin.binary, cubin.name, [s for s in signature.values() if s != "constexpr"],
+                         cubin.num_warps, cubin.shared_bytes, cubin.global_scratch)
+        fn.scratch = (scratch.data_ptr(), scratch.numel() // max(cubin.global_scratch, 1))
+        fns.append(fn)
+    grid = eval_grid(info["grid"], {"T": t})
+    n, kind = info["n"], info["kind"]
+    eps = 1e-5
+    scales = torch.empty(t, device="cuda", dtype=torch.float32)
+    if kind == "norm_qkv_rope":
+        heads, kv_heads, d = 32, 8, 128
+        out = torch.empty(t, heads * d, device="cuda", dtype=torch.bfloat16)
+        pos = torch.arange(t, dtype=torch.int32, device="cuda")
+        angles = pos[:, None].float() * 500000.0 ** (-torch.arange(0, d, 2, device="cuda") / d)
+        rope = torch.cat([angles.cos(), angles.sin()], dim=1).contiguous()
+        kv = torch.zeros(1, 2, -(-t // 16), 16, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+        slots = torch.arange(t, dtype=torch.int32, device="cuda")
+        num_slots = kv.shape[2] * 16
+        args = [[x.data_ptr(), scales.data_ptr(), w.data_ptr(), pos.data_ptr(), rope.data_ptr(), kv.data_ptr(),
+                 slots.data_ptr(), out.data_ptr(), t, num_slots, 0, eps] for w in weights]
+        ref = get_plugin(kind).call_reference([x, None, weights[0], None, None, None, pos, rope, kv.clone(), slots],
+                                              {"eps": eps, "layer": 0, "num_heads": heads,
+                                               "num_kv_heads": kv_heads, "head_dim": d})
+    elif kind == "norm_swiglu":
+        out = torch.empty(t, n // 2, device="cuda", dtype=torch.bfloat16)
+        args = [[x.data_ptr(), scales.data_ptr(), w.data_ptr(), out.data_ptr(), t] for w in weights]
+        ref = get_plugin(kind).call_reference([x, None, weights[0]], {"eps": eps, "block": 64})
+    else:
+        residual = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
+        args = [[x.data_ptr(), w.data_ptr(), residual.data_ptr(), out.data_ptr(), t] for w in weights]
+        ref = x.float() @ weights[0].float().T + residual.float()
+    turn = itertools.count()
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def call():
+        i = next(turn) % len(args)
+        if len(fns) == 2:
+            fns[0].launch((t, 1, 1), [x.data_ptr(), scales.data_ptr(), t, eps], stream)
+        fns[-1].launch(grid, args[i], stream)
+    turn = itertools.count(0)
+    call()
+    torch.cuda.synchronize()
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    return graph_us(call), err
 
 
 if __name__ == "__main__":
