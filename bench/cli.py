@@ -192,8 +192,8 @@ Examples:
 @click.option("--offline", "offline_pairs", type=LengthPairs(), default="128/128,2048/2048", show_default=True,
               help="Input/output token lengths of the offline runs.")
 @click.option("--offline-requests", type=click.IntRange(min=1),
-              help=f"Requests per offline run [default: {offline.TOKEN_BUDGET} / (in + out), within "
-                   f"{offline.MIN_REQUESTS}..{offline.MAX_REQUESTS}: 256 for 128/128, 32 for 2048/2048].")
+              help=f"Requests per offline run [default: {offline.SHORT_REQUESTS:,} when in + out <= "
+                   f"{offline.SHORT_TOKENS}, else {offline.LONG_REQUESTS:,}; the KV pool is sized as for serving].")
 @click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True,
               help="Latency test: requests arriving per second.")
 @click.option("--rate-requests", type=click.IntRange(min=1), default=64, show_default=True,
@@ -265,7 +265,9 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
             if "offline" in phases:
                 for i, o in offline_pairs:
                     status(f"offline {i}/{o}: {requests[i, o]} requests")
-                    figures += offline.measure_offline(run, i, o, requests[i, o], seed, progress=True)
+                    measured = offline.measure_offline(run, i, o, requests[i, o], seed, progress=True)
+                    figures += measured
+                    notes += [offline.summary(f) for f in measured[:1] if f.value is not None]
         finally:
             run.close()
     if "latency" in phases:

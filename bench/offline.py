@@ -4,7 +4,9 @@ tokens/s over the wall time from the first submission to the last token.
 
 The limit is the cost model's least time for the steps the engine actually ran (its own
 schedule: chunked prefills, batch sizes, any preemption), so the ratio says how close each
-step came to the hardware, not whether another schedule would have needed fewer steps.
+step came to the hardware, not whether another schedule would have needed fewer steps. Beside
+the figures: the mean running batch and the share of steps that were prefill only, decode only
+or mixed, which say whether the scheduler kept the GPU full.
 """
 from __future__ import annotations
 
@@ -14,17 +16,38 @@ from tqdm import tqdm
 
 from kiln.bench.driver import EngineInfo, EngineRun, random_prompts
 from kiln.bench.figures import Figure, skipped
+from kiln.bench.limits import StepShape
 from kiln.bench.hardware import synchronize
 from kiln.runtime.sampling_params import SamplingParams
 
-# Default request count: enough tokens that steady state dominates, few enough that a long
-# shape finishes in minutes. N = TOKEN_BUDGET / (in + out), kept within [MIN, MAX]:
-# 128/128 -> 256 requests, 2048/2048 -> 32.
-TOKEN_BUDGET, MIN_REQUESTS, MAX_REQUESTS = 131072, 8, 256
+# Default request counts: enough that the running batch stays full for most of the run, as in
+# TensorRT-LLM's perf-overview (which runs 30,000 requests at 128/128 and 1,500 at 2048/2048):
+# SHORT_REQUESTS where a request has at most SHORT_TOKENS tokens, else LONG_REQUESTS.
+SHORT_TOKENS, SHORT_REQUESTS, LONG_REQUESTS = 1024, 3000, 1000
 
 
 def default_requests(input_len: int, output_len: int) -> int:
-    return max(MIN_REQUESTS, min(MAX_REQUESTS, TOKEN_BUDGET // (input_len + output_len)))
+    return SHORT_REQUESTS if input_len + output_len <= SHORT_TOKENS else LONG_REQUESTS
+
+
+def step_mix(shapes: list[StepShape]) -> dict[str, float]:
+    """Mean running batch (sequences per step) and the shares of prefill-only, decode-only and
+    mixed steps."""
+    if not shapes:
+        return {"mean_batch": 0.0, "prefill_steps": 0.0, "decode_steps": 0.0, "mixed_steps": 0.0}
+    decode = sum(s.is_decode for s in shapes)
+    prefill = sum(all(n > 1 for n in s.query_lens) for s in shapes)
+    return {"mean_batch": sum(len(s.query_lens) for s in shapes) / len(shapes),
+            "prefill_steps": prefill / len(shapes), "decode_steps": decode / len(shapes),
+            "mixed_steps": (len(shapes) - decode - prefill) / len(shapes)}
+
+
+def summary(figure: Figure) -> str:
+    """One line on how an offline run was scheduled, from its figure's params."""
+    p = figure.params
+    return (f"{figure.name.removesuffix(' output')}: {p['requests']:,} requests in {p['steps']:,} steps, "
+            f"mean running batch {p['mean_batch']:.0f}; steps {p['prefill_steps']:.0%} prefill, "
+            f"{p['decode_steps']:.0%} decode, {p['mixed_steps']:.0%} mixed; {p['preemptions']} preemptions")
 
 
 def offline_problem(info: EngineInfo, input_len: int, output_len: int) -> str | None:
@@ -67,7 +90,7 @@ def measure_offline(run: EngineRun, input_len: int, output_len: int, requests: i
     out_tokens, all_tokens = requests * output_len, requests * (input_len + output_len)
     common = {"input_len": input_len, "output_len": output_len, "requests": requests, "seconds": seconds,
               "steps": len(shapes), "limit_seconds": limit_s,
-              "preemptions": core.scheduler.num_preemptions - preempted}
+              "preemptions": core.scheduler.num_preemptions - preempted, **step_mix(shapes)}
     return [Figure("offline", f"{label} output", "tok/s", out_tokens / seconds, out_tokens / limit_s, bound,
                    key=keys[0], params=common),
             Figure("offline", f"{label} total", "tok/s", all_tokens / seconds, all_tokens / limit_s, bound,

@@ -216,10 +216,8 @@ def _time_engine(info: dict, kernels: list, x, weights: list, t: int, scratch) -
         out = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
         args = [[x.data_ptr(), w.data_ptr(), residual.data_ptr(), out.data_ptr(), t] for w in weights]
         ref = x.float() @ weights[0].float().T + residual.float()
-    turn = itertools.count()
-    stream = torch.cuda.current_stream().cuda_stream
-
     def call():
+        stream = torch.cuda.current_stream().cuda_stream  # the capture stream inside graph_us
         i = next(turn) % len(args)
         if len(fns) == 2:
             fns[0].launch((t, 1, 1), [x.data_ptr(), scales.data_ptr(), t, eps], stream)

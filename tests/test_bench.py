@@ -101,6 +101,11 @@ def test_ratios_are_the_figure_over_its_limit(tiny_run):
     assert decode1["value"] == pytest.approx(sorted(decode1["window_tok_s"])[1])  # the median window
     out, total = data["offline"]
     assert total["value"] == pytest.approx(2 * out["value"])  # 8 in + 8 out per request
+    # The schedule: 4 requests at once, so a step runs 1 to 4 sequences; the shares add up.
+    assert 1 <= out["mean_batch"] <= 4 and out["steps"] >= 8
+    assert out["prefill_steps"] + out["decode_steps"] + out["mixed_steps"] == pytest.approx(1)
+    assert out["decode_steps"] > 0 and out["prefill_steps"] + out["mixed_steps"] > 0
+    assert any(n.startswith("offline 8/8: 4 requests in") and "mean running batch" in n for n in data["notes"])
 
 
 def test_table_on_stdout_names_each_figure(tiny_run):

@@ -120,7 +120,10 @@ def test_cuda_executor_refuses_step_beyond_bounds(engine_dir):
     bs, nb = engine.manifest.kv.block_size, engine.manifest.blocks_per_sequence
     too_many = engine.manifest.max_num_tokens + 1
     with pytest.raises(ValueError, match=f"step has {too_many} tokens"):
-        gpu.run(pack_step([SequenceChunk([5] * too_many, 0, list(range(nb)))], bs, nb))
+        # Two sequences: the engine's token bound is above its sequence bound.
+        half = too_many // 2
+        gpu.run(pack_step([SequenceChunk([5] * half, 0, list(range(nb))),
+                           SequenceChunk([5] * (too_many - half), 0, list(range(nb, 2 * nb)))], bs, nb))
     gpu.close()
 
 

@@ -19,6 +19,10 @@ def test_graph_batch_sizes():
     assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and len(sizes) == 35
     # No decode batch needs more than 7 padding rows beyond 8.
     assert all(next(s for s in sizes if s >= n) - n <= 7 for n in range(9, 257))
+    # Engines of up to 2048 sequences: fewer graphs, padding under 1/16 of the batch.
+    sizes = graph_batch_sizes(2048)
+    assert sizes[-1] == 2048 and len(sizes) == 83 and sizes[:35] == graph_batch_sizes(256)
+    assert all(next(s for s in sizes if s >= n) - n < n / 16 for n in range(257, 2049))
 
 
 def test_pure_decode_is_one_token_and_one_logit_row_per_sequence():

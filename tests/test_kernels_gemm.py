@@ -346,8 +346,8 @@ def test_parity_tma_norm_swiglu(request, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bias,qk_norm", [(False, False), (True, True)])
-def test_parity_tma_norm_qkv_rope(request, bias, qk_norm, dtype):
+@pytest.mark.parametrize("bias,qk_norm,heads_per_tile", [(False, False, 2), (True, True, 2), (True, True, 1)])
+def test_parity_tma_norm_qkv_rope(request, bias, qk_norm, heads_per_tile, dtype):
     def body():
         torch.manual_seed(9)
         t, k, d, heads, kv_heads, layer = 70, 64, 16, 4, 2, 1
@@ -369,7 +369,7 @@ def test_parity_tma_norm_qkv_rope(request, bias, qk_norm, dtype):
         out = torch.full((t, heads * d), float("nan"), dtype=dtype)
         norm_qkv_rope_kernels.tma_norm_qkv_rope_kernel[(TMA_PROGRAMS,)](
             x, row_scales(x), w_qkv, b, q_norm, k_norm, positions, rope, kv_cache, slots, out, t, 80, layer, EPS,
-            K=k, H=heads, KVH=kv_heads, D=d, BLOCK_M=64, BLOCK_K=32, GROUP_M=2,
+            K=k, H=heads, KVH=kv_heads, D=d, BLOCK_M=64, BLOCK_K=32, GROUP_M=2, HEADS=heads_per_tile,
             UPCAST_DOT=linear_kernels.upcast_dot(x))
         assert_matches(out, ref)
         assert_matches(kv_cache, ref_cache)

@@ -88,25 +88,39 @@ def tma_norm_qkv_rope_kernel(x_ptr, scale_ptr, w_ptr, bias_ptr, q_norm_ptr, k_no
                              kv_ptr, slot_ptr, out_ptr, T, num_slots, layer, eps,
                              K: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                             UPCAST_DOT: tl.constexpr):
-    """One whole head per tile (D contiguous rows of W_qkv: its two halves in order), through
-    the persistent TMA GEMM of `linear.tma`; scale_ptr holds the row scales of x's T rows."""
+                             HEADS: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """HEADS (1 or 2) whole heads per tile (HEADS * D contiguous rows of W_qkv, each head's two
+    halves in order), through the persistent TMA GEMM of `linear.tma`; scale_ptr holds the row
+    scales of x's T rows. Two heads make the 256-row tiles the GEMM is fastest with; a pair
+    never straddles q, k and v when H and KVH are even (`heads_per_tile`)."""
     HALF: tl.constexpr = D // 2
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[T, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[(H + 2 * KVH) * D, K], strides=[K, 1],
-                                       block_shape=[D, BLOCK_K])
+                                       block_shape=[HEADS * D, BLOCK_K])
     tiles_m = tl.cdiv(T, BLOCK_M)
+    tiles_n: tl.constexpr = (H + 2 * KVH) // HEADS
     # Not flattened: Triton 3.6 cannot fuse the tile loop with the K loop around the epilogue's
     # q / k / v branches.
-    for tile in tl.range(tl.program_id(0), tiles_m * (H + 2 * KVH), tl.num_programs(0)):
-        pid_m, h = tma.tile_coords(tile, tiles_m, H + 2 * KVH, GROUP_M)
-        acc = tma.tma_dot(x_desc, w_desc, pid_m * BLOCK_M, h * D, K, BLOCK_M, D, BLOCK_K, UPCAST_DOT)
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):
+        pid_m, pid_n = tma.tile_coords(tile, tiles_m, tiles_n, GROUP_M)
+        acc = tma.tma_dot(x_desc, w_desc, pid_m * BLOCK_M, pid_n * HEADS * D, K, BLOCK_M, HEADS * D, BLOCK_K,
+                          UPCAST_DOT)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < T
         scale = tl.load(scale_ptr + offs_m, mask=mask_m, other=0.0)
-        _epilogue(acc, scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr, out_ptr,
-                  h * D + tl.arange(0, D), offs_m, mask_m, tl.arange(0, HALF), h, num_slots, layer, eps,
-                  H, KVH, D, BLOCK_M, HALF)
+        if HEADS == 1:
+            _epilogue(acc, scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr, out_ptr,
+                      pid_n * D + tl.arange(0, D), offs_m, mask_m, tl.arange(0, HALF), pid_n, num_slots, layer,
+                      eps, H, KVH, D, BLOCK_M, HALF)
+        else:
+            first, second = split_halves(acc, BLOCK_M, D)
+            h = 2 * pid_n
+            _epilogue(first, scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr,
+                      out_ptr, h * D + tl.arange(0, D), offs_m, mask_m, tl.arange(0, HALF), h, num_slots, layer,
+                      eps, H, KVH, D, BLOCK_M, HALF)
+            _epilogue(second, scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr,
+                      out_ptr, (h + 1) * D + tl.arange(0, D), offs_m, mask_m, tl.arange(0, HALF), h + 1,
+                      num_slots, layer, eps, H, KVH, D, BLOCK_M, HALF)
 
 
 @triton.jit
@@ -171,6 +185,13 @@ def uses_tma(tile: Tile, shapes: dict) -> bool:
     return tile.tma and not shapes.get("norm_weight", False)
 
 
+def heads_per_tile(heads: int, kv_heads: int, head_dim: int, dtype: str) -> int:
+    """Heads per TMA tile: two where the pair fills the GEMM's weight tile and never mixes q,
+    k and v; else one."""
+    pair = heads % 2 == 0 and kv_heads % 2 == 0 and 2 * head_dim <= tma.tile_shape(dtype)[1]
+    return 2 if pair else 1
+
+
 def tma_aot(dtype: str, shapes: dict, tile: Tile, optional: dict[str, bool]) -> AotKernel:
     ptr = POINTER_TYPES[dtype]
     bm, _, bk = tma.tile_shape(dtype)
@@ -179,15 +200,17 @@ def tma_aot(dtype: str, shapes: dict, tile: Tile, optional: dict[str, bool]) -> 
                  "k_norm_ptr": ptr, "pos_ptr": "*i32", "rope_ptr": "*fp32", "kv_ptr": ptr, "slot_ptr": "*i32",
                  "out_ptr": ptr, "T": "i32", "num_slots": "i32", "layer": "i32", "eps": "fp32", "K": "constexpr",
                  "H": "constexpr", "KVH": "constexpr", "D": "constexpr", "BLOCK_M": "constexpr",
-                 "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "UPCAST_DOT": "constexpr"}
+                 "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "HEADS": "constexpr", "UPCAST_DOT": "constexpr"}
     for name, present in optional.items():
         if not present and name != "norm_ptr":
             signature[name] = "constexpr"
     constexprs = {"K": shapes["K"], "H": heads, "KVH": kv_heads, "D": shapes["head_dim"], "BLOCK_M": bm,
-                  "BLOCK_K": bk, "GROUP_M": tma.GROUP_M, "UPCAST_DOT": False}
+                  "BLOCK_K": bk, "GROUP_M": tma.GROUP_M, "UPCAST_DOT": False,
+                  "HEADS": heads_per_tile(heads, kv_heads, shapes["head_dim"], dtype)}
     return AotKernel(tma_norm_qkv_rope_kernel, signature, absent_as_none(signature, constexprs),
                      num_warps=tma.WARPS, num_stages=tma.STAGES, aligned=pointer_params(signature),
-                     targets=tma.TMA_TARGETS, meta=tma.tma_meta(tile.name, tile.max_rows, heads + 2 * kv_heads))
+                     targets=tma.TMA_TARGETS,
+                     meta=tma.tma_meta(tile.name, tile.max_rows, (heads + 2 * kv_heads) // constexprs["HEADS"]))
 
 
 def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
