@@ -74,6 +74,41 @@ def _find_sequence(query_lens_ptr, num_seqs, pid, GROUP: tl.constexpr, BLOCK_M: 
 
 
 @triton.jit
+def _attend(q, acc, m, l, start, hi, pos, window, table, k_cache_ptr, v_cache_ptr, kv_head, d, d_ok, qk_scale,
+            NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+            MASKED: tl.constexpr, INTERPRETER: tl.constexpr):
+    """One key tile of the online softmax: returns the updated (acc, m, l). Unmasked, every key
+    of the tile is below `hi` and seen by every row."""
+    keys = start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        key_ok = keys < hi
+        page = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0)
+    else:
+        page = tl.load(table + keys // BLOCK_SIZE)
+    slot = page.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
+    kv_off = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM
+    if MASKED:
+        k_t = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None], mask=d_ok[:, None] & key_ok[None, :], other=0.0)
+    else:
+        k_t = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None], mask=d_ok[:, None], other=0.0)
+    s = _dot(q, k_t.to(q.dtype), INTERPRETER) * qk_scale
+    if MASKED:
+        seen = (keys[None, :] <= pos[:, None]) & key_ok[None, :]
+        seen = seen & ((window <= 0) | (pos[:, None] - keys[None, :] < window))
+        s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+    acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), INTERPRETER)
+    return acc, m_new, l
+
+
+@triton.jit
 def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_ptr,
                       block_tables_ptr, query_lens_ptr, context_lens_ptr,
                       num_seqs, q_stride, out_stride, table_stride, scale, window,
@@ -113,26 +148,18 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     qk_scale = scale * 1.4426950408889634  # exp2 instead of exp
     table = block_tables_ptr + seq.to(tl.int64) * table_stride
-    for start in range(lo, hi, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        key_ok = keys < hi
-        page = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0)
-        slot = page.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
-        kv_off = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM
-        k_t = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None],
-                      mask=d_ok[:, None] & key_ok[None, :], other=0.0)
-        s = _dot(q, k_t.to(q.dtype), INTERPRETER) * qk_scale
-        seen = (keys[None, :] <= pos[:, None]) & key_ok[None, :]
-        seen = seen & ((window <= 0) | (pos[:, None] - keys[None, :] < window))
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :],
-                    mask=key_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, INTERPRETER)
-        m = m_new
+    # Whole key tiles that every row of the block sees (causal: up to its first query; no window)
+    # take no mask: in a long prefill that is all but the tiles on the diagonal.
+    visible = lo
+    if window <= 0:
+        first_query = first_pos + block * BLOCK_M // GROUP
+        visible = lo + tl.maximum(tl.minimum(hi, first_query + 1) - lo, 0) // BLOCK_N * BLOCK_N
+    for start in range(lo, visible, BLOCK_N):
+        acc, m, l = _attend(q, acc, m, l, start, hi, pos, window, table, k_cache_ptr, v_cache_ptr, kv_head, d,
+                            d_ok, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, INTERPRETER)
+    for start in range(visible, hi, BLOCK_N):
+        acc, m, l = _attend(q, acc, m, l, start, hi, pos, window, table, k_cache_ptr, v_cache_ptr, kv_head, d,
+                            d_ok, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, INTERPRETER)
 
     if SPLIT:
         # Unnormalised partial result and its (max, sum) for _combine_splits_kernel.
