@@ -223,12 +223,13 @@ shapes, result = json.loads(sys.argv[1]), {}
 for plugin in sys.argv[2:]:
     result[plugin] = []
     for kernel in importlib.import_module(f"kiln.plugins.{plugin}.kernels").aot_kernels("bfloat16", shapes):
-        for target in TARGET_CC:
+        for target in kernel.targets or TARGET_CC:
             try:
-                size = len(compile_cubin(kernel, target).binary)
+                cubin = compile_cubin(kernel, target)
+                size, shared = len(cubin.binary), cubin.shared_bytes
             except Exception as exc:
-                size = repr(exc)
-            result[plugin].append([kernel.fn.__name__, kernel.meta.get("role", ""), target, size])
+                size, shared = repr(exc), 0
+            result[plugin].append([kernel.fn.__name__, kernel.meta.get("role", ""), target, size, shared])
 sys.stdout.write(json.dumps(result))
 """
 PLUGINS = ["attention", "attention_o_proj", "embedding", "rms_norm", "take_rows"]
@@ -251,6 +252,14 @@ def test_every_kernel_compiles_for_every_target(cubins, plugin):
     assert results, f"{plugin} has no AOT kernels"
     failed = [r for r in results if not isinstance(r[3], int) or r[3] == 0]
     assert not failed, failed
+    # Each kernel fits the shared memory of the targets it is built for (sm_89's 99 KiB the least).
+    limit = {"sm_80": 163 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024, "sm_100": 227 * 1024}
+    too_big = [r for r in results if r[4] > limit[r[2]]]
+    assert not too_big, too_big
+    # Every target gets one kernel per attention role.
+    for target in limit:
+        roles = [r[1] for r in results if r[2] == target and r[1]]
+        assert len(roles) == len(set(roles)), (target, roles)
 
 
 def test_checks_in_fresh_process():
