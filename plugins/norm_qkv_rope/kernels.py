@@ -39,21 +39,6 @@ QKV_TILES = with_bucket(TILES, "small", block_n=64, block_k=64, stages=3, split_
 
 
 @triton.jit
-def _norm_rope(lo, hi, weight_ptr, pos, mask_m, rope_ptr, eps, j, D: tl.constexpr):
-    """Optional RMSNorm over the head (given only with HEAD_SPLIT 1, when lo and hi are its
-    whole halves), then RoPE at positions `pos` for columns j and j + D/2."""
-    HALF: tl.constexpr = D // 2
-    if weight_ptr is not None:
-        scale = tl.rsqrt((tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)) / D + eps)[:, None]
-        lo = lo * scale * tl.load(weight_ptr + j).to(tl.float32)[None, :]
-        hi = hi * scale * tl.load(weight_ptr + HALF + j).to(tl.float32)[None, :]
-    row = rope_ptr + pos.to(tl.int64)[:, None] * D + j[None, :]
-    cos = tl.load(row, mask=mask_m[:, None], other=0.0)
-    sin = tl.load(row + HALF, mask=mask_m[:, None], other=0.0)
-    return lo * cos - hi * sin, hi * cos + lo * sin
-
-
-@triton.jit
 def _store_head(ptrs, lo, hi, mask, HALF: tl.constexpr):
     tl.store(ptrs, lo.to(ptrs.dtype.element_ty), mask=mask)
     tl.store(ptrs + HALF, hi.to(ptrs.dtype.element_ty), mask=mask)
@@ -99,9 +84,7 @@ def tma_norm_qkv_rope_kernel(x_ptr, scale_ptr, w_ptr, bias_ptr, q_norm_ptr, k_no
                                        block_shape=[HEADS * D, BLOCK_K])
     tiles_m = tl.cdiv(T, BLOCK_M)
     tiles_n: tl.constexpr = (H + 2 * KVH) // HEADS
-    # Not flattened: Triton 3.6 cannot fuse the tile loop with the K loop around the epilogue's
-    # q / k / v branches.
-    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0), flatten=True):
         pid_m, pid_n = tma.tile_coords(tile, tiles_m, tiles_n, GROUP_M)
         acc = tma.tma_dot(x_desc, w_desc, pid_m * BLOCK_M, pid_n * HEADS * D, K, BLOCK_M, HEADS * D, BLOCK_K,
                           UPCAST_DOT)
@@ -127,27 +110,41 @@ def tma_norm_qkv_rope_kernel(x_ptr, scale_ptr, w_ptr, bias_ptr, q_norm_ptr, k_no
 def _epilogue(acc, scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr, out_ptr,
               rows, offs_m, mask_m, j, h, num_slots, layer, eps, H: tl.constexpr,
               KVH: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """Row scale, bias, then q to the output or k and v (q/k normed and rotated) to the cache."""
+    """Row scale, bias, then q to the output or k and v (q/k normed and rotated) to the cache.
+    Branch-free (which head kind h is only selects values and masks), so that the persistent
+    TMA kernel's tile loop can be flattened into its K loop: Triton 3.6 cannot flatten around
+    an epilogue with branches."""
     HALF: tl.constexpr = D // 2
     acc *= scale[:, None]
     if bias_ptr is not None:
         acc += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
     lo, hi = split_halves(acc, BLOCK_M, CHUNK)
-    mask = mask_m[:, None]
+    is_q = h < H
+    is_v = h >= H + KVH
     pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0)
-    if h < H:
-        lo, hi = _norm_rope(lo, hi, q_norm_ptr, pos, mask_m, rope_ptr, eps, j, D)
-        _store_head(out_ptr + offs_m.to(tl.int64)[:, None] * (H * D) + h * D + j[None, :], lo, hi, mask, HALF)
-    else:
-        slot = tl.load(slot_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-        if h < H + KVH:
-            lo, hi = _norm_rope(lo, hi, k_norm_ptr, pos, mask_m, rope_ptr, eps, j, D)
-            # tl.cast, not .to: the JIT passes layer 1 as a constexpr int.
-            row = tl.cast(layer * 2, tl.int64) * num_slots + slot
-            _store_head(kv_ptr + row[:, None] * (KVH * D) + (h - H) * D + j[None, :], lo, hi, mask, HALF)
-        else:
-            row = tl.cast(layer * 2 + 1, tl.int64) * num_slots + slot
-            _store_head(kv_ptr + row[:, None] * (KVH * D) + (h - H - KVH) * D + j[None, :], lo, hi, mask, HALF)
+    if q_norm_ptr is not None:
+        # Per-head RMSNorm of q and k (HEAD_SPLIT 1: lo and hi are the head's whole halves).
+        norm = tl.rsqrt((tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)) / D + eps)[:, None]
+        norm = tl.where(is_v, 1.0, norm)
+        w_lo = tl.where(is_q, tl.load(q_norm_ptr + j).to(tl.float32), tl.load(k_norm_ptr + j).to(tl.float32))
+        w_hi = tl.where(is_q, tl.load(q_norm_ptr + HALF + j).to(tl.float32),
+                        tl.load(k_norm_ptr + HALF + j).to(tl.float32))
+        lo = lo * norm * tl.where(is_v, 1.0, w_lo)[None, :]
+        hi = hi * norm * tl.where(is_v, 1.0, w_hi)[None, :]
+    # RoPE for q and k; v's rotation is the identity (cos 1, sin 0).
+    rope = mask_m[:, None] & (not is_v)
+    row = rope_ptr + pos.to(tl.int64)[:, None] * D + j[None, :]
+    cos = tl.load(row, mask=rope, other=1.0)
+    sin = tl.load(row + HALF, mask=rope, other=0.0)
+    lo, hi = lo * cos - hi * sin, hi * cos + lo * sin
+    q_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * (H * D) + h * D + j[None, :]
+    _store_head(q_ptrs, lo, hi, mask_m[:, None] & is_q, HALF)
+    slot = tl.load(slot_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    # tl.cast, not .to: the JIT passes layer 1 as a constexpr int.
+    cache_row = (tl.cast(layer * 2, tl.int64) + is_v.to(tl.int64)) * num_slots + slot
+    kv_head = tl.where(is_v, h - H - KVH, h - H)
+    _store_head(kv_ptr + cache_row[:, None] * (KVH * D) + kv_head * D + j[None, :], lo, hi,
+                mask_m[:, None] & (not is_q), HALF)
 
 
 def head_split(tile: Tile, head_dim: int, qk_norm: bool) -> int:

@@ -1,0 +1,126 @@
+"""The sm_90 launchers drive the persistent TMA kernels right: each GEMM plugin's `launch.py`,
+given its sm_90 kernels from `aot_kernels` and a step in the prefill bucket, launches them
+(the row-scale pre-pass, then the GEMM on a grid of min(tiles, SMS) programs) with arguments
+that make them compute the plugin's reference.
+
+The driver call needs a GPU, so each loaded kernel is a stand-in that runs the AOT kernel's
+own Triton function in the interpreter with the arguments the launcher passed: pointers are
+mapped back to the tensors they are the addresses of, scalars are passed as they are, and the
+constexprs are the cubin's. Where `test_launch_args.py` compares launchers with `kernels.run`
+(whose JIT launches take the pointer-load tiles), this runs what sm_90 runs.
+"""
+import importlib
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from unittest import mock  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from kiln.builder.passes.fold import _interleave  # noqa: E402
+from kiln.plugins import get_plugin  # noqa: E402
+from kiln.plugins.aot import AotKernel  # noqa: E402
+
+GEMM_PLUGINS = ("linear", "linear_residual", "norm_swiglu", "norm_qkv_rope")
+KERNELS = {name: importlib.import_module(f"kiln.plugins.{name}.kernels") for name in GEMM_PLUGINS}
+LAUNCHERS = {name: importlib.import_module(f"kiln.plugins.{name}.launch") for name in GEMM_PLUGINS}
+
+pytestmark = [
+    pytest.mark.skipif(not isinstance(KERNELS["linear"].linear_kernel, InterpretedFunction),
+                       reason="runs the kernels in Triton's interpreter (set when torch sees no GPU)"),
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+]
+SMS = 3          # fewer programs than tiles: each program walks several
+T = 300          # the prefill bucket (more than 256 rows), not a multiple of the 128-row tile
+EPS = 1e-5
+POINTER_DTYPES = {"*fp32": torch.float32, "*bf16": torch.bfloat16, "*fp16": torch.float16, "*i32": torch.int32}
+
+
+class Running:
+    """A loaded kernel's stand-in: `launch` runs the AOT kernel's function in the interpreter."""
+
+    def __init__(self, kernel: AotKernel, tensors: list[torch.Tensor], log: list) -> None:
+        self.kernel = kernel
+        self.tensors = {t.data_ptr(): t for t in tensors}
+        self.log = log   # (kernel name, grid) of every launch, in order
+
+    def launch(self, grid: tuple[int, int, int], args: list, stream: int) -> None:
+        params = [n for n, kind in self.kernel.signature.items() if kind != "constexpr"]
+        assert len(args) == len(params), (self.kernel.fn.__name__, args)
+        values = {}
+        for name, arg in zip(params, args):
+            kind = self.kernel.signature[name]
+            values[name] = self.tensors[arg].view(POINTER_DTYPES[kind]) if kind.startswith("*") else arg
+        self.log.append((self.kernel.fn.__name__, grid))
+        self.kernel.fn[grid](**values, **self.kernel.constexprs)
+
+
+def sm90(kernels: list[AotKernel]) -> list[AotKernel]:
+    return [k for k in kernels if k.targets is None or "sm_90" in k.targets]
+
+
+def launch(plugin: str, shapes: dict, inputs: list, attrs: dict, out: torch.Tensor) -> list[tuple[str, tuple]]:
+    """Run the plugin's sm_90 launcher on a step of T rows; returns its launches in order."""
+    launcher = LAUNCHERS[plugin]
+    kernels = sm90(KERNELS[plugin].aot_kernels("float32", shapes))
+    scratch = {name: torch.zeros(nbytes, dtype=torch.uint8) for name, nbytes in
+               (launcher.scratch_bytes(attrs, {"T": T}) if hasattr(launcher, "scratch_bytes") else {}).items()}
+    tensors = [t for t in [*inputs, out, *scratch.values()] if t is not None]
+    log: list = []
+    with mock.patch("kiln.plugins.driver_launch.sm_count", lambda: SMS):
+        launcher.launch([Running(k, tensors, log) for k in kernels], [k.meta for k in kernels], inputs, attrs, out,
+                        {"T": T}, 0, scratch)
+    return log
+
+
+def close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    torch.testing.assert_close(out, ref.to(out.dtype), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("plugin", ["linear", "linear_residual"])
+def test_linear_launches_the_tma_gemm(plugin):
+    torch.manual_seed(0)
+    k, n = 64, 384   # three 128-column tiles: three row tiles x three column tiles over 3 programs
+    inputs = [torch.randn(T, k), torch.randn(n, k) / 8, torch.randn(n)]
+    inputs += [torch.randn(T, n)] if plugin == "linear_residual" else []
+    attrs = {"parallel": "none", "heads": 0, "all_reduce": False}
+    out = torch.full((T, n), float("nan"))
+    assert launch(plugin, {"K": k, "N": n, "bias": True}, inputs, attrs, out) == [("tma_linear_kernel", (SMS, 1, 1))]
+    close(out, get_plugin(plugin).call_reference(inputs, attrs))
+
+
+def test_norm_swiglu_launches_row_scales_then_the_tma_gemm():
+    torch.manual_seed(1)
+    k, inter, block = 64, 128, 32
+    w_gu = torch.randn(2 * inter, k) / 8
+    inputs = [torch.randn(T, k) * 3, None, _interleave(w_gu, block)]
+    attrs = {"eps": EPS, "block": block}
+    out = torch.full((T, inter), float("nan"))
+    log = launch("norm_swiglu", {"K": k, "I": inter, "block": block}, inputs, attrs, out)
+    assert log == [("row_scale_kernel", (T, 1, 1)), ("tma_norm_swiglu_kernel", (SMS, 1, 1))]
+    close(out, get_plugin("norm_swiglu").call_reference(inputs, attrs))
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_norm_qkv_rope_launches_row_scales_then_the_tma_gemm(qk_norm):
+    torch.manual_seed(2)
+    k, heads, kv_heads, d, layer = 64, 4, 2, 32, 1
+    rows = (heads + 2 * kv_heads) * d
+    angles = torch.arange(512)[:, None] * 10000.0 ** (-torch.arange(0, d, 2) / d)
+    kv_cache = torch.randn(2, 2, 20, 16, kv_heads, d)   # 320 slots per layer
+    inputs = [torch.randn(T, k), None, torch.randn(rows, k) / 8, torch.randn(rows),
+              1 + 0.2 * torch.randn(d) if qk_norm else None, 1 + 0.2 * torch.randn(d) if qk_norm else None,
+              torch.randint(0, 512, (T,), dtype=torch.int32), torch.cat([angles.cos(), angles.sin()], dim=1),
+              kv_cache, torch.randperm(320)[:T].to(torch.int32)]
+    attrs = {"eps": EPS, "layer": layer, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d}
+    shapes = {"K": k, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d, "bias": True, "qk_norm": qk_norm}
+    ref_cache = kv_cache.clone()
+    ref = get_plugin("norm_qkv_rope").call_reference(inputs[:8] + [ref_cache] + inputs[9:], attrs)
+    out = torch.full((T, heads * d), float("nan"))
+    log = launch("norm_qkv_rope", shapes, inputs, attrs, out)
+    assert log == [("row_scale_kernel", (T, 1, 1)), ("tma_norm_qkv_rope_kernel", (SMS, 1, 1))]
+    close(out, ref)
+    close(kv_cache, ref_cache)
