@@ -10,7 +10,7 @@ op's inputs and output must be the same, and buffers that `run()` allocates for 
 split-KV workspaces, attention_o_proj's attention output) must map one-to-one onto the
 executor's scratch buffers, big enough to hold them. Scalars are compared by value.
 
-The ops come from the plans of engines built for ["cpu", "sm_90"], with the cubin compiler
+The ops come from the plans of engines built for ["cpu", "sm_89"], with the cubin compiler
 replaced by a stand-in (the manifest's kernel index, signatures and launch metadata are the
 real ones), driven as the CUDA executor drives them: the step's inputs and activations in the
 arena, the launcher's scratch buffers sized by its `scratch_bytes`, through a prefill step
@@ -60,7 +60,9 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
 ]
 
-TARGET = "sm_90"
+# sm_89: the targets' launchers are the same, and sm_89 runs the kernels run() does; the ones
+# only sm_90 and later get (TMA GEMMs, 128-row prefill attention) are run by test_tma_launch.py.
+TARGET = "sm_89"
 NUM_BLOCKS = 96
 # Constexprs that only say whether the kernel runs in the interpreter: run() sets them there,
 # the AOT kernels never.
@@ -270,7 +272,7 @@ def _json(meta: dict) -> dict:
 
 def check_variant(op: str, dtype: str, shapes: dict, inputs: list, attrs: dict, out: torch.Tensor, dims: dict,
                   scratch: dict, external: list) -> int:
-    kernels = KERNELS[op].aot_kernels(dtype, shapes)
+    kernels = [k for k in KERNELS[op].aot_kernels(dtype, shapes) if k.targets is None or TARGET in k.targets]
     signatures = [[t for t in k.signature.values() if t != "constexpr"] for k in kernels]
     return check_op(op, kernels, signatures, [_json(k.meta) for k in kernels], inputs, attrs, out, dims, scratch,
                     external)

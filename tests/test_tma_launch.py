@@ -1,7 +1,8 @@
-"""The sm_90 launchers drive the persistent TMA kernels right: each GEMM plugin's `launch.py`,
-given its sm_90 kernels from `aot_kernels` and a step in the prefill bucket, launches them
-(the row-scale pre-pass, then the GEMM on a grid of min(tiles, SMS) programs) with arguments
-that make them compute the plugin's reference.
+"""The sm_90 launchers drive the kernels only sm_90 and later get: each GEMM plugin's
+`launch.py`, given its sm_90 kernels from `aot_kernels` and a step in the prefill bucket,
+launches the persistent TMA kernels (the row-scale pre-pass, then the GEMM on a grid of
+min(tiles, SMS) programs), and attention's its 128-row prefill kernel, with arguments that
+make them compute the plugin's reference.
 
 The driver call needs a GPU, so each loaded kernel is a stand-in that runs the AOT kernel's
 own Triton function in the interpreter with the arguments the launcher passed: pointers are
@@ -24,7 +25,7 @@ from kiln.builder.passes.fold import _interleave  # noqa: E402
 from kiln.plugins import get_plugin  # noqa: E402
 from kiln.plugins.aot import AotKernel  # noqa: E402
 
-GEMM_PLUGINS = ("linear", "linear_residual", "norm_swiglu", "norm_qkv_rope")
+GEMM_PLUGINS = ("linear", "linear_residual", "norm_swiglu", "norm_qkv_rope", "attention")
 KERNELS = {name: importlib.import_module(f"kiln.plugins.{name}.kernels") for name in GEMM_PLUGINS}
 LAUNCHERS = {name: importlib.import_module(f"kiln.plugins.{name}.launch") for name in GEMM_PLUGINS}
 
@@ -53,7 +54,10 @@ class Running:
         values = {}
         for name, arg in zip(params, args):
             kind = self.kernel.signature[name]
-            values[name] = self.tensors[arg].view(POINTER_DTYPES[kind]) if kind.startswith("*") else arg
+            if kind.startswith("*"):  # 0: an absent optional pointer
+                values[name] = self.tensors[arg].view(POINTER_DTYPES[kind]) if arg else None
+            else:
+                values[name] = arg
         self.log.append((self.kernel.fn.__name__, grid))
         self.kernel.fn[grid](**values, **self.kernel.constexprs)
 
@@ -62,13 +66,16 @@ def sm90(kernels: list[AotKernel]) -> list[AotKernel]:
     return [k for k in kernels if k.targets is None or "sm_90" in k.targets]
 
 
-def launch(plugin: str, shapes: dict, inputs: list, attrs: dict, out: torch.Tensor) -> list[tuple[str, tuple]]:
-    """Run the plugin's sm_90 launcher on a step of T rows; returns its launches in order."""
+def launch(plugin: str, shapes: dict, inputs: list, attrs: dict, out: torch.Tensor,
+           views: list[torch.Tensor] = ()) -> list[tuple[str, tuple]]:
+    """Run the plugin's sm_90 launcher on a step of T rows; returns its launches in order.
+    `views`: tensors whose addresses the launcher passes besides its inputs'."""
     launcher = LAUNCHERS[plugin]
     kernels = sm90(KERNELS[plugin].aot_kernels("float32", shapes))
+    limits = {"T": T, "S": 8, "B": 64, "block_size": 16, "element_bytes": 4}
     scratch = {name: torch.zeros(nbytes, dtype=torch.uint8) for name, nbytes in
-               (launcher.scratch_bytes(attrs, {"T": T}) if hasattr(launcher, "scratch_bytes") else {}).items()}
-    tensors = [t for t in [*inputs, out, *scratch.values()] if t is not None]
+               (launcher.scratch_bytes(attrs, limits) if hasattr(launcher, "scratch_bytes") else {}).items()}
+    tensors = [t for t in [*inputs, out, *scratch.values(), *views] if t is not None]
     log: list = []
     with mock.patch("kiln.plugins.driver_launch.sm_count", lambda: SMS):
         launcher.launch([Running(k, tensors, log) for k in kernels], [k.meta for k in kernels], inputs, attrs, out,
@@ -124,3 +131,25 @@ def test_norm_qkv_rope_launches_row_scales_then_the_tma_gemm(qk_norm):
     assert log == [("row_scale_kernel", (T, 1, 1)), ("tma_norm_qkv_rope_kernel", (SMS, 1, 1))]
     close(out, ref)
     close(kv_cache, ref_cache)
+
+
+def test_attention_launches_the_128_row_prefill_kernel():
+    """Two sequences' prefill chunks, the second continuing 40 cached tokens, through paged
+    blocks in scrambled order."""
+    torch.manual_seed(3)
+    heads, kv_heads, d, bs, layer = 8, 2, 32, 16, 1
+    lens = [180, 120]
+    cached = [0, 40]
+    kv_cache = torch.randn(2, 2, 40, bs, kv_heads, d)
+    tables = torch.randperm(40)[:32].view(2, 16).to(torch.int32)
+    inputs = [torch.randn(T, heads * d), None, None, kv_cache, torch.zeros(T, dtype=torch.int32), tables,
+              torch.tensor(lens, dtype=torch.int32), torch.tensor([n + c for n, c in zip(lens, cached)],
+                                                                    dtype=torch.int32)]
+    attrs = {"layer": layer, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d, "scale": d ** -0.5,
+             "window": 0}
+    shapes = {"heads": heads, "kv_heads": kv_heads, "head_dim": d, "block_size": bs}
+    out = torch.full((T, heads * d), float("nan"))
+    log = launch("attention", shapes, inputs, attrs, out, views=[kv_cache[layer, 0], kv_cache[layer, 1]])
+    # Rows are (query token, head of its kv group) pairs, 128 to a program: T * 4 / 128 + S.
+    assert log == [("_attention_kernel", (T * heads // kv_heads // 128 + 2, kv_heads, 1))]
+    close(out, get_plugin("attention").call_reference(inputs, attrs))
