@@ -17,7 +17,7 @@ from kiln.runtime.cuda_driver import device_arch
 from kiln.runtime.cuda_executor import CudaExecutor
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.engine import Engine, EngineLoadError, load_engine
-from kiln.runtime.executor import CpuExecutor
+from kiln.runtime.executor import CpuExecutor, InputRegion
 from kiln.runtime.kv_cache import BlockManager
 from kiln.runtime.kv_pool import KVPool, size_kv_pool
 from kiln.runtime.tp_executor import TensorParallelExecutor
@@ -58,7 +58,8 @@ def open_executor(engine: Engine, on_gpu: bool, num_blocks: int, worker_timeout:
                               f"{torch.cuda.device_count()} GPU(s): rebuild with --tp-size "
                               f"{torch.cuda.device_count()} or fewer, or run it on a machine with {world} GPUs")
     if world > 1:
-        return TensorParallelExecutor(engine.path, world, num_blocks, worker_timeout, "cuda" if on_gpu else "cpu")
+        return TensorParallelExecutor(engine.path, world, num_blocks, InputRegion(engine), worker_timeout,
+                                      "cuda" if on_gpu else "cpu")
     return CudaExecutor(engine, num_blocks) if on_gpu else CpuExecutor(engine, num_blocks)
 
 

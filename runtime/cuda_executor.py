@@ -115,8 +115,7 @@ class CudaExecutor(ArenaExecutor):
         self.logits = self.memory.bytes("logits").view(torch.float32)
         self.zeros = self.memory.bytes("zeros")  # never written: the arena starts zeroed
         self.ops = self._load_ops(launchers)
-        start, end = self.input_region
-        self.staging = torch.empty(end - start, dtype=torch.uint8, pin_memory=True)
+        self.staging = torch.empty(self.inputs.nbytes, dtype=torch.uint8, pin_memory=True)
         self.staged = torch.cuda.Event()
         self.graphs = self._capture_decode_graphs() if cuda_graphs else {}
 
@@ -145,9 +144,8 @@ class CudaExecutor(ArenaExecutor):
     def _stage_inputs(self, step: StepInputs, dims: dict[str, int]) -> None:
         """Pack the inputs into the pinned buffer, then one asynchronous copy to the arena."""
         self.staged.synchronize()  # the previous step's copy has left the buffer
-        self.pack_inputs(step, self.staging)
-        start, end = self.input_region
-        self.arena[start:end].copy_(self.staging, non_blocking=True)
+        self.inputs.pack(step, self.staging)
+        self.arena[self.inputs.start:self.inputs.end].copy_(self.staging, non_blocking=True)
         self.staged.record()
 
     @staticmethod

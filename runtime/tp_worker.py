@@ -1,17 +1,20 @@
 """One tensor-parallel rank in its own process: an executor driven over a pipe.
 
 Started by `kiln.runtime.tp_executor` as `python -m kiln.runtime.tp_worker ENGINE_DIR RANK
-WORLD_SIZE PORT NUM_KV_BLOCKS DEVICE CONN_FD PING_FD`, the last two inherited socket ends.
+WORLD_SIZE PORT NUM_KV_BLOCKS DEVICE CONN_FD PING_FD SHARED_FD`: two inherited socket ends and
+the shared buffer that carries each step's inputs.
 
 The worker joins the process group (gloo with the CPU executor, or NCCL with the CUDA executor
-on GPU `rank`), loads its rank's engine file and then serves calls from the Session's process:
-`run` (copy-on-write copies, then one step) and `stop`. Every rank runs every step; row-parallel
-ops all-reduce (inside their reference implementations on the CPU, after their kernels on the
-GPU), so every rank ends with the full logits and only rank 0 sends them back.
+on GPU `rank`), loads its rank's engine file, answers with where its arena holds the step
+inputs, and then serves calls from the Session's process: `step` (the step's sizes, the
+copy-on-write copies and, for rank 0, the `Picks`; the inputs are in the shared buffer) and
+`stop`. Every rank runs every step; row-parallel ops all-reduce (inside their reference
+implementations on the CPU, after their kernels on the GPU), so every rank ends with the full
+logits, and rank 0 picks the tokens from them on its device and sends back their ids.
 """
 from __future__ import annotations
 
-import multiprocessing
+import mmap
 import os
 import sys
 import threading
@@ -57,13 +60,13 @@ def _open_executor(engine_dir: str, rank: int, world_size: int, num_kv_blocks: i
 
 
 def worker_main(engine_dir: str, rank: int, world_size: int, port: int, num_kv_blocks: int,
-                conn: Connection, ping: Connection, device: str = "cpu") -> None:
+                conn: Connection, ping: Connection, shared: torch.Tensor, device: str = "cpu") -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     threading.Thread(target=_answer_pings, args=(ping,), daemon=True).start()
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         executor = _open_executor(engine_dir, rank, world_size, num_kv_blocks, device)
-        conn.send(("ready", None))
+        conn.send(("ready", executor.inputs.slots))
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
@@ -73,10 +76,11 @@ def worker_main(engine_dir: str, rank: int, world_size: int, port: int, num_kv_b
             if call == "stop":
                 break
             try:
-                logits = executor.run(*args)
-                # Only rank 0's logits go back (every rank computes them); on a GPU the copy
-                # to the host also waits for the step.
-                conn.send(("ok", logits.cpu() if rank == 0 else None))
+                sizes, copies, picks = args
+                sampled = executor.execute(executor.inputs.unpack(shared, sizes), copies, None, picks)
+                # Only rank 0 picks (every rank has the logits); on a GPU reading the ids
+                # also waits for the step.
+                conn.send(("ok", None if sampled is None else (sampled[0].tolist(), sampled[1])))
             except Exception:
                 conn.send(("error", traceback.format_exc()))
     except (EOFError, KeyboardInterrupt):
@@ -85,13 +89,17 @@ def worker_main(engine_dir: str, rank: int, world_size: int, port: int, num_kv_b
         dist.destroy_process_group()
 
 
-def main(argv: list[str]) -> None:
-    from kiln.runtime.tp_executor import AUTHKEY_ENV
+def _map_shared(fd: int) -> torch.Tensor:
+    """The shared step-inputs buffer, as uint8 (the mapping keeps it; the descriptor can go)."""
+    buffer = mmap.mmap(fd, 0)
+    os.close(fd)
+    return torch.frombuffer(buffer, dtype=torch.uint8)
 
-    multiprocessing.current_process().authkey = bytes.fromhex(os.environ.pop(AUTHKEY_ENV))
-    engine_dir, rank, world_size, port, num_kv_blocks, device, conn_fd, ping_fd = argv
+
+def main(argv: list[str]) -> None:
+    engine_dir, rank, world_size, port, num_kv_blocks, device, conn_fd, ping_fd, shared_fd = argv
     worker_main(engine_dir, int(rank), int(world_size), int(port), int(num_kv_blocks), Connection(int(conn_fd)),
-                Connection(int(ping_fd)), device)
+                Connection(int(ping_fd)), _map_shared(int(shared_fd)), device)
 
 
 if __name__ == "__main__":
