@@ -184,6 +184,12 @@ class TensorParallelExecutor:
         tokens, logprobs = sampled
         return torch.tensor(tokens, dtype=torch.long), logprobs
 
+    def all_reduce_seconds(self, tokens: int) -> float:
+        """Rank 0's estimate of the seconds a step of `tokens` tokens spends in all-reduces,
+        timed apart from any step (`runtime.collectives`)."""
+        self._send_all("all_reduce_seconds", [tokens] * len(self.conns), "timing all-reduces")
+        return self._gather(self.step_timeout, "timing all-reduces")[0]
+
     def close(self) -> None:
         """Stop every worker; ones stuck in a collective with a dead peer are killed."""
         for conn in self.conns:

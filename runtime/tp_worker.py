@@ -7,10 +7,12 @@ the shared buffer that carries each step's inputs.
 The worker joins the process group (gloo with the CPU executor, or NCCL with the CUDA executor
 on GPU `rank`), loads its rank's engine file, answers with where its arena holds the step
 inputs, and then serves calls from the Session's process: `step` (the step's sizes, the
-copy-on-write copies and, for rank 0, the `Picks`; the inputs are in the shared buffer) and
-`stop`. Every rank runs every step; row-parallel ops all-reduce (inside their reference
-implementations on the CPU, after their kernels on the GPU), so every rank ends with the full
-logits, and rank 0 picks the tokens from them on its device and sends back their ids.
+copy-on-write copies and, for rank 0, the `Picks`; the inputs are in the shared buffer),
+`all_reduce_seconds` (bench-engine's estimate of a step's collective time,
+`runtime.collectives`) and `stop`. Every rank runs every step; row-parallel ops all-reduce
+(inside their reference implementations on the CPU, after their kernels on the GPU), so every
+rank ends with the full logits, and rank 0 picks the tokens from them on its device and sends
+back their ids.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
+
+from kiln.runtime.collectives import step_all_reduce_seconds
 
 # How long a rank waits in a collective for a peer before failing; the Session's own deadline
 # is shorter, so a dead peer is reported by the Session, not by a gloo timeout.
@@ -76,11 +80,15 @@ def worker_main(engine_dir: str, rank: int, world_size: int, port: int, num_kv_b
             if call == "stop":
                 break
             try:
-                sizes, copies, picks = args
-                sampled = executor.execute(executor.inputs.unpack(shared, sizes), copies, None, picks)
-                # Only rank 0 picks (every rank has the logits); on a GPU reading the ids
-                # also waits for the step.
-                conn.send(("ok", None if sampled is None else (sampled[0].tolist(), sampled[1])))
+                if call == "all_reduce_seconds":
+                    reply = step_all_reduce_seconds(executor.engine, args, executor.kv_cache.device)
+                else:
+                    sizes, copies, picks = args
+                    sampled = executor.execute(executor.inputs.unpack(shared, sizes), copies, None, picks)
+                    # Only rank 0 picks (every rank has the logits); on a GPU reading the ids
+                    # also waits for the step.
+                    reply = None if sampled is None else (sampled[0].tolist(), sampled[1])
+                conn.send(("ok", reply))
             except Exception:
                 conn.send(("error", traceback.format_exc()))
     except (EOFError, KeyboardInterrupt):
