@@ -67,13 +67,13 @@ def _shared_buffer(nbytes: int) -> tuple[int, torch.Tensor]:
 
 
 def _start_worker(engine_dir: str | Path, rank: int, world_size: int, port: int, num_kv_blocks: int,
-                  device: str, shared_fd: int) -> tuple[subprocess.Popen, Connection, Connection]:
+                  device: str, all_reduce: str, shared_fd: int) -> tuple[subprocess.Popen, Connection, Connection]:
     """Start rank `rank`'s worker; returns it with this side's step and ping connections."""
     conn, child_conn = mp.Pipe()
     ping, child_ping = mp.Pipe()
     fds = (child_conn.fileno(), child_ping.fileno(), shared_fd)
     proc = subprocess.Popen([sys.executable, "-m", "kiln.runtime.tp_worker", str(engine_dir), str(rank),
-                             str(world_size), str(port), str(num_kv_blocks), device, *map(str, fds)],
+                             str(world_size), str(port), str(num_kv_blocks), device, all_reduce, *map(str, fds)],
                             pass_fds=fds, env=_worker_env())
     # Only the worker holds its ends now, so its death reads as end-of-file here.
     child_conn.close()
@@ -83,8 +83,9 @@ def _start_worker(engine_dir: str | Path, rank: int, world_size: int, port: int,
 
 class TensorParallelExecutor:
     def __init__(self, engine_dir: str | Path, world_size: int, num_kv_blocks: int, inputs: InputRegion,
-                 step_timeout: float = STEP_TIMEOUT, device: str = "cpu"):
-        """`inputs`: rank 0's input region, which every rank must share."""
+                 step_timeout: float = STEP_TIMEOUT, device: str = "cpu", all_reduce: str = "auto"):
+        """`inputs`: rank 0's input region, which every rank must share; `all_reduce`: how GPU
+        ranks sum (`runtime.all_reduce.MODES`)."""
         port = _free_port()
         self.step_timeout = step_timeout
         self.inputs = inputs
@@ -92,20 +93,25 @@ class TensorParallelExecutor:
         self.conns, self.pings, self.procs = [], [], []
         try:
             for rank in range(world_size):
-                proc, conn, ping = _start_worker(engine_dir, rank, world_size, port, num_kv_blocks, device, shared_fd)
+                proc, conn, ping = _start_worker(engine_dir, rank, world_size, port, num_kv_blocks, device, all_reduce,
+                                                 shared_fd)
                 self.procs.append(proc)
                 self.conns.append(conn)
                 self.pings.append(ping)
         finally:
             os.close(shared_fd)  # the workers hold their own; the mapping here keeps the memory
         try:
-            for rank, slots in enumerate(self._gather(STARTUP_TIMEOUT, "starting")):
+            ready = self._gather(STARTUP_TIMEOUT, "starting")
+            for rank, (slots, _) in enumerate(ready):
                 if slots != inputs.slots:
                     raise WorkerError(f"tensor-parallel rank {rank} places its step inputs elsewhere in its arena "
                                       "than rank 0: the engine folder mixes builds; rebuild it into an empty folder")
         except WorkerError:
             self.close()
             raise
+        # Whether decode-sized all-reduces take the custom kernel (`runtime.all_reduce`): the
+        # ranks agree on it when they set it up.
+        self.custom_all_reduce: bool = ready[0][1]
 
     def _gather(self, timeout: float, doing: str) -> list:
         """Wait for one reply from every rank; raise naming the first rank that failed."""

@@ -1,18 +1,20 @@
 """One tensor-parallel rank in its own process: an executor driven over a pipe.
 
 Started by `kiln.runtime.tp_executor` as `python -m kiln.runtime.tp_worker ENGINE_DIR RANK
-WORLD_SIZE PORT NUM_KV_BLOCKS DEVICE CONN_FD PING_FD SHARED_FD`: two inherited socket ends and
-the shared buffer that carries each step's inputs.
+WORLD_SIZE PORT NUM_KV_BLOCKS DEVICE ALL_REDUCE CONN_FD PING_FD SHARED_FD`: how GPU ranks sum
+(`runtime.all_reduce.MODES`), two inherited socket ends and the shared buffer that carries each
+step's inputs.
 
 The worker joins the process group (gloo with the CPU executor, or NCCL with the CUDA executor
-on GPU `rank`), loads its rank's engine file, answers with where its arena holds the step
-inputs, and then serves calls from the Session's process: `step` (the step's sizes, the
-copy-on-write copies and, for rank 0, the `Picks`; the inputs are in the shared buffer),
-`all_reduce_seconds` (bench-engine's estimate of a step's collective time,
+on GPU `rank`, plus a gloo group over which the ranks set up the custom all-reduce), loads its
+rank's engine file, answers with where its arena holds the step inputs and whether it sums
+with the custom all-reduce, and then serves calls from the Session's process: `step` (the
+step's sizes, the copy-on-write copies and, for rank 0, the `Picks`; the inputs are in the
+shared buffer), `all_reduce_seconds` (bench-engine's estimate of a step's collective time,
 `runtime.collectives`) and `stop`. Every rank runs every step; row-parallel ops all-reduce
-(inside their reference implementations on the CPU, after their kernels on the GPU), so every
-rank ends with the full logits, and rank 0 picks the tokens from them on its device and sends
-back their ids.
+(inside their reference implementations on the CPU, after their kernels on the GPU:
+`runtime.all_reduce`), so every rank ends with the full logits, and rank 0 picks the tokens
+from them on its device and sends back their ids.
 """
 from __future__ import annotations
 
@@ -27,7 +29,9 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
+from kiln.runtime.all_reduce import AllReduce, gloo_gather, open_all_reduce
 from kiln.runtime.collectives import step_all_reduce_seconds
+from kiln.runtime.executor import ArenaExecutor
 
 # How long a rank waits in a collective for a peer before failing; the Session's own deadline
 # is shorter, so a dead peer is reported by the Session, not by a gloo timeout.
@@ -44,9 +48,10 @@ def _answer_pings(conn: Connection) -> None:
         pass
 
 
-def _open_executor(engine_dir: str, rank: int, world_size: int, num_kv_blocks: int, device: str):
+def _open_executor(engine_dir: str, rank: int, world_size: int, num_kv_blocks: int, device: str,
+                   all_reduce: str) -> tuple[ArenaExecutor, AllReduce]:
     """Join the process group and load this rank's engine: gloo and the CPU executor, or NCCL
-    and the CUDA executor on GPU `rank`."""
+    and the CUDA executor on GPU `rank`. Returns the executor and how it sums over the ranks."""
     from kiln.runtime.engine import load_engine
 
     if device == "cuda":
@@ -56,21 +61,25 @@ def _open_executor(engine_dir: str, rank: int, world_size: int, num_kv_blocks: i
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT,
                                 device_id=torch.device("cuda", rank))
-        return CudaExecutor(load_engine(engine_dir, rank=rank, target=device_arch()), num_kv_blocks)
+        control = dist.new_group(backend="gloo")
+        engine = load_engine(engine_dir, rank=rank, target=device_arch())
+        summing = open_all_reduce(engine, all_reduce, gloo_gather(control))
+        return CudaExecutor(engine, num_kv_blocks, all_reduce=summing), summing
     from kiln.runtime.executor import CpuExecutor
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
-    return CpuExecutor(load_engine(engine_dir, rank=rank), num_kv_blocks)
+    return CpuExecutor(load_engine(engine_dir, rank=rank), num_kv_blocks), AllReduce()
 
 
 def worker_main(engine_dir: str, rank: int, world_size: int, port: int, num_kv_blocks: int,
-                conn: Connection, ping: Connection, shared: torch.Tensor, device: str = "cpu") -> None:
+                conn: Connection, ping: Connection, shared: torch.Tensor, device: str = "cpu",
+                all_reduce: str = "auto") -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     threading.Thread(target=_answer_pings, args=(ping,), daemon=True).start()
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        executor = _open_executor(engine_dir, rank, world_size, num_kv_blocks, device)
-        conn.send(("ready", executor.inputs.slots))
+        executor, summing = _open_executor(engine_dir, rank, world_size, num_kv_blocks, device, all_reduce)
+        conn.send(("ready", (executor.inputs.slots, summing.custom is not None)))
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
@@ -78,10 +87,11 @@ def worker_main(engine_dir: str, rank: int, world_size: int, port: int, num_kv_b
         while True:
             call, args = conn.recv()
             if call == "stop":
+                summing.close()
                 break
             try:
                 if call == "all_reduce_seconds":
-                    reply = step_all_reduce_seconds(executor.engine, args, executor.kv_cache.device)
+                    reply = step_all_reduce_seconds(executor.engine, args, executor.kv_cache.device, summing)
                 else:
                     sizes, copies, picks = args
                     sampled = executor.execute(executor.inputs.unpack(shared, sizes), copies, None, picks)
@@ -105,9 +115,9 @@ def _map_shared(fd: int) -> torch.Tensor:
 
 
 def main(argv: list[str]) -> None:
-    engine_dir, rank, world_size, port, num_kv_blocks, device, conn_fd, ping_fd, shared_fd = argv
+    engine_dir, rank, world_size, port, num_kv_blocks, device, all_reduce, conn_fd, ping_fd, shared_fd = argv
     worker_main(engine_dir, int(rank), int(world_size), int(port), int(num_kv_blocks), Connection(int(conn_fd)),
-                Connection(int(ping_fd)), _map_shared(int(shared_fd)), device)
+                Connection(int(ping_fd)), _map_shared(int(shared_fd)), device, all_reduce)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """The custom all-reduce on the CPU: its kernel's sum and flag protocol under Triton's
-interpreter, with every rank's buffer in this one process; the launcher's arguments; and its
-cubin in tensor-parallel engines.
+interpreter, with every rank's buffer in this one process; the launcher's arguments; the size
+switch between it and NCCL; the mode read from KILN_ALL_REDUCE; the buffer exchange's verdicts
+(one over real gloo between two processes); and its cubin in tensor-parallel engines.
 
 The kernel spins until every peer has published the call's epoch, so one rank's call can run
 here alone only after its peers' part is in place: their partial in the right half of their
 buffer and their flags in this rank's table, as their own calls would leave them. The ranks
-then run one after another, each finding the earlier ones' flags.
+then run one after another, each finding the earlier ones' flags. The GPU tests
+(tests/test_all_reduce_gpu.py) run it for real between processes.
 """
 import os
 
@@ -27,6 +29,8 @@ from kiln.engines.manifest import Manifest  # noqa: E402
 from kiln.plugins.all_reduce import kernels  # noqa: E402
 from kiln.plugins.all_reduce.launch import CAPACITY_BYTES, MAX_WORLD, PROGRAMS, BufferLayout, launch  # noqa: E402
 from kiln.plugins.all_reduce.reference import all_reduce as reference  # noqa: E402
+from kiln.runtime.all_reduce import AllReduce, CustomAllReduce, all_reduce_mode  # noqa: E402
+from kiln.runtime.peer_buffers import HANDLE_BYTES, Offer, PeerBufferError, PeerBuffers, agree  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 interpreted = pytest.mark.skipif(not isinstance(kernels.all_reduce_kernel, InterpretedFunction),
@@ -147,6 +151,81 @@ def test_aot_kernels_serve_two_to_eight_ranks():
     for world in (1, MAX_WORLD + 1):
         with pytest.raises(ValueError, match=f"2 to {MAX_WORLD} ranks"):
             kernels.aot_kernels("bfloat16", world)
+
+
+def test_size_switch_sends_decode_sized_messages_to_the_custom_kernel():
+    """Up to 512 KiB in the engine's dtype (a decode step of 64 rows of 4096 bf16) the custom
+    kernel takes the message; anything else goes to NCCL, the same way on every rank."""
+    custom = CustomAllReduce(kernel=None, meta={"capacity_bytes": CAPACITY_BYTES}, dtype=torch.bfloat16,
+                             buffers=PeerBuffers(bases=[0, 0], rank=0, gather=list))
+    both = AllReduce(custom)
+    decode = torch.empty(64, 4096, dtype=torch.bfloat16)
+    assert both.uses_custom(decode) and both.uses_custom(decode[:1])
+    assert not both.uses_custom(torch.empty(65, 4096, dtype=torch.bfloat16))  # 520 KiB: a prefill chunk
+    assert not both.uses_custom(torch.empty(64, 4096, dtype=torch.float32))  # not the engine's dtype
+    assert not both.uses_custom(decode[:, :2048])  # not contiguous
+    assert not both.uses_custom(torch.empty(3, 5, dtype=torch.bfloat16))  # not a multiple of 16 elements
+    assert not AllReduce().uses_custom(decode)
+
+
+def test_mode_comes_from_the_environment():
+    assert all_reduce_mode({}) == "auto"
+    assert all_reduce_mode({"KILN_ALL_REDUCE": " NCCL "}) == "nccl"
+    with pytest.raises(ValueError, match=r"KILN_ALL_REDUCE='custom' is not an all-reduce mode: use 'auto'.*'nccl'"):
+        all_reduce_mode({"KILN_ALL_REDUCE": "custom"})
+
+
+HANDLE = bytes(range(HANDLE_BYTES))
+
+
+def test_exchange_agrees_when_every_rank_offers_a_buffer():
+    assert agree([Offer(4096, HANDLE), Offer(4096, HANDLE)], 4096) is None
+
+
+def test_exchange_names_every_rank_that_cannot_take_part():
+    reason = agree([Offer(4096, HANDLE), Offer(4096, problem="cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY"),
+                    Offer(1, problem="no kernel for sm_90")], 4096)
+    assert reason == "rank 1: cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY; rank 2: no kernel for sm_90"
+
+
+def test_exchange_refuses_offers_no_rank_of_one_build_makes():
+    with pytest.raises(PeerBufferError, match="rank 1 shares a buffer of 2048 bytes, this rank one of 4096: the "
+                                              "engine folder mixes builds"):
+        agree([Offer(4096, HANDLE), Offer(2048, HANDLE)], 4096)
+    with pytest.raises(PeerBufferError, match="rank 0 offered no valid memory handle \\(3 bytes, not 64\\)"):
+        agree([Offer(4096, b"abc"), Offer(4096, HANDLE)], 4096)
+    with pytest.raises(PeerBufferError, match="rank 1 offered no valid memory handle \\(0 bytes"):
+        agree([Offer(4096, HANDLE), Offer(4096)], 4096)
+
+
+EXCHANGE_SCRIPT = """
+import datetime, json, sys
+import torch.distributed as dist
+from kiln.runtime.all_reduce import gloo_gather
+from kiln.runtime.peer_buffers import open_peer_buffers
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+problem = "no all-reduce kernel for sm_90" if rank == 1 else "peer access unsupported"
+print(json.dumps(open_peer_buffers(1 << 20, rank, gloo_gather(dist.new_group(backend="gloo")), problem)))
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_reach_the_same_verdict_over_gloo():
+    """Two processes exchange their offers over a real gloo group: each learns every rank's
+    problem, so both go without the custom path."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", EXCHANGE_SCRIPT, str(rank), str(port)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outputs]
+    verdicts = [json.loads(out) for out, _ in outputs]
+    assert verdicts == ["rank 0: peer access unsupported; rank 1: no all-reduce kernel for sm_90"] * 2
 
 
 def test_manifest_without_the_field_reads_as_none(factory):

@@ -27,6 +27,12 @@ def checkpoint(factory):
     return factory.checkpoint("qwen2", num_heads=8, num_kv_heads=2)
 
 
+def test_unknown_all_reduce_mode_is_refused_naming_the_variable(factory, checkpoint, monkeypatch):
+    monkeypatch.setenv("KILN_ALL_REDUCE", "fast")
+    with pytest.raises(ValueError, match="KILN_ALL_REDUCE='fast' is not an all-reduce mode: use 'auto'"):
+        Session(factory.engine(checkpoint, tp_size=2, **BUILD))
+
+
 def mixed_requests(n: int = 32) -> tuple[list[list[int]], list[SamplingParams]]:
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 380) for _ in range(rng.randrange(2, 20))] for _ in range(n)]
