@@ -91,15 +91,16 @@ def test_every_rank_gets_the_same_sum_and_the_halves_alternate(world, dtype):
             kernels.run(out, ranks.buffers, rank, ranks.layout)
             results.append(out)
             assert torch.equal(ranks.counters(rank), torch.full((PROGRAMS,), epoch))
+            # Checked before the next rank runs: without these flags it would wait forever.
+            assert all(torch.equal(ranks.flags(t)[rank], torch.full((PROGRAMS,), epoch)) for t in range(world))
         for result in results[1:]:
             assert torch.equal(result, results[0])  # bit for bit on every rank
         if dtype == torch.float32:
             assert torch.equal(results[0], reference(partials))
         else:  # the interpreter rounds float32 to bfloat16 toward zero, the GPU to nearest
             torch.testing.assert_close(results[0], reference(partials), rtol=2 ** -7, atol=0)
-        # Rank 0 published this epoch to every table and wrote its partial into this epoch's
-        # half; the other half, which a slow peer may still read, kept the previous call's data.
-        assert all(torch.equal(ranks.flags(t)[0], torch.full((PROGRAMS,), epoch)) for t in range(world))
+        # Rank 0 wrote its partial into this epoch's half; the other half, which a slow peer may
+        # still read, kept the previous call's data.
         assert torch.equal(ranks.half(0, epoch, ELEMENTS), partials[0])
         assert torch.equal(ranks.half(0, epoch - 1, ELEMENTS), earlier)
 
