@@ -48,9 +48,10 @@ step build-and-test 330 "
   build() { python3 -c 'from kiln.builder.cli import build_engine; build_engine()' --checkpoint $ckpt --output \$1 $BUILD_FLAGS \${@:2}; }
   ( [ -f $work/tp1/rank0.engine ] || build $work/tp1 ) > $out/build-tp1.txt 2>&1 & tp1=\$!
   ( [ -f $work/tp2/rank1.engine ] || build $work/tp2 --tp-size 2 ) > $out/build-tp2.txt 2>&1 & tp2=\$!
-  python3 -m pytest -m gpu -q -rP -p no:cacheprovider tests/test_all_reduce_gpu.py > $out/pytest-all-reduce.txt 2>&1
+  timeout --kill-after=10 120 python3 -m pytest -m gpu -q -rP -p no:cacheprovider tests/test_all_reduce_gpu.py \
+    > $out/pytest-all-reduce.txt 2>&1
   echo pytest all-reduce exit \$?
-  python3 -m pytest -m gpu -q -rP -p no:cacheprovider tests/test_tp_gpu.py > $out/pytest-tp.txt 2>&1
+  timeout --kill-after=10 180 python3 -m pytest -m gpu -q -rP -p no:cacheprovider tests/test_tp_gpu.py > $out/pytest-tp.txt 2>&1
   echo pytest tp exit \$?
   wait \$tp1; echo build tp1 exit \$?
   wait \$tp2; echo build tp2 exit \$?
