@@ -9,6 +9,9 @@ rate is kept beside it, so run-to-run noise shows; its limit is the cost model's
 exactly the steps of that window. Beside the step time, the device time of the step's CUDA-graph
 replay (CUDA events around each replay, no host work) and the host's share of the step: what
 the engine loop costs beyond the GPU's work. There is no graph replay on the CPU (None).
+On a tensor-parallel engine, the share of a step spent in all-reduces: an estimate, from
+all-reduces of the step's messages timed apart from it (`runtime.collectives`), over the
+measured step time; None on one rank.
 """
 from __future__ import annotations
 
@@ -73,6 +76,8 @@ def measure_decode(run: EngineRun, batch: int, context: int, steps: int, seed: i
     finally:
         for rid in ids:
             core.cancel(rid)
+    all_reduce_seconds = getattr(core.executor, "all_reduce_seconds", None)  # tensor-parallel executors only
+    collective_s = all_reduce_seconds(batch) if all_reduce_seconds else None
     rates = [sum(s.num_tokens for s in shapes) / seconds for seconds, shapes, _ in windows]
     seconds, shapes, replay_s = windows[sorted(range(REPEATS), key=rates.__getitem__)[REPEATS // 2]]
     tokens = sum(s.num_tokens for s in shapes)
@@ -85,4 +90,6 @@ def measure_decode(run: EngineRun, batch: int, context: int, steps: int, seed: i
                           "seconds": seconds, "ms_per_step": 1e3 * seconds / len(shapes),
                           "limit_ms_per_step": 1e3 * limit_s / len(shapes), "window_tok_s": rates,
                           "replay_ms_per_step": None if replay_s is None else 1e3 * replay_s,
-                          "host_share": None if replay_s is None else max(0.0, 1 - replay_s * len(shapes) / seconds)})
+                          "host_share": None if replay_s is None else max(0.0, 1 - replay_s * len(shapes) / seconds),
+                          "collective_ms_per_step": None if collective_s is None else 1e3 * collective_s,
+                          "collective_share": None if collective_s is None else collective_s * len(shapes) / seconds})

@@ -25,20 +25,20 @@ KV_MEMORY_FRACTION = {"cuda": 0.85, "cpu": 0.5}
 
 
 class StepRecorder:
-    """Wraps an executor's `run` so every step's shape is kept; `mark()` then `since(mark)`
+    """Wraps an executor's `execute` so every step's shape is kept; `mark()` then `since(mark)`
     gives the steps of one measurement."""
 
     def __init__(self, executor) -> None:
         self.steps: list[StepShape] = []
-        run = executor.run
+        execute = executor.execute
 
-        def recorded_run(step, copies=(), feed=None):
+        def recorded_execute(step, copies=(), feed=None, picks=None):
             # tolist() here, not later: a backend may pad or reuse the step's tensors.
             self.steps.append(StepShape(tuple(step.query_lens.tolist()), tuple(step.context_lens.tolist()),
                                         int(step.logits_indices.shape[0])))
-            return run(step, copies, feed)
+            return execute(step, copies, feed, picks)
 
-        executor.run = recorded_run
+        executor.execute = recorded_execute
 
     def mark(self) -> int:
         return len(self.steps)

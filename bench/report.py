@@ -78,16 +78,30 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 
 def _step_times(figures: list[Figure]) -> list[str]:
     """Each decode batch's step time beside its CUDA-graph replay's device time: the rest is
-    the host's share of a step ("-" where no graph replayed: the CPU, tensor parallelism)."""
+    the host's share of a step ("-" where no graph replayed: the CPU, tensor parallelism). On a
+    tensor-parallel engine, the share of a step its all-reduces take, estimated from
+    all-reduces of the step's messages timed apart from it."""
     decode = [f for f in figures if f.section == "decode" and f.value is not None]
     if not decode:
         return []
-    rows = [("decode step", "end to end (ms)", "graph replay (ms)", "host share")]
+    collectives = any(f.params.get("collective_share") is not None for f in decode)
+    header = ("decode step", "end to end (ms)", "graph replay (ms)", "host share")
+    if collectives:
+        header += ("all-reduces (ms, timed apart)", "all-reduce share")
+    rows = [header]
     for f in decode:
         replay, share = f.params["replay_ms_per_step"], f.params["host_share"]
-        rows.append((f.name, f"{f.params['ms_per_step']:.3f}", "-" if replay is None else f"{replay:.3f}",
-                     "-" if share is None else f"{100 * share:.1f}%"))
-    return [""] + _table(rows)
+        row = (f.name, f"{f.params['ms_per_step']:.3f}", "-" if replay is None else f"{replay:.3f}",
+               "-" if share is None else f"{100 * share:.1f}%")
+        if collectives:
+            ms, part = f.params.get("collective_ms_per_step"), f.params.get("collective_share")
+            row += ("-" if ms is None else f"{ms:.3f}", "-" if part is None else f"{100 * part:.1f}%")
+        rows.append(row)
+    lines = [""] + _table(rows)
+    if collectives:
+        lines.append("all-reduces: one step's all-reduces timed apart from it (each message all-reduced alone, "
+                     "captured in a CUDA graph on the GPU), an estimate, over the measured step time")
+    return lines
 
 
 def render(figures: list[Figure], hw: Hardware, header: list[str], notes: list[str]) -> str:

@@ -18,7 +18,7 @@ from kiln import models
 from kiln.atomic import atomic_folder
 from kiln.builder.config import BuildConfig
 from kiln.builder.ir import Graph
-from kiln.builder.kernels import compile_kernels
+from kiln.builder.kernels import compile_all_reduce, compile_kernels
 from kiln.builder.passes import FUSIONS, fold_weights, plan_memory, shard
 from kiln.builder.passes.memory import MemoryPlan
 from kiln.builder.trace import trace
@@ -83,7 +83,7 @@ def lower_rank(graph: Graph, cfg: BuildConfig, rank: int) -> tuple[Graph, Memory
 
 def manifest_for(graph: Graph, memory: MemoryPlan, cfg: BuildConfig, model_info: dict, rank: int,
                  kernel_keys: dict[str, dict], tokenizer_file: str | None,
-                 chat_template_file: str | None = None) -> Manifest:
+                 chat_template_file: str | None = None, all_reduce_keys: dict[str, list[str]] | None = None) -> Manifest:
     """Rank `rank`'s manifest; the writer adds the weight and kernel indexes."""
     kv = graph.tensors["kv_cache"]
     return Manifest(
@@ -100,6 +100,7 @@ def manifest_for(graph: Graph, memory: MemoryPlan, cfg: BuildConfig, model_info:
                              {t: tuple(k) for t, k in kernel_keys.get(n.output, {}).items()})
                    for n in graph.nodes),
         arena_bytes=memory.arena_bytes, slots=memory.slots,
+        all_reduce_kernels={t: tuple(k) for t, k in (all_reduce_keys or {}).items()},
     )
 
 
@@ -148,12 +149,17 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
                 bar.set_postfix_str(f"rank {rank}: shard, fold, plan memory")
                 g, memory = lower_rank(graph, cfg, rank)
                 bar.update()
-                blobs, keys = compile_kernels(g, cfg.dtype, list(cfg.targets), cfg.kv_block_size,
-                                              lambda what, r=rank: bar.set_postfix_str(f"rank {r}: compile {what}"))
+
+                def compiling(what: str, r: int = rank) -> None:
+                    bar.set_postfix_str(f"rank {r}: compile {what}")
+
+                blobs, keys = compile_kernels(g, cfg.dtype, list(cfg.targets), cfg.kv_block_size, compiling)
+                collective, all_reduce_keys = compile_all_reduce(cfg.dtype, list(cfg.targets), cfg.tp_size, compiling)
+                blobs.update(collective)
                 bar.update()
                 bar.set_postfix_str(f"rank {rank}: write {len(g.weights)} weights")
                 manifest = manifest_for(g, memory, cfg, model_info, rank, keys, tokenizer_file,
-                                        CHAT_TEMPLATE_FILE if chat_template is not None else None)
+                                        CHAT_TEMPLATE_FILE if chat_template is not None else None, all_reduce_keys)
                 write_engine_file(tmp / Manifest.rank_file(rank), manifest, g.weights, blobs)
                 bar.update()
                 kernel_counts.append(len(blobs))

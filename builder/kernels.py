@@ -68,7 +68,7 @@ def compile_kernels(graph: Graph, dtype: str, targets: list[str], block_size: in
     Returns the engine's kernel blobs `{key: (cubin, index entry)}` and, per node output, the
     keys of its kernels per target (`{output: {target: [key, ...]}}`) for the plan.
     """
-    gpu_targets = [t for t in targets if t != "cpu"]
+    gpu_targets = _gpu_targets(targets)
     blobs: dict[str, tuple[bytes, dict]] = {}
     per_node: dict[str, dict] = {}
     if not gpu_targets:
@@ -78,9 +78,7 @@ def compile_kernels(graph: Graph, dtype: str, targets: list[str], block_size: in
             raise KernelError(f"op {node.op!r} in module {node.source!r} has no GPU kernel: it cannot run on "
                               f"{', '.join(gpu_targets)} (only fused Llama-family plans can for now); "
                               "build with --target cpu")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise KernelError("TRITON_INTERPRET=1 is set: Triton's interpreter cannot compile cubins; "
-                          "unset it to build for a GPU target")
+    _check_compiler()
     for node in graph.nodes:
         spec = get_plugin(node.op)
         shapes = spec.compile_shapes(graph.input_shapes(node), node.attrs, block_size)
@@ -91,18 +89,49 @@ def compile_kernels(graph: Graph, dtype: str, targets: list[str], block_size: in
         kernels = module.aot_kernels(dtype, shapes)
         per_node[node.output] = {}
         for target in gpu_targets:
-            keys = []
-            for kernel in (k for k in kernels if k.targets is None or target in k.targets):
-                key = kernel_key(kernel, target)
-                if key not in blobs:
-                    progress(f"{node.op} for {target}")
-                    cubin = _compile_cached(kernel, target, key)
-                    blobs[key] = (cubin.binary, {
-                        "plugin": node.op, "target": target, "entry": cubin.name,
-                        "signature": [t for t in kernel.signature.values() if t != "constexpr"],
-                        "num_warps": cubin.num_warps, "shared_bytes": cubin.shared_bytes,
-                        "launch": kernel.meta,
-                        **({"global_scratch": cubin.global_scratch} if cubin.global_scratch else {})})
-                keys.append(key)
-            per_node[node.output][target] = keys
+            per_node[node.output][target] = [_add(blobs, kernel, target, node.op, progress) for kernel in kernels
+                                              if kernel.targets is None or target in kernel.targets]
     return blobs, per_node
+
+
+def compile_all_reduce(dtype: str, targets: list[str], world_size: int,
+                       progress: Callable[[str], None] = lambda _: None) -> tuple[dict, dict[str, list[str]]]:
+    """A tensor-parallel engine's custom all-reduce kernel (`plugins/all_reduce`) for every GPU
+    target: its blobs and `{target: [key]}`. None for one rank, or for more ranks than the
+    kernel serves (those sum with NCCL alone)."""
+    from kiln.plugins.all_reduce import kernels as all_reduce
+    from kiln.plugins.all_reduce.launch import MAX_WORLD
+
+    gpu_targets = _gpu_targets(targets)
+    blobs: dict[str, tuple[bytes, dict]] = {}
+    if not gpu_targets or not 2 <= world_size <= MAX_WORLD:
+        return blobs, {}
+    _check_compiler()
+    kernels = all_reduce.aot_kernels(dtype, world_size)
+    return blobs, {target: [_add(blobs, k, target, "all_reduce", progress) for k in kernels] for target in gpu_targets}
+
+
+def _gpu_targets(targets: list[str]) -> list[str]:
+    return [t for t in targets if t != "cpu"]
+
+
+def _check_compiler() -> None:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise KernelError("TRITON_INTERPRET=1 is set: Triton's interpreter cannot compile cubins; "
+                          "unset it to build for a GPU target")
+
+
+def _add(blobs: dict[str, tuple[bytes, dict]], kernel: AotKernel, target: str, plugin: str,
+         progress: Callable[[str], None]) -> str:
+    """Compile `kernel` for `target` into `blobs` unless it is there; returns its key."""
+    key = kernel_key(kernel, target)
+    if key not in blobs:
+        progress(f"{plugin} for {target}")
+        cubin = _compile_cached(kernel, target, key)
+        blobs[key] = (cubin.binary, {
+            "plugin": plugin, "target": target, "entry": cubin.name,
+            "signature": [t for t in kernel.signature.values() if t != "constexpr"],
+            "num_warps": cubin.num_warps, "shared_bytes": cubin.shared_bytes,
+            "launch": kernel.meta,
+            **({"global_scratch": cubin.global_scratch} if cubin.global_scratch else {})})
+    return key

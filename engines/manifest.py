@@ -147,6 +147,8 @@ class Manifest:
     arena_bytes: int
     slots: dict[str, Slot]         # the memory plan: every step input and activation
     chat_template_file: str | None = None  # the checkpoint's chat template (Jinja), in the engine folder
+    # A tensor-parallel engine's custom all-reduce kernel, per GPU target (plugins/all_reduce).
+    all_reduce_kernels: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # Set by the writer (engines.format), replacing whatever the builder left there.
     weights: dict[str, WeightEntry] = field(default_factory=dict)
     kernels: dict[str, KernelEntry] = field(default_factory=dict)
@@ -199,6 +201,7 @@ class Manifest:
             "tensors": {n: {**_fields(t), "shape": list(t.shape)} for n, t in self.tensors.items()},
             "plan": [{**_fields(p), "kernel_keys": {t: list(k) for t, k in p.kernel_keys.items()}}
                      for p in self.plan],
+            "all_reduce_kernels": {t: list(k) for t, k in self.all_reduce_kernels.items()},
             "memory_plan": {"arena_bytes": self.arena_bytes, "tensors": {n: _fields(s) for n, s in self.slots.items()}},
             "weights": {n: {**_fields(w), "shape": list(w.shape)} for n, w in self.weights.items()},
             "kernels": {k: {**_fields(e), "signature": list(e.signature)} for k, e in self.kernels.items()},
@@ -224,6 +227,7 @@ class Manifest:
             tensors={n: TensorSpec(t.shape("shape", symbols=True), t.dtype("dtype"), t.string("kind"))
                      for n, t in m.objs("tensors")},
             plan=tuple(_plan_entry(p) for p in m.list_of_objs("plan")),
+            all_reduce_kernels=_kernel_keys(m.obj("all_reduce_kernels", optional=True)),
             arena_bytes=memory.integer("arena_bytes", low=0),
             slots={n: Slot(s.integer("offset", low=0), s.integer("nbytes", low=0)) for n, s in memory.objs("tensors")},
             weights={n: WeightEntry(w.dtype("dtype"), w.shape("shape"), w.integer("offset", low=0),
@@ -259,6 +263,9 @@ class Manifest:
             absent = [k for keys in p.kernel_keys.values() for k in keys if k not in self.kernels]
             if absent:
                 raise ManifestError(f"manifest: plan op {i} ({p.op}) names kernel {absent[0]!r}, which is not stored")
+        absent = [k for keys in self.all_reduce_kernels.values() for k in keys if k not in self.kernels]
+        if absent:
+            raise ManifestError(f"manifest: all_reduce_kernels names kernel {absent[0]!r}, which is not stored")
         unplaced = [n for n, t in self.tensors.items() if t.kind != "state" and n not in self.slots]
         if unplaced:
             raise ManifestError(f"manifest: tensor {unplaced[0]!r} has no place in the memory plan")
@@ -270,8 +277,12 @@ def _fields(record: Any) -> dict[str, Any]:
 
 def _plan_entry(p: _Fields) -> PlanEntry:
     return PlanEntry(p.string("op"), p.integer("version", low=0), p.inputs("inputs"), p.obj("attrs").data,
-                     p.string("output"), p.string("source"),
-                     {t: k.strs_value() for t, k in p.obj("kernel_keys").items()})
+                     p.string("output"), p.string("source"), _kernel_keys(p.obj("kernel_keys")))
+
+
+def _kernel_keys(keys: _Fields | None) -> dict[str, tuple[str, ...]]:
+    """{target: kernel keys}; an absent object is none (engines from before the field)."""
+    return {} if keys is None else {t: k.strs_value() for t, k in keys.items()}
 
 
 class _Fields:
@@ -335,8 +346,11 @@ class _Fields:
             raise self._bad(key, "an object of tensor names")
         return dict(value)
 
-    def obj(self, key: str) -> _Fields:
-        return _Fields(self._get(key), f"{self.where}.{key}")
+    def obj(self, key: str, optional: bool = False) -> _Fields | None:
+        value = self._get(key, optional)
+        if value is None and optional:
+            return None
+        return _Fields(value, f"{self.where}.{key}")
 
     def objs(self, key: str) -> list[tuple[str, _Fields]]:
         inner = self.obj(key)

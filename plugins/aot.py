@@ -22,9 +22,9 @@ class AotKernel:
     num_warps: int = 4
     num_stages: int = 3
     meta: dict[str, Any] = field(default_factory=dict)  # what a launcher needs (grid rule, block sizes)
-    # Pointer parameters the launcher promises are 16-byte aligned. The JIT learns alignment
-    # from its arguments; a cubin only knows what it is told, and without it every load of
-    # those pointers is a scalar load.
+    # Pointer parameters the launcher promises are 16-byte aligned (an integer parameter named
+    # here: divisible by 16). The JIT learns alignment from its arguments; a cubin only knows
+    # what it is told, and without it every load of those pointers is a scalar load.
     aligned: tuple[str, ...] = ()
     # The GPU targets this kernel is built for; None: every target. A bucket whose best kernel
     # differs by architecture lists one kernel per group of targets, with the same launch meta.

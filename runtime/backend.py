@@ -13,11 +13,12 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from kiln.runtime.all_reduce import all_reduce_mode
 from kiln.runtime.cuda_driver import device_arch
 from kiln.runtime.cuda_executor import CudaExecutor
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.engine import Engine, EngineLoadError, load_engine
-from kiln.runtime.executor import CpuExecutor
+from kiln.runtime.executor import CpuExecutor, InputRegion
 from kiln.runtime.kv_cache import BlockManager
 from kiln.runtime.kv_pool import KVPool, size_kv_pool
 from kiln.runtime.tp_executor import TensorParallelExecutor
@@ -51,14 +52,16 @@ def kv_pool(engine: Engine, on_gpu: bool, kv_cache_fraction: float | None,
 
 def open_executor(engine: Engine, on_gpu: bool, num_blocks: int, worker_timeout: float):
     """The executor for `engine` with a pool of `num_blocks` KV blocks; a tensor-parallel engine
-    gets one worker process per rank."""
+    gets one worker process per rank, summing over the ranks as KILN_ALL_REDUCE says
+    (`runtime.all_reduce`)."""
     world = engine.manifest.world_size
     if on_gpu and world > torch.cuda.device_count():
         raise EngineLoadError(f"this engine has {world} tensor-parallel ranks, one GPU each, but this machine has "
                               f"{torch.cuda.device_count()} GPU(s): rebuild with --tp-size "
                               f"{torch.cuda.device_count()} or fewer, or run it on a machine with {world} GPUs")
     if world > 1:
-        return TensorParallelExecutor(engine.path, world, num_blocks, worker_timeout, "cuda" if on_gpu else "cpu")
+        return TensorParallelExecutor(engine.path, world, num_blocks, InputRegion(engine), worker_timeout,
+                                      "cuda" if on_gpu else "cpu", all_reduce_mode())
     return CudaExecutor(engine, num_blocks) if on_gpu else CpuExecutor(engine, num_blocks)
 
 

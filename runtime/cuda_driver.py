@@ -1,9 +1,12 @@
-"""Loading cubins and launching their kernels with the CUDA driver API (`cuda.bindings`).
+"""The runtime's calls into the CUDA driver API (`cuda.bindings`): loading cubins, launching
+their kernels, and the device memory that tensor-parallel ranks share.
 
 The runtime never compiles a kernel: `build-engine` puts cubins in the engine, and this
 module loads them into the current CUDA context (torch's primary context) and launches them
 on a stream. A launch is plain driver calls with no Python per thread block, so it can be
-captured into a CUDA graph.
+captured into a CUDA graph. Memory that other processes map (the custom all-reduce's
+buffers, `runtime.peer_buffers`) is allocated here with `cuMemAlloc`: an IPC handle stands
+for a whole allocation, and torch's caching allocator hands out parts of larger ones.
 """
 from __future__ import annotations
 
@@ -104,3 +107,40 @@ def device_arch() -> str:
     import torch
     major, minor = torch.cuda.get_device_capability()
     return f"sm_{major}{minor}"
+
+
+def alloc_shared(nbytes: int) -> int:
+    """A zeroed device allocation of `nbytes` that other processes can map (`ipc_handle`)."""
+    _ensure_context()
+    driver = _driver()
+    pointer = _check(driver.cuMemAlloc(nbytes), "cuMemAlloc")
+    try:
+        _check(driver.cuMemsetD8(pointer, 0, nbytes), "cuMemsetD8")
+    except CudaError:
+        free_shared(int(pointer))
+        raise
+    return int(pointer)
+
+
+def free_shared(pointer: int) -> None:
+    _check(_driver().cuMemFree(pointer), "cuMemFree")
+
+
+def ipc_handle(pointer: int) -> bytes:
+    """The handle (64 bytes) another process opens `pointer`'s allocation with."""
+    return bytes(_check(_driver().cuIpcGetMemHandle(pointer), "cuIpcGetMemHandle").reserved)
+
+
+def open_ipc_handle(handle: bytes) -> int:
+    """Map another process's allocation into this one; returns its address here. Peer access
+    between the two GPUs is enabled as needed."""
+    _ensure_context()
+    driver = _driver()
+    ipc = driver.CUipcMemHandle()
+    ipc.reserved = handle
+    flags = int(driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+    return int(_check(driver.cuIpcOpenMemHandle(ipc, flags), "cuIpcOpenMemHandle"))
+
+
+def close_ipc_handle(pointer: int) -> None:
+    _check(_driver().cuIpcCloseMemHandle(pointer), "cuIpcCloseMemHandle")

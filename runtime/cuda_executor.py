@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-import torch.distributed
 
 from kiln.dtypes import element_bytes
 from kiln.plugins import PluginSpec
 from kiln.plugins.driver_launch import sm_count
+from kiln.runtime.all_reduce import AllReduce
 from kiln.runtime.cuda_driver import CudaKernel, device_arch, load_kernel
 from kiln.runtime.decode_graphs import decode_batch_limit, graph_batch_sizes, is_pure_decode, pad_decode, padding_step
 from kiln.runtime.engine import Engine, EngineLoadError
@@ -87,9 +87,11 @@ class CudaExecutor(ArenaExecutor):
     float32 (on the GPU); `kv_cache` is the device pool [layers, 2, blocks, block_size, kv_heads,
     head_dim]."""
 
-    def __init__(self, engine: Engine, num_kv_blocks: int, cuda_graphs: bool = True):
+    def __init__(self, engine: Engine, num_kv_blocks: int, cuda_graphs: bool = True,
+                 all_reduce: AllReduce | None = None):
         """A tensor-parallel rank's executor expects torch.distributed to be initialised with
-        NCCL, one GPU per rank (`runtime.tp_worker` does it)."""
+        NCCL, one GPU per rank (`runtime.tp_worker` does it); `all_reduce` sums the row-parallel
+        ops' outputs (NCCL alone when None)."""
         if not torch.cuda.is_available():
             raise EngineLoadError("no CUDA device is visible to torch: use device='cpu'")
         self.device = torch.device("cuda", torch.cuda.current_device())
@@ -103,6 +105,7 @@ class CudaExecutor(ArenaExecutor):
         if tma := global_scratch_bytes(engine, self.arch, sm_count()):
             scratch["global"] = tma
         self.vocab = engine.manifest.vocab_size
+        self.all_reduce = all_reduce or AllReduce()
         logits = engine.manifest.max_batch_size * self.vocab * 4
         super().__init__(engine, num_kv_blocks + 1, self.device,
                          {**{f"weight:{n}": w.nbytes for n, w in engine.weights.items()},
@@ -115,8 +118,7 @@ class CudaExecutor(ArenaExecutor):
         self.logits = self.memory.bytes("logits").view(torch.float32)
         self.zeros = self.memory.bytes("zeros")  # never written: the arena starts zeroed
         self.ops = self._load_ops(launchers)
-        start, end = self.input_region
-        self.staging = torch.empty(end - start, dtype=torch.uint8, pin_memory=True)
+        self.staging = torch.empty(self.inputs.nbytes, dtype=torch.uint8, pin_memory=True)
         self.staged = torch.cuda.Event()
         self.graphs = self._capture_decode_graphs() if cuda_graphs else {}
 
@@ -145,9 +147,8 @@ class CudaExecutor(ArenaExecutor):
     def _stage_inputs(self, step: StepInputs, dims: dict[str, int]) -> None:
         """Pack the inputs into the pinned buffer, then one asynchronous copy to the arena."""
         self.staged.synchronize()  # the previous step's copy has left the buffer
-        self.pack_inputs(step, self.staging)
-        start, end = self.input_region
-        self.arena[start:end].copy_(self.staging, non_blocking=True)
+        self.inputs.pack(step, self.staging)
+        self.arena[self.inputs.start:self.inputs.end].copy_(self.staging, non_blocking=True)
         self.staged.record()
 
     @staticmethod
@@ -162,8 +163,8 @@ class CudaExecutor(ArenaExecutor):
 
     def _launch(self, dims: dict[str, int], values: dict[str, torch.Tensor]) -> None:
         """Launch every op of the plan on torch's current stream (captured when it is capturing).
-        A row-parallel op's output is summed over the ranks right after it, with NCCL on the
-        same stream, so graphs capture the collectives too."""
+        A row-parallel op's output is summed over the ranks right after it, on the same stream
+        (`runtime.all_reduce`: the custom kernel or NCCL), so graphs capture the collectives too."""
         stream = torch.cuda.current_stream(self.device).cuda_stream
         tensor_parallel = self.engine.manifest.world_size > 1
         for op in self.ops:
@@ -176,7 +177,7 @@ class CudaExecutor(ArenaExecutor):
             out = self._view(op.output, dims)
             op.launcher.launch(op.kernels, op.metas, args, op.attrs, out, dims, stream, self.scratch)
             if tensor_parallel and op.reduces:
-                torch.distributed.all_reduce(out)
+                self.all_reduce(out)
             values[op.output] = out
 
     def _zeros_like(self, t: torch.Tensor) -> torch.Tensor:

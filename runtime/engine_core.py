@@ -1,25 +1,24 @@
 """The engine loop's body, single-threaded: admit requests, run a step, hand tokens back.
 
-A step reads as three verbs: the scheduler picks the chunks, `_run` and `_sample` enqueue the
-step and the picking of its tokens on the device, and the step in flight hands its tokens back
-to `_append`, which finishes sequences. Overlapped (the default on one device, see
-runtime/overlap.py), a step is launched before the previous one's tokens are handed back. `Session` drives this from a
-background thread; nothing here knows about threads.
+A step reads as three verbs: the scheduler picks the chunks, `_run` enqueues the step and the
+picking of its tokens where the logits are (`_sample` says what to pick: `runtime.sampler.Picks`),
+and the step in flight hands its tokens back to `_append`, which finishes sequences.
+Overlapped (the default on one device, see runtime/overlap.py), a step is launched before the
+previous one's tokens are handed back. `Session` drives this from a background thread; nothing
+here knows about threads.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from kiln.runtime.arguments import ArgumentError, require_int, require_number
 from kiln.runtime.backend import kv_pool, open_engine, open_executor, open_tokenizer
 from kiln.runtime.overlap import InFlight, Launched
-from kiln.runtime.sampler import make_generator, pick_tokens
+from kiln.runtime.sampler import Picks
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import POLICIES, ScheduledChunk, Scheduler
 from kiln.runtime.sequence import Request, Sequence, Status
-from kiln.runtime.step import SequenceChunk, pack_step, to_device
+from kiln.runtime.step import SequenceChunk, pack_step
 
 
 def check_engine_options(device: object, kv_cache_fraction: object, max_kv_tokens: object, policy: object,
@@ -47,8 +46,8 @@ class EngineCore:
     def __init__(self, engine_dir: str | Path, device: str | None = None, kv_cache_fraction: float | None = None,
                  max_kv_tokens: int | None = None, policy: str = "max_utilization", worker_timeout: float = 60.0,
                  overlap: bool = True):
-        """`overlap=False` runs the plain loop; tensor-parallel engines always do (their ranks
-        cannot read the sampled ids that stay on this process's device)."""
+        """`overlap=False` runs the plain loop; tensor-parallel engines always do (the other
+        ranks cannot read the sampled ids that stay on rank 0's device)."""
         check_engine_options(device, kv_cache_fraction, max_kv_tokens, policy, worker_timeout)
         self.engine, on_gpu = open_engine(engine_dir, device)
         m = self.engine.manifest
@@ -56,15 +55,13 @@ class EngineCore:
         self.max_seq_len = m.max_seq_len
         self.kv_pool, self.blocks = kv_pool(self.engine, on_gpu, kv_cache_fraction, max_kv_tokens)
         self.executor = open_executor(self.engine, on_gpu, self.blocks.num_blocks, worker_timeout)
-        # The sampler's generators live where each step's logits are: on the GPU for a
-        # single-rank GPU engine, on the host when tensor-parallel workers send them back.
-        self.logits_device = "cuda" if on_gpu and m.world_size == 1 else "cpu"
         self.scheduler = Scheduler(self.blocks, m.max_num_tokens, m.max_batch_size, policy)
         self.vocab_size = m.vocab_size
         self.eos_ids = m.eos_token_ids
         self.tokenizer, self.detokenizer = open_tokenizer(self.engine)
         self.requests: dict[str, Request] = {}
         self.peak_blocks = 0
+        self.finished: list[int] = []  # sequences whose sampling state the next picks drop
         self.in_flight = InFlight(overlap and m.world_size == 1, self._append)
 
     # -- admission -----------------------------------------------------------------------------
@@ -109,7 +106,7 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in flight")
         self.validate(prompt_ids, params)
         request = Request(request_id, list(prompt_ids), params, priority)
-        request.seqs.append(Sequence(request, 0, list(prompt_ids), make_generator(params.seed, self.logits_device)))
+        request.seqs.append(Sequence(request, 0, list(prompt_ids), params.seed))
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
         return request
@@ -142,23 +139,27 @@ class EngineCore:
                 raise RuntimeError("the scheduler cannot admit any waiting request (KV pool too small)")
             return done
         self.peak_blocks = max(self.peak_blocks, self.blocks.used_blocks())
-        launched = self._sample(batch, self._run(batch, copies)) if batch else None
+        launched = self._run(batch, copies) if batch else None
         return done + self.in_flight.hand_over(launched)
 
-    def _run(self, batch: list[ScheduledChunk], copies: list[tuple[int, int]]) -> torch.Tensor:
-        """Enqueue the step on the device; returns its logits."""
+    def _run(self, batch: list[ScheduledChunk], copies: list[tuple[int, int]]) -> Launched | None:
+        """Enqueue the step and the picking of its tokens where its logits are (on the device,
+        or on rank 0 of a tensor-parallel engine); None when it picks none (prefill chunks only)."""
         chunks = []
         for c in batch:
             ids = c.seq.token_ids[c.seq.num_cached:c.seq.num_cached + c.num_tokens]
             # A pending token's id is still on the device: the feed puts it in place there.
             chunks.append(SequenceChunk(ids + [0] * (c.num_tokens - len(ids)), c.seq.num_cached,
                                         self.blocks.table(c.seq.seq_id)))
-        return self.executor.run(pack_step(chunks, self.block_size, self.engine.manifest.blocks_per_sequence), copies,
-                                 self.in_flight.feed(batch))
+        step = pack_step(chunks, self.block_size, self.engine.manifest.blocks_per_sequence)
+        feed = self.in_flight.feed(batch)
+        seqs, picks = self._sample(batch)
+        sampled = self.executor.execute(step, copies, feed, picks)
+        return self.in_flight.launch(seqs, *sampled) if sampled is not None else None
 
-    def _sample(self, batch: list[ScheduledChunk], logits: torch.Tensor) -> Launched | None:
-        """Enqueue the sampling of the chunks that reach the end of their sequence (and of the
-        samples forked from a prompt); None when there are none (prefill chunks only)."""
+    def _sample(self, batch: list[ScheduledChunk]) -> tuple[list[Sequence], Picks | None]:
+        """The sequences this step gives a token (the chunks that reach the end of their
+        sequence, and the samples forked from a prompt), and what to pick for them."""
         rows: list[tuple[int, Sequence]] = []
         for i, c in enumerate(batch):
             samples = c.samples
@@ -167,21 +168,19 @@ class EngineCore:
                 rows.append((i, c.seq))
                 rows += [(i, child) for child in self._fork(c.seq)]
         if not rows:
-            return None
+            return [], None
         seqs = [s for _, s in rows]
-        picked = [i for i, _ in rows]
-        params = [s.request.params for s in seqs]
         generated = [s.num_output + s.pending for s in seqs]
         # Only rows that penalties or bad words touch read the token history: copying every
         # row's would cost O(length) per step. (`InFlight.must_settle` made it whole.)
-        history = [p.reads_history for p in params]
-        if picked != list(range(logits.shape[0])):
-            logits = logits.index_select(0, to_device(picked, torch.long, logits.device))
-        tokens, logprobs = pick_tokens(logits, params, [s.generator for s in seqs],
-                                       [s.output_ids if h else [] for s, h in zip(seqs, history)],
-                                       [s.token_ids[:s.num_prompt] if h else [] for s, h in zip(seqs, history)],
-                                       generated, self.eos_ids)
-        return self.in_flight.launch(seqs, tokens, logprobs)
+        history = [s.request.params.reads_history for s in seqs]
+        finished, self.finished = self.finished, []
+        return seqs, Picks([i for i, _ in rows], [s.seq_id for s in seqs], generated,
+                           [s.output_ids if h else [] for s, h in zip(seqs, history)],
+                           [s.token_ids[:s.num_prompt] if h else [] for s, h in zip(seqs, history)],
+                           # A sequence with no token generated yet is picked for the first time.
+                           {s.seq_id: (s.request.params, s.seed) for s, g in zip(seqs, generated) if g == 0},
+                           finished)
 
     def _append(self, seq: Sequence, token: int, logprob: dict | None) -> None:
         seq.token_ids.append(token)
@@ -198,8 +197,7 @@ class EngineCore:
         seed = request.params.seed
         children = []
         for index in range(1, request.params.n):
-            child = Sequence(request, index, list(parent.token_ids),
-                             make_generator(None if seed is None else seed + index, self.logits_device),
+            child = Sequence(request, index, list(parent.token_ids), None if seed is None else seed + index,
                              num_cached=parent.num_cached)
             self.blocks.fork(parent.seq_id, child.seq_id)
             self.scheduler.add_running(child)
@@ -228,6 +226,7 @@ class EngineCore:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        self.finished.append(seq.seq_id)
         self.scheduler.remove(seq)
         if seq.request.finished:
             self.requests.pop(seq.request.request_id, None)

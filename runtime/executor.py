@@ -15,13 +15,50 @@ from kiln.dtypes import torch_dtype
 from kiln.plugins import STEP_INPUTS
 from kiln.runtime.arena import Arena
 from kiln.runtime.engine import Engine
+from kiln.runtime.sampler import Picks, SequenceSampler
 from kiln.runtime.step import Feed, StepInputs
+
+
+class InputRegion:
+    """The arena bytes [start, end) that hold every step input's slot, at the memory plan's
+    offsets. A buffer laid out like it carries a step's inputs in one piece: the CUDA executor
+    stages them with one copy, and a tensor-parallel engine hands them to its ranks in it."""
+
+    def __init__(self, engine: Engine):
+        m = engine.manifest
+        self.slots = {s.name: (m.slots[s.name].offset, m.slots[s.name].nbytes) for s in STEP_INPUTS}
+        self.start = min(offset for offset, _ in self.slots.values())
+        self.end = max(offset + nbytes for offset, nbytes in self.slots.values())
+        self.blocks_per_seq = m.blocks_per_sequence
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    def _slot(self, buffer: torch.Tensor, name: str, dtype: torch.dtype, shape) -> torch.Tensor:
+        offset = self.slots[name][0] - self.start
+        return buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+    def pack(self, step: StepInputs, buffer: torch.Tensor) -> None:
+        """Write the step inputs into `buffer` (uint8, `nbytes` long) where the arena holds them."""
+        for spec in STEP_INPUTS:
+            value = getattr(step, spec.name)
+            self._slot(buffer, spec.name, torch_dtype(spec.dtype), value.shape).copy_(value)
+
+    def unpack(self, buffer: torch.Tensor, sizes: tuple[int, int, int]) -> StepInputs:
+        """The step that `pack` wrote into `buffer`, as views of it; `sizes` are its tokens,
+        sequences and logit rows (`StepInputs.sizes`)."""
+        dims = dict(zip("TSL", sizes), B=self.blocks_per_seq)
+        return StepInputs(**{spec.name: self._slot(buffer, spec.name, torch_dtype(spec.dtype),
+                                                   [dims[d] for d in spec.shape])
+                             for spec in STEP_INPUTS})
 
 
 class ArenaExecutor:
     """The activations, the KV pool and the step inputs in them, on `device`; subclasses run
     the ops. Everything is one `Arena`: the memory plan's activations, the KV pool, then the
-    `extra` regions a subclass asks for (name -> bytes)."""
+    `extra` regions a subclass asks for (name -> bytes). Sampling state lives beside them, on
+    the same device (`runtime.sampler.SequenceSampler`)."""
 
     def __init__(self, engine: Engine, num_kv_blocks: int, device: torch.device | str = "cpu",
                  extra: dict[str, int] | None = None):
@@ -34,10 +71,16 @@ class ArenaExecutor:
         self.kv_cache = self.memory.view("kv_cache", kv_dtype, kv_shape)
         self.arena = self.memory.bytes("activations")
         self.layout = m.slots
-        spans = [(self.layout[s.name].offset, self.layout[s.name].offset + self.layout[s.name].nbytes)
-                 for s in STEP_INPUTS]
-        self.input_region = (min(a for a, _ in spans), max(b for _, b in spans))
+        self.inputs = InputRegion(engine)
         self.output = m.logits
+        self.sampler = SequenceSampler(device, m.eos_token_ids)
+
+    def execute(self, step: StepInputs, copies: list[tuple[int, int]] = (), feed: Feed | None = None,
+                picks: Picks | None = None) -> tuple[torch.Tensor, list[dict | None]] | None:
+        """`run` the step, then pick the tokens `picks` asks for where the logits are: the token
+        ids (int64 [rows], left on the device) and the logprobs entries; None without picks."""
+        logits = self.run(step, copies, feed)
+        return self.sampler.pick(logits, picks) if picks is not None else None
 
     def _view(self, name: str, dims: dict[str, int]) -> torch.Tensor:
         info = self.engine.manifest.tensors[name]
@@ -50,7 +93,7 @@ class ArenaExecutor:
     def _dims(self, step: StepInputs) -> dict[str, int]:
         """The step's value of each symbolic dim, checked against the engine's limits."""
         m = self.engine.manifest
-        tokens, seqs, rows = step.num_tokens, step.query_lens.shape[0], step.logits_indices.shape[0]
+        tokens, seqs, rows = step.sizes
         for count, what, limit in ((tokens, "tokens", m.max_num_tokens), (seqs, "sequences", m.max_batch_size),
                                    (rows, "logit rows", m.max_batch_size)):
             if count > limit:
@@ -81,17 +124,6 @@ class ArenaExecutor:
         """Copy the step inputs into their arena slots."""
         for spec in STEP_INPUTS:
             self._view(spec.name, dims).copy_(getattr(step, spec.name))
-
-    def pack_inputs(self, step: StepInputs, buffer: torch.Tensor) -> None:
-        """Write the step inputs into `buffer` (uint8, as long as `input_region`: the arena bytes
-        [start, end) that hold every step input's slot) where
-        `_stage_inputs` would put them in the arena, so one copy of the buffer stages them."""
-        start = self.input_region[0]
-        for spec in STEP_INPUTS:
-            value = getattr(step, spec.name)
-            offset = self.layout[spec.name].offset - start
-            dtype = torch_dtype(spec.dtype)
-            buffer[offset:offset + value.numel() * dtype.itemsize].view(dtype).view(value.shape).copy_(value)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: give a sequence its own copy of a shared, partly filled block."""

@@ -23,13 +23,18 @@ a time, and only the rows that use them. A draw is an exponential race, argmax(p
 ~ Exp(1) per token, which picks token i with probability p_i; each seeded row's E comes from
 its own generator, so a seeded request gets the same tokens whatever else shares its batch.
 
+The state a step's sampling needs beyond its logits, each sequence's parameters and seeded
+generator, is a `SequenceSampler` kept where the logits are: in the engine's executor, or in
+rank 0's worker of a tensor-parallel engine, which the engine loop tells what to pick with a
+`Picks` record of plain data.
+
 Logprobs come from the log-softmax of the logits after (a)-(c) and temperature (temperature 0
 counts as 1) but before top-k/top-p/min-p truncation: truncation would give every dropped
 token -inf, which tells the client nothing about the model's preferences.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -59,6 +64,47 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     # from each other within that range.
     gen.manual_seed(seed % 2**64)
     return gen
+
+
+@dataclass
+class Picks:
+    """What to sample from one step's logits, as plain data: row `rows[i]` of the logits gives
+    sequence `seq_ids[i]` its next token. The token lists are those `pick_tokens` takes, empty
+    for rows whose params do not `reads_history`. A sequence picked for the first time brings its
+    parameters and seed in `new`; `finished` names sequences whose state can be dropped."""
+
+    rows: list[int]
+    seq_ids: list[int]
+    num_generated: list[int]
+    output_tokens: list[list[int]]
+    prompt_tokens: list[list[int]]
+    new: dict[int, tuple[SamplingParams, int | None]] = field(default_factory=dict)
+    finished: list[int] = field(default_factory=list)
+
+
+class SequenceSampler:
+    """The sampling state of the sequences in flight, by sequence id, on the logits' device:
+    each one's parameters and its generator (`make_generator`), made on its first pick and
+    used once per pick after, so a seeded sequence draws the same tokens wherever it runs."""
+
+    def __init__(self, device: torch.device | str, eos_ids: tuple[int, ...]):
+        self.device = device
+        self.eos_ids = eos_ids
+        self.params: dict[int, SamplingParams] = {}
+        self.generators: dict[int, torch.Generator | None] = {}
+
+    def pick(self, logits: torch.Tensor, picks: Picks) -> tuple[torch.Tensor, list[dict | None]]:
+        """`pick_tokens` for the rows of `logits` that `picks` names."""
+        for seq_id in picks.finished:
+            self.params.pop(seq_id, None)
+            self.generators.pop(seq_id, None)
+        for seq_id, (params, seed) in picks.new.items():
+            self.params[seq_id] = params
+            self.generators[seq_id] = make_generator(seed, self.device)
+        if picks.rows != list(range(logits.shape[0])):
+            logits = logits.index_select(0, to_device(picks.rows, torch.long, logits.device))
+        return pick_tokens(logits, [self.params[s] for s in picks.seq_ids], [self.generators[s] for s in picks.seq_ids],
+                           picks.output_tokens, picks.prompt_tokens, picks.num_generated, self.eos_ids)
 
 
 def apply_penalties(logits_row: torch.Tensor, params: SamplingParams, prompt_tokens: list[int],

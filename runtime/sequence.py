@@ -11,8 +11,6 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-import torch
-
 from kiln.runtime.outputs import CompletionOutput, RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 
@@ -30,7 +28,7 @@ class Sequence:
     request: "Request"
     index: int
     token_ids: list[int]
-    generator: torch.Generator | None
+    seed: int | None  # this sample's: the request's, plus the sample's index for forked ones
     seq_id: int = field(default_factory=lambda: next(_ids))
     num_cached: int = 0
     # Tokens sampled on the device that have not reached `token_ids` yet (the overlapped loop,

@@ -63,6 +63,12 @@ class StepInputs:
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        """Tokens, sequences and logit rows: with the engine's blocks per sequence, every
+        input's shape."""
+        return self.num_tokens, self.query_lens.shape[0], self.logits_indices.shape[0]
+
     def as_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.__dict__)
 

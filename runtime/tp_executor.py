@@ -1,16 +1,26 @@
 """The executor for a tensor-parallel engine: one worker process per rank.
 
-The Session's process schedules; each step it sends the packed step inputs to every rank and
-waits for all of them with a deadline. A rank that dies, hangs or fails is named in the error,
-the step fails (so the Session fails the requests in flight) and `close()` reaps every worker.
+The Session's process schedules; each step it writes the step inputs, laid out like the
+arena's input region (`runtime.executor.InputRegion`), into one shared-memory buffer that every
+worker maps at start-up, sends each rank a small header (the step's sizes and block copies; rank
+0 also gets the `Picks`) and waits for all of them with a deadline. Rank 0 samples where the
+logits are, with the same `SequenceSampler` a single-rank executor uses, and sends back only
+the token ids (and logprobs entries when asked). A rank that dies, hangs or fails is named in
+the error, the step fails (so the Session fails the requests in flight) and `close()` reaps
+every worker.
 
 Workers are fresh interpreters (`python -m kiln.runtime.tp_worker`), not multiprocessing
 children: multiprocessing's spawn re-imports the caller's `__main__`, which fails for a script
 without an `if __name__ == "__main__":` guard, one fed on standard input, or a notebook. Each
-worker inherits the two ends of its socket pairs (steps, pings) as file descriptors.
+worker inherits the two ends of its socket pairs (steps, pings) and the shared buffer (an
+anonymous memory file: nothing to unlink, gone with its last process) as file descriptors.
+
+The buffer holds one step: the next is written only after every rank has answered for this
+one, and a rank answers only after it has copied its inputs out.
 """
 from __future__ import annotations
 
+import mmap
 import multiprocessing as mp
 import os
 import socket
@@ -23,9 +33,10 @@ from pathlib import Path
 import torch
 
 import kiln
+from kiln.runtime.executor import InputRegion
+from kiln.runtime.sampler import Picks
 from kiln.runtime.step import Feed, StepInputs
 
-AUTHKEY_ENV = "KILN_TP_AUTHKEY"
 STARTUP_TIMEOUT = 120.0
 STEP_TIMEOUT = 60.0
 
@@ -42,23 +53,27 @@ def _free_port() -> int:
 
 def _worker_env() -> dict[str, str]:
     """The caller's environment, with the folder Kiln was imported from first on the path, so a
-    worker imports this same Kiln (a source checkout run with PYTHONPATH=. included), and this
-    process's multiprocessing key: tensors in a step travel as shared-memory handles, which a
-    process hands only to peers that know its key."""
+    worker imports this same Kiln (a source checkout run with PYTHONPATH=. included)."""
     home = str(Path(kiln.__file__).resolve().parents[1])
     path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": home if not path else f"{home}{os.pathsep}{path}",
-            AUTHKEY_ENV: mp.current_process().authkey.hex()}
+    return {**os.environ, "PYTHONPATH": home if not path else f"{home}{os.pathsep}{path}"}
+
+
+def _shared_buffer(nbytes: int) -> tuple[int, torch.Tensor]:
+    """An anonymous shared-memory file of `nbytes` and this process's uint8 view of it."""
+    fd = os.memfd_create("kiln-step-inputs")
+    os.ftruncate(fd, nbytes)
+    return fd, torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
 
 
 def _start_worker(engine_dir: str | Path, rank: int, world_size: int, port: int, num_kv_blocks: int,
-                  device: str) -> tuple[subprocess.Popen, Connection, Connection]:
+                  device: str, all_reduce: str, shared_fd: int) -> tuple[subprocess.Popen, Connection, Connection]:
     """Start rank `rank`'s worker; returns it with this side's step and ping connections."""
     conn, child_conn = mp.Pipe()
     ping, child_ping = mp.Pipe()
-    fds = (child_conn.fileno(), child_ping.fileno())
+    fds = (child_conn.fileno(), child_ping.fileno(), shared_fd)
     proc = subprocess.Popen([sys.executable, "-m", "kiln.runtime.tp_worker", str(engine_dir), str(rank),
-                             str(world_size), str(port), str(num_kv_blocks), device, *map(str, fds)],
+                             str(world_size), str(port), str(num_kv_blocks), device, all_reduce, *map(str, fds)],
                             pass_fds=fds, env=_worker_env())
     # Only the worker holds its ends now, so its death reads as end-of-file here.
     child_conn.close()
@@ -67,21 +82,36 @@ def _start_worker(engine_dir: str | Path, rank: int, world_size: int, port: int,
 
 
 class TensorParallelExecutor:
-    def __init__(self, engine_dir: str | Path, world_size: int, num_kv_blocks: int,
-                 step_timeout: float = STEP_TIMEOUT, device: str = "cpu"):
+    def __init__(self, engine_dir: str | Path, world_size: int, num_kv_blocks: int, inputs: InputRegion,
+                 step_timeout: float = STEP_TIMEOUT, device: str = "cpu", all_reduce: str = "auto"):
+        """`inputs`: rank 0's input region, which every rank must share; `all_reduce`: how GPU
+        ranks sum (`runtime.all_reduce.MODES`)."""
         port = _free_port()
         self.step_timeout = step_timeout
+        self.inputs = inputs
+        shared_fd, self.shared = _shared_buffer(inputs.nbytes)
         self.conns, self.pings, self.procs = [], [], []
-        for rank in range(world_size):
-            proc, conn, ping = _start_worker(engine_dir, rank, world_size, port, num_kv_blocks, device)
-            self.procs.append(proc)
-            self.conns.append(conn)
-            self.pings.append(ping)
         try:
-            self._gather(STARTUP_TIMEOUT, "starting")
+            for rank in range(world_size):
+                proc, conn, ping = _start_worker(engine_dir, rank, world_size, port, num_kv_blocks, device, all_reduce,
+                                                 shared_fd)
+                self.procs.append(proc)
+                self.conns.append(conn)
+                self.pings.append(ping)
+        finally:
+            os.close(shared_fd)  # the workers hold their own; the mapping here keeps the memory
+        try:
+            ready = self._gather(STARTUP_TIMEOUT, "starting")
+            for rank, (slots, _) in enumerate(ready):
+                if slots != inputs.slots:
+                    raise WorkerError(f"tensor-parallel rank {rank} places its step inputs elsewhere in its arena "
+                                      "than rank 0: the engine folder mixes builds; rebuild it into an empty folder")
         except WorkerError:
             self.close()
             raise
+        # Whether decode-sized all-reduces take the custom kernel (`runtime.all_reduce`): the
+        # ranks agree on it when they set it up.
+        self.custom_all_reduce: bool = ready[0][1]
 
     def _gather(self, timeout: float, doing: str) -> list:
         """Wait for one reply from every rank; raise naming the first rank that failed."""
@@ -135,16 +165,36 @@ class TensorParallelExecutor:
             code = None
         return WorkerError(f"tensor-parallel rank {rank} died while {doing} (exit code {code})")
 
-    def run(self, step: StepInputs, copies: list[tuple[int, int]] = (), feed: Feed | None = None) -> torch.Tensor:
-        if feed is not None:
-            raise ValueError("a tensor-parallel engine runs the plain engine loop: its ranks cannot read the sampled "
-                             "ids kept on this process's device (EngineCore turns overlap off for it)")
+    def _send_all(self, call: str, args: list, doing: str) -> None:
+        """Send rank r the call with `args[r]`."""
         for rank, conn in enumerate(self.conns):
             try:
-                conn.send(("run", (step, list(copies))))
+                conn.send((call, args[rank]))
             except (BrokenPipeError, OSError):
-                raise self._failure(rank, "died", None, "receiving a step") from None
-        return self._gather(self.step_timeout, "running a step")[0]
+                raise self._failure(rank, "died", None, doing) from None
+
+    def execute(self, step: StepInputs, copies: list[tuple[int, int]] = (), feed: Feed | None = None,
+                picks: Picks | None = None) -> tuple[torch.Tensor, list[dict | None]] | None:
+        """Run one step on every rank and pick its tokens on rank 0 (`ArenaExecutor.execute`);
+        the token ids come back to the host."""
+        if feed is not None:
+            raise ValueError("a tensor-parallel engine runs the plain engine loop: its ranks cannot read the sampled "
+                             "ids kept on rank 0 (EngineCore turns overlap off for it)")
+        self.inputs.pack(step, self.shared)
+        header = (step.sizes, list(copies))
+        self._send_all("step", [(*header, picks if rank == 0 else None) for rank in range(len(self.conns))],
+                       "receiving a step")
+        sampled = self._gather(self.step_timeout, "running a step")[0]
+        if sampled is None:
+            return None
+        tokens, logprobs = sampled
+        return torch.tensor(tokens, dtype=torch.long), logprobs
+
+    def all_reduce_seconds(self, tokens: int) -> float:
+        """Rank 0's estimate of the seconds a step of `tokens` tokens spends in all-reduces,
+        timed apart from any step (`runtime.collectives`)."""
+        self._send_all("all_reduce_seconds", [tokens] * len(self.conns), "timing all-reduces")
+        return self._gather(self.step_timeout, "timing all-reduces")[0]
 
     def close(self) -> None:
         """Stop every worker; ones stuck in a collective with a dead peer are killed."""
@@ -162,3 +212,4 @@ class TensorParallelExecutor:
         for conn in self.conns + self.pings:
             conn.close()
         self.conns, self.pings, self.procs = [], [], []
+        self.shared = None  # the mapping goes with its last view

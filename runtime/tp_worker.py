@@ -1,17 +1,24 @@
 """One tensor-parallel rank in its own process: an executor driven over a pipe.
 
 Started by `kiln.runtime.tp_executor` as `python -m kiln.runtime.tp_worker ENGINE_DIR RANK
-WORLD_SIZE PORT NUM_KV_BLOCKS DEVICE CONN_FD PING_FD`, the last two inherited socket ends.
+WORLD_SIZE PORT NUM_KV_BLOCKS DEVICE ALL_REDUCE CONN_FD PING_FD SHARED_FD`: how GPU ranks sum
+(`runtime.all_reduce.MODES`), two inherited socket ends and the shared buffer that carries each
+step's inputs.
 
 The worker joins the process group (gloo with the CPU executor, or NCCL with the CUDA executor
-on GPU `rank`), loads its rank's engine file and then serves calls from the Session's process:
-`run` (copy-on-write copies, then one step) and `stop`. Every rank runs every step; row-parallel
-ops all-reduce (inside their reference implementations on the CPU, after their kernels on the
-GPU), so every rank ends with the full logits and only rank 0 sends them back.
+on GPU `rank`, plus a gloo group over which the ranks set up the custom all-reduce), loads its
+rank's engine file, answers with where its arena holds the step inputs and whether it sums
+with the custom all-reduce, and then serves calls from the Session's process: `step` (the
+step's sizes, the copy-on-write copies and, for rank 0, the `Picks`; the inputs are in the
+shared buffer), `all_reduce_seconds` (bench-engine's estimate of a step's collective time,
+`runtime.collectives`) and `stop`. Every rank runs every step; row-parallel ops all-reduce
+(inside their reference implementations on the CPU, after their kernels on the GPU:
+`runtime.all_reduce`), so every rank ends with the full logits, and rank 0 picks the tokens
+from them on its device and sends back their ids.
 """
 from __future__ import annotations
 
-import multiprocessing
+import mmap
 import os
 import sys
 import threading
@@ -21,6 +28,10 @@ from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
+
+from kiln.runtime.all_reduce import AllReduce, gloo_gather, open_all_reduce
+from kiln.runtime.collectives import step_all_reduce_seconds
+from kiln.runtime.executor import ArenaExecutor
 
 # How long a rank waits in a collective for a peer before failing; the Session's own deadline
 # is shorter, so a dead peer is reported by the Session, not by a gloo timeout.
@@ -37,9 +48,10 @@ def _answer_pings(conn: Connection) -> None:
         pass
 
 
-def _open_executor(engine_dir: str, rank: int, world_size: int, num_kv_blocks: int, device: str):
+def _open_executor(engine_dir: str, rank: int, world_size: int, num_kv_blocks: int, device: str,
+                   all_reduce: str) -> tuple[ArenaExecutor, AllReduce]:
     """Join the process group and load this rank's engine: gloo and the CPU executor, or NCCL
-    and the CUDA executor on GPU `rank`."""
+    and the CUDA executor on GPU `rank`. Returns the executor and how it sums over the ranks."""
     from kiln.runtime.engine import load_engine
 
     if device == "cuda":
@@ -49,21 +61,25 @@ def _open_executor(engine_dir: str, rank: int, world_size: int, num_kv_blocks: i
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT,
                                 device_id=torch.device("cuda", rank))
-        return CudaExecutor(load_engine(engine_dir, rank=rank, target=device_arch()), num_kv_blocks)
+        control = dist.new_group(backend="gloo")
+        engine = load_engine(engine_dir, rank=rank, target=device_arch())
+        summing = open_all_reduce(engine, all_reduce, gloo_gather(control))
+        return CudaExecutor(engine, num_kv_blocks, all_reduce=summing), summing
     from kiln.runtime.executor import CpuExecutor
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
-    return CpuExecutor(load_engine(engine_dir, rank=rank), num_kv_blocks)
+    return CpuExecutor(load_engine(engine_dir, rank=rank), num_kv_blocks), AllReduce()
 
 
 def worker_main(engine_dir: str, rank: int, world_size: int, port: int, num_kv_blocks: int,
-                conn: Connection, ping: Connection, device: str = "cpu") -> None:
+                conn: Connection, ping: Connection, shared: torch.Tensor, device: str = "cpu",
+                all_reduce: str = "auto") -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     threading.Thread(target=_answer_pings, args=(ping,), daemon=True).start()
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        executor = _open_executor(engine_dir, rank, world_size, num_kv_blocks, device)
-        conn.send(("ready", None))
+        executor, summing = _open_executor(engine_dir, rank, world_size, num_kv_blocks, device, all_reduce)
+        conn.send(("ready", (executor.inputs.slots, summing.custom is not None)))
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
@@ -71,12 +87,18 @@ def worker_main(engine_dir: str, rank: int, world_size: int, port: int, num_kv_b
         while True:
             call, args = conn.recv()
             if call == "stop":
+                summing.close()
                 break
             try:
-                logits = executor.run(*args)
-                # Only rank 0's logits go back (every rank computes them); on a GPU the copy
-                # to the host also waits for the step.
-                conn.send(("ok", logits.cpu() if rank == 0 else None))
+                if call == "all_reduce_seconds":
+                    reply = step_all_reduce_seconds(executor.engine, args, executor.kv_cache.device, summing)
+                else:
+                    sizes, copies, picks = args
+                    sampled = executor.execute(executor.inputs.unpack(shared, sizes), copies, None, picks)
+                    # Only rank 0 picks (every rank has the logits); on a GPU reading the ids
+                    # also waits for the step.
+                    reply = None if sampled is None else (sampled[0].tolist(), sampled[1])
+                conn.send(("ok", reply))
             except Exception:
                 conn.send(("error", traceback.format_exc()))
     except (EOFError, KeyboardInterrupt):
@@ -85,13 +107,17 @@ def worker_main(engine_dir: str, rank: int, world_size: int, port: int, num_kv_b
         dist.destroy_process_group()
 
 
-def main(argv: list[str]) -> None:
-    from kiln.runtime.tp_executor import AUTHKEY_ENV
+def _map_shared(fd: int) -> torch.Tensor:
+    """The shared step-inputs buffer, as uint8 (the mapping keeps it; the descriptor can go)."""
+    buffer = mmap.mmap(fd, 0)
+    os.close(fd)
+    return torch.frombuffer(buffer, dtype=torch.uint8)
 
-    multiprocessing.current_process().authkey = bytes.fromhex(os.environ.pop(AUTHKEY_ENV))
-    engine_dir, rank, world_size, port, num_kv_blocks, device, conn_fd, ping_fd = argv
+
+def main(argv: list[str]) -> None:
+    engine_dir, rank, world_size, port, num_kv_blocks, device, all_reduce, conn_fd, ping_fd, shared_fd = argv
     worker_main(engine_dir, int(rank), int(world_size), int(port), int(num_kv_blocks), Connection(int(conn_fd)),
-                Connection(int(ping_fd)), device)
+                Connection(int(ping_fd)), _map_shared(int(shared_fd)), device, all_reduce)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ import torch
 
 from kiln.runtime.arena import ALIGN, Arena
 from kiln.runtime.engine import load_engine
-from kiln.runtime.executor import CpuExecutor
+from kiln.runtime.executor import CpuExecutor, InputRegion
+from kiln.runtime.step import SequenceChunk, pack_step
 
 
 def test_regions_are_aligned_disjoint_and_typed():
@@ -36,3 +37,19 @@ def test_cpu_executor_keeps_activations_and_kv_pool_in_one_arena(factory):
         assert base <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= end
     assert ex.kv_cache.shape[2] == 12 and ex.arena.numel() == engine.manifest.arena_bytes
     ex.close()
+
+
+def test_input_region_packs_a_step_where_the_arena_holds_it_and_unpacks_it(factory):
+    """The one layout a step's inputs travel in (the CUDA executor's staging buffer, a
+    tensor-parallel engine's shared buffer) is the arena's: unpacking gives the step back."""
+    engine = load_engine(factory.engine(factory.checkpoint("llama3"), dtype="float32"))
+    ex = CpuExecutor(engine, num_kv_blocks=16)
+    bs, nb = engine.manifest.kv.block_size, engine.manifest.blocks_per_sequence
+    step = pack_step([SequenceChunk([5, 6, 7], 0, [3, 1]), SequenceChunk([9], 4, [2, 0], all_logits=True)], bs, nb)
+    region = InputRegion(engine)
+    buffer = torch.zeros(region.nbytes, dtype=torch.uint8)
+    region.pack(step, buffer)
+    back = region.unpack(buffer, step.sizes)
+    assert all(torch.equal(getattr(back, name), value) for name, value in step.as_dict().items())
+    ex._stage_inputs(step, ex._dims(step))  # a fresh arena, zeros elsewhere like the buffer
+    assert torch.equal(ex.arena[region.start:region.end], buffer)

@@ -122,8 +122,8 @@ def test_layout_and_index(engine):
     # The manifest's JSON is the documented layout (engines/README.md), and reads back equal.
     raw = json.loads(engine.read_bytes()[m_off:m_off + m_len])
     assert set(raw) == {"kiln_version", "model", "dtype", "targets", "rank", "world_size", "limits", "kv_cache",
-                        "tokenizer", "chat_template", "inputs", "outputs", "tensors", "plan", "memory_plan",
-                        "weights", "kernels", "sections"}
+                        "tokenizer", "chat_template", "inputs", "outputs", "tensors", "plan", "all_reduce_kernels",
+                        "memory_plan", "weights", "kernels", "sections"}
     assert Manifest.from_json(raw) == ef.manifest
 
 
@@ -315,6 +315,8 @@ def test_a_manifest_of_another_shape_is_refused_naming_the_field(tmp_path):
     (lambda m: m.update(rank=2), r"rank 2 is not below world_size 2"),
     (lambda m: m["plan"][0]["inputs"].update(weight="nowhere"), r"plan op 0 \(embedding\) names tensor 'nowhere'"),
     (lambda m: m["plan"][0]["kernel_keys"].update(sm_90=["gone"]), r"plan op 0 \(embedding\) names kernel 'gone'"),
+    (lambda m: m.update(all_reduce_kernels={"sm_90": ["lost"]}), r"all_reduce_kernels names kernel 'lost'"),
+    (lambda m: m.update(all_reduce_kernels={"sm_90": "key"}), r"manifest.all_reduce_kernels.sm_90 must be a list"),
     (lambda m: m["memory_plan"]["tensors"].pop("logits"), r"tensor 'logits' has no place in the memory plan"),
     (lambda m: m["tensors"]["logits"].update(shape=["L", "V"]), r"the first output must be a tensor of fixed width"),
     (lambda m: m.update(targets="cpu"), r"manifest.targets must be a list of strings"),

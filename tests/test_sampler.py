@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from kiln.runtime.sampler import apply_penalties, make_generator, sample, sampling_distribution
+from kiln.runtime.sampler import (Picks, SequenceSampler, apply_penalties, make_generator, pick_tokens, sample,
+                                  sampling_distribution)
 from kiln.runtime.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0, 1.0])
@@ -243,3 +244,18 @@ def test_draws_follow_the_distribution():
     counts = torch.bincount(torch.tensor(result.tokens), minlength=4).float() / 4000
     assert counts[3] == 0
     assert torch.allclose(counts[:3], probs[:3] / 0.95, atol=0.03)
+
+
+def test_sequence_sampler_keeps_each_sequence_generator_until_it_finishes():
+    """State by sequence id: made from the seed on the first pick, drawn from on every pick
+    after (as one generator held by the sequence would be), dropped once finished."""
+    logits = torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(4))
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=21)
+    sampler = SequenceSampler("cpu", eos_ids=())
+    gen = make_generator(21)
+    for step, (rows, new) in enumerate((([2], {7: (params, 21)}), ([0], {}))):
+        got, _ = sampler.pick(logits[step], Picks(rows, [7], [step], [[]], [[]], new))
+        want, _ = pick_tokens(logits[step][rows], [params], [gen], [[]], [[]], [step], ())
+        assert torch.equal(got, want)
+    sampler.pick(logits[0], Picks([1], [8], [0], [[]], [[]], {8: (params, None)}, finished=[7]))
+    assert list(sampler.generators) == [8] and list(sampler.params) == [8]

@@ -1,6 +1,8 @@
 """Tensor parallelism on GPUs (GPU only: `pytest -m gpu`): a TP 2 engine, one NCCL rank per
-GPU with its collectives inside the decode graphs, generates what the TP 1 engine generates,
-and an engine with more ranks than the machine has GPUs is refused by name."""
+GPU with its collectives inside the decode graphs, generates what the TP 1 engine generates
+(greedy, and seeded samples drawn on rank 0's GPU), summing with the custom all-reduce for
+decode-sized messages (the default) and with NCCL alone (KILN_ALL_REDUCE=nccl); and an engine
+with more ranks than the machine has GPUs is refused by name."""
 from __future__ import annotations
 
 import pytest
@@ -25,14 +27,22 @@ def _build(factory, tmp_path, tp_size: int):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_tp2_on_two_gpus_generates_what_tp1_generates(factory, tmp_path):
+@pytest.mark.parametrize("all_reduce", ["auto", "nccl"])
+def test_tp2_on_two_gpus_generates_what_tp1_generates(factory, tmp_path, monkeypatch, all_reduce):
     prompts = [[5 + i, 17, 42 + 3 * i, 99, 7][: 2 + i % 4] for i in range(12)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    # Rank 0 samples on its GPU with generators on that GPU, as TP 1 does on its own.
+    seeded = [SamplingParams(temperature=0.8, top_p=0.95, seed=i, n=1 + i % 2, max_tokens=16, ignore_eos=True)
+              for i in range(len(prompts))]
+    monkeypatch.setenv("KILN_ALL_REDUCE", all_reduce)
     outputs = {}
     for tp in (1, 2):
         with Session(_build(factory, tmp_path, tp), device="cuda") as session:
-            outputs[tp] = [o.outputs[0].token_ids for o in session.generate(prompt_token_ids=prompts,
-                                                                           sampling_params=params)]
+            if tp == 2:
+                assert session._core.executor.custom_all_reduce == (all_reduce == "auto")
+            outputs[tp] = [[c.token_ids for c in o.outputs]
+                           for params in (greedy, seeded)
+                           for o in session.generate(prompt_token_ids=prompts, sampling_params=params)]
     assert outputs[2] == outputs[1]
 
 

@@ -1,6 +1,7 @@
 """Tensor-parallel serving on the CPU: a Session over a TP engine starts one gloo worker per
-rank, gives the same greedy tokens as TP=1 with in-flight batching, and survives a worker that
-dies or hangs by failing the requests in flight with an error naming the rank."""
+rank, gives the same greedy tokens as TP=1 with in-flight batching, the same seeded samples
+(rank 0 samples with the same sampler and generators), and survives a worker that dies or
+hangs by failing the requests in flight with an error naming the rank."""
 from __future__ import annotations
 
 import json
@@ -26,6 +27,12 @@ def checkpoint(factory):
     return factory.checkpoint("qwen2", num_heads=8, num_kv_heads=2)
 
 
+def test_unknown_all_reduce_mode_is_refused_naming_the_variable(factory, checkpoint, monkeypatch):
+    monkeypatch.setenv("KILN_ALL_REDUCE", "fast")
+    with pytest.raises(ValueError, match="KILN_ALL_REDUCE='fast' is not an all-reduce mode: use 'auto'"):
+        Session(factory.engine(checkpoint, tp_size=2, **BUILD))
+
+
 def mixed_requests(n: int = 32) -> tuple[list[list[int]], list[SamplingParams]]:
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 380) for _ in range(rng.randrange(2, 20))] for _ in range(n)]
@@ -47,6 +54,41 @@ def test_tp_engine_matches_tp1_with_inflight_batching(factory, checkpoint, tp1_t
         outs = s.generate(prompt_token_ids=prompts, sampling_params=params)
         assert s.stats["kv_blocks_used"] == 0
     assert [o.outputs[0].token_ids for o in outs] == tp1_tokens
+
+
+def sampled_requests() -> tuple[list[list[int]], list[SamplingParams]]:
+    """Seeded draws with truncation, penalties and bad words, n > 1, logprobs, min_tokens."""
+    prompts = [[5, 17, 200, 45], [9, 8, 7, 6, 5, 4], [300, 301], [42] * 11, [3, 30, 300]]
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=20, min_p=0.01, seed=3, n=3, max_tokens=7, ignore_eos=True),
+              SamplingParams(temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2,
+                             bad_words=((17, 99), (120,)), seed=5, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0, logprobs=3, repetition_penalty=1.2, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=7, logprobs=2, min_tokens=4, max_tokens=6)]
+    return prompts, params
+
+
+def _samples(engine) -> list[list[tuple[list[int], list | None]]]:
+    prompts, params = sampled_requests()
+    with Session(engine) as s:
+        outs = s.generate(prompt_token_ids=prompts, sampling_params=params)
+    return [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs]
+
+
+def test_tp_engine_samples_what_tp1_samples(factory, checkpoint):
+    """Seeded sampling happens on rank 0 with the generators TP 1 uses, so the tokens match;
+    logprobs match up to the all-reduce's float rounding."""
+    tp1, tp2 = _samples(factory.engine(checkpoint, **BUILD)), _samples(factory.engine(checkpoint, tp_size=2, **BUILD))
+    assert [[ids for ids, _ in r] for r in tp2] == [[ids for ids, _ in r] for r in tp1]
+    assert len(tp2[1]) == 3 and len({tuple(ids) for ids, _ in tp2[1]}) > 1  # n=3 forks draw differently
+    for r1, r2 in zip(tp1, tp2):
+        for (_, lp1), (_, lp2) in zip(r1, r2):
+            if lp1 is None:
+                assert lp2 is None
+                continue
+            assert [e["token"] for e in lp2] == [e["token"] for e in lp1]
+            assert [e["logprob"] for e in lp2] == pytest.approx([e["logprob"] for e in lp1], abs=1e-4)
+            assert [[t for t, _ in e["top"]] for e in lp2] == [[t for t, _ in e["top"]] for e in lp1]
 
 
 def _alive(procs) -> list[int]:
@@ -73,6 +115,25 @@ def test_killed_worker_fails_requests_naming_the_rank(factory, checkpoint):
         assert time.monotonic() - start < 30
         with pytest.raises(RuntimeError, match="session failed"):
             session.generate(prompt_token_ids=[[5, 6]])
+    finally:
+        session.close()
+    assert _alive(procs) == []
+
+
+def test_killed_rank0_which_samples_is_named_and_every_worker_reaped(factory, checkpoint):
+    """Rank 0 holds the sampling state and maps the shared inputs buffer: its death (here
+    between two requests, so no race with a stream that ends first) fails the next request
+    naming it, and every worker is reaped."""
+    session = Session(factory.engine(checkpoint, tp_size=2, **BUILD))
+    procs = list(session._core.executor.procs)
+    seeded = SamplingParams(temperature=0.8, seed=1, max_tokens=8, ignore_eos=True)
+    try:
+        assert len(session.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=seeded)[0].outputs[0].token_ids) == 8
+        os.kill(procs[0].pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 0 died"):
+            session.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=seeded)
+        assert time.monotonic() - start < 30
     finally:
         session.close()
     assert _alive(procs) == []
