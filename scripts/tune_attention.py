@@ -25,10 +25,11 @@ import pickle
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-from kiln.plugins.aot import AotKernel, compile_cubin, pointer_params
+from kiln.plugins.aot import AotKernel, pointer_params
 from kiln.plugins.attention.kernels import (MAX_SPLITS, SEQ_CHUNK, _attention_kernel, _combine_splits_kernel,
                                             _head_block, choose_num_splits)
 from scripts.gpu_timing import graph_us
+from scripts.sweep import try_compile
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 MAX_KEYS = 4352            # the bench engine's max_seq_len: the launcher's split rule reads it
@@ -70,11 +71,7 @@ def configs(kind: str = "decode") -> list[tuple[dict, AotKernel]]:
 
 def _compile(job: tuple[str, int]):
     kind, index = job
-    info, kernel = configs(kind)[index]
-    try:
-        return index, compile_cubin(kernel, "sm_90")
-    except Exception as e:  # a configuration that does not fit is reported, not fatal
-        return index, f"{type(e).__name__}: {str(e)[:200]}"
+    return index, try_compile(configs(kind)[index][1])
 
 
 def compile_all(path: str, kind: str = "decode") -> None:
@@ -114,23 +111,9 @@ def run_all(path: str, kind: str = "decode") -> None:
         return
 
     from kiln.plugins.attention.reference import paged_attention
-    from kiln.runtime.cuda_driver import CudaError, load_kernel
 
-    with open(path, "rb") as f:
-        entries = pickle.load(f)
     gen = torch.Generator().manual_seed(0)
-    loaded = []
-    for info, signature, cubin in entries:
-        if isinstance(cubin, str):
-            print(f"  {info['label']}: did not compile ({cubin})")
-            continue
-        try:
-            fn = load_kernel(cubin.binary, cubin.name, [t for t in signature.values() if t != "constexpr"],
-                             cubin.num_warps, cubin.shared_bytes)
-        except CudaError as e:
-            print(f"  {info['label']}: does not load ({e})")
-            continue
-        loaded.append((info, fn))
+    loaded = _load(path)
     combine = next(fn for info, fn in loaded if info.get("combine"))
     part = torch.empty(256 * HEADS * MAX_SPLITS * HEAD_DIM, dtype=torch.float32, device="cuda")
     stats = torch.empty(256 * HEADS * MAX_SPLITS * 2, dtype=torch.float32, device="cuda")

@@ -25,9 +25,10 @@ from concurrent.futures import ProcessPoolExecutor
 
 import triton
 
-from kiln.plugins.aot import AotKernel, absent_as_none, compile_cubin, pointer_params
+from kiln.plugins.aot import AotKernel, absent_as_none, pointer_params
 from kiln.plugins.linear.kernels import linear_kernel, split_signature
 from scripts.gpu_timing import graph_us
+from scripts.sweep import try_compile
 
 L2_ROTATION = 200_000_000  # bytes of weight copies cycled through, 4x the H200's L2
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -113,11 +114,7 @@ def _norm_qkv_rope_configs() -> list[tuple[str, dict, AotKernel]]:
 
 
 def _compile(index: int):
-    name, info, kernel = configs()[index]
-    try:
-        return index, compile_cubin(kernel, "sm_90")
-    except Exception as e:  # a configuration that does not fit is reported, not fatal
-        return index, f"{type(e).__name__}: {str(e)[:200]}"
+    return index, try_compile(configs()[index][2])
 
 
 def compile_all(path: str, only: str | None = None) -> None:
