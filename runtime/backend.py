@@ -41,13 +41,13 @@ def open_engine(engine_dir: str | Path, device: str | None) -> tuple[Engine, boo
     return engine, on_gpu
 
 
-def kv_pool(engine: Engine, on_gpu: bool, kv_cache_fraction: float | None,
-            max_kv_tokens: int | None) -> tuple[KVPool, BlockManager]:
+def kv_pool(engine: Engine, on_gpu: bool, kv_cache_fraction: float | None, max_kv_tokens: int | None,
+            prefix_caching: bool) -> tuple[KVPool, BlockManager]:
     """The KV pool chosen for `engine` (runtime/kv_pool.py says how), logged, and the block
     manager over its blocks."""
     pool = size_kv_pool(engine, on_gpu, kv_cache_fraction, max_kv_tokens)
     log.info(pool.describe())
-    return pool, BlockManager(pool.num_blocks, pool.block_size)
+    return pool, BlockManager(pool.num_blocks, pool.block_size, prefix_caching)
 
 
 def open_executor(engine: Engine, on_gpu: bool, num_blocks: int, worker_timeout: float):

@@ -22,7 +22,7 @@ from kiln.runtime.step import SequenceChunk, pack_step
 
 
 def check_engine_options(device: object, kv_cache_fraction: object, max_kv_tokens: object, policy: object,
-                         worker_timeout: object) -> None:
+                         worker_timeout: object, prefix_caching: object = True) -> None:
     """The options of loading an engine (`Session`, `EngineCore`), checked before anything loads."""
     if device not in (None, "auto", "cpu", "cuda"):
         raise ArgumentError("device", f"must be 'auto', 'cpu' or 'cuda', got {device!r}")
@@ -40,20 +40,24 @@ def check_engine_options(device: object, kv_cache_fraction: object, max_kv_token
     require_number("worker_timeout", worker_timeout)
     if not worker_timeout > 0:
         raise ArgumentError("worker_timeout", f"must be > 0 seconds, got {worker_timeout!r}")
+    if not isinstance(prefix_caching, bool):
+        raise ArgumentError("prefix_caching", f"must be True or False, got {prefix_caching!r}")
 
 
 class EngineCore:
     def __init__(self, engine_dir: str | Path, device: str | None = None, kv_cache_fraction: float | None = None,
                  max_kv_tokens: int | None = None, policy: str = "max_utilization", worker_timeout: float = 60.0,
-                 overlap: bool = True):
+                 overlap: bool = True, prefix_caching: bool = True):
         """`overlap=False` runs the plain loop; tensor-parallel engines always do (the other
-        ranks cannot read the sampled ids that stay on rank 0's device)."""
-        check_engine_options(device, kv_cache_fraction, max_kv_tokens, policy, worker_timeout)
+        ranks cannot read the sampled ids that stay on rank 0's device). `prefix_caching=False`
+        computes every prompt in full (runtime/prefix_cache.py)."""
+        check_engine_options(device, kv_cache_fraction, max_kv_tokens, policy, worker_timeout, prefix_caching)
         self.engine, on_gpu = open_engine(engine_dir, device)
         m = self.engine.manifest
         self.block_size = m.kv.block_size
         self.max_seq_len = m.max_seq_len
-        self.kv_pool, self.blocks = kv_pool(self.engine, on_gpu, kv_cache_fraction, max_kv_tokens)
+        self.kv_pool, self.blocks = kv_pool(self.engine, on_gpu, kv_cache_fraction, max_kv_tokens,
+                                                prefix_caching)
         self.executor = open_executor(self.engine, on_gpu, self.blocks.num_blocks, worker_timeout)
         self.scheduler = Scheduler(self.blocks, m.max_num_tokens, m.max_batch_size, policy)
         self.vocab_size = m.vocab_size

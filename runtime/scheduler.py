@@ -2,7 +2,10 @@
 
 Every step packs decode tokens of running sequences and prefill chunks of the others into at
 most `max_num_tokens` tokens and `max_batch_size` sequences, with no padding. A long prompt is
-prefilled in chunks, so it never stalls the decoding of others.
+prefilled in chunks, so it never stalls the decoding of others. A sequence is admitted with the
+longest prefix of its tokens that the prefix cache holds (runtime/prefix_cache.py) already in
+the KV cache: its first chunk starts after them, and only computed tokens count against the
+budget.
 
 Policies:
 - `max_utilization`: admit eagerly; when the pool runs out of blocks, preempt the
@@ -69,7 +72,7 @@ class Scheduler:
         for queue in (self.waiting, self.running):
             if seq in queue:
                 queue.remove(seq)
-        self.blocks.free(seq.seq_id)
+        self.blocks.free(seq.seq_id, seq.token_ids)
 
     def _worst_case_blocks(self, seq: Sequence) -> int:
         params = seq.request.params
@@ -83,7 +86,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.blocks.free(seq.seq_id)
+        # Its full blocks stay in the prefix cache: readmitted, it computes only what was evicted.
+        self.blocks.free(seq.seq_id, seq.token_ids)
         seq.num_cached = 0
         self.num_preemptions += 1
         self.add(seq)
@@ -108,7 +112,7 @@ class Scheduler:
                     break
             if seq not in self.running:
                 continue
-            copies += self.blocks.append(seq.seq_id, seq.num_cached + n)
+            copies += self.blocks.append(seq.seq_id, seq.token_ids, seq.num_cached + n)
             batch.append(ScheduledChunk(seq, n))
             scheduled.add(seq.seq_id)
             budget -= n
@@ -116,16 +120,19 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.pending:
                 break  # preempted with its last token still on the device: admitted once it lands
-            n = min(seq.num_tokens, budget)
+            match = self.blocks.match(seq.token_ids)
+            n = min(seq.num_tokens - match.num_tokens, budget)
             if self.policy == "guaranteed_no_evict" and seq.num_cached == 0 and not seq.request.forked:
                 if self.blocks.num_free - self._reserved_blocks() < self._worst_case_blocks(seq):
                     break
-            if not self.blocks.can_allocate(n):
+            if not self.blocks.can_allocate(match.num_tokens + n, match):
                 break
-            self.blocks.allocate(seq.seq_id, n)
+            copies += self.blocks.allocate(seq.seq_id, seq.token_ids, match.num_tokens + n, match)
+            seq.num_cached = match.num_tokens
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.append(ScheduledChunk(seq, n))
             budget -= n
+        self.blocks.step_scheduled()
         return batch, copies

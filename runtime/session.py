@@ -31,13 +31,15 @@ class Session:
     (a fresh interpreter each, so the caller's script needs no `__main__` guard); a rank that
     dies or does not answer within `worker_timeout` seconds fails the requests in flight with an
     error naming it. `overlap=False` runs the plain engine loop instead of the overlapped one
-    (runtime/overlap.py); the tokens are the same."""
+    (runtime/overlap.py); `prefix_caching=False` computes every prompt in full instead of reusing
+    the KV blocks of prefixes seen before (runtime/prefix_cache.py). Either way the tokens are
+    the same."""
 
     def __init__(self, engine_dir: str | Path, device: str | None = None, kv_cache_fraction: float | None = None,
                  max_kv_tokens: int | None = None, policy: str = "max_utilization", worker_timeout: float = 60.0,
-                 overlap: bool = True):
+                 overlap: bool = True, prefix_caching: bool = True):
         self._core = EngineCore(engine_dir, device, kv_cache_fraction, max_kv_tokens, policy, worker_timeout,
-                                overlap)
+                                overlap, prefix_caching)
         # Start-up latency, in seconds since the process started (runtime/startup.py).
         self._loaded_after = process_age()
         self._first_token_after: float | None = None
@@ -95,10 +97,15 @@ class Session:
 
     @property
     def stats(self) -> dict:
-        """The KV pool (`kv_cache_bytes` is one rank's) and the scheduler's state, now."""
+        """The KV pool (`kv_cache_bytes` is one rank's; used blocks are those requests hold, cached
+        ones are kept for reuse and count as free), the prefix cache's token counts (tokens of
+        admitted requests looked up, and found; 0 with prefix caching off) and the scheduler's
+        state, now."""
         with self._locked():
             blocks, pool = self._core.blocks, self._core.kv_pool
             return {"kv_blocks_total": blocks.num_blocks, "kv_blocks_used": blocks.used_blocks(),
+                    "kv_blocks_cached": blocks.cached_blocks(),
+                    "prefix_cache_queries": blocks.cache_queries, "prefix_cache_hits": blocks.cache_hits,
                     "kv_tokens_total": pool.num_tokens, "kv_cache_bytes": pool.nbytes,
                     "running": len(self._core.scheduler.running), "waiting": len(self._core.scheduler.waiting),
                     "preemptions": self._core.scheduler.num_preemptions, "kv_blocks_peak": self._core.peak_blocks,

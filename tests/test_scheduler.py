@@ -3,6 +3,10 @@
 `step` stands in for the engine: it runs the scheduler, then advances every chunk the way
 `EngineCore._postprocess` does (the chunk's tokens are now cached; a chunk that reaches the
 end of its sequence samples one token), and finishes sequences at max_tokens.
+
+The prompts here share their first tokens, so most tests turn prefix caching off to see the
+scheduling alone; the random workloads run both ways, and the last tests are about admission
+with cached prefixes.
 """
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ def make_seq(prompt_len: int, arrival: float, max_tokens: int = 4, priority: int
 def step(sched: Scheduler) -> list[tuple[Sequence, int, bool]]:
     """One step; returns (sequence, chunk tokens, whether the chunk sampled) per chunk."""
     batch, copies = sched.schedule()
-    assert copies == []  # nothing is forked here, so nothing is ever shared
+    if not sched.blocks.prefix_caching:
+        assert copies == []  # nothing is forked here, so nothing is ever shared
     done = []
     for c in batch:
         assert isinstance(c, ScheduledChunk)
@@ -60,13 +65,14 @@ def run_to_completion(sched: Scheduler, seqs: list[Sequence], max_steps: int = 5
 
 def test_invalid_policy_raises():
     with pytest.raises(ValueError, match="policy 'fifo'.*max_utilization"):
-        Scheduler(BlockManager(8, BLOCK), 16, 4, policy="fifo")
+        Scheduler(BlockManager(8, BLOCK, prefix_caching=False), 16, 4, policy="fifo")
 
 
+@pytest.mark.parametrize("caching", (False, True))
 @pytest.mark.parametrize("policy", POLICIES)
-def test_budget_and_batch_size_are_respected(policy):
+def test_budget_and_batch_size_are_respected(policy, caching):
     rng = random.Random(0)
-    sched = Scheduler(BlockManager(40, BLOCK), max_num_tokens=16, max_batch_size=4, policy=policy)
+    sched = Scheduler(BlockManager(40, BLOCK, caching), max_num_tokens=16, max_batch_size=4, policy=policy)
     seqs = [make_seq(rng.randint(1, 30), arrival=i, max_tokens=rng.randint(1, 8)) for i in range(12)]
     for seq in seqs:
         sched.add(seq)
@@ -81,7 +87,7 @@ def test_budget_and_batch_size_are_respected(policy):
 
 
 def test_long_prompt_is_chunked_over_several_steps():
-    sched = Scheduler(BlockManager(16, BLOCK), max_num_tokens=8, max_batch_size=4)
+    sched = Scheduler(BlockManager(16, BLOCK, prefix_caching=False), max_num_tokens=8, max_batch_size=4)
     seq = make_seq(25, arrival=0, max_tokens=3)
     sched.add(seq)
     steps = run_to_completion(sched, [seq])
@@ -92,7 +98,7 @@ def test_long_prompt_is_chunked_over_several_steps():
 
 
 def test_decodes_are_scheduled_before_new_prefills():
-    sched = Scheduler(BlockManager(32, BLOCK), max_num_tokens=6, max_batch_size=4)
+    sched = Scheduler(BlockManager(32, BLOCK, prefix_caching=False), max_num_tokens=6, max_batch_size=4)
     a, b = make_seq(3, arrival=0, max_tokens=8), make_seq(2, arrival=1, max_tokens=8)
     sched.add(a)
     sched.add(b)
@@ -111,7 +117,7 @@ def test_decodes_are_scheduled_before_new_prefills():
 
 
 def test_priority_orders_admission():
-    sched = Scheduler(BlockManager(32, BLOCK), max_num_tokens=64, max_batch_size=1)
+    sched = Scheduler(BlockManager(32, BLOCK, prefix_caching=False), max_num_tokens=64, max_batch_size=1)
     low, high, mid = (make_seq(4, arrival=i, priority=p) for i, p in enumerate((0, 5, 1)))
     for seq in (low, high, mid):
         sched.add(seq)
@@ -125,7 +131,7 @@ def test_priority_orders_admission():
 
 def test_preemption_picks_the_lowest_priority_newest_sequence():
     # 6 blocks: three 8-token prompts take 2 blocks each, and then nobody can grow.
-    sched = Scheduler(BlockManager(6, BLOCK), max_num_tokens=64, max_batch_size=8)
+    sched = Scheduler(BlockManager(6, BLOCK, prefix_caching=False), max_num_tokens=64, max_batch_size=8)
     old = make_seq(8, arrival=0, priority=0)
     new = make_seq(8, arrival=1, priority=0)
     urgent = make_seq(8, arrival=2, priority=2)
@@ -146,7 +152,7 @@ def test_preemption_picks_the_lowest_priority_newest_sequence():
 
 
 def test_forked_samples_copy_on_write_and_are_preempted_alone():
-    blocks = BlockManager(4, BLOCK)
+    blocks = BlockManager(4, BLOCK, prefix_caching=False)
     sched = Scheduler(blocks, max_num_tokens=64, max_batch_size=8)
     request = Request("r", list(range(3, 9)), SamplingParams(n=2, max_tokens=6), arrival=0)
     parent = Sequence(request, 0, list(request.prompt_ids), None)
@@ -183,7 +189,8 @@ def test_forked_samples_copy_on_write_and_are_preempted_alone():
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_no_evict_refuses_admission_when_the_worst_case_does_not_fit(policy):
-    sched = Scheduler(BlockManager(8, BLOCK), max_num_tokens=64, max_batch_size=8, policy=policy)
+    sched = Scheduler(BlockManager(8, BLOCK, prefix_caching=False), max_num_tokens=64, max_batch_size=8,
+                      policy=policy)
     a = make_seq(4, arrival=0, max_tokens=12)  # worst case 16 tokens: 4 blocks
     b = make_seq(4, arrival=1, max_tokens=12)
     c = make_seq(4, arrival=2, max_tokens=12)
@@ -199,11 +206,12 @@ def test_no_evict_refuses_admission_when_the_worst_case_does_not_fit(policy):
     assert (sched.num_preemptions == 0) == (policy == "guaranteed_no_evict")
 
 
+@pytest.mark.parametrize("caching", (False, True))
 @pytest.mark.parametrize("policy", POLICIES)
-def test_random_workload_on_a_tight_pool(policy):
+def test_random_workload_on_a_tight_pool(policy, caching):
     """Many requests through a pool far too small for all of them at once."""
     rng = random.Random(1)
-    sched = Scheduler(BlockManager(12, BLOCK), max_num_tokens=12, max_batch_size=5, policy=policy)
+    sched = Scheduler(BlockManager(12, BLOCK, caching), max_num_tokens=12, max_batch_size=5, policy=policy)
     seqs = []
     for i in range(40):
         # Every request fits the pool on its own (48 tokens), as EngineCore.validate ensures.
@@ -223,6 +231,7 @@ def test_random_workload_on_a_tight_pool(policy):
         assert len(steps) < 2000
     assert all(s.status is Status.FINISHED and len(s.output_ids) == s.request.params.max_tokens for s in seqs)
     assert sched.blocks.used_blocks() == 0
+    assert (sched.blocks.cache_hits > 0) == caching
     if policy == "guaranteed_no_evict":
         assert sched.num_preemptions == 0
     else:
@@ -230,7 +239,7 @@ def test_random_workload_on_a_tight_pool(policy):
 
 
 def test_newer_decodes_are_not_stalled_by_an_older_long_prefill():
-    sched = Scheduler(BlockManager(64, BLOCK), max_num_tokens=8, max_batch_size=4)
+    sched = Scheduler(BlockManager(64, BLOCK, prefix_caching=False), max_num_tokens=8, max_batch_size=4)
     short = make_seq(2, arrival=1.0, max_tokens=8)
     sched.add(short)
     step(sched)                                   # the short prompt is prefilled and decoding
@@ -240,3 +249,56 @@ def test_newer_decodes_are_not_stalled_by_an_older_long_prefill():
     for _ in range(3):
         chunks = {seq: n for seq, n, _ in step(sched)}
         assert chunks[short] == 1 and chunks[long_seq] == 7
+
+
+def prompt_seq(prompt: list[int], arrival: float, max_tokens: int = 4) -> Sequence:
+    seq = make_seq(len(prompt), arrival, max_tokens)
+    seq.token_ids[:] = seq.request.prompt_ids[:] = prompt
+    return seq
+
+
+def test_admission_starts_after_the_cached_prefix():
+    sched = Scheduler(BlockManager(32, BLOCK), max_num_tokens=8, max_batch_size=4)
+    first = prompt_seq(list(range(100, 112)), arrival=0, max_tokens=2)
+    sched.add(first)
+    run_to_completion(sched, [first])
+    # Two of its three full blocks are a prefix of the next prompt: only the 6 tokens after
+    # them are computed, in one chunk that fits the 8-token budget and samples.
+    second = prompt_seq(list(range(100, 108)) + list(range(200, 206)), arrival=1)
+    sched.add(second)
+    assert step(sched) == [(second, 6, True)] and second.num_cached == 14
+    assert (sched.blocks.cache_queries, sched.blocks.cache_hits) == (12 + 14, 8)
+    run_to_completion(sched, [second])
+
+
+def test_a_fully_cached_prompt_computes_its_last_token():
+    sched = Scheduler(BlockManager(32, BLOCK), max_num_tokens=8, max_batch_size=4)
+    first = prompt_seq(list(range(100, 108)), arrival=0, max_tokens=1)
+    sched.add(first)
+    run_to_completion(sched, [first])
+    again = prompt_seq(list(range(100, 108)), arrival=1, max_tokens=3)
+    sched.add(again)
+    batch, copies = sched.schedule()
+    # Its last block is copied out of the cache, so the recomputed last token is written into a
+    # block of its own; that token's logits give the first output token.
+    assert [(c.seq, c.num_tokens, c.samples) for c in batch] == [(again, 1, True)]
+    [(src, dst)] = copies
+    assert again.num_cached == 7 and dst == sched.blocks.table(again.seq_id)[1]
+    assert sched.blocks.is_cached(src) and sched.blocks.cache_hits == 7
+
+
+def test_a_preempted_sequence_recomputes_only_what_was_evicted():
+    sched = Scheduler(BlockManager(5, BLOCK), max_num_tokens=64, max_batch_size=4)
+    a = prompt_seq(list(range(100, 108)), arrival=0, max_tokens=2)
+    b = prompt_seq(list(range(200, 208)), arrival=1, max_tokens=4)
+    sched.add(a)
+    sched.add(b)
+    assert step(sched) == [(a, 8, True), (b, 8, True)]
+    # Both need a third block and one is free: b is preempted, its two full blocks stay cached;
+    # a then finishes, and its two full blocks stay cached too.
+    assert step(sched) == [(a, 1, True)]
+    assert sched.num_preemptions == 1 and b.status is Status.WAITING and sched.blocks.cached_blocks() == 4
+    # b comes back with its prompt's blocks and recomputes only its sampled token.
+    assert step(sched) == [(b, 1, True)]
+    assert sched.blocks.cache_hits == 8
+    run_to_completion(sched, [a, b])
