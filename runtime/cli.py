@@ -78,12 +78,14 @@ class _StreamEcho:
               help="max_utilization admits eagerly and may preempt; guaranteed_no_evict never preempts.")
 @click.option("--no-overlap", is_flag=True,
               help="Run the plain engine loop: the host waits for each step's tokens before scheduling the next.")
+@click.option("--no-prefix-caching", is_flag=True,
+              help="Compute every prompt in full instead of reusing the KV blocks of prefixes seen before.")
 @click.option("--stream", is_flag=True, help="Print text as it arrives, one prompt after another (n must be 1).")
 @click.option("--stats", is_flag=True, help="Then print token counts, tokens/s, time to first token, KV use.")
 @click.pass_context
 def run_engine(ctx: click.Context, engine_dir: Path, prompts: tuple[str, ...], prompt_file: TextIO | None,
                kv_cache_fraction: float | None, max_kv_tokens: int | None, device: str, policy: str, no_overlap: bool,
-               stream: bool, stats: bool, **sampling: Any) -> None:
+               no_prefix_caching: bool, stream: bool, stats: bool, **sampling: Any) -> None:
     """Generate text from a Kiln engine.
 
     All prompts are submitted together and batched in flight. Sampling is greedy unless
@@ -104,7 +106,7 @@ def run_engine(ctx: click.Context, engine_dir: Path, prompts: tuple[str, ...], p
     show_kiln_log()
     try:
         session = Session(engine_dir, device=device, kv_cache_fraction=kv_cache_fraction, max_kv_tokens=max_kv_tokens,
-                          policy=policy, overlap=not no_overlap)
+                          policy=policy, overlap=not no_overlap, prefix_caching=not no_prefix_caching)
     except ArgumentError as e:
         raise bad_flag(ctx, e) from None
     except (EngineFileError, ValueError, OSError) as e:
@@ -125,7 +127,7 @@ def run_engine(ctx: click.Context, engine_dir: Path, prompts: tuple[str, ...], p
                 _echo_result(result)
         done = [r for r in results if r.output is not None]
         if stats:
-            _echo_stats(done, wall, session.stats)
+            _echo_stats(done, wall, session.stats, not no_prefix_caching)
     refused = len(results) - len(done)
     if refused:
         raise click.ClickException(f"{refused} of {len(results)} prompts were refused (see above); the others ran")
@@ -253,7 +255,14 @@ def _echo_result(result: _Result) -> None:
         _echo_logprobs(c)
 
 
-def _echo_stats(results: list[_Result], wall: float, session_stats: dict) -> None:
+def _hit_rate(session_stats: dict, prefix_caching: bool) -> str:
+    queries, hits = session_stats["prefix_cache_queries"], session_stats["prefix_cache_hits"]
+    if not prefix_caching:
+        return "off (--no-prefix-caching)"
+    return f"{hits} of {queries} prompt tokens found cached ({100 * hits / max(queries, 1):.1f}%)"
+
+
+def _echo_stats(results: list[_Result], wall: float, session_stats: dict, prefix_caching: bool) -> None:
     generated = sum(len(c.token_ids) for r in results for c in r.output.outputs)
     ttfts = [r.ttft for r in results if r.ttft is not None]
     rows = [
@@ -265,6 +274,7 @@ def _echo_stats(results: list[_Result], wall: float, session_stats: dict) -> Non
         ("time to first token", f"{1000 * sum(ttfts) / len(ttfts):.1f} ms mean" if ttfts else "none"),
         ("KV blocks used", f"{session_stats['kv_blocks_peak']} peak / {session_stats['kv_blocks_total']} total"),
         ("preemptions", f"{session_stats['preemptions']}"),
+        ("prefix cache", _hit_rate(session_stats, prefix_caching)),
         ("engine loaded", f"{session_stats['loaded_s']:.2f} s after process start"),
         ("first token", f"{session_stats['first_token_s']:.2f} s after process start"
          if session_stats["first_token_s"] is not None else "none"),

@@ -116,6 +116,19 @@ def test_no_overlap_prints_the_same_completions(engine, plain):
     assert result.stdout == plain.stdout
 
 
+def test_prefix_caching_is_reported_and_can_be_turned_off(engine, plain):
+    # Streamed one after another, the second prompt finds the first's prompt in the cache.
+    shared = ["The kiln was hot and the potter waited", "The kiln was hot and the potter slept"]
+    result = invoke(engine, *prompt_args(shared), "--max-tokens", 4, "--stream", "--stats")
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.output.splitlines() if line.startswith("prefix cache"))
+    hits = int(line.split()[2])
+    assert hits > 0 and "prompt tokens found cached" in line, line
+    off = invoke(engine, *prompt_args(), "--max-tokens", 12, "--no-prefix-caching", "--stats")
+    assert off.exit_code == 0, off.output
+    assert off.stdout == plain.stdout and "off (--no-prefix-caching)" in off.output
+
+
 @pytest.mark.parametrize("args, words", [
     (["--prompt", "Hi", "--temperature", -1], ["--temperature", "temperature must be >= 0"]),
     (["--prompt", "Hi", "--min-tokens", 9, "--max-tokens", 4], ["--min-tokens", "min_tokens"]),

@@ -144,6 +144,7 @@ def test_repo_layout_and_config(factory, tmp_path):
     assert 'backend: "python"' in config and "decoupled: true" in config and "max_batch_size: 32" in config
     assert all(f'name: "{s.name}"' in config for s in INPUTS + OUTPUTS)
     assert f'string_value: "{engine.resolve()}"' in config and 'string_value: "256"' in config
+    assert 'key: "prefix_caching" value: { string_value: "true" }' in config
     assert (repo / "my-model" / "1" / "model.py").read_text().startswith('"""The Triton Python-backend model')
     assert json.loads((repo / MARKER).read_text())["model_name"] == "my-model"
     write_repo(engine, repo)  # a repository written here before is replaced
@@ -162,6 +163,11 @@ def test_cli_triton_repo(factory, tmp_path):
     engine = factory.engine(factory.checkpoint("llama3"), dtype="float32")
     result = CliRunner().invoke(triton_repo, ["--engine", str(engine), "--output", str(tmp_path / "repo")])
     assert result.exit_code == 0 and "serve-triton" in result.output
+    result = CliRunner().invoke(triton_repo, ["--engine", str(engine), "--output", str(tmp_path / "repo"),
+                                              "--no-prefix-caching"])
+    assert result.exit_code == 0, result.output
+    config = (tmp_path / "repo" / "kiln" / "config.pbtxt").read_text()
+    assert 'key: "prefix_caching" value: { string_value: "false" }' in config
     result = CliRunner().invoke(triton_repo, ["--engine", str(tmp_path), "--output", str(tmp_path / "r")])
     assert result.exit_code == 2 and "no rank0.engine" in result.output
 

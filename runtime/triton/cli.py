@@ -28,16 +28,18 @@ def _repo_options(command):
         click.option("--max-kv-tokens", type=int, help="KV cache size in tokens, instead of --kv-cache-fraction."),
         click.option("--policy", type=click.Choice(POLICIES), default=POLICIES[0], show_default=True,
                      help="Scheduling: max_utilization may preempt; guaranteed_no_evict never does."),
+        click.option("--no-prefix-caching", is_flag=True,
+                     help="Compute every prompt in full instead of reusing the KV blocks of prefixes seen before."),
     )):
         command = option(command)
     return command
 
 
 def _write_repo(ctx: click.Context, engine_dir: Path, output: Path, model_name: str, max_kv_tokens: int | None,
-                policy: str, kv_cache_fraction: float | None) -> None:
+                policy: str, kv_cache_fraction: float | None, no_prefix_caching: bool) -> None:
     """`write_repo`, with a bad option reported as its flag and a bad folder as a usage error."""
     try:
-        write_repo(engine_dir, output, model_name, max_kv_tokens, policy, kv_cache_fraction)
+        write_repo(engine_dir, output, model_name, max_kv_tokens, policy, kv_cache_fraction, not no_prefix_caching)
     except ArgumentError as e:
         raise bad_flag(ctx, e) from None
     except RepoError as e:
@@ -51,7 +53,7 @@ def _write_repo(ctx: click.Context, engine_dir: Path, output: Path, model_name: 
                    "non-empty folder is refused.")
 @click.pass_context
 def triton_repo(ctx: click.Context, engine_dir: Path, output: Path, model_name: str, kv_cache_fraction: float | None,
-                max_kv_tokens: int | None, policy: str) -> None:
+                max_kv_tokens: int | None, policy: str, no_prefix_caching: bool) -> None:
     """Write a Triton Inference Server model repository that serves a Kiln engine.
 
     The repository holds one decoupled Python-backend model with TensorRT-LLM's token interface
@@ -63,7 +65,7 @@ def triton_repo(ctx: click.Context, engine_dir: Path, output: Path, model_name: 
       triton-repo --engine engines/demo --output /tmp/kiln-repo
       serve-triton --engine engines/demo --repo /tmp/kiln-repo
     """
-    _write_repo(ctx, engine_dir, output, model_name, max_kv_tokens, policy, kv_cache_fraction)
+    _write_repo(ctx, engine_dir, output, model_name, max_kv_tokens, policy, kv_cache_fraction, no_prefix_caching)
     click.echo(f"wrote {output}/{model_name} for {engine_dir.resolve()}; start it with: "
                f"serve-triton --engine {engine_dir} --repo {output}")
 
@@ -81,8 +83,8 @@ def triton_repo(ctx: click.Context, engine_dir: Path, output: Path, model_name: 
 @click.option("--verbose", is_flag=True, help="tritonserver's verbose log.")
 @click.pass_context
 def serve_triton(ctx: click.Context, engine_dir: Path, model_name: str, kv_cache_fraction: float | None,
-                 max_kv_tokens: int | None, policy: str, repo: Path | None, host: str, http_port: int, grpc_port: int,
-                 metrics_port: int, ready_timeout: float, verbose: bool) -> None:
+                 max_kv_tokens: int | None, policy: str, no_prefix_caching: bool, repo: Path | None, host: str,
+                 http_port: int, grpc_port: int, metrics_port: int, ready_timeout: float, verbose: bool) -> None:
     """Serve a Kiln engine with Triton Inference Server until Ctrl-C.
 
     Writes the model repository (into a temporary folder unless --repo is given), starts the
@@ -103,7 +105,8 @@ def serve_triton(ctx: click.Context, engine_dir: Path, model_name: str, kv_cache
     with tempfile.TemporaryDirectory(prefix="kiln-triton-") as tmp:
         if repo is None or not (repo / MARKER).is_file():
             repo = repo or Path(tmp) / "repo"
-            _write_repo(ctx, engine_dir, repo, model_name, max_kv_tokens, policy, kv_cache_fraction)
+            _write_repo(ctx, engine_dir, repo, model_name, max_kv_tokens, policy, kv_cache_fraction,
+                        no_prefix_caching)
         server = TritonServer(repo, Path(tmp) / "server", host, ports, verbose=verbose)
         try:
             server.start()

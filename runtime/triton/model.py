@@ -60,7 +60,8 @@ class TritonPythonModel:
         max_kv_tokens = int(params["max_kv_tokens"]) if params.get("max_kv_tokens") else None
         fraction = float(params["kv_cache_fraction"]) if params.get("kv_cache_fraction") else None
         self.session = Session(engine_dir, kv_cache_fraction=fraction, max_kv_tokens=max_kv_tokens,
-                               policy=params.get("policy", "max_utilization"))
+                               policy=params.get("policy", "max_utilization"),
+                               prefix_caching=params.get("prefix_caching", "true") == "true")
         self.tokenizer = self.session.tokenizer
         self.lock = threading.Lock()
         self.in_flight: set[_InFlight] = set()

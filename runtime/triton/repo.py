@@ -21,7 +21,8 @@ class RepoError(ValueError):
 
 
 def write_repo(engine_dir: Path, output: Path, model_name: str = "kiln", max_kv_tokens: int | None = None,
-               policy: str = "max_utilization", kv_cache_fraction: float | None = None) -> Path:
+               policy: str = "max_utilization", kv_cache_fraction: float | None = None,
+               prefix_caching: bool = True) -> Path:
     """Write the repository for `engine_dir` to `output` and return `output`.
 
     The model refers to the engine by its absolute path, so the engine must stay where it is.
@@ -40,7 +41,7 @@ def write_repo(engine_dir: Path, output: Path, model_name: str = "kiln", max_kv_
         raise RepoError(str(e)) from None
     if not model_name or not all(c.isalnum() or c in "-_." for c in model_name):
         raise RepoError(f"model name {model_name!r}: use letters, digits, '-', '_' and '.' only")
-    check_engine_options(None, kv_cache_fraction, max_kv_tokens, policy, 60.0)
+    check_engine_options(None, kv_cache_fraction, max_kv_tokens, policy, 60.0, prefix_caching)
     if max_kv_tokens is not None:
         check_max_kv_tokens(max_kv_tokens, manifest)
     if output.exists():
@@ -51,7 +52,7 @@ def write_repo(engine_dir: Path, output: Path, model_name: str = "kiln", max_kv_
     model_dir = output / model_name
     (model_dir / "1").mkdir(parents=True)
     shutil.copyfile(MODEL_SOURCE, model_dir / "1" / "model.py")
-    parameters = {"engine_dir": str(engine_dir), "policy": policy}
+    parameters = {"engine_dir": str(engine_dir), "policy": policy, "prefix_caching": json.dumps(prefix_caching)}
     if max_kv_tokens is not None:
         parameters["max_kv_tokens"] = str(max_kv_tokens)
     if kv_cache_fraction is not None:
