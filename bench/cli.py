@@ -3,8 +3,8 @@
 Phases, in order (each frees its device memory before the next): resolve the engine (given,
 or built from a checkpoint, or from a random Llama-3-8B-shape checkpoint), measure the
 copy bandwidth and GEMM rate, start-up in a fresh process, decode and offline throughput
-through one EngineCore, latency through a Session, then the eager baseline, then the table
-and the JSON file.
+through one EngineCore, latency through a Session, prefix caching on and off (an EngineCore
+each), then the eager baseline, then the table and the JSON file.
 """
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import click
 import torch
 from click.core import ParameterSource
 
-from kiln.bench import decode, latency, offline, startup
+from kiln.bench import decode, latency, offline, prefix, startup
 from kiln.bench.driver import EngineInfo, inspect, kv_token_budget, open_core, random_prompts, release
 from kiln.bench.figures import Figure
 from kiln.bench.hardware import measure
 from kiln.bench.model import SHAPES, Shape, check_shape, ensure_checkpoint, ensure_engine, with_overrides
-from kiln.bench.options import PHASES, IntList, LengthPairs, Phases
+from kiln.bench.options import PHASES, IntList, LengthPairs, Phases, PrefixLengths
 from kiln.bench.report import render, results, write_json
 from kiln.builder.config import BuildConfig, BuildConfigError, default_targets
 from kiln.dtypes import MODEL_DTYPES, torch_dtype
@@ -40,6 +40,8 @@ def _command_line(ctx: click.Context) -> str:
             words += [p.opts[0]] if value else []
         elif isinstance(value, list):
             words += [p.opts[0], ",".join("/".join(map(str, v)) if isinstance(v, tuple) else str(v) for v in value)]
+        elif isinstance(value, tuple):
+            words += [p.opts[0], "/".join(map(str, value))]
         else:
             words += [p.opts[0], str(value)]
     return shlex.join(words)
@@ -138,6 +140,11 @@ What is measured (each phase can be chosen with --only):
            length pair submitted at once and run to completion; output and total tokens/s.
   latency  time to first token (TTFT) and inter-token latency (ITL), p50/p90/p99, with
            --rate-requests requests arriving at --rate per second through a Session.
+  prefix   prefix caching on and off in the same run: --prefix-requests conversations share
+           a system prompt, each first turn adds its own user message, and --prefix-turns - 1
+           follow-ups each extend their conversation (--prefix-lengths SYSTEM/USER/OUT);
+           TTFT p50 of first turns and of follow-ups, output tokens/s, and caching's
+           throughput cost on the same shapes with nothing to share (0% hit rate).
 
 \b
 Beside each figure:
@@ -160,7 +167,9 @@ Examples:
   bench-engine                                  # Llama-3-8B shape on this GPU
   bench-engine --engine engines/qwen3 --only decode --batch-sizes 1,8
   bench-engine --shape tiny --device cpu --max-batch-size 8 --max-seq-len 64 \\
-      --batch-sizes 1,4 --decode-context 16 --decode-steps 16 --offline 8/8 --rate-lengths 8/8
+      --batch-sizes 1,4 --decode-context 16 --decode-steps 16 --offline 8/8 --rate-lengths 8/8 \\
+      --prefix-lengths 16/4/4 --prefix-requests 4
+  bench-engine --only prefix                    # prefix caching on the Llama-3-8B shape
 """
 
 
@@ -200,9 +209,17 @@ Examples:
               help="Latency test: how many requests arrive.")
 @click.option("--rate-lengths", type=LengthPairs(), default="128/128", show_default=True,
               help="Latency test: input/output token lengths.")
+@click.option("--prefix-requests", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Prefix test: conversations sharing the system prompt.")
+@click.option("--prefix-lengths", type=PrefixLengths(), default="1024/64/64", show_default=True,
+              help="Prefix test: token counts of the system prompt, each user message and each answer.")
+@click.option("--prefix-turns", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Prefix test: turns per conversation (the first, then follow-ups).")
 @click.option("--no-baseline", is_flag=True, help="Skip the eager PyTorch baseline.")
 @click.option("--no-overlap", is_flag=True,
               help="Measure the plain engine loop (host work between steps not overlapped with the device).")
+@click.option("--no-prefix-caching", is_flag=True,
+              help="Run decode, offline and latency with prefix caching off (the prefix phase measures both).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random prompts.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               default=Path("bench-results.json"), show_default=True, help="Where to write the results.")
@@ -214,8 +231,9 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
                  max_batch_size: int, max_seq_len: int, max_num_tokens: int, phases: list[str],
                  batch_sizes: list[int], decode_context: int, decode_steps: int,
                  offline_pairs: list[tuple[int, int]], offline_requests: int | None, rate: float,
-                 rate_requests: int, rate_lengths: list[tuple[int, int]], no_baseline: bool, no_overlap: bool, seed: int,
-                 json_path: Path) -> None:
+                 rate_requests: int, rate_lengths: list[tuple[int, int]], prefix_requests: int,
+                 prefix_lengths: tuple[int, int, int], prefix_turns: int, no_baseline: bool, no_overlap: bool,
+                 no_prefix_caching: bool, seed: int, json_path: Path) -> None:
     if len(rate_lengths) != 1:
         raise click.BadParameter("give one IN/OUT pair", param_hint="--rate-lengths")
     device = _device(device)
@@ -256,7 +274,8 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
             if "decode" in phases else []
         wanted += [offline.kv_tokens_wanted(info, i, o, requests[i, o]) for i, o in offline_pairs] \
             if "offline" in phases else []
-        run = open_core(info, hw, min(budget, max(wanted + [info.manifest.kv.block_size])), overlap=not no_overlap)
+        run = open_core(info, hw, min(budget, max(wanted + [info.manifest.kv.block_size])), overlap=not no_overlap,
+                        prefix_caching=not no_prefix_caching)
         try:
             if "decode" in phases:
                 for b in batch_sizes:
@@ -275,7 +294,12 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
         status(f"latency: {rate_requests} requests of {i}/{o} tokens at {rate:g} per second")
         kv = min(budget, latency.kv_tokens_wanted(info, i, o, rate_requests))
         figures += latency.measure_latency(info, hw, kv, rate, rate_requests, i, o, seed, progress=True,
-                                           overlap=not no_overlap)
+                                           overlap=not no_overlap, prefix_caching=not no_prefix_caching)
+        release(device)
+    if "prefix" in phases:
+        workload = prefix.Workload(prefix_requests, *prefix_lengths, prefix_turns)
+        figures += prefix.measure_prefix(info, hw, min(budget, workload.kv_tokens_wanted(info)), workload, seed,
+                                         overlap=not no_overlap, status=status)
         release(device)
 
     if no_baseline:
@@ -285,8 +309,8 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
                      f"({info.manifest.source})")
     elif any(f.value is not None and f.section in ("decode", "offline") for f in figures):
         _eager_baseline(figures, checkpoint, info, device, decode_context, decode_steps, seed)
-    if any(f.section == "latency" for f in figures):
-        notes.append("latency has no eager baseline: an eager script has no server loop to compare with")
+    if any(f.section in ("latency", "prefix") for f in figures):
+        notes.append("latency and prefix have no eager baseline: an eager script has no server loop to compare with")
     m = info.manifest
     if m.world_size > 1:
         notes.append(f"tensor-parallel engine ({m.world_size} ranks): limits are one rank's "

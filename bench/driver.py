@@ -147,9 +147,11 @@ def pool_tokens(info: EngineInfo, kv_tokens: int) -> int:
     return max(kv_tokens, info.kv_tokens(info.manifest.max_seq_len))
 
 
-def open_core(info: EngineInfo, hw: Hardware, kv_tokens: int, overlap: bool = True) -> EngineRun:
+def open_core(info: EngineInfo, hw: Hardware, kv_tokens: int, overlap: bool = True,
+              prefix_caching: bool = True) -> EngineRun:
     """An EngineCore whose KV pool holds `kv_tokens` tokens (see `pool_tokens`), with its steps recorded."""
-    core = EngineCore(info.path, device=hw.device, max_kv_tokens=pool_tokens(info, kv_tokens), overlap=overlap)
+    core = EngineCore(info.path, device=hw.device, max_kv_tokens=pool_tokens(info, kv_tokens), overlap=overlap,
+                      prefix_caching=prefix_caching)
     return EngineRun(core, StepRecorder(core.executor), ReplayTimer(core.executor), info, hw, hw.device)
 
 

@@ -46,7 +46,7 @@ def _timestamps(session: Session, prompt: list[int], params: SamplingParams, out
 
 def measure_latency(info: EngineInfo, hw: Hardware, kv_tokens: int, rate: float, requests: int,
                     input_len: int, output_len: int, seed: int = 0, progress: bool = False,
-                    overlap: bool = True) -> list[Figure]:
+                    overlap: bool = True, prefix_caching: bool = True) -> list[Figure]:
     """TTFT and ITL percentiles, in ms, for `requests` arriving at `rate` per second."""
     names = [(what, p) for what in ("TTFT", "ITL") for p in PERCENTILES]
     if input_len + output_len > info.manifest.max_seq_len:
@@ -55,7 +55,8 @@ def measure_latency(info: EngineInfo, hw: Hardware, kv_tokens: int, rate: float,
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     prompts = random_prompts(requests, input_len, info.manifest.vocab_size, seed)
     results: list = [None] * requests
-    session = Session(info.path, device=hw.device, max_kv_tokens=pool_tokens(info, kv_tokens), overlap=overlap)
+    session = Session(info.path, device=hw.device, max_kv_tokens=pool_tokens(info, kv_tokens), overlap=overlap,
+                      prefix_caching=prefix_caching)
     try:
         # The Session owns its EngineCore; recording its steps is the one place bench reaches in.
         recorder = StepRecorder(session._core.executor)

@@ -1,10 +1,11 @@
-"""Option types of `bench-engine`: comma-separated lists checked where they enter, so a bad
-value is a usage error naming the option and the expected form, never a traceback."""
+"""Option types of `bench-engine`: comma-separated lists and the prefix phase's lengths, checked
+where they enter, so a bad value is a usage error naming the option and the expected form, never
+a traceback."""
 from __future__ import annotations
 
 import click
 
-PHASES = ("startup", "decode", "offline", "latency")
+PHASES = ("startup", "decode", "offline", "latency", "prefix")
 
 
 class CommaList(click.ParamType):
@@ -56,3 +57,21 @@ class Phases(CommaList):
         if not phases or any(v not in PHASES for v in phases):
             self.fail(f"{value!r}: choose from {', '.join(PHASES)}", param, ctx)
         return phases
+
+
+class PrefixLengths(click.ParamType):
+    """The prefix phase's token counts: system prompt, each user message, each answer."""
+
+    name = "SYSTEM/USER/OUT"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            lengths = tuple(int(p) for p in str(value).split("/"))
+        except ValueError:
+            lengths = ()
+        if len(lengths) != 3 or min(lengths) < 1:
+            self.fail(f"{value!r}: expected system prompt, user message and output token counts like 1024/64/64",
+                      param, ctx)
+        return lengths

@@ -17,7 +17,7 @@ from kiln.atomic import write_bytes
 from kiln.bench.figures import Figure
 from kiln.bench.hardware import Hardware
 
-SECTIONS = ("startup", "decode", "offline", "latency")
+SECTIONS = ("startup", "decode", "offline", "latency", "prefix")
 
 
 def commit() -> str | None:

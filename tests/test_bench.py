@@ -23,7 +23,8 @@ from kiln.runtime.session import Session
 TINY = ["--shape", "tiny", "--device", "cpu", "--max-batch-size", "8", "--max-seq-len", "64",
         "--max-num-tokens", "64", "--decode-context", "12", "--decode-steps", "6"]
 SMALL_RUN = ["--batch-sizes", "1,2", "--offline", "8/8", "--offline-requests", "4",
-             "--rate-lengths", "8/8", "--rate-requests", "4", "--rate", "200"]
+             "--rate-lengths", "8/8", "--rate-requests", "4", "--rate", "200",
+             "--prefix-lengths", "16/4/4", "--prefix-requests", "4", "--prefix-turns", "2"]
 
 
 def invoke(*args):
@@ -54,6 +55,33 @@ def test_json_has_every_section_with_positive_figures(tiny_run):
             assert f["value"] > 0 and f["limit"] > 0 and f["bound"] in ("bytes", "flops"), f
     for f in data["decode"] + data["offline"]:
         assert f["eager"] > 0, f  # the baseline ran beside every throughput figure
+
+
+def test_prefix_caching_is_measured_on_and_off_in_one_run(tiny_run):
+    _, result, data = tiny_run
+    figures = {f["name"]: f for f in data["prefix"]}
+    assert list(figures) == [
+        "prefix on: TTFT p50 first turns", "prefix on: TTFT p50 follow-ups", "prefix on: output",
+        "prefix off: TTFT p50 first turns", "prefix off: TTFT p50 follow-ups", "prefix off: output",
+        "prefix: TTFT p50 first turns, on vs off", "prefix: TTFT p50 follow-ups, on vs off",
+        "no hits on: output", "no hits off: output", "no hits: caching's throughput cost"]
+    on, off = figures["prefix on: output"], figures["prefix off: output"]
+    # 4 conversations of 2 turns: prompts of 16 + 4 tokens, then 20 + 4 out + 4 more. The system
+    # prompt fills one 16-token block, which 3 first turns find cached; each follow-up finds the
+    # full block of its first turn's 23 computed tokens.
+    assert data["build"]["kv_block_size"] == 16
+    assert on["requests"] == 4 and on["turns"] == 2 and on["value"] > 0 and off["value"] > 0
+    assert on["query_tokens"] == 4 * (20 + 28) and on["hit_tokens"] == 3 * 16 + 4 * 16
+    assert off["hit_rate"] is None and figures["no hits on: output"]["hit_rate"] == 0
+    assert len(figures["no hits on: output"]["repeat_tok_s"]) == 3
+    for what in ("first turns", "follow-ups"):
+        ratio = figures[f"prefix: TTFT p50 {what}, on vs off"]["value"]
+        assert ratio == pytest.approx(figures[f"prefix off: TTFT p50 {what}"]["value"] /
+                                      figures[f"prefix on: TTFT p50 {what}"]["value"])
+    cost = figures["no hits: caching's throughput cost"]["value"]
+    no_hits = figures["no hits on: output"]["value"], figures["no hits off: output"]["value"]
+    assert cost == pytest.approx(100 * (no_hits[1] - no_hits[0]) / no_hits[1])
+    assert "prefix on: TTFT p50 first turns (ms)" in result.stdout
 
 
 def test_start_up_is_timed_in_a_fresh_process(tiny_run):
@@ -140,10 +168,11 @@ def test_plain_loop_is_measured_with_no_overlap(tiny_run):
 
 def test_batches_the_engine_cannot_hold_are_skipped_with_a_note(tiny_run):
     root, _, _ = tiny_run
-    result = invoke(*TINY, "--only", "decode,offline", "--batch-sizes", "1,16", "--offline", "40/40",
+    result = invoke(*TINY, "--only", "decode,offline,prefix", "--batch-sizes", "1,16", "--offline", "40/40",
                     "--no-baseline", "--work-dir", root / "work", "--json", root / "skip.json")
     assert result.exit_code == 0, result.output
     data = json.loads((root / "skip.json").read_text())
+    assert all(f["value"] is None and "max_batch_size 8" in f["note"] for f in data["prefix"])  # 64 requests
     assert data["decode"][0]["value"] > 0
     assert data["decode"][1]["value"] is None and "max_batch_size 8" in data["decode"][1]["note"]
     assert all(f["value"] is None and "max_seq_len 64" in f["note"] for f in data["offline"])
@@ -266,7 +295,7 @@ def test_tensor_parallel_engine_folder_needs_no_flags(factory, tmp_path):
     (["--offline", "128x128"], "like 128/128"),
     (["--offline", "128/0"], "like 128/128"),
     (["--rate", "0"], "--rate"),
-    (["--only", "prefill"], "choose from startup, decode, offline, latency"),
+    (["--only", "prefill"], "choose from startup, decode, offline, latency, prefix"),
     (["--rate-lengths", "8/8,16/16"], "give one IN/OUT pair"),
     (["--engine", "/nonexistent/engine"], "does not exist"),
     (["--shape", "tiny", "--heads", "3"], "divide"),
