@@ -66,36 +66,37 @@ class Workload:
 
 @dataclass
 class Conversations:
-    """Prompts for every turn: `first[i]` opens conversation i; a follow-up is the history plus
-    `users[i][turn]` (shared), or the fresh prompt `fresh[i][turn]` (no reuse at all)."""
+    """`messages[i][turn]`: what turn `turn` of conversation i adds. Extending, a turn's prompt is
+    the conversation so far (empty before the first turn) and its message; otherwise the message
+    is the whole prompt."""
 
-    first: list[list[int]]
-    users: list[list[list[int]]]
-    fresh: list[list[list[int]]] | None
+    messages: list[list[list[int]]]
+    extending: bool
 
     def prompt(self, i: int, turn: int, history: list[int]) -> list[int]:
-        if self.fresh is not None:
-            return self.fresh[i][turn]
-        return self.first[i] if turn == 0 else history + self.users[i][turn]
+        return history + self.messages[i][turn] if self.extending else self.messages[i][turn]
 
 
 def shared_conversations(w: Workload, vocab_size: int, seed: int) -> Conversations:
+    """One system prompt opens every conversation; each turn adds a user message of its own."""
     rng = random.Random(seed)
     system = [rng.randrange(vocab_size) for _ in range(w.system_len)]
     users = [[[rng.randrange(vocab_size) for _ in range(w.user_len)] for _ in range(w.turns)]
              for _ in range(w.requests)]
-    return Conversations([system + u[0] for u in users], users, None)
+    return Conversations([[system + u[0]] + u[1:] for u in users], extending=True)
 
 
 def fresh_conversations(w: Workload, vocab_size: int, seed: int) -> Conversations:
+    """The shared workload's prompt lengths, every prompt fresh random tokens: nothing to reuse."""
     rng = random.Random(seed)
-    fresh = [[[rng.randrange(vocab_size) for _ in range(w.prompt_len(t))] for t in range(w.turns)]
-             for _ in range(w.requests)]
-    return Conversations([f[0] for f in fresh], [], fresh)
+    return Conversations([[[rng.randrange(vocab_size) for _ in range(w.prompt_len(t))] for t in range(w.turns)]
+                          for _ in range(w.requests)], extending=False)
 
 
 @dataclass
 class Outcome:
+    """What one run of a workload measured: TTFT of every first turn and follow-up, in seconds."""
+
     ttft_first: list[float]
     ttft_follow: list[float]
     seconds: float

@@ -56,8 +56,7 @@ class EngineCore:
         m = self.engine.manifest
         self.block_size = m.kv.block_size
         self.max_seq_len = m.max_seq_len
-        self.kv_pool, self.blocks = kv_pool(self.engine, on_gpu, kv_cache_fraction, max_kv_tokens,
-                                                prefix_caching)
+        self.kv_pool, self.blocks = kv_pool(self.engine, on_gpu, kv_cache_fraction, max_kv_tokens, prefix_caching)
         self.executor = open_executor(self.engine, on_gpu, self.blocks.num_blocks, worker_timeout)
         self.scheduler = Scheduler(self.blocks, m.max_num_tokens, m.max_batch_size, policy)
         self.vocab_size = m.vocab_size
