@@ -46,9 +46,13 @@ class HeadRMSNorm(RMSNorm):
 
 
 class Embedding(nn.Module):
-    def __init__(self, num: int, dim: int, dtype: torch.dtype = torch.float32):
+    """Rows of the token table, times `scale` rounded to the table's dtype (Gemma's sqrt(hidden))."""
+
+    def __init__(self, num: int, dim: int, dtype: torch.dtype = torch.float32, scale: float = 1.0):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num, dim, dtype=dtype), requires_grad=False)
+        # An explicit device: the model may be built on the meta device.
+        self.scale = float(torch.tensor(scale, dtype=dtype, device="cpu"))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return op("embedding")(ids, self.weight)
+        return op("embedding")(ids, self.weight, self.scale)

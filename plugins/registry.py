@@ -30,8 +30,8 @@ Shape = tuple[Dim, ...]
 NAMESPACE = "kiln"
 
 # The op folders of this package, imported (so registered) with `kiln.plugins`.
-BUILTIN = ("add", "attention", "attention_o_proj", "embedding", "gelu", "head_rms_norm", "linear",
-           "linear_residual", "norm_qkv_rope", "norm_swiglu", "rms_norm", "rope", "silu_mul", "take_rows")
+BUILTIN = ("add", "attention", "attention_o_proj", "embedding", "gelu", "gelu_mul", "head_rms_norm", "linear",
+           "linear_residual", "norm_qkv_rope", "norm_swiglu", "rms_norm", "rope", "silu_mul", "softcap", "take_rows")
 
 
 @dataclass(frozen=True)

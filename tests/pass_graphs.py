@@ -94,31 +94,31 @@ def attention_block(b: GraphBuilder, h: str, layer: int, *, bias: bool = False, 
                   head_dim=HD, scale=HD ** -0.5, window=0)
 
 
-def mlp_block(b: GraphBuilder, h: str, layer: int, inter: int = INTER) -> str:
-    """rms_norm -> gate/up linears -> silu_mul -> down linear; returns the down output."""
+def mlp_block(b: GraphBuilder, h: str, layer: int, inter: int = INTER, gated: str = "silu_mul") -> str:
+    """rms_norm -> gate/up linears -> silu_mul (or gelu_mul) -> down linear; returns the down output."""
     p = f"layers.{layer}"
     ln = b.weight(f"{p}.post_attention_layernorm.weight", H, scale=0.2, offset=1.0)
     x = b.node("rms_norm", f"{p}.post_attention_layernorm.rms_norm", x=h, weight=ln, eps=EPS)
     gate = linear(b, x, b.weight(f"{p}.mlp.gate_proj.weight", inter, H), f"{p}.mlp.gate_proj.linear", "column")
     up = linear(b, x, b.weight(f"{p}.mlp.up_proj.weight", inter, H), f"{p}.mlp.up_proj.linear", "column")
-    m = b.node("silu_mul", f"{p}.mlp.silu_mul", gate=gate, up=up)
+    m = b.node(gated, f"{p}.mlp.{gated}", gate=gate, up=up)
     return linear(b, m, b.weight(f"{p}.mlp.down_proj.weight", H, inter), f"{p}.mlp.down_proj.linear", "row")
 
 
 def make_llama(*, layers: int = 1, bias: bool = False, qk_norm: bool = False, inter: int = INTER,
-               num_heads: int = NH, num_kv_heads: int = NKV, seed: int = 0) -> Graph:
+               num_heads: int = NH, num_kv_heads: int = NKV, seed: int = 0, gated: str = "silu_mul") -> Graph:
     """embedding -> decoder layers (attention + SwiGLU MLP with residual adds) -> take_rows ->
     final norm -> lm_head, the shape of what the tracer produces for a Llama-family model."""
     b = GraphBuilder(seed, num_layers=layers, num_kv_heads=num_kv_heads)
     b.g.add_weight("rope_cache", rope_cache())
     h = b.node("embedding", "embed_tokens.embedding", input_ids="input_ids",
-               weight=b.weight("embed_tokens.weight", VOCAB, H, scale=1.0))
+               weight=b.weight("embed_tokens.weight", VOCAB, H, scale=1.0), scale=1.0)
     for layer in range(layers):
         a = attention_block(b, h, layer, bias=bias, qk_norm=qk_norm, num_heads=num_heads, num_kv_heads=num_kv_heads)
         o = linear(b, a, b.weight(f"layers.{layer}.self_attn.o_proj.weight", H, num_heads * HD),
                    f"layers.{layer}.self_attn.o_proj.linear", "row")
         h = b.node("add", f"layers.{layer}.add", a=h, b=o)
-        d = mlp_block(b, h, layer, inter)
+        d = mlp_block(b, h, layer, inter, gated)
         h = b.node("add", f"layers.{layer}.add.2", a=h, b=d)
     h = b.node("take_rows", "take_rows", x=h, indices="logits_indices")
     h = b.node("rms_norm", "norm.rms_norm", x=h, weight=b.weight("norm.weight", H, scale=0.2, offset=1.0), eps=EPS)

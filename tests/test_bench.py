@@ -203,7 +203,7 @@ MANIFEST = Manifest(
         ("x", ("T", 4)), ("q", ("T", 4)), ("h", ("T", 4)), ("rows", ("L", 4)), ("normed", ("L", 4)),
         ("logits", ("L", 10)))},
     plan=(
-        _op("embedding", "x", input_ids="input_ids", weight="embed"),
+        _op("embedding", "x", {"scale": 1.0}, input_ids="input_ids", weight="embed"),
         _op("norm_qkv_rope", "q", HEADS, x="x", w_qkv="w_qkv", rope_cache="rope_cache"),
         _op("attention_o_proj", "h", {**HEADS, "window": 0}, q="q", block_tables="block_tables", w_o="w_o",
             residual="x"),

@@ -33,7 +33,7 @@ def _weights():
 
 
 # One op that names a weight and both kernels: only for files written with _weights() and KERNELS.
-PLAN = (PlanEntry("embedding", 1, {"input_ids": "input_ids", "weight": "embed"}, {}, "logits", "model.embed",
+PLAN = (PlanEntry("embedding", 2, {"input_ids": "input_ids", "weight": "embed"}, {"scale": 1.0}, "logits", "model.embed",
                   {"sm_90": ("matmul_bf16", "tiny")}),)
 
 

@@ -236,18 +236,19 @@ def test_fuse_attention_o_proj_negative(mutate):
 # 3. fuse_norm_swiglu
 # --------------------------------------------------------------------------------------------
 
-def test_fuse_norm_swiglu_fuses_and_matches():
-    g = make_llama()
+@pytest.mark.parametrize("gated,activation", [("silu_mul", "silu"), ("gelu_mul", "gelu_tanh")])
+def test_fuse_norm_swiglu_fuses_and_matches(gated, activation):
+    g = make_llama(gated=gated)
     snap = snapshot(g)
     f = fuse_norm_swiglu(g)
     assert_unchanged(g, snap)
-    assert f.count_ops()["norm_swiglu"] == 1 and "silu_mul" not in f.count_ops()
+    assert f.count_ops()["norm_swiglu"] == 1 and gated not in f.count_ops()
     assert f.count_ops()["rms_norm"] == g.count_ops()["rms_norm"] - 1
     assert f.count_ops()["linear"] == g.count_ops()["linear"] - 2
     assert_valid_order(f)
     (node,) = nodes_of(f, "norm_swiglu")
-    assert node.output == "layers.0.mlp.silu_mul"
-    assert node.attrs == {"eps": EPS, "block": 0}
+    assert node.output == f"layers.0.mlp.{gated}"
+    assert node.attrs == {"eps": EPS, "block": 0, "activation": activation}
     assert node.inputs["x"] == "layers.0.add"
     assert node.inputs["norm_weight"] == "layers.0.post_attention_layernorm.weight"
     assert node.inputs["w_gu"] == "layers.0.mlp.gate_up_proj.weight"
@@ -263,7 +264,8 @@ def test_fuse_norm_swiglu_fuses_and_matches():
 
 def _gelu_mlp() -> Graph:
     b = GraphBuilder()
-    x = b.node("embedding", "embed.embedding", input_ids="input_ids", weight=b.weight("embed.weight", VOCAB, H))
+    x = b.node("embedding", "embed.embedding", input_ids="input_ids", weight=b.weight("embed.weight", VOCAB, H),
+               scale=1.0)
     x = b.node("rms_norm", "mlp.norm.rms_norm", x=x, weight=b.weight("mlp.norm.weight", H), eps=EPS)
     u = linear(b, x, b.weight("mlp.fc1.weight", INTER, H), "mlp.fc1.linear", "column")
     u = b.node("gelu", "mlp.act.gelu", x=u)

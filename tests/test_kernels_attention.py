@@ -15,6 +15,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+from kiln.plugins.add import SPEC as ADD  # noqa: E402
+from kiln.plugins.add import kernels as add_kernels  # noqa: E402
 from kiln.plugins.attention import SPEC as ATTENTION  # noqa: E402
 from kiln.plugins.attention import kernels as attention_kernels  # noqa: E402
 from kiln.plugins.attention.reference import write_kv  # noqa: E402
@@ -25,6 +27,8 @@ from kiln.plugins.embedding import kernels as embedding_kernels  # noqa: E402
 from kiln.plugins.linear import kernels as linear_kernels  # noqa: E402
 from kiln.plugins.rms_norm import SPEC as RMS_NORM  # noqa: E402
 from kiln.plugins.rms_norm import kernels as rms_norm_kernels  # noqa: E402
+from kiln.plugins.softcap import SPEC as SOFTCAP  # noqa: E402
+from kiln.plugins.softcap import kernels as softcap_kernels  # noqa: E402
 from kiln.plugins.take_rows import SPEC as TAKE_ROWS  # noqa: E402
 from kiln.plugins.take_rows import kernels as take_rows_kernels  # noqa: E402
 from kiln.runtime.step import SequenceChunk, pack_step  # noqa: E402
@@ -34,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # the GPU: then test_checks_in_fresh_process runs this file's checks in a clean interpreter.
 INTERPRETED = all(isinstance(k, InterpretedFunction) for k in (
     attention_kernels._attention_kernel, rms_norm_kernels._rms_norm_kernel,
-    take_rows_kernels._gather_rows_kernel, linear_kernels.linear_kernel))
+    take_rows_kernels._gather_rows_kernel, linear_kernels.linear_kernel, softcap_kernels._softcap_kernel,
+    add_kernels._add_kernel))
 # The interpreter passes scalar arguments as 1-element arrays and converts them with int()
 # for loops with runtime bounds, which numpy deprecates; nothing in Kiln's code to change.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -52,7 +57,7 @@ MIXED_STEP = [(0, 7, [5, 2]),                                   # prefill from s
 DECODE_STEP = [(44, 1, [23, 6, 17, 11, 20, 8, 15, 22, 10, 13, 16, 18]),
                (29, 1, [0, 9, 4, 14, 19, 21, 2, 5]), (16, 1, [7, 1, 12, 3, 11]), (2, 1, [20])]
 LLAMA3_8B = {"hidden": 4096, "vocab": 128256, "heads": 32, "kv_heads": 8, "head_dim": 128,
-             "block_size": 16, "bias": False}
+             "block_size": 16, "bias": False, "width": 4096}
 
 
 def close(out: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -203,17 +208,49 @@ def test_rms_norm_matches_reference(dtype, width, with_weight):
 
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_embedding_and_take_rows_match_reference(dtype):
+@pytest.mark.parametrize("scale", [1.0, 48.0 ** 0.5])  # Llama's; Gemma's sqrt(hidden), not exact in bf16
+def test_embedding_and_take_rows_match_reference(dtype, scale):
     gen = torch.Generator().manual_seed(5)
     table = torch.randn(50, 1500, generator=gen).to(dtype)  # two column blocks
     ids = torch.tensor([3, 49, 0, 3, 17], dtype=torch.int32)
     out = torch.empty(5, 1500, dtype=dtype)
-    embedding_kernels.run([ids, table], {}, out)
-    assert torch.equal(out, EMBEDDING.call_reference([ids, table], {}))
+    # The model passes the scale rounded to the table's dtype, as Gemma's embedding multiplies by.
+    attrs = {"scale": float(torch.tensor(scale, dtype=dtype))}
+    embedding_kernels.run([ids, table], attrs, out)
+    ref = EMBEDDING.call_reference([ids, table], attrs)
+    # A scaled bf16 row is rounded, which Triton's interpreter does by truncation (the GPU to nearest).
+    assert torch.equal(out, ref) if dtype == torch.float32 or scale == 1.0 else close(out, ref)
     rows = torch.tensor([4, 0], dtype=torch.int32)
     taken = torch.empty(2, 1500, dtype=dtype)
     take_rows_kernels.run([out, rows], {}, taken)
     assert torch.equal(taken, TAKE_ROWS.call_reference([out, rows], {}))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [96, 5000])  # one column block; several (> MAX_BLOCK)
+def test_softcap_matches_reference(dtype, width):
+    gen = torch.Generator().manual_seed(width)
+    # Rows of a wider buffer, as the logits of a step sit in the arena; values well past the cap.
+    buffer = (20 * torch.randn(4, width + 8, generator=gen)).to(dtype)
+    x = buffer[:, :width]
+    ref = SOFTCAP.call_reference([x], {"cap": 5.0})
+    out = torch.empty(4, width, dtype=dtype)
+    softcap_kernels.run([x], {"cap": 5.0}, out)
+    assert close(out, ref) and out.abs().max() <= 5.0
+    assert not torch.equal(ref, x)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(2)
+    a, b = (torch.randn(6, 1500, generator=gen).to(dtype) for _ in range(2))
+    out = torch.empty_like(a)
+    add_kernels.run([a, b], {}, out)
+    ref = ADD.call_reference([a, b], {})
+    # bf16 sums are rounded, which Triton's interpreter does by truncation (the GPU to nearest).
+    assert torch.equal(out, ref) if dtype == torch.float32 else close(out, ref)
 
 
 COMPILE_SCRIPT = """
@@ -232,7 +269,7 @@ for plugin in sys.argv[2:]:
             result[plugin].append([kernel.fn.__name__, kernel.meta.get("role", ""), target, size, shared])
 sys.stdout.write(json.dumps(result))
 """
-PLUGINS = ["attention", "attention_o_proj", "embedding", "rms_norm", "take_rows"]
+PLUGINS = ["add", "attention", "attention_o_proj", "embedding", "rms_norm", "softcap", "take_rows"]
 
 
 @pytest.fixture(scope="module")

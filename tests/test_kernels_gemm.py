@@ -138,13 +138,14 @@ def test_parity_linear(request, name, bias, t, k, dtype):
 @pytest.mark.parametrize("t,k", [(1, 64), (3, 32), (17, 64)])
 @pytest.mark.parametrize("folded", [True, False])
 @pytest.mark.parametrize("block", [0, 8])
-def test_parity_norm_swiglu(request, block, folded, t, k, dtype):
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_parity_norm_swiglu(request, activation, block, folded, t, k, dtype):
     def body():
         torch.manual_seed(t * k + block)
         inter = 24
         norm_weight, w_gu = with_norm(rand(2 * inter, k, dtype=dtype, scale=k ** -0.5), folded)
         check("norm_swiglu", [rand(t, k, dtype=dtype, scale=3.0), norm_weight, w_gu],
-              {"eps": EPS, "block": block}, (t, inter))
+              {"eps": EPS, "block": block, "activation": activation}, (t, inter))
     in_mode(request, True, body)
 
 
@@ -160,7 +161,7 @@ def test_parity_split_k(request, name, t, k, dtype):
         x = rand(t, k, dtype=dtype, scale=3.0 if name == "norm_swiglu" else 1.0)
         if name == "norm_swiglu":
             _, w_gu = with_norm(rand(2 * 48, k, dtype=dtype, scale=k ** -0.5), True)
-            check(name, [x, None, w_gu], {"eps": EPS, "block": 16}, (t, 48))
+            check(name, [x, None, w_gu], {"eps": EPS, "block": 16, "activation": "silu"}, (t, 48))
         else:
             inputs = [x, rand(80, k, dtype=dtype, scale=k ** -0.5), rand(80, dtype=dtype)]
             inputs += [rand(t, 80, dtype=dtype)] if name == "linear_residual" else []
@@ -204,7 +205,7 @@ def test_parity_medium_bucket(request, name, dtype):
                   {"parallel": "none", "heads": 0, "all_reduce": False}, (t, 40))
         else:
             _, w_gu = with_norm(rand(2 * 24, k, dtype=dtype, scale=k ** -0.5), True)
-            check(name, [rand(t, k, dtype=dtype, scale=3.0), None, w_gu], {"eps": EPS, "block": 8}, (t, 24))
+            check(name, [rand(t, k, dtype=dtype, scale=3.0), None, w_gu], {"eps": EPS, "block": 8, "activation": "silu"}, (t, 24))
     in_mode(request, True, body)
 
 
@@ -224,7 +225,7 @@ def test_parity_wide_weight_tiles(request, name, t, dtype):
                       {"parallel": "none", "heads": 0, "all_reduce": False}, (t, 80))
             else:
                 _, w_gu = with_norm(rand(2 * 40, k, dtype=dtype, scale=k ** -0.5), True)
-                check("norm_swiglu", [rand(t, k, dtype=dtype, scale=3.0), None, w_gu], {"eps": EPS, "block": 8},
+                check("norm_swiglu", [rand(t, k, dtype=dtype, scale=3.0), None, w_gu], {"eps": EPS, "block": 8, "activation": "silu"},
                       (t, 40))
     in_mode(request, True, body)
 
@@ -330,7 +331,8 @@ def row_scales(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_parity_tma_norm_swiglu(request, dtype):
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_parity_tma_norm_swiglu(request, activation, dtype):
     """Tiles of 32 weight rows over W_gu interleaved in blocks of 8: two gate/up pairs each."""
     def body():
         torch.manual_seed(8)
@@ -340,8 +342,9 @@ def test_parity_tma_norm_swiglu(request, dtype):
         out = torch.full((t, inter), float("nan"), dtype=dtype)
         norm_swiglu_kernels.tma_norm_swiglu_kernel[(TMA_PROGRAMS,)](
             x, row_scales(x), w_gu, out, t, I=inter, K=k, GU_BLOCK=block, BLOCK_M=64, BLOCK_N=16, BLOCK_K=32,
-            GROUP_M=2, UPCAST_DOT=linear_kernels.upcast_dot(x))
-        assert_matches(out, get_plugin("norm_swiglu").call_reference([x, None, w_gu], {"eps": EPS, "block": block}))
+            GROUP_M=2, UPCAST_DOT=linear_kernels.upcast_dot(x), GELU_TANH=norm_swiglu_kernels.GELU_TANH[activation])
+        assert_matches(out, get_plugin("norm_swiglu").call_reference(
+            [x, None, w_gu], {"eps": EPS, "block": block, "activation": activation}))
     in_mode(request, True, body)
 
 

@@ -81,7 +81,7 @@ def test_plan_memory_no_overlapping_lifetimes_share_bytes(pipeline):
 
 def _chain(n: int) -> Graph:
     b = GraphBuilder()
-    x = b.node("embedding", "embed", input_ids="input_ids", weight=b.weight("embed.weight", VOCAB, H))
+    x = b.node("embedding", "embed", input_ids="input_ids", weight=b.weight("embed.weight", VOCAB, H), scale=1.0)
     for i in range(n):
         x = b.node("rms_norm", f"norm{i}", x=x, weight=None, eps=EPS)
     b.g.outputs.append(x)
@@ -109,7 +109,7 @@ def test_plan_memory_chain_reuses_bytes_and_respects_bounds():
 
 def test_plan_memory_graph_outputs_live_to_the_end():
     b = GraphBuilder()
-    x = b.node("embedding", "embed", input_ids="input_ids", weight=b.weight("embed.weight", VOCAB, H))
+    x = b.node("embedding", "embed", input_ids="input_ids", weight=b.weight("embed.weight", VOCAB, H), scale=1.0)
     early = b.node("rms_norm", "early", x=x, weight=None, eps=EPS)
     y = early
     for i in range(4):

@@ -99,14 +99,15 @@ def test_linear_launches_the_tma_gemm(plugin):
     close(out, get_plugin(plugin).call_reference(inputs, attrs))
 
 
-def test_norm_swiglu_launches_row_scales_then_the_tma_gemm():
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_norm_swiglu_launches_row_scales_then_the_tma_gemm(activation):
     torch.manual_seed(1)
     k, inter, block = 64, 128, 32
     w_gu = torch.randn(2 * inter, k) / 8
     inputs = [torch.randn(T, k) * 3, None, _interleave(w_gu, block)]
-    attrs = {"eps": EPS, "block": block}
+    attrs = {"eps": EPS, "block": block, "activation": activation}
     out = torch.full((T, inter), float("nan"))
-    log = launch("norm_swiglu", {"K": k, "I": inter, "block": block}, inputs, attrs, out)
+    log = launch("norm_swiglu", {"K": k, "I": inter, "block": block, "activation": activation}, inputs, attrs, out)
     assert log == [("row_scale_kernel", (T, 1, 1)), ("tma_norm_swiglu_kernel", (SMS, 1, 1))]
     close(out, get_plugin("norm_swiglu").call_reference(inputs, attrs))
 

@@ -108,10 +108,14 @@ def fuse_attention_o_proj(graph: Graph) -> Graph:
     return g
 
 
+# gated primitive -> norm_swiglu's activation attr
+GATED_ACTIVATIONS = {"silu_mul": "silu", "gelu_mul": "gelu_tanh"}
+
+
 def fuse_norm_swiglu(graph: Graph) -> Graph:
-    """rms_norm -> linear(gate), linear(up) -> silu_mul becomes norm_swiglu."""
+    """rms_norm -> linear(gate), linear(up) -> silu_mul (or gelu_mul) becomes norm_swiglu."""
     g = graph.copy()
-    for mul in [n for n in g.nodes if n.op == "silu_mul"]:
+    for mul in [n for n in g.nodes if n.op in GATED_ACTIVATIONS]:
         lg, lu = g.producer(mul.inputs["gate"]), g.producer(mul.inputs["up"])
         if not (_plain(lg, "linear") and _plain(lu, "linear")) or lg is lu:
             continue
@@ -129,7 +133,8 @@ def fuse_norm_swiglu(graph: Graph) -> Graph:
         names = [lg.inputs["weight"], lu.inputs["weight"]]
         w_gu = _concat(g, names, [inter, inter], f"{_weight_prefix(names)}.gate_up_proj.weight")
         fused = Node("norm_swiglu", {"x": norm.inputs["x"], "norm_weight": norm.inputs["weight"], "w_gu": w_gu},
-                     {"eps": norm.attrs["eps"], "block": 0}, mul.output, mul.source)
+                     {"eps": norm.attrs["eps"], "block": 0, "activation": GATED_ACTIVATIONS[mul.op]},
+                     mul.output, mul.source)
         g.replace([norm, lg, lu, mul], fused)
     return g
 

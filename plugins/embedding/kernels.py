@@ -8,9 +8,9 @@ from kiln.plugins.take_rows.kernels import gather_rows, gather_rows_aot
 
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
-    """inputs: input_ids [T], weight [vocab, H]."""
+    """inputs: input_ids [T], weight [vocab, H]; attr scale."""
     input_ids, weight = inputs
-    gather_rows(weight, input_ids, out)
+    gather_rows(weight, input_ids, out, attrs["scale"])
 
 
 def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:

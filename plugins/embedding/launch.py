@@ -9,6 +9,6 @@ from kiln.plugins.take_rows.launch import launch_gather
 
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
            dims: dict[str, int], stream: int, scratch: dict[str, torch.Tensor]) -> None:
-    """inputs: input_ids [T], weight [vocab, H]."""
+    """inputs: input_ids [T], weight [vocab, H]; attr scale."""
     input_ids, weight = inputs
-    launch_gather(kernels[0], metas[0], weight, input_ids, out, stream)
+    launch_gather(kernels[0], metas[0], weight, input_ids, out, stream, attrs["scale"])

@@ -1,5 +1,5 @@
-"""Fused plugin `norm_swiglu`: RMSNorm + gate/up projection + SwiGLU, [T, H] -> [T, I].
-Under tensor parallelism each rank keeps an equal slice of the intermediate features, of both
+"""Fused plugin `norm_swiglu`: RMSNorm + gate/up projection + gated activation, [T, H] -> [T, I].
+`activation` picks the gate's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma). Under tensor parallelism each rank keeps an equal slice of the intermediate features, of both
 the gate and the up half of w_gu."""
 import torch
 
@@ -9,9 +9,10 @@ from kiln.plugins.sharding import Shard, Split, rows, split_even
 
 
 def compile_shapes(shapes: dict, attrs: dict, block_size: int) -> dict:
-    """What `kernels.aot_kernels` needs: K, I, the gate/up interleave block and the norm weight."""
+    """What `kernels.aot_kernels` needs: K, I, the gate/up interleave block, the norm weight and
+    the activation."""
     return {"K": shapes["w_gu"][1], "I": shapes["w_gu"][0] // 2, "block": attrs["block"],
-            "norm_weight": shapes["norm_weight"] is not None}
+            "norm_weight": shapes["norm_weight"] is not None, "activation": attrs["activation"]}
 
 
 def shard(shapes: dict, attrs: dict, rank: int, world: int, source: str) -> Shard:
@@ -24,8 +25,8 @@ def shard(shapes: dict, attrs: dict, rank: int, world: int, source: str) -> Shar
 
 
 SPEC = register(PluginSpec(
-    name="norm_swiglu", version=1, package=__name__,
-    inputs=("x", "norm_weight?", "w_gu"), attrs={"eps": float, "block": int},
+    name="norm_swiglu", version=2, package=__name__,
+    inputs=("x", "norm_weight?", "w_gu"), attrs={"eps": float, "block": int, "activation": str},
     shape=lambda s, a: (s["x"][0], s["w_gu"][0] // 2),
     dtype="x", reference=norm_swiglu, fused=True,
     compile_shapes=compile_shapes, shard=shard,

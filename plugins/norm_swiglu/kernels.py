@@ -1,8 +1,9 @@
-"""Triton kernel for `norm_swiglu`: y = silu(g) * u with [g u] = RMSNorm(x) W_gu^T.
+"""Triton kernel for `norm_swiglu`: y = act(g) * u with [g u] = RMSNorm(x) W_gu^T, act silu or
+tanh-approximated GELU (a constexpr: one kernel per activation).
 
 One GEMM pass: the K loop that multiplies x by the gate and up weights also sums x^2 per
 row, and the epilogue applies the row scale rsqrt(mean(x^2) + eps) to the accumulator
-(scaling rows commutes with the product), then forms silu(g) * u. A folded norm weight is
+(scaling rows commutes with the product), then forms act(g) * u. A folded norm weight is
 already inside W_gu; an unfolded one (norm_weight given) multiplies each x tile as it is
 loaded.
 
@@ -43,11 +44,23 @@ def swiglu_tiles(weight_rows: int) -> tuple:
         if weight_rows >= WIDE_N else tiles_for(weight_rows)
 
 
+# constexpr GELU_TANH of each activation attr
+GELU_TANH = {"silu": False, "gelu_tanh": True}
+
+
+@triton.jit
+def _gate(g, GELU_TANH: tl.constexpr):
+    """silu(g), or gelu_tanh(g) = g * (1 + tanh(z)) / 2 = g * sigmoid(2z) with z = sqrt(2/pi) (g + 0.044715 g^3)."""
+    if GELU_TANH:
+        return g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
+    return g * tl.sigmoid(g)
+
+
 @triton.jit
 def norm_swiglu_kernel(x_ptr, norm_ptr, w_ptr, out_ptr, part_ptr, count_ptr, T, eps,
                        I: tl.constexpr, K: tl.constexpr, GU_BLOCK: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr):
+                       UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr, GELU_TANH: tl.constexpr):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < T
@@ -62,7 +75,7 @@ def norm_swiglu_kernel(x_ptr, norm_ptr, w_ptr, out_ptr, part_ptr, count_ptr, T, 
         acc, sumsq, last = split_k_sum(acc, sumsq, part_ptr, count_ptr, mask_m, BLOCK_M, 2 * BLOCK_N, SPLIT_K, True)
     if last:
         gate, up = split_halves(acc * tl.rsqrt(sumsq / K + eps)[:, None], BLOCK_M, BLOCK_N)
-        y = gate * tl.sigmoid(gate) * up
+        y = _gate(gate, GELU_TANH) * up
         mask = mask_m[:, None] & (offs_n < I)[None, :]
         tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * I + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
                  mask=mask)
@@ -72,7 +85,7 @@ def norm_swiglu_kernel(x_ptr, norm_ptr, w_ptr, out_ptr, part_ptr, count_ptr, T, 
 def tma_norm_swiglu_kernel(x_ptr, scale_ptr, w_ptr, out_ptr, T,
                            I: tl.constexpr, K: tl.constexpr, GU_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                           UPCAST_DOT: tl.constexpr):
+                           UPCAST_DOT: tl.constexpr, GELU_TANH: tl.constexpr):
     """BLOCK_N output columns per tile from 2 * BLOCK_N contiguous rows of the interleaved W_gu;
     scale_ptr holds the row scales of x's T rows."""
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[T, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
@@ -92,7 +105,7 @@ def tma_norm_swiglu_kernel(x_ptr, scale_ptr, w_ptr, out_ptr, T,
         gate, up = tl.split(pairs)
         gate = tl.reshape(gate, (BLOCK_M, BLOCK_N))
         up = tl.reshape(up, (BLOCK_M, BLOCK_N))
-        out_desc.store([off_m, pid_n * BLOCK_N], (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty))
+        out_desc.store([off_m, pid_n * BLOCK_N], (_gate(gate, GELU_TANH) * up).to(out_ptr.dtype.element_ty))
 
 
 def uses_tma(tile, shapes: dict, dtype: str) -> bool:
@@ -107,16 +120,17 @@ def tma_aot(dtype: str, shapes: dict, tile) -> AotKernel:
     ptr = POINTER_TYPES[dtype]
     signature = {"x_ptr": ptr, "scale_ptr": "*fp32", "w_ptr": ptr, "out_ptr": ptr, "T": "i32", "I": "constexpr",
                  "K": "constexpr", "GU_BLOCK": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-                 "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "UPCAST_DOT": "constexpr"}
+                 "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "UPCAST_DOT": "constexpr", "GELU_TANH": "constexpr"}
     constexprs = {"I": shapes["I"], "K": shapes["K"], "GU_BLOCK": shapes["block"], "BLOCK_M": bm, "BLOCK_N": bn // 2,
-                  "BLOCK_K": bk, "GROUP_M": tma.GROUP_M, "UPCAST_DOT": False}
+                  "BLOCK_K": bk, "GROUP_M": tma.GROUP_M, "UPCAST_DOT": False,
+                  "GELU_TANH": GELU_TANH[shapes.get("activation", "silu")]}
     return AotKernel(tma_norm_swiglu_kernel, signature, constexprs, num_warps=tma.WARPS, num_stages=tma.STAGES,
                      aligned=pointer_params(signature), targets=tma.TMA_TARGETS,
                      meta=tma.tma_meta(tile.name, tile.max_rows, triton.cdiv(shapes["I"], bn // 2)))
 
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
-    """inputs: x [T, K], norm_weight [K] or None (folded), w_gu [2I, K]; attrs eps, block."""
+    """inputs: x [T, K], norm_weight [K] or None (folded), w_gu [2I, K]; attrs eps, block, activation."""
     x, norm_weight, w_gu = inputs
     x, w_gu = x.contiguous(), w_gu.contiguous()
     t, k = x.shape
@@ -130,14 +144,15 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     norm_swiglu_kernel[(triton.cdiv(t, tile.block_m), columns, split)](
         x, norm_weight, w_gu, out, part, count, t, attrs["eps"], I=inter, K=k, GU_BLOCK=attrs["block"] or inter,
         BLOCK_M=tile.block_m, BLOCK_N=bn, BLOCK_K=bk, UPCAST_DOT=upcast_dot(x), SPLIT_K=split,
-        num_warps=tile.num_warps,
+        GELU_TANH=GELU_TANH[attrs["activation"]], num_warps=tile.num_warps,
         num_stages=num_stages(tile.block_m, tile.block_n, bk, x.element_size(), tile.stages))
 
 
 def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     """shapes: {"K": hidden size, "I": intermediate size (this rank's), "block": gate/up
-    interleave block (0: not interleaved), "norm_weight": bool (default False: folded)}.
-    One kernel per shape bucket; eps is a runtime argument."""
+    interleave block (0: not interleaved), "norm_weight": bool (default False: folded),
+    "activation": "silu" (default) or "gelu_tanh"}. One kernel per shape bucket; eps is a
+    runtime argument."""
     ptr, size = POINTER_TYPES[dtype], element_bytes(dtype)
     k, inter, norm = shapes["K"], shapes["I"], shapes.get("norm_weight", False)
     kernels = []
@@ -148,9 +163,11 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
         signature = {"x_ptr": ptr, "norm_ptr": ptr if norm else "constexpr", "w_ptr": ptr, "out_ptr": ptr,
                      **split_signature(split), "T": "i32", "eps": "fp32", "I": "constexpr", "K": "constexpr",
                      "GU_BLOCK": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-                     "BLOCK_K": "constexpr", "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr"}
+                     "BLOCK_K": "constexpr", "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr",
+                     "GELU_TANH": "constexpr"}
         constexprs = {"I": inter, "K": k, "GU_BLOCK": shapes["block"] or inter, "BLOCK_M": tile.block_m,
-                      "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": split}
+                      "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": split,
+                      "GELU_TANH": GELU_TANH[shapes.get("activation", "silu")]}
         kernels.append(AotKernel(
             norm_swiglu_kernel, signature, absent_as_none(signature, constexprs), num_warps=tile.num_warps, aligned=pointer_params(signature),
             num_stages=num_stages(tile.block_m, tile.block_n, bk, size, tile.stages),

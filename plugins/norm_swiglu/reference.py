@@ -1,5 +1,5 @@
 """PyTorch reference for the fused `norm_swiglu`: RMSNorm, one projection against the
-gate/up weights, silu(gate) * up.
+gate/up weights, act(gate) * up with act silu (SwiGLU) or tanh-approximated GELU (GeGLU).
 
 `w_gu` holds gate and up rows interleaved in blocks of `block` rows ([g0 u0 g1 u1 ...]) so a
 kernel tile sees matching gate and up columns; `block` = 0 means plain [W_gate; W_up].
@@ -8,8 +8,12 @@ from typing import Optional
 
 import torch
 
+from kiln.plugins.gelu_mul.reference import gelu_mul
 from kiln.plugins.rms_norm.reference import rms_norm
 from kiln.plugins.silu_mul.reference import silu_mul
+
+# activation attr -> the primitive gated op it stands for
+ACTIVATIONS = {"silu": silu_mul, "gelu_tanh": gelu_mul}
 
 
 def split_gate_up(y: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -21,6 +25,8 @@ def split_gate_up(y: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def norm_swiglu(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_gu: torch.Tensor,
-                eps: float, block: int) -> torch.Tensor:
+                eps: float, block: int, activation: str = "silu") -> torch.Tensor:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"norm_swiglu: unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
     gate, up = split_gate_up(torch.nn.functional.linear(rms_norm(x, norm_weight, eps), w_gu), block)
-    return silu_mul(gate, up)
+    return ACTIVATIONS[activation](gate, up)

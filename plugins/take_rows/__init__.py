@@ -7,11 +7,11 @@ from kiln.plugins.take_rows.reference import take_rows
 
 
 def row_gather(name: str, version: int, package: str, inputs: tuple[str, str], table: str, indices: str,
-               reference) -> PluginSpec:
+               reference, attrs: dict[str, type] | None = None) -> PluginSpec:
     """The spec of an op that gathers rows of `table` [N, H] at `indices` [R]: [R, H] in the
     table's dtype, run by this folder's `gather_rows` kernel."""
     return PluginSpec(
-        name=name, version=version, package=package, inputs=inputs, attrs={},
+        name=name, version=version, package=package, inputs=inputs, attrs=attrs or {},
         shape=lambda s, a: (s[indices][0], s[table][1]),
         dtype=table, reference=reference,
         # What kernels.aot_kernels needs: the row width.
