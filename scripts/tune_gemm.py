@@ -66,9 +66,9 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
                              "part_ptr": "constexpr", "count_ptr": "constexpr", "T": "i32", "eps": "fp32",
                              "I": "constexpr", "K": "constexpr", "GU_BLOCK": "constexpr",
                              "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-                             "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr"}
+                             "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr", "GELU_TANH": "constexpr"}
                 constexprs = {"I": inter, "K": k, "GU_BLOCK": inter, "BLOCK_M": bm, "BLOCK_N": bn // 2,
-                              "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": 1}
+                              "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": 1, "GELU_TANH": False}
                 grid = (triton.cdiv(t, bm), inter // (bn // 2), 1)
                 out.append(("norm_swiglu", {"kind": "norm_swiglu", "n": n, "k": k, "t": t, "grid": grid,
                                             "label": f"norm_swiglu bm{bm} bn{bn} bk{bk} s{stages} w{warps}"},
