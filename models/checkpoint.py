@@ -11,7 +11,11 @@ from safetensors import SafetensorError, safe_open
 
 from kiln.dtypes import MODEL_DTYPES, torch_dtype
 from kiln.models.config import CheckpointError, ModelConfig, read_config
+from kiln.models.gemma3 import Gemma3ForCausalLM
 from kiln.models.llama import LlamaForCausalLM
+
+# family -> model definition; every other family is the Llama one's
+_MODELS = {"gemma3": Gemma3ForCausalLM}
 
 # Tensors some exporters save that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -68,26 +72,27 @@ def iter_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load(checkpoint_dir: str | Path, dtype: str = "float32", max_positions: int | None = None
-         ) -> tuple[LlamaForCausalLM, ModelConfig]:
+         ) -> tuple[LlamaForCausalLM | Gemma3ForCausalLM, ModelConfig]:
     """Build Kiln's model for a checkpoint and fill it with the checkpoint's weights in `dtype`."""
     checkpoint_dir = Path(checkpoint_dir)
     cfg = read_config(checkpoint_dir)
     if dtype not in MODEL_DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not supported; choose one of {', '.join(MODEL_DTYPES)}")
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, torch_dtype(dtype), max_positions)
+        model = _MODELS.get(cfg.family, LlamaForCausalLM)(cfg, torch_dtype(dtype), max_positions)
     expected = dict(model.named_parameters())
     state: dict[str, torch.Tensor] = {}
-    for name, tensor in iter_tensors(checkpoint_dir):
-        if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+    for stored, tensor in iter_tensors(checkpoint_dir):
+        name = model.checkpoint_name(stored)
+        if name is None or name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
             continue
         if name not in expected:
-            raise CheckpointError(f"{checkpoint_dir}: unexpected tensor {name!r} for a {cfg.architecture} "
+            raise CheckpointError(f"{checkpoint_dir}: unexpected tensor {stored!r} for a {cfg.architecture} "
                                   "with this config.json (is config.json from another model?)")
         if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise CheckpointError(f"{checkpoint_dir}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+            raise CheckpointError(f"{checkpoint_dir}: tensor {stored!r} has shape {tuple(tensor.shape)}, "
                                   f"config.json implies {tuple(expected[name].shape)}")
-        state[name] = tensor.to(torch_dtype(dtype))
+        state[name] = model.from_checkpoint(name, tensor).to(torch_dtype(dtype))
     missing = sorted(set(expected) - set(state))
     if missing:
         raise CheckpointError(f"{checkpoint_dir}: missing tensors {', '.join(missing[:5])}"

@@ -1,8 +1,10 @@
 """Kiln's definition of the Llama family: Llama 2, Llama 3.x, Mistral, Qwen2/2.5, Qwen3.
 
 The members differ only in switches that `ModelConfig` carries: q/k/v bias (Qwen2), per-head
-q/k RMSNorm (Qwen3), tied embeddings, the rope frequency scheme and a sliding window. Module
-names mirror Hugging Face's, so checkpoint tensors load by name.
+q/k RMSNorm (Qwen3), tied embeddings, the rope frequency scheme and a sliding window. Gemma 3
+(`models/gemma3.py`) reuses the attention and MLP here with three more: a window per layer, the
+attention scale and the MLP's gate activation. Module names mirror Hugging Face's, so
+checkpoint tensors load by name.
 
 `forward` takes the step inputs named in `plugins.step_inputs` plus the KV cache, and returns
 the logits of the rows in `logits_indices`.
@@ -29,7 +31,8 @@ class Attention(nn.Module):
         self.q_norm = HeadRMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = HeadRMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.layer, self.num_heads, self.num_kv_heads, self.head_dim = layer, nh, nkv, hd
-        self.window = cfg.sliding_window or 0
+        self.window = cfg.layer_window(layer)
+        self.scale = (cfg.query_pre_attn_scalar or hd) ** -0.5
 
     def forward(self, x, positions, rope_cache, kv_cache, slot_mapping, block_tables, query_lens, context_lens):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -39,20 +42,27 @@ class Attention(nn.Module):
         k = op("rope")(k, positions, rope_cache, self.head_dim)
         a = op("attention")(q, k, v, kv_cache, slot_mapping, block_tables, query_lens, context_lens,
                             self.layer, self.num_heads, self.num_kv_heads, self.head_dim,
-                            self.head_dim ** -0.5, self.window)
+                            self.scale, self.window)
         return self.o_proj(a)
 
 
+# ModelConfig.hidden_activation -> the gated op
+GATED_OPS = {"silu": "silu_mul", "gelu_tanh": "gelu_mul"}
+
+
 class MLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU, or GeGLU for Gemma."""
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         h, i = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = Linear(h, i, cfg.mlp_bias, "column", 0, dtype)
         self.up_proj = Linear(h, i, cfg.mlp_bias, "column", 0, dtype)
         self.down_proj = Linear(i, h, cfg.mlp_bias, "row", 0, dtype)
+        self.gated = GATED_OPS[cfg.hidden_activation]
 
     def forward(self, x):
-        return self.down_proj(op("silu_mul")(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(op(self.gated)(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -79,6 +89,16 @@ class DecoderStack(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    @staticmethod
+    def checkpoint_name(name: str) -> str | None:
+        """The module path a checkpoint tensor loads into: its own name."""
+        return name
+
+    @staticmethod
+    def from_checkpoint(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor as this model stores it: unchanged."""
+        return tensor
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, max_positions: int | None = None):
         super().__init__()
         self.config = cfg

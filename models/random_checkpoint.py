@@ -18,6 +18,8 @@ top-level ``rope_theta`` or ``rope_scaling``::
                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                         "original_max_position_embeddings": max_pos // 4}
     llama-linear-rope: {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+    gemma3: {"full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0},
+             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
 
 transformers 4.x writes the old form instead (top-level ``rope_theta``, and
 ``rope_scaling`` null, absent (mistral) or the dict without ``rope_theta``), as
@@ -42,13 +44,11 @@ import click
 
 from kiln.atomic import atomic_folder
 from kiln.dtypes import MODEL_DTYPES
+from kiln.models.random_families import FAMILIES, family_config
 
 if TYPE_CHECKING:
     import tokenizers
 
-FAMILIES: tuple[str, ...] = (
-    "llama2", "llama3", "llama3.2", "llama-linear-rope", "mistral", "qwen2", "qwen3",
-)
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
 # Listed first so they get ids 0, 1, 2 whatever the corpus contains.
@@ -111,40 +111,6 @@ def train_tokenizer(vocab_size: int = 384) -> "tokenizers.Tokenizer":
         single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
         special_tokens=[(BOS_TOKEN, bos_id)])
     return tokenizer
-
-
-def _family_config(family: str, size: dict[str, Any], tie: bool | None) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-
-    head_dim = size["hidden_size"] // size["num_attention_heads"]
-    llama3_rope = {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        # Far below max_position_embeddings so that, even at head_dim 16, some
-        # frequencies are kept, some interpolated and some divided by `factor`.
-        "original_max_position_embeddings": max(1, size["max_position_embeddings"] // 4),
-    }
-    specs: dict[str, tuple[type, dict[str, Any]]] = {
-        "llama2": (LlamaConfig, dict(rope_theta=10000.0, rms_norm_eps=1e-5)),
-        "llama3": (LlamaConfig, dict(rope_theta=500000.0, rope_scaling=llama3_rope, rms_norm_eps=1e-5)),
-        "llama3.2": (LlamaConfig, dict(rope_theta=500000.0, rope_scaling=llama3_rope,
-                                       rms_norm_eps=1e-5, tie_word_embeddings=True)),
-        "llama-linear-rope": (LlamaConfig, dict(rope_theta=10000.0, rms_norm_eps=1e-5,
-                                                rope_scaling={"rope_type": "linear", "factor": 2.0})),
-        "mistral": (MistralConfig, dict(rope_theta=1e6, sliding_window=None, head_dim=head_dim,
-                                        rms_norm_eps=1e-5)),
-        "qwen2": (Qwen2Config, dict(rope_theta=1e6, use_sliding_window=False, rms_norm_eps=1e-6,
-                                    max_window_layers=size["num_hidden_layers"])),
-        "qwen3": (Qwen3Config, dict(rope_theta=1e6, head_dim=head_dim, attention_bias=False,
-                                    use_sliding_window=False, rms_norm_eps=1e-6,
-                                    max_window_layers=size["num_hidden_layers"])),
-    }
-    if family not in specs:
-        raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
-    config_cls, extra = specs[family]
-    extra.setdefault("tie_word_embeddings", False)
-    if tie is not None:
-        extra["tie_word_embeddings"] = tie
-    return config_cls(**size, **extra, hidden_act="silu", attn_implementation="eager")
 
 
 def _randomize(model: Any) -> None:
@@ -277,7 +243,7 @@ def write_random_checkpoint(
                 max_position_embeddings=max_position_embeddings,
                 bos_token_id=tokenizer.token_to_id(BOS_TOKEN),
                 eos_token_id=tokenizer.token_to_id(EOS_TOKEN))
-    config = _family_config(family, size, tie_word_embeddings)
+    config = family_config(family, size, tie_word_embeddings)
     torch.manual_seed(seed)  # seeds every CUDA device too
     model = _random_model(config, dtype, device)
 
@@ -353,7 +319,7 @@ def _count_parameters(directory: Path) -> int:
 @click.option("--max-shard-size", default=None,
               help='Split the weights into shards of at most this size, e.g. "100KB".')
 @click.option("--tie-word-embeddings/--untie-word-embeddings", default=None,
-              help="Override the family's default (tied only for llama3.2).")
+              help="Override the family's default (tied for llama3.2 and gemma3).")
 @click.option("--device", default="cpu", show_default=True,
               help='Where to build and randomize the model: "cuda" builds it there directly in '
                    '--dtype (what a Llama-3-8B shape needs); "cpu" gives the same bytes for a '

@@ -82,3 +82,18 @@ def test_op_without_gpu_kernel_is_a_build_error_naming_it(tmp_path):
     with pytest.raises(KernelError, match=r"op 'gelu' in module 'model.layers.0.mlp' has no GPU kernel"):
         build_from_model(gelu_model(), tmp_path / "gelu", cfg, {"architecture": "test-gelu"})
     assert not (tmp_path / "gelu").exists()
+
+
+def test_gemma3_engine_compiles_for_sm_90_and_sm_80(factory, tmp_path):
+    """Every op of Gemma 3's plan (the GeGLU norm_swiglu, the scaled embedding, the post-norms and
+    their residual adds, the soft cap) has cubins for both targets, and the engine still runs here."""
+    result = build_cli(factory.checkpoint("gemma3"), tmp_path / "engine", ["cpu", "sm_90", "sm_80"], tmp_path / "cache")
+    assert result.returncode == 0, result.stderr + result.stdout
+    m = read_engine_file(tmp_path / "engine" / "rank0.engine").manifest
+    assert {"softcap", "add", "norm_swiglu", "norm_qkv_rope", "attention", "embedding"} <= {op.op for op in m.plan}
+    for op in m.plan:
+        assert set(op.kernel_keys) == {"sm_90", "sm_80"}, op.op
+        assert all(keys for keys in op.kernel_keys.values()), op.op
+    blobs = read_engine_file(tmp_path / "engine" / "rank0.engine").kernels
+    assert all(blob[:4] == b"\x7fELF" for blob in blobs.values())
+    assert load_engine(tmp_path / "engine").manifest.model["architecture"] == "Gemma3ForCausalLM"

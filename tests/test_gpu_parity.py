@@ -6,13 +6,13 @@ batches all run in flight. Then each prompt with its 64 tokens is fed teacher-fo
 reference, and to the engine's executor as prefill chunks asking every logit: an early flip
 cannot cascade, each of the 64 positions is compared on its own.
 
-- bf16 engine against transformers on the GPU (small llama3 and qwen3 models, and the
+- bf16 engine against transformers on the GPU (small llama3, qwen3 and gemma3 models, and the
   Llama-3-8B shape): the issue's figures (share of the 16 x 64 positions where Kiln's token is
   an argmax of transformers bf16's logits, relative L2 error of each sequence's [64, vocab]
   logits) are measured and printed; the assertion is that Kiln is as close to the float32
   computation as transformers' own bf16 run is (see `check_bf16_parity` for why).
-- float32 engine on the GPU against the same engine on the CPU: identical greedy tokens and
-  logits within 1e-4 (test_cuda_executor.py checks single steps and 2 prompts x 8 tokens;
+- float32 engine on the GPU against the same engine on the CPU (small llama3 and gemma3):
+  identical greedy tokens and logits within 1e-4 (test_cuda_executor.py checks single steps and 2 prompts x 8 tokens;
   this is 16 requests in flight for 64 tokens).
 - an engine built only for another GPU is refused with a message naming its targets and the
   --target to rebuild with.
@@ -99,7 +99,7 @@ def check_bf16_parity(name: str, checkpoint: Path, engine_dir: Path, vocab_size:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "gemma3"])
 def test_small_bf16_engine_matches_transformers_on_the_gpu(family, gpu_workdir, arch, record_property):
     checkpoint = cached_checkpoint(gpu_workdir, family, **SMALL)
     engine = cached_engine(gpu_workdir, checkpoint, [arch], "bfloat16", **BUILD)
@@ -118,8 +118,9 @@ def test_llama3_8b_bf16_engine_matches_transformers_on_the_gpu(gpu_workdir, arch
 # -- GPU: float32 engine against the CPU executor -----------------------------------------------
 
 @pytest.mark.gpu
-def test_float32_gpu_engine_matches_cpu_engine(gpu_workdir, arch, record_property):
-    checkpoint = cached_checkpoint(gpu_workdir, "llama3", **SMALL)
+@pytest.mark.parametrize("family", ["llama3", "gemma3"])
+def test_float32_gpu_engine_matches_cpu_engine(family, gpu_workdir, arch, record_property):
+    checkpoint = cached_checkpoint(gpu_workdir, family, **SMALL)
     engine = cached_engine(gpu_workdir, checkpoint, ["cpu", arch], "float32", **BUILD)
     prompts = make_prompts(SMALL["vocab_size"])
     tokens = {device: kiln_generate(engine, device, prompts) for device in ("cpu", "cuda")}
@@ -134,7 +135,7 @@ def test_float32_gpu_engine_matches_cpu_engine(gpu_workdir, arch, record_propert
     free_gpu()
 
     errors = relative_errors(logits["cuda"], logits["cpu"])
-    line = report("llama3 small float32, cuda vs cpu", tokens["cuda"], argmax_agreement(tokens["cuda"], logits["cpu"]),
+    line = report(f"{family} small float32, cuda vs cpu", tokens["cuda"], argmax_agreement(tokens["cuda"], logits["cpu"]),
                   errors)
     publish(line, record_property)
     for i, (got, want) in enumerate(zip(tokens["cuda"], tokens["cpu"])):

@@ -29,12 +29,14 @@ EXPECTED = {
     "mistral": ("MistralForCausalLM", "default", 1e6, False),
     "qwen2": ("Qwen2ForCausalLM", "default", 1e6, False),
     "qwen3": ("Qwen3ForCausalLM", "default", 1e6, False),
+    "gemma3": ("Gemma3ForCausalLM", "linear", 1e6, True),  # its global layers' RoPE
 }
 
 
 def _rope(config: dict) -> tuple[str, float, dict]:
     """(rope_type, rope_theta, full params) from either config.json layout."""
     params = config.get("rope_parameters") or dict(config.get("rope_scaling") or {})
+    params = params.get("full_attention", params)  # Gemma 3's, keyed by layer type
     theta = params.get("rope_theta", config.get("rope_theta"))
     return params.get("rope_type", params.get("type", "default")), theta, params
 
@@ -189,9 +191,10 @@ def test_cli(tmp_path: Path) -> None:
 def _float32_then_cast(family: str, dtype: str, seed: int, **size) -> dict[str, torch.Tensor]:
     """The weights as they were made before the `device` keyword: built in float32 with
     transformers' init, randomized, then cast."""
-    from kiln.models.random_checkpoint import _family_config, _randomize
+    from kiln.models.random_checkpoint import _randomize
+    from kiln.models.random_families import family_config
 
-    config = _family_config(family, size, None)
+    config = family_config(family, size, None)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     _randomize(model)

@@ -51,6 +51,9 @@ FAMILIES = {
     "qwen2": Family("qwen2", num_heads=8, num_kv_heads=2, tp_sizes=(2, 4)),
     # 4 kv heads split over 2 ranks, 2 each.
     "llama3": Family("llama3", num_heads=4, num_kv_heads=4, tp_sizes=(2,)),
+    # Gemma 3: a post-norm after each row-parallel projection (normed after the sum), q/k norm,
+    # GeGLU, windowed and global layers, soft-capped logits.
+    "gemma3": Family("gemma3", num_heads=4, num_kv_heads=2, tp_sizes=(2,)),
 }
 CASES = [(name, tp) for name, fam in FAMILIES.items() for tp in fam.tp_sizes]
 parametrize_cases = pytest.mark.parametrize("family,tp", CASES, ids=[f"{f}-tp{t}" for f, t in CASES])
