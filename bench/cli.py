@@ -17,6 +17,7 @@ from click.core import ParameterSource
 
 from kiln.bench import decode, latency, offline, prefix, startup
 from kiln.bench.driver import EngineInfo, inspect, kv_token_budget, open_core, random_prompts, release
+from kiln.bench.eager import eager_unsupported
 from kiln.bench.figures import Figure
 from kiln.bench.hardware import measure
 from kiln.bench.model import SHAPES, Shape, check_shape, ensure_checkpoint, ensure_engine, with_overrides
@@ -307,6 +308,8 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
     elif checkpoint is None:
         notes.append(f"no eager baseline: pass --checkpoint with the checkpoint this engine was built from "
                      f"({info.manifest.source})")
+    elif (unsupported := eager_unsupported(checkpoint)) is not None:
+        notes.append(f"no eager baseline: {unsupported}")
     elif any(f.value is not None and f.section in ("decode", "offline") for f in figures):
         _eager_baseline(figures, checkpoint, info, device, decode_context, decode_steps, seed)
     if any(f.section in ("latency", "prefix") for f in figures):

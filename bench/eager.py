@@ -26,10 +26,24 @@ WARMUP_STEPS = 3
 EAGER_MEMORY_FRACTION = 0.5  # of free memory, for one static batch's KV cache and activations
 
 
+# The families whose layers `EagerModel.forward` writes out; Gemma 3's post-norms, GeGLU,
+# scaled embedding, per-layer windows and soft cap are not among them.
+EAGER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def eager_unsupported(checkpoint: str | Path) -> str | None:
+    """Why the eager baseline cannot run this checkpoint's model, or None when it can."""
+    family = models.read_config(checkpoint).family
+    if family in EAGER_FAMILIES:
+        return None
+    return f"the eager baseline writes out the layers of {', '.join(EAGER_FAMILIES)}, not {family}'s"
+
+
 def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     xf = x.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return y * weight if weight is not None else y
+    # Norm weights are float32 in Kiln's models: the product is rounded back, as the plugin does.
+    return (y * weight).to(x.dtype) if weight is not None else y
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

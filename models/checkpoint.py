@@ -92,7 +92,9 @@ def load(checkpoint_dir: str | Path, dtype: str = "float32", max_positions: int 
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise CheckpointError(f"{checkpoint_dir}: tensor {stored!r} has shape {tuple(tensor.shape)}, "
                                   f"config.json implies {tuple(expected[name].shape)}")
-        state[name] = model.from_checkpoint(name, tensor).to(torch_dtype(dtype))
+        # Rounded to the model's dtype first, as transformers loads it; a norm weight is then
+        # held in float32 (see models.layers.RMSNorm), where Gemma's 1 + w is exact.
+        state[name] = model.from_checkpoint(name, tensor.to(torch_dtype(dtype))).to(expected[name].dtype)
     missing = sorted(set(expected) - set(state))
     if missing:
         raise CheckpointError(f"{checkpoint_dir}: missing tensors {', '.join(missing[:5])}"

@@ -1,8 +1,9 @@
 """Kiln's definition of Gemma 3's text model (`Gemma3ForCausalLM`).
 
 Against the Llama family it adds: embeddings scaled by sqrt(hidden_size) in the table's dtype;
-RMSNorm weights applied as (1 + w), which the loader stores (`from_checkpoint`), so the norms
-are the plain `rms_norm` and the fusion passes fold them as Llama's; a norm after attention and
+RMSNorm weights applied as (1 + w), which the loader stores (`from_checkpoint`, in float32 like
+every norm weight: exact), so the norms are the plain `rms_norm` and the fusion passes fold them
+as Llama's; a norm after attention and
 after the MLP (each before its residual add, which therefore stays a primitive `add`); per-head
 q/k norm; GeGLU; the attention scale query_pre_attn_scalar^-1/2; sliding-window layers with
 their own RoPE table (`local_rope_theta`) between global ones (`rope_theta` and
@@ -35,12 +36,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(h, eps, dtype)
+        self.input_layernorm = RMSNorm(h, eps)
         self.self_attn = Attention(cfg, layer, dtype)
-        self.post_attention_layernorm = RMSNorm(h, eps, dtype)
-        self.pre_feedforward_layernorm = RMSNorm(h, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps)
         self.mlp = MLP(cfg, dtype)
-        self.post_feedforward_layernorm = RMSNorm(h, eps, dtype)
+        self.post_feedforward_layernorm = RMSNorm(h, eps)
 
     def forward(self, h, positions, rope_cache, kv_cache, slot_mapping, block_tables, query_lens, context_lens):
         a = self.self_attn(self.input_layernorm(h), positions, rope_cache, kv_cache, slot_mapping,
@@ -55,7 +56,7 @@ class DecoderStack(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, scale=cfg.hidden_size ** 0.5)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Gemma3ForCausalLM(nn.Module):
@@ -85,8 +86,8 @@ class Gemma3ForCausalLM(nn.Module):
 
     @staticmethod
     def from_checkpoint(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Gemma's RMSNorm scales by (1 + w): stored as that, computed in float32 (exact there;
-        in bf16 the sum is rounded once, where transformers keeps it in float32)."""
+        """Gemma's RMSNorm scales by (1 + w): stored as that, in float32 as transformers forms it
+        (norm weights are float32 in every engine dtype, so the sum is exact)."""
         return 1.0 + tensor.float() if name.endswith("norm.weight") else tensor
 
     def forward(self, input_ids, positions, slot_mapping, block_tables, query_lens, context_lens,

@@ -28,9 +28,14 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32):
+    """x * rsqrt(mean(x^2) + eps) * weight. The weight is float32 whatever the model's dtype: it
+    holds the checkpoint's values rounded to that dtype (exactly), or a value computed from them
+    that the dtype cannot hold (Gemma's 1 + w), and a fold into a projection multiplies in
+    float32 anyway. Norm kernels read it as float32."""
+
+    def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32), requires_grad=False)
         self.eps = eps
         self.dim = dim
 
@@ -39,7 +44,7 @@ class RMSNorm(nn.Module):
 
 
 class HeadRMSNorm(RMSNorm):
-    """RMSNorm over each head of a [T, heads*head_dim] tensor (Qwen3's q_norm and k_norm)."""
+    """RMSNorm over each head of a [T, heads*head_dim] tensor (Qwen3's and Gemma 3's q_norm and k_norm)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return op("head_rms_norm")(x, self.weight, self.eps, self.dim)

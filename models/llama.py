@@ -28,8 +28,8 @@ class Attention(nn.Module):
         self.k_proj = Linear(h, nkv * hd, cfg.qkv_bias, "column", nkv, dtype)
         self.v_proj = Linear(h, nkv * hd, cfg.qkv_bias, "column", nkv, dtype)
         self.o_proj = Linear(nh * hd, h, cfg.o_bias, "row", 0, dtype)
-        self.q_norm = HeadRMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = HeadRMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.q_norm = HeadRMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = HeadRMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.layer, self.num_heads, self.num_kv_heads, self.head_dim = layer, nh, nkv, hd
         self.window = cfg.layer_window(layer)
         self.scale = (cfg.query_pre_attn_scalar or hd) ** -0.5
@@ -68,9 +68,9 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, dtype)
 
     def forward(self, h, positions, rope_cache, kv_cache, slot_mapping, block_tables, query_lens, context_lens):
@@ -85,7 +85,7 @@ class DecoderStack(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):

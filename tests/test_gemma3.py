@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from kiln.models.config import CheckpointError, parse_config
 from kiln.models.random_families import GEMMA3_SLIDING_WINDOW, GEMMA3_SOFTCAP
 from kiln.runtime.engine import load_engine
+from parity_tools import relative_errors
 from test_parity import DECODE_STEPS, check_against_transformers, rel_err, run_engine
 
 # Four layers, local and global alternating; 11 + 8 and 6 + 8 tokens against a window of 8.
@@ -80,8 +81,10 @@ def test_every_variant_shows_in_the_logits(factory, checkpoint, tmp_path):
 
 
 def test_bfloat16_engine_matches_transformers_within_bf16_noise(factory, checkpoint):
-    """Kiln bf16 against transformers bf16, both teacher-forced on Kiln's greedy tokens; the
-    bound is twice transformers bf16's own distance from its float32 run (about 3e-2 here)."""
+    """Kiln bf16 and transformers bf16, both teacher-forced on Kiln's greedy tokens, against
+    transformers float32 on the same weights: per sequence, Kiln's relative L2 error is within
+    twice transformers bf16's own (about 3e-2 here), and the two bf16 runs are within 5e-2 of
+    each other."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (11, 6)]
     tokens, logits = run_engine(factory.engine(checkpoint, dtype="bfloat16"), prompts)
@@ -91,9 +94,9 @@ def test_bfloat16_engine_matches_transformers_within_bf16_noise(factory, checkpo
         with torch.no_grad():
             want = bf16(torch.tensor([toks])).logits[0].float()
             exact = fp32(torch.tensor([toks])).logits[0]
-        noise = rel_err(want, exact)
-        assert rel_err(got.float(), want) < max(2 * noise, 2e-2), (rel_err(got.float(), want), noise)
-        assert rel_err(got.float(), exact) < max(2 * noise, 2e-2)
+        (kiln_err, hf_err, between) = relative_errors([got, want, got], [exact, exact, want])
+        assert kiln_err < 2 * hf_err and between < 5e-2, (kiln_err, hf_err, between)
+        assert (got.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
 
 
 def test_multimodal_checkpoint_builds_the_same_text_engine(factory, checkpoint, tmp_path):

@@ -247,9 +247,10 @@ def test_parity_norm_qkv_rope(request, qk_norm, bias, folded, t, k, d, dtype):
         angles = torch.arange(max_pos)[:, None] * 10000.0 ** (-torch.arange(0, d, 2) / d)
         kv_cache = rand(2, 2, 6, 4, kv_heads, d, dtype=dtype)   # 24 slots per layer
         slots = torch.randperm(24)[:t].to(torch.int32)
+        # q/k norm weights in float32, as models hold norm weights.
         inputs = [rand(t, k, dtype=dtype), norm_weight, w_qkv, rand(rows, dtype=dtype) if bias else None,
-                  1 + 0.2 * rand(d, dtype=dtype) if qk_norm else None,
-                  1 + 0.2 * rand(d, dtype=dtype) if qk_norm else None,
+                  1 + 0.2 * rand(d, dtype=torch.float32) if qk_norm else None,
+                  1 + 0.2 * rand(d, dtype=torch.float32) if qk_norm else None,
                   torch.randint(0, max_pos, (t,), dtype=torch.int32),
                   torch.cat([angles.cos(), angles.sin()], dim=1), kv_cache, slots]
         attrs = {"eps": EPS, "layer": layer, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d}
@@ -361,8 +362,9 @@ def test_parity_tma_norm_qkv_rope(request, bias, qk_norm, heads_per_tile, dtype)
         slots = torch.randperm(80)[:t].to(torch.int32)
         x = rand(t, k, dtype=dtype)
         b = rand(rows, dtype=dtype) if bias else None
-        q_norm = 1 + 0.2 * rand(d, dtype=dtype) if qk_norm else None
-        k_norm = 1 + 0.2 * rand(d, dtype=dtype) if qk_norm else None
+        # float32, as models hold norm weights
+        q_norm = 1 + 0.2 * rand(d, dtype=torch.float32) if qk_norm else None
+        k_norm = 1 + 0.2 * rand(d, dtype=torch.float32) if qk_norm else None
         positions = torch.randint(0, 128, (t,), dtype=torch.int32)
         rope = torch.cat([angles.cos(), angles.sin()], dim=1)
         ref_cache = kv_cache.clone()

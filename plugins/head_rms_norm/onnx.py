@@ -4,11 +4,13 @@ from kiln.plugins.onnx_function import OnnxFunction, ints, shape
 
 
 def head_rms_norm(p: str, x: str, weight: str, out: str) -> list[str]:
-    """out = RMSNorm of each `@head_dim` slice of x, times weight, with the op's `@eps`."""
+    """out = RMSNorm of each `@head_dim` slice of x, times weight (cast to x's type: the output
+    takes the scale's, and norm weights are float32 in every engine), with the op's `@eps`."""
     return shape(f"{p}heads", [0, -1, "@head_dim"]) + [
         f"{p}split = Reshape({x}, {p}heads)",
+        f"{p}scale = CastLike({weight}, {x})",
         f"{p}normed = RMSNormalization <axis: int = -1, epsilon: float = @eps, stash_type: int = 1> "
-        f"({p}split, {weight})",
+        f"({p}split, {p}scale)",
         ints(f"{p}flat", [0, -1]),
         f"{out} = Reshape({p}normed, {p}flat)",
     ]

@@ -193,8 +193,8 @@ def tma_aot(dtype: str, shapes: dict, tile: Tile, optional: dict[str, bool]) -> 
     ptr = POINTER_TYPES[dtype]
     bm, _, bk = tma.tile_shape(dtype)
     heads, kv_heads = shapes["num_heads"], shapes["num_kv_heads"]
-    signature = {"x_ptr": ptr, "scale_ptr": "*fp32", "w_ptr": ptr, "bias_ptr": ptr, "q_norm_ptr": ptr,
-                 "k_norm_ptr": ptr, "pos_ptr": "*i32", "rope_ptr": "*fp32", "kv_ptr": ptr, "slot_ptr": "*i32",
+    signature = {"x_ptr": ptr, "scale_ptr": "*fp32", "w_ptr": ptr, "bias_ptr": ptr, "q_norm_ptr": "*fp32",
+                 "k_norm_ptr": "*fp32", "pos_ptr": "*i32", "rope_ptr": "*fp32", "kv_ptr": ptr, "slot_ptr": "*i32",
                  "out_ptr": ptr, "T": "i32", "num_slots": "i32", "layer": "i32", "eps": "fp32", "K": "constexpr",
                  "H": "constexpr", "KVH": "constexpr", "D": "constexpr", "BLOCK_M": "constexpr",
                  "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "HEADS": "constexpr", "UPCAST_DOT": "constexpr"}
@@ -214,7 +214,8 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     """shapes: {"K": hidden size, "num_heads", "num_kv_heads" (this rank's), "head_dim",
     "bias": bool, "qk_norm": bool, "norm_weight": bool (defaults False; False norm_weight
     means folded)}. One kernel per shape bucket; num_slots (KV-cache blocks * block size),
-    layer and eps are runtime arguments, positions and slot_mapping int32, rope_cache fp32."""
+    layer and eps are runtime arguments, positions and slot_mapping int32, rope_cache and the
+    q/k norm weights fp32 (as models hold norm weights)."""
     ptr, size = POINTER_TYPES[dtype], element_bytes(dtype)
     k, heads, kv_heads, d = shapes["K"], shapes["num_heads"], shapes["num_kv_heads"], shapes["head_dim"]
     qk_norm = shapes.get("qk_norm", False)
@@ -224,8 +225,8 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     for tile in QKV_TILES:
         bk, split = block_k(tile, size), head_split(tile, d, qk_norm)
         ksplit = split_k(tile, k, bk)
-        signature = {"x_ptr": ptr, "norm_ptr": ptr, "w_ptr": ptr, "bias_ptr": ptr, "q_norm_ptr": ptr,
-                     "k_norm_ptr": ptr, "pos_ptr": "*i32", "rope_ptr": "*fp32", "kv_ptr": ptr,
+        signature = {"x_ptr": ptr, "norm_ptr": ptr, "w_ptr": ptr, "bias_ptr": ptr, "q_norm_ptr": "*fp32",
+                     "k_norm_ptr": "*fp32", "pos_ptr": "*i32", "rope_ptr": "*fp32", "kv_ptr": ptr,
                      "slot_ptr": "*i32", "out_ptr": ptr, **split_signature(ksplit), "T": "i32", "num_slots": "i32",
                      "layer": "i32", "eps": "fp32", "K": "constexpr", "H": "constexpr", "KVH": "constexpr",
                      "D": "constexpr", "HEAD_SPLIT": "constexpr", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",

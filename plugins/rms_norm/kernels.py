@@ -55,11 +55,11 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
 
 
 def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
-    """`shapes` key: hidden. Both variants: with a weight, and folded (weight None, whose
-    pointer argument the launcher passes as 0)."""
+    """`shapes` key: hidden. Both variants: with a weight (float32, as models hold norm weights),
+    and folded (weight None, whose pointer argument the launcher passes as 0)."""
     ptr = POINTER_TYPES[dtype]
     block, warps = _config(shapes["hidden"])
-    signature = {"x_ptr": ptr, "w_ptr": ptr, "out_ptr": ptr, "x_stride": "i32", "out_stride": "i32",
+    signature = {"x_ptr": ptr, "w_ptr": "*fp32", "out_ptr": ptr, "x_stride": "i32", "out_stride": "i32",
                  "width": "i32", "eps": "fp32", "HAS_WEIGHT": "constexpr", "BLOCK": "constexpr"}
     return [AotKernel(_rms_norm_kernel, signature, {"HAS_WEIGHT": has_weight, "BLOCK": block},
                       num_warps=warps, num_stages=1,

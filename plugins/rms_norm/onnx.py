@@ -4,9 +4,11 @@ from kiln.plugins.onnx_function import OnnxFunction, variant
 
 
 def rms_norm(p: str, x: str, weight: str | None, out: str) -> list[str]:
-    """out = RMSNorm(x) (* weight), with the op's `@eps`."""
-    lines = [] if weight else [f"{p}one = Constant <value_float: float = 1.0> ()", f"{p}one_x = CastLike({p}one, {x})"]
-    scale = weight or f"{p}one_x"
+    """out = RMSNorm(x) (* weight), with the op's `@eps`. The scale is cast to x's type (the
+    output takes the scale's, and norm weights are float32 in every engine)."""
+    lines = [f"{p}scale = CastLike({weight}, {x})"] if weight else [
+        f"{p}one = Constant <value_float: float = 1.0> ()", f"{p}scale = CastLike({p}one, {x})"]
+    scale = f"{p}scale"
     return lines + [f"{out} = RMSNormalization <axis: int = -1, epsilon: float = @eps, stash_type: int = 1> "
                     f"({x}, {scale})"]
 

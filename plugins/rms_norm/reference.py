@@ -11,6 +11,8 @@ def normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """The normalised row in x's dtype, times the weight (a float32 one, as models hold it, or
+    one in x's dtype), the product rounded once to x's dtype."""
     y = normalize(x, eps)
     # A folded norm (weight None) leaves the scale to the projection that follows.
-    return y * weight if weight is not None else y
+    return (y * weight).to(x.dtype) if weight is not None else y
