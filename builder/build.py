@@ -6,8 +6,8 @@ a failed build leaves nothing half-written.
 from __future__ import annotations
 
 import re
-import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,8 +29,6 @@ from kiln.plugins import get_plugin
 KILN_VERSION = "0.1.0"
 TOKENIZER_FILE = "tokenizer.json"  # what the runtime encodes and decodes with
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "tokenizer.model")
 
 
 class BuildError(ValueError):
@@ -121,14 +119,16 @@ def _check_output(output: Path) -> None:
 
 
 def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, model_info: dict,
-                     extra_files: tuple[Path, ...] = (), progress: bool = False,
+                     extra_files: Mapping[str, bytes] | None = None, progress: bool = False,
                      chat_template: str | None = None) -> BuildSummary:
-    """Compile an in-memory model definition into an engine folder; `extra_files` are copied
-    into it, and `chat_template` (Jinja text) is written there as CHAT_TEMPLATE_FILE."""
+    """Compile an in-memory model definition into an engine folder; `extra_files` (name ->
+    contents: the checkpoint's config and tokenizer files) are written into it, and
+    `chat_template` (Jinja text) as CHAT_TEMPLATE_FILE."""
     start = time.time()
     output = Path(output)
     _check_output(output)
-    tokenizer_file = TOKENIZER_FILE if any(f.name == TOKENIZER_FILE for f in extra_files) else None
+    extra_files = dict(extra_files or {})
+    tokenizer_file = TOKENIZER_FILE if TOKENIZER_FILE in extra_files else None
     passes = FUSIONS if cfg.fuse else ()
     steps = ["trace", *[f.__name__ for f in passes]]
     for r in range(cfg.tp_size):
@@ -165,8 +165,8 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
                 kernel_counts.append(len(blobs))
                 weight_bytes.append(sum(w.numel() * w.element_size() for w in g.weights.values()))
                 arena_bytes.append(memory.arena_bytes)
-            for f in extra_files:
-                shutil.copy2(f, tmp / f.name)
+            for name, data in extra_files.items():
+                (tmp / name).write_bytes(data)
             if chat_template is not None:
                 (tmp / CHAT_TEMPLATE_FILE).write_text(chat_template, encoding="utf-8")
     finally:
@@ -176,15 +176,14 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
 
 
 def build_engine(checkpoint: str | Path, output: str | Path, cfg: BuildConfig, progress: bool = False) -> BuildSummary:
-    """Build an engine folder from a Hugging Face checkpoint folder."""
+    """Build an engine folder from a Hugging Face checkpoint folder or a GGUF file."""
     checkpoint = Path(checkpoint)
     model, mcfg = models.load(checkpoint, cfg.dtype, max_positions=cfg.max_seq_len)
     notes = []
     if cfg.max_seq_len > mcfg.max_position_embeddings:
         notes.append(f"--max-seq-len {cfg.max_seq_len} exceeds the model's max_position_embeddings "
                      f"({mcfg.max_position_embeddings}): quality past it is not guaranteed")
-    extra = [checkpoint / "config.json"] + [checkpoint / f for f in TOKENIZER_FILES if (checkpoint / f).is_file()]
     summary = build_from_model(model, output, cfg, {"source": str(checkpoint), **mcfg.to_dict()},
-                               tuple(extra), progress, models.read_chat_template(checkpoint))
+                               models.engine_files(checkpoint), progress, models.read_chat_template(checkpoint))
     summary.notes += notes
     return summary

@@ -20,7 +20,9 @@ from kiln.models import CheckpointError, read_config
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--checkpoint", required=True, type=click.Path(path_type=Path),
-              help="Hugging Face model folder: config.json, *.safetensors (sharded or not), tokenizer files.")
+              help="Hugging Face model folder (config.json, *.safetensors sharded or not, tokenizer files) or a "
+                   ".gguf file (F32/F16/BF16, Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K weights are dequantized "
+                   "to --dtype).")
 @click.option("--output", required=True, type=click.Path(path_type=Path),
               help="Engine folder to write (rank{r}.engine, config.json, tokenizer). A previous engine there "
                    "is replaced; any other non-empty folder is refused.")
@@ -47,7 +49,7 @@ from kiln.models import CheckpointError, read_config
 def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_batch_size: int,
                  max_seq_len: int | None, max_num_tokens: int, kv_block_size: int, targets: tuple[str, ...],
                  no_fuse: bool, onnx_out: Path | None, quiet: bool) -> None:
-    """Compile a Hugging Face checkpoint into a Kiln engine folder.
+    """Compile a Hugging Face checkpoint or a GGUF file into a Kiln engine folder.
 
     Traces Kiln's definition of the model, fuses each decoder layer (RMSNorm+QKV+RoPE,
     attention+output projection, RMSNorm+SwiGLU, down projection+residual), folds norm weights

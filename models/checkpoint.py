@@ -1,5 +1,5 @@
-"""Load a Hugging Face checkpoint folder (config.json + one or several safetensors files) into
-Kiln's model definition."""
+"""Load a checkpoint into Kiln's model definition: a Hugging Face folder (config.json + one or
+several safetensors files) or a GGUF file (read as the folder it would be, by `models.gguf`)."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kiln.dtypes import MODEL_DTYPES, torch_dtype
-from kiln.models.config import CheckpointError, ModelConfig, read_config
+from kiln.models.config import CheckpointError, ModelConfig, parse_config, read_folder_config
 from kiln.models.gemma3 import Gemma3ForCausalLM
+from kiln.models.gguf import read_gguf
 from kiln.models.llama import LlamaForCausalLM
 
 # family -> model definition; every other family is the Llama one's
@@ -19,12 +20,40 @@ _MODELS = {"gemma3": Gemma3ForCausalLM}
 
 # Tensors some exporters save that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# The files of a Hugging Face folder that an engine carries: the config and the tokenizer's.
+ENGINE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                "generation_config.json", "tokenizer.model")
 
 
-def read_chat_template(checkpoint_dir: Path) -> str | None:
+def is_gguf_path(checkpoint: Path) -> bool:
+    """Whether --checkpoint names a GGUF file rather than a Hugging Face folder."""
+    return checkpoint.is_file() and checkpoint.suffix == ".gguf"
+
+
+def read_config(checkpoint: str | Path) -> ModelConfig:
+    """The model configuration of a Hugging Face folder or of a GGUF file."""
+    checkpoint = Path(checkpoint)
+    if is_gguf_path(checkpoint):
+        return parse_config(read_gguf(checkpoint).config, str(checkpoint))
+    return read_folder_config(checkpoint)
+
+
+def engine_files(checkpoint: str | Path) -> dict[str, bytes]:
+    """Name -> contents of the checkpoint's config and tokenizer files, for the engine folder."""
+    checkpoint = Path(checkpoint)
+    if is_gguf_path(checkpoint):
+        files = read_gguf(checkpoint).folder_files()
+        return {name: data for name, data in files.items() if name in ENGINE_FILES}
+    return {name: (checkpoint / name).read_bytes() for name in ENGINE_FILES if (checkpoint / name).is_file()}
+
+
+def read_chat_template(checkpoint: str | Path) -> str | None:
     """The checkpoint's chat template, as transformers finds it: `chat_template.jinja`, else the
     `chat_template` of `tokenizer_config.json` (a string, or a list of named templates of which
-    "default" is the one used); None when it has none."""
+    "default" is the one used); a GGUF's `tokenizer.chat_template`; None when it has none."""
+    checkpoint_dir = Path(checkpoint)
+    if is_gguf_path(checkpoint_dir):
+        return read_gguf(checkpoint_dir).chat_template
     jinja = checkpoint_dir / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text(encoding="utf-8")
@@ -71,33 +100,34 @@ def iter_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise CheckpointError(f"cannot read {path}: {e} (re-copy or re-download the checkpoint)") from None
 
 
-def load(checkpoint_dir: str | Path, dtype: str = "float32", max_positions: int | None = None
+def load(checkpoint: str | Path, dtype: str = "float32", max_positions: int | None = None
          ) -> tuple[LlamaForCausalLM | Gemma3ForCausalLM, ModelConfig]:
-    """Build Kiln's model for a checkpoint and fill it with the checkpoint's weights in `dtype`."""
-    checkpoint_dir = Path(checkpoint_dir)
-    cfg = read_config(checkpoint_dir)
+    """Build Kiln's model for a checkpoint (folder or .gguf) and fill it with its weights in `dtype`."""
+    checkpoint = Path(checkpoint)
+    cfg = read_config(checkpoint)
+    tensors = read_gguf(checkpoint).tensors() if is_gguf_path(checkpoint) else iter_tensors(checkpoint)
     if dtype not in MODEL_DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not supported; choose one of {', '.join(MODEL_DTYPES)}")
     with torch.device("meta"):
         model = _MODELS.get(cfg.family, LlamaForCausalLM)(cfg, torch_dtype(dtype), max_positions)
     expected = dict(model.named_parameters())
     state: dict[str, torch.Tensor] = {}
-    for stored, tensor in iter_tensors(checkpoint_dir):
+    for stored, tensor in tensors:
         name = model.checkpoint_name(stored)
         if name is None or name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
             continue
         if name not in expected:
-            raise CheckpointError(f"{checkpoint_dir}: unexpected tensor {stored!r} for a {cfg.architecture} "
+            raise CheckpointError(f"{checkpoint}: unexpected tensor {stored!r} for a {cfg.architecture} "
                                   "with this config.json (is config.json from another model?)")
         if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise CheckpointError(f"{checkpoint_dir}: tensor {stored!r} has shape {tuple(tensor.shape)}, "
+            raise CheckpointError(f"{checkpoint}: tensor {stored!r} has shape {tuple(tensor.shape)}, "
                                   f"config.json implies {tuple(expected[name].shape)}")
         # Rounded to the model's dtype first, as transformers loads it; a norm weight is then
         # held in float32 (see models.layers.RMSNorm), where Gemma's 1 + w is exact.
         state[name] = model.from_checkpoint(name, tensor.to(torch_dtype(dtype))).to(expected[name].dtype)
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise CheckpointError(f"{checkpoint_dir}: missing tensors {', '.join(missing[:5])}"
+        raise CheckpointError(f"{checkpoint}: missing tensors {', '.join(missing[:5])}"
                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:

@@ -249,12 +249,15 @@ def parse_gemma3(raw: dict, source: str) -> ModelConfig:
         raise CheckpointError(f"{source}: bad value: {e}") from None
 
 
-def read_config(checkpoint_dir: str | Path) -> ModelConfig:
-    path = Path(checkpoint_dir) / "config.json"
-    if not Path(checkpoint_dir).is_dir():
-        raise CheckpointError(f"checkpoint folder {checkpoint_dir} does not exist")
+def read_folder_config(checkpoint_dir: str | Path) -> ModelConfig:
+    """The model configuration of a Hugging Face folder, from its config.json."""
+    checkpoint_dir = Path(checkpoint_dir)
+    path = checkpoint_dir / "config.json"
+    if not checkpoint_dir.is_dir():
+        raise CheckpointError(f"checkpoint {checkpoint_dir} does not exist or is neither a folder nor a .gguf file")
     if not path.is_file():
-        raise CheckpointError(f"{checkpoint_dir} has no config.json: point --checkpoint at a Hugging Face model folder")
+        raise CheckpointError(f"{checkpoint_dir} has no config.json: point --checkpoint at a Hugging Face model "
+                              "folder or a .gguf file")
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
