@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import numpy as np
 import torch
 
 from kiln.models.config import CheckpointError
@@ -72,6 +73,11 @@ def check_architecture(f: GGUFFile) -> str:
     return arch
 
 
+def _decimal(value: float) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-05, not 9.99999974e-06)."""
+    return float(str(np.float32(value)))
+
+
 def _tied(f: GGUFFile) -> bool:
     return "output.weight" not in f.tensor_names
 
@@ -102,8 +108,8 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_key_value_heads": int(key("attention.head_count_kv", heads)),
         "head_dim": int(key("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "rms_norm_eps": _decimal(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _decimal(key("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(key("context_length")),
         "tie_word_embeddings": _tied(f),
         "bos_token_id": f.metadata("tokenizer.ggml.bos_token_id"),
@@ -112,7 +118,7 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
     }
     scaling = f.metadata(f"{arch}.rope.scaling.type")
     if scaling == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+        config["rope_scaling"] = {"rope_type": "linear", "factor": _decimal(key("rope.scaling.factor"))}
     elif scaling not in (None, "none"):
         raise CheckpointError(f"{f.path}: rope scaling {scaling!r} is not supported; Kiln reads 'linear' from GGUF")
     if arch == "llama":
