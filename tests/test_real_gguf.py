@@ -1,0 +1,99 @@
+"""A real trained model from the package index (SmolLM2-135M-Instruct, a Llama-architecture GGUF
+in Q4_1 with a Q8_0 embedding) built with --target cpu --dtype float32 from its GGUF: its greedy
+completions of 16 chat prompts x 48 tokens are the ones transformers gives loading the same GGUF
+in float32, and the engine built from the converted Hugging Face folder gives the same as the
+GGUF's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln import SamplingParams, Session
+from kiln.builder.build import build_engine
+from kiln.builder.config import BuildConfig
+
+MODEL = "smollm2-135m"
+MAX_TOKENS = 48
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about autumn leaves.", "Explain photosynthesis in one sentence.",
+    "Give me three tips for learning to program.", "What is 17 times 23?", "Translate 'good morning' into Spanish.",
+    "Why is the sky blue?", "Name a famous painting and its painter.", "How do I boil an egg?",
+    "What does a compiler do?", "Tell me a short joke about cats.", "List the planets of the solar system.",
+    "What is the boiling point of water in Fahrenheit?", "Describe a kiln in two sentences.",
+    "Suggest a name for a pet turtle.", "What is the difference between weather and climate?",
+]
+BUILD = BuildConfig(dtype="float32", targets=("cpu",), max_batch_size=16, max_seq_len=160, max_num_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def smollm(real_model):
+    return real_model(MODEL)
+
+
+@pytest.fixture(scope="module")
+def gguf_engine(smollm, tmp_path_factory):
+    out = tmp_path_factory.mktemp("real") / "gguf-engine"
+    build_engine(smollm.gguf, out, BUILD)
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts(gguf_engine) -> list[list[int]]:
+    """The questions as chat prompts, rendered with the engine's chat template and tokenized by
+    the engine's tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
+    with Session(gguf_engine) as session:
+        template, tokenizer = session.chat_template, session.tokenizer
+    assert template and "<|im_start|>" in template
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(gguf_engine / "tokenizer.json"))
+    texts = [hf.apply_chat_template([{"role": "user", "content": q}], chat_template=template, tokenize=False,
+                                    add_generation_prompt=True) for q in QUESTIONS]
+    return [tokenizer.encode(t).ids for t in texts]
+
+
+def kiln_greedy(engine, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with Session(engine) as session:
+        return [o.outputs[0].token_ids for o in session.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
+@pytest.fixture(scope="module")
+def gguf_tokens(gguf_engine, prompts) -> list[list[int]]:
+    return kiln_greedy(gguf_engine, prompts)
+
+
+def hf_greedy_agrees(model, prompt: list[int], tokens: list[int]) -> bool:
+    """Whether transformers' greedy completion of `prompt` is `tokens`: one forward pass over the
+    prompt and the tokens, each token the argmax of the logits before it. Greedy decoding agrees
+    up to the first position where this fails and no further, so this is the same comparison as
+    generating (EOS included, as ignore_eos does), at the cost of one pass."""
+    ids = torch.tensor([prompt + tokens[:-1]])
+    with torch.no_grad():
+        predicted = model(ids).logits[0, len(prompt) - 1:].argmax(dim=-1)
+    return predicted.tolist() == tokens
+
+
+def test_tokenizer_matches_transformers_gguf_tokenizer(smollm, gguf_engine, prompts):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(smollm.gguf.parent, gguf_file=smollm.gguf.name)
+    with Session(gguf_engine) as session:
+        for ids in prompts:
+            text = session.tokenizer.decode(ids, skip_special_tokens=False)
+            assert hf(text, add_special_tokens=False)["input_ids"] == ids
+
+
+def test_greedy_chat_completions_match_transformers(smollm, prompts, gguf_tokens):
+    from transformers import AutoModelForCausalLM
+
+    assert [len(t) for t in gguf_tokens] == [MAX_TOKENS] * len(QUESTIONS)
+    model = AutoModelForCausalLM.from_pretrained(smollm.gguf.parent, gguf_file=smollm.gguf.name,
+                                                 dtype=torch.float32).eval()
+    mismatched = [i for i, (p, t) in enumerate(zip(prompts, gguf_tokens)) if not hf_greedy_agrees(model, p, t)]
+    assert not mismatched, f"prompts {mismatched} differ from transformers"
+
+
+def test_hf_folder_engine_equals_gguf_engine(smollm, prompts, gguf_tokens, tmp_path):
+    build_engine(smollm.hf, tmp_path / "hf-engine", BUILD)
+    assert kiln_greedy(tmp_path / "hf-engine", prompts) == gguf_tokens
