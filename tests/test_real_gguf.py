@@ -11,17 +11,11 @@ import torch
 from kiln import SamplingParams, Session
 from kiln.builder.build import build_engine
 from kiln.builder.config import BuildConfig
+from kiln.models import read_chat_template
+from real_models import CHAT_QUESTIONS, chat_prompts
 
 MODEL = "smollm2-135m"
-MAX_TOKENS = 48
-QUESTIONS = [
-    "What is the capital of France?", "Write a haiku about autumn leaves.", "Explain photosynthesis in one sentence.",
-    "Give me three tips for learning to program.", "What is 17 times 23?", "Translate 'good morning' into Spanish.",
-    "Why is the sky blue?", "Name a famous painting and its painter.", "How do I boil an egg?",
-    "What does a compiler do?", "Tell me a short joke about cats.", "List the planets of the solar system.",
-    "What is the boiling point of water in Fahrenheit?", "Describe a kiln in two sentences.",
-    "Suggest a name for a pet turtle.", "What is the difference between weather and climate?",
-]
+NUM_PROMPTS, MAX_TOKENS = 16, 48
 BUILD = BuildConfig(dtype="float32", targets=("cpu",), max_batch_size=16, max_seq_len=160, max_num_tokens=256)
 
 
@@ -38,18 +32,10 @@ def gguf_engine(smollm, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def prompts(gguf_engine) -> list[list[int]]:
-    """The questions as chat prompts, rendered with the engine's chat template and tokenized by
-    the engine's tokenizer."""
-    from transformers import PreTrainedTokenizerFast
-
-    with Session(gguf_engine) as session:
-        template, tokenizer = session.chat_template, session.tokenizer
-    assert template and "<|im_start|>" in template
-    hf = PreTrainedTokenizerFast(tokenizer_file=str(gguf_engine / "tokenizer.json"))
-    texts = [hf.apply_chat_template([{"role": "user", "content": q}], chat_template=template, tokenize=False,
-                                    add_generation_prompt=True) for q in QUESTIONS]
-    return [tokenizer.encode(t).ids for t in texts]
+def prompts(smollm, gguf_engine) -> list[list[int]]:
+    with Session(gguf_engine) as session:  # the GGUF's template reached the engine
+        assert session.chat_template == read_chat_template(smollm.gguf) and "<|im_start|>" in session.chat_template
+    return chat_prompts(gguf_engine, CHAT_QUESTIONS[:NUM_PROMPTS])
 
 
 def kiln_greedy(engine, prompts: list[list[int]]) -> list[list[int]]:
@@ -87,7 +73,7 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(smollm, gguf_engine, prom
 def test_greedy_chat_completions_match_transformers(smollm, prompts, gguf_tokens):
     from transformers import AutoModelForCausalLM
 
-    assert [len(t) for t in gguf_tokens] == [MAX_TOKENS] * len(QUESTIONS)
+    assert [len(t) for t in gguf_tokens] == [MAX_TOKENS] * NUM_PROMPTS
     model = AutoModelForCausalLM.from_pretrained(smollm.gguf.parent, gguf_file=smollm.gguf.name,
                                                  dtype=torch.float32).eval()
     mismatched = [i for i, (p, t) in enumerate(zip(prompts, gguf_tokens)) if not hf_greedy_agrees(model, p, t)]
