@@ -1,8 +1,7 @@
 """A real Gemma 3 GGUF from the package index (Gemma 3 270M, Q4_K_M: Q5_0, Q4_K, Q6_K and Q8_0
 tensors, a SentencePiece vocabulary of 262,144 tokens) reads as transformers reads the same file:
 the Hugging Face folder Kiln converts it to has transformers' config, exactly its tensors (norms
-without llama.cpp's +1) and a tokenizer that encodes text to the same ids. Kiln builds Gemma 3 once
-its model definition lands; this is the checkpoint half."""
+without llama.cpp's +1) and a tokenizer that encodes text to the same ids."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,7 +10,6 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from kiln.models import CheckpointError, read_config
 from kiln.models.gguf import read_gguf
 
 MODEL = "gemma3-270m"
@@ -62,11 +60,3 @@ def test_tokenizer_is_transformers(gemma):
         assert got.decode(ids, skip_special_tokens=False) == want.decode(ids)
     assert read_gguf(gemma.gguf).chat_template is None  # the base model's file has none
 
-
-def test_kiln_names_the_missing_model_until_gemma3_lands(gemma):
-    from kiln.models import SUPPORTED_ARCHITECTURES
-
-    if "Gemma3ForCausalLM" in SUPPORTED_ARCHITECTURES:
-        pytest.skip("Kiln builds Gemma 3: its own tests cover the build")
-    with pytest.raises(CheckpointError, match="architecture 'Gemma3ForCausalLM' is not supported"):
-        read_config(gemma.gguf)
