@@ -225,5 +225,7 @@ class CudaExecutor(ArenaExecutor):
         """Release the device arena, KV pool, weights, scratch and graphs (the cubins stay
         loaded in the context until the process ends)."""
         super().close()
-        self.weights = self.scratch = self.staging = self.logits = None
+        # Every view of the arena goes: one left behind keeps the whole allocation (the bench
+        # ran out of memory opening an engine after closing one that still held `zeros`).
+        self.weights = self.scratch = self.staging = self.logits = self.zeros = None
         self.graphs = {}

@@ -128,6 +128,7 @@ class EngineCore:
         return self.scheduler.has_work() or self.in_flight.busy
 
     def close(self) -> None:
+        self.in_flight.step = None  # its sampled ids may be a view of the executor's memory
         self.executor.close()
 
     # -- one step ------------------------------------------------------------------------------
