@@ -46,6 +46,14 @@ def test_token_request_maps_to_sampling_params():
     assert p.bad_words == ((11, 12),) and p.logprobs == 0 and job.return_log_probs
 
 
+def test_end_id_minus_one_means_no_end_token():
+    # As in TensorRT-LLM's tools: no stop token at all, and the eos is generated like any other.
+    p = parse_request(_req(input_ids=[[5]], request_output_len=4, end_id=np.int32(-1)), None).params
+    assert p.stop_token_ids == () and p.ignore_eos
+    with pytest.raises(ValueError, match="end_id must be a token id, or -1 for no end token, got -2"):
+        parse_request(_req(input_ids=[[5]], request_output_len=4, end_id=np.int32(-2)), None)
+
+
 def test_neither_top_k_nor_top_p_is_greedy_as_in_tensorrt_llm():
     assert parse_request(_req(input_ids=[[5]], request_output_len=4), None).params.greedy
     sampled = parse_request(_req(input_ids=[[5]], request_output_len=4, runtime_top_k=np.int32(5)), None).params

@@ -107,7 +107,10 @@ def test_stop_words_bad_words_and_end_id(server, session):
                    _expected(session, PROMPT, temperature=0, max_tokens=20, stop_token_ids=[tokens[7]],
                              ignore_eos=True)),
     }
-    assert cases["bad"][1][0] != tokens[0] and cases["end_id"][1][-1] == tokens[7]
+    # end_id -1 is TensorRT-LLM's "no end token": refused before; now the output runs to
+    # request_output_len, any eos generated like other tokens.
+    cases["no_end"] = ({"end_id": -1}, _expected(session, PROMPT, temperature=0, max_tokens=20, ignore_eos=True))
+    assert cases["bad"][1][0] != tokens[0] and cases["end_id"][1][-1] == tokens[7] and len(cases["no_end"][1]) == 20
     with Stream(server.grpc_url) as stream:
         for name, (options, _) in cases.items():
             stream.send(name, token_request(PROMPT, 20, streaming=True, **options))

@@ -12,7 +12,9 @@ Token interface, TensorRT-LLM's names and types:
   input_ids INT32 [1, N]           the prompt; input_lengths INT32 [1, 1] may cut off padding
   request_output_len INT32 [1, 1]  most tokens to generate (required)
   end_id INT32                     stop at this token instead of the tokenizer's eos (the eos
-                                   is then generated like any other token)
+                                   is then generated like any other token); -1, as in
+                                   TensorRT-LLM's tools, means no end token: generation runs to
+                                   the output length (or a stop word)
   pad_id INT32                     accepted; outputs hold one sequence, so nothing is padded
   temperature, runtime_top_p, repetition_penalty, presence_penalty, frequency_penalty FP32
   runtime_top_k, min_length INT32; random_seed UINT64

@@ -67,6 +67,7 @@ OUTPUTS = (
 _SCALARS = {s.name: s for s in INPUTS if s.scalar}
 
 Tensors = dict[str, np.ndarray]
+NO_END_ID = -1  # end_id's value for "no end token", as in TensorRT-LLM's tools
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,10 @@ def parse_request(inputs: Mapping[str, np.ndarray], tokenizer: Tokenizer | None)
         raise ValueError(f"{'max_tokens' if text else 'request_output_len'} is missing: say how many tokens to "
                          "generate at most")
     end_id = get("end_id")
+    if end_id is not None and end_id < NO_END_ID:
+        raise ValueError(f"end_id must be a token id, or {NO_END_ID} for no end token, got {end_id}")
+    # An end id replaces the eos; TensorRT-LLM's -1 means no end token at all (run to max_tokens).
+    end_ids = () if end_id in (None, NO_END_ID) else (end_id,)
     get("pad_id")  # checked like any scalar: outputs hold one sequence, so nothing is ever padded
     # TensorRT-LLM samples greedily when neither top-k nor top-p is set (both 0); top_p 0 alone means off.
     if top_k == 0 and top_p == 0:
@@ -138,7 +143,7 @@ def parse_request(inputs: Mapping[str, np.ndarray], tokenizer: Tokenizer | None)
             max_tokens=max_tokens, temperature=get("temperature", 1.0), top_k=top_k, top_p=top_p or 1.0,
             repetition_penalty=get("repetition_penalty", 1.0), presence_penalty=get("presence_penalty", 0.0),
             frequency_penalty=get("frequency_penalty", 0.0), min_tokens=get("min_length", 0), seed=get("random_seed"),
-            stop=stop_strings, stop_token_ids=stop_ids + (() if end_id is None else (end_id,)),
+            stop=stop_strings, stop_token_ids=stop_ids + end_ids,
             ignore_eos=end_id is not None, bad_words=bad_words, logprobs=0 if return_log_probs else None)
     except ArgumentError as e:
         raise ValueError(client_message(e, text)) from None
