@@ -233,6 +233,8 @@ def write_random_checkpoint(
     _check_device(device)
     _check_target(output_dir, overwrite)
     tokenizer = train_tokenizer()
+    # Appended after the trained vocabulary, so every family's other ids stay the same.
+    tokenizer.add_special_tokens(list(_chat_format(family)[1]))
     if vocab_size < tokenizer.get_vocab_size():
         raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's "
                          f"{tokenizer.get_vocab_size()} tokens")
@@ -264,7 +266,7 @@ def write_random_checkpoint(
             finally:
                 if was_enabled:
                     hf_logging.enable_progress_bar()
-            _save_tokenizer(tokenizer, staging, max_position_embeddings)
+            _save_tokenizer(tokenizer, staging, max_position_embeddings, family)
             _check_target(output_dir, overwrite)  # again: the folder may have filled meanwhile
     finally:
         del model
@@ -273,18 +275,57 @@ def write_random_checkpoint(
     return output_dir
 
 
-# A plain role-tagged template, so engines built from random checkpoints carry one as real
-# chat models' do (transformers keeps it in tokenizer_config.json).
-CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}"
-                 "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+# Chat templates as real checkpoints of each family carry them (transformers keeps them in
+# tokenizer_config.json), with the special tokens they use added to the tokenizer, so chat tests
+# need no downloads. Families without a chat format of their own get a plain role-tagged one.
+_ROLE_CHECK = ("{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
+               "{{- raise_exception('Conversation roles must be system, user or assistant, not ' + message['role']) }}"
+               "{%- endif %}\n")
+_LLAMA3_TEMPLATE = (
+    "{{- bos_token }}\n"
+    "{%- for message in messages %}\n" + _ROLE_CHECK +
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n"
+    "{%- endif %}\n")
+_CHATML_TEMPLATE = (
+    "{%- for message in messages %}\n"
+    "{%- if loop.first and message['role'] != 'system' %}\n"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}\n"
+    "{%- endif %}\n"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "{{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n")
+_PLAIN_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}"
+    "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+# family -> (template, the special tokens it writes)
+_CHAT_FORMATS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "llama3": (_LLAMA3_TEMPLATE, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")),
+    "llama3.2": (_LLAMA3_TEMPLATE, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")),
+    "qwen2": (_CHATML_TEMPLATE, ("<|im_start|>", "<|im_end|>")),
+    "qwen3": (_CHATML_TEMPLATE, ("<|im_start|>", "<|im_end|>")),
+}
 
 
-def _save_tokenizer(tokenizer: "tokenizers.Tokenizer", directory: Path, max_length: int) -> None:
+def _chat_format(family: str) -> tuple[str, tuple[str, ...]]:
+    return _CHAT_FORMATS.get(family, (_PLAIN_TEMPLATE, ()))
+
+
+def chat_template(family: str) -> str:
+    """The chat template that make-checkpoint writes for `family`."""
+    return _chat_format(family)[0]
+
+
+def _save_tokenizer(tokenizer: "tokenizers.Tokenizer", directory: Path, max_length: int, family: str) -> None:
     tokenizer.save(str(directory / "tokenizer.json"))
     special = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}
     tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **special,
                         "model_max_length": max_length, "clean_up_tokenization_spaces": False,
-                        "chat_template": CHAT_TEMPLATE}
+                        "chat_template": chat_template(family)}
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 

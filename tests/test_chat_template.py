@@ -10,15 +10,15 @@ import pytest
 from kiln import Session
 from kiln.engines.format import read_engine_file
 from kiln.models import CheckpointError, read_chat_template
-from kiln.models.random_checkpoint import CHAT_TEMPLATE
+from kiln.models.random_checkpoint import chat_template
 
 
 def test_engine_carries_the_checkpoints_template(factory):
     engine = factory.engine(factory.checkpoint("llama3"), dtype="float32")
     assert read_engine_file(engine / "rank0.engine", verify=False).manifest.chat_template_file == "chat_template.jinja"
-    assert (engine / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+    assert (engine / "chat_template.jinja").read_text() == chat_template("llama3")
     with Session(engine) as session:
-        assert session.chat_template == CHAT_TEMPLATE
+        assert session.chat_template == chat_template("llama3")
 
 
 def test_without_a_template_the_engine_has_none(factory, tmp_path):
