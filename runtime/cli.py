@@ -50,6 +50,10 @@ class _StreamEcho:
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text; repeat for several.")
 @click.option("--prompt-file", type=click.File(encoding="utf-8"),
               help="File with one prompt per line (blank lines skipped); - reads stdin.")
+@click.option("--chat", "chats", multiple=True,
+              help="A user message, sent as a conversation through the engine's chat template; repeat for several "
+                   "conversations (instead of --prompt).")
+@click.option("--system", help="With --chat: the system message that starts each conversation.")
 @click.option("--max-tokens", type=int, default=32, show_default=True, help="Most tokens per completion.")
 @click.option("--temperature", type=float, default=0.0, show_default=True,
               help="0 is greedy (always the most likely token); above 0 samples. The default here is 0, "
@@ -84,8 +88,9 @@ class _StreamEcho:
 @click.option("--stats", is_flag=True, help="Then print token counts, tokens/s, time to first token, KV use.")
 @click.pass_context
 def run_engine(ctx: click.Context, engine_dir: Path, prompts: tuple[str, ...], prompt_file: TextIO | None,
-               kv_cache_fraction: float | None, max_kv_tokens: int | None, device: str, policy: str, no_overlap: bool,
-               no_prefix_caching: bool, stream: bool, stats: bool, **sampling: Any) -> None:
+               chats: tuple[str, ...], system: str | None, kv_cache_fraction: float | None,
+               max_kv_tokens: int | None, device: str, policy: str, no_overlap: bool, no_prefix_caching: bool,
+               stream: bool, stats: bool, **sampling: Any) -> None:
     """Generate text from a Kiln engine.
 
     All prompts are submitted together and batched in flight. Sampling is greedy unless
@@ -98,8 +103,13 @@ def run_engine(ctx: click.Context, engine_dir: Path, prompts: tuple[str, ...], p
       run-engine --engine engines/demo --prompt-file prompts.txt --stats
       run-engine --engine engines/demo --prompt "Hello" --stream --max-tokens 64
       run-engine --engine engines/demo --prompt "Hello" --temperature 0.8 --top-p 0.95 --n 3 --seed 1
+      run-engine --engine engines/demo --chat "What is a kiln?" --system "Answer in one sentence."
     """
-    texts = _read_prompts(prompts, prompt_file)
+    if chats and (prompts or prompt_file is not None):
+        raise click.UsageError("give --chat or --prompt/--prompt-file, not both")
+    if system is not None and not chats:
+        raise click.UsageError("--system starts a --chat conversation: give --chat too")
+    texts = list(chats) if chats else _read_prompts(prompts, prompt_file)
     params = _sampling_params(ctx, sampling)
     if stream and params.n != 1:
         raise click.UsageError("--stream prints one completion per prompt: drop --n or --stream")
@@ -116,9 +126,12 @@ def run_engine(ctx: click.Context, engine_dir: Path, prompts: tuple[str, ...], p
         # which this command does not take.
         if session.tokenizer is None:
             raise click.ClickException(f"{engine_dir} has no tokenizer: rebuild from a checkpoint that has one")
+        if chats and session.chat_template is None:
+            raise click.ClickException(f"{engine_dir} has no chat template (its checkpoint had none): use --prompt")
+        submit = _chat_submitter(session, system) if chats else session.stream
         start = time.perf_counter()
         try:
-            results = _run_streaming(session, texts, params) if stream else _run_batch(session, texts, params)
+            results = (_run_streaming(submit, texts, params) if stream else _run_batch(session, submit, texts, params))
         except RuntimeError as e:  # the engine loop failed a step
             raise click.ClickException(str(e)) from None
         wall = time.perf_counter() - start
@@ -155,7 +168,7 @@ def bad_flag(ctx: click.Context, e: ArgumentError) -> click.BadParameter:
 
 def _read_prompts(prompts: tuple[str, ...], prompt_file: TextIO | None) -> list[str]:
     if bool(prompts) == (prompt_file is not None):
-        raise click.UsageError("give --prompt (repeatable) or --prompt-file, not both and not neither")
+        raise click.UsageError("give --prompt (repeatable), --prompt-file or --chat: one of them")
     if prompts:
         return list(prompts)
     texts = [line.rstrip("\r\n") for line in prompt_file if line.strip()]
@@ -172,11 +185,24 @@ def _sampling_params(ctx: click.Context, sampling: dict[str, Any]) -> SamplingPa
         raise bad_flag(ctx, e) from None
 
 
-def _submit(session: Session, index: int, prompt: str, params: SamplingParams) -> Iterator[RequestOutput] | None:
+Submit = Callable[[str, SamplingParams], Iterator[RequestOutput]]
+
+
+def _chat_submitter(session: Session, system: str | None) -> Submit:
+    """Streams a user message as a conversation (after the system message, if any)."""
+    def submit(message: str, params: SamplingParams) -> Iterator[RequestOutput]:
+        conversation = ([{"role": "system", "content": system}] if system is not None else []) + \
+            [{"role": "user", "content": message}]
+        return session.stream(sampling_params=params,
+                              prompt_token_ids=session.apply_chat_template(conversation, tokenize=True))
+    return submit
+
+
+def _submit(submit: Submit, index: int, prompt: str, params: SamplingParams) -> Iterator[RequestOutput] | None:
     """Start one request (stream() submits at once, before its first output is read); a refused
     prompt is reported on stderr and gives None, so the others still run."""
     try:
-        return session.stream(prompt, params)
+        return submit(prompt, params)
     except ValueError as e:
         shown = prompt if len(prompt) <= 40 else prompt[:37] + "..."
         click.echo(click.style(f"Error: prompt {index + 1} ({shown!r}) was refused: {e}", fg="red"), err=True)
@@ -195,9 +221,9 @@ def _consume(prompt: str, outputs: Iterator[RequestOutput] | None, submitted: fl
     return _Result(prompt, last, ttft)
 
 
-def _run_batch(session: Session, prompts: list[str], params: SamplingParams) -> list[_Result]:
+def _run_batch(session: Session, submit: Submit, prompts: list[str], params: SamplingParams) -> list[_Result]:
     submitted = time.perf_counter()
-    streams = [_submit(session, i, p, params) for i, p in enumerate(prompts)]
+    streams = [_submit(submit, i, p, params) for i, p in enumerate(prompts)]
     # One reader per request, so each first token is timed when it arrives rather than when
     # the requests before it finish.
     pool = ThreadPoolExecutor(max_workers=len(streams), thread_name_prefix="run-engine-reader")
@@ -210,11 +236,11 @@ def _run_batch(session: Session, prompts: list[str], params: SamplingParams) -> 
         pool.shutdown()
 
 
-def _run_streaming(session: Session, prompts: list[str], params: SamplingParams) -> list[_Result]:
+def _run_streaming(submit: Submit, prompts: list[str], params: SamplingParams) -> list[_Result]:
     results = []
     for i, prompt in enumerate(prompts):
         submitted = time.perf_counter()
-        outputs = _submit(session, i, prompt, params)
+        outputs = _submit(submit, i, prompt, params)
         if outputs is None:
             results.append(_Result(prompt, None, None))
             continue

@@ -12,10 +12,12 @@ import contextlib
 import itertools
 import queue
 import threading
+from functools import cached_property
 from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator, Sequence as Seq
 
 from kiln.runtime.arguments import ArgumentError, require_int
+from kiln.runtime.chat_template import ChatTemplate
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.kv_pool import KVPool
 from kiln.runtime.outputs import RequestOutput
@@ -89,6 +91,37 @@ class Session:
         engine = self._core.engine
         name = engine.manifest.chat_template_file
         return None if name is None else (engine.path / name).read_text(encoding="utf-8")
+
+    @cached_property
+    def _chat(self) -> ChatTemplate:
+        engine = self._core.engine
+        return ChatTemplate.from_engine(engine.path, engine.manifest.chat_template_file, self.tokenizer)
+
+    def apply_chat_template(self, messages: Seq[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False) -> str | list[int]:
+        """A conversation (`[{"role": "user", "content": "..."}, ...]`) rendered with the engine's
+        chat template as transformers' `apply_chat_template` renders it: the prompt text, or with
+        `tokenize` its token ids (the template writes the special tokens, so none are added).
+        Raises `ChatTemplateError` when the engine has no template, `ValueError` naming
+        `messages` for a conversation the template refuses."""
+        if tokenize:
+            return self._chat.encode(messages, add_generation_prompt)
+        return self._chat.render(messages, add_generation_prompt)
+
+    def chat(self, messages: Seq[dict] | Seq[Seq[dict]], sampling_params: SamplingParams | None = None,
+             priority: int = 0) -> list[RequestOutput]:
+        """Answer one conversation, or a list of them batched in flight: each is rendered with the
+        engine's chat template (ending with the assistant's header) and generated like a prompt of
+        `generate`; outputs in input order."""
+        batch = messages and isinstance(messages, (list, tuple)) and isinstance(messages[0], (list, tuple))
+        conversations = list(messages) if batch else [messages]
+        ids = [self.apply_chat_template(c, tokenize=True) for c in conversations]
+        return self.generate(prompt_token_ids=ids, sampling_params=sampling_params, priority=priority)
+
+    @property
+    def max_seq_len(self) -> int:
+        """The most tokens (prompt and output together) one sequence may hold."""
+        return self._core.max_seq_len
 
     @property
     def kv_pool(self) -> KVPool:
