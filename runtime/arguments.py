@@ -26,6 +26,12 @@ def require_int(name: str, value: object, low: int | None = None) -> int:
     return value
 
 
+def require_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ArgumentError(name, f"must be a bool, got {value!r}")
+    return value
+
+
 def require_number(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ArgumentError(name, f"must be a number, got {value!r}")

@@ -22,7 +22,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from kiln.runtime.arguments import ArgumentError
+from kiln.runtime.arguments import ArgumentError, require_bool
 
 # The tokenizer's special tokens that transformers hands every template (its special_tokens_map).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -61,8 +61,7 @@ class ChatTemplate:
         """The conversation as the prompt text the model was trained on. `add_generation_prompt`
         ends it with the header of an assistant turn; `template_kwargs` are further names for the
         template (they win over the special tokens, as in transformers)."""
-        if not isinstance(add_generation_prompt, bool):
-            raise ArgumentError("add_generation_prompt", f"must be a bool, got {add_generation_prompt!r}")
+        require_bool("add_generation_prompt", add_generation_prompt)
         conversation = normalise_messages(messages)
         scope = {**self.special_tokens, **template_kwargs}
         try:

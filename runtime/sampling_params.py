@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kiln.runtime.arguments import ArgumentError, require_int, require_number
+from kiln.runtime.arguments import ArgumentError, require_bool, require_int, require_number
 
 
 @dataclass(frozen=True, init=False)
@@ -67,8 +67,7 @@ class SamplingParams:
         for name in ("seed", "logprobs"):
             if getattr(self, name) is not None:
                 require_int(name, getattr(self, name))
-        if not isinstance(self.ignore_eos, bool):
-            raise ArgumentError("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
+        require_bool("ignore_eos", self.ignore_eos)
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalise_token_ids("stop_token_ids", self.stop_token_ids))
         object.__setattr__(self, "bad_words", _normalise_bad_words(self.bad_words))

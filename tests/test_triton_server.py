@@ -7,6 +7,7 @@ import http.client
 import json
 import random
 import re
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -15,6 +16,7 @@ from tokenizers import Tokenizer
 
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.session import Session
+from serving_metrics import kiln_samples
 from triton_harness import (Stream, ended_since, metrics, post, run_server, server_engine, sse_events, token_request,
                             wait_for, wait_until_idle, word_list)
 
@@ -189,6 +191,28 @@ def test_http_client_gone_cancels_its_request(server):
         stream.wait_finished(ids, timeout=60)
     after = wait_until_idle(server, finished_length=before.get("finished_length", 0) + 15)
     assert after["finished_cancelled"] - before.get("finished_cancelled", 0) == 1
+
+
+def test_serving_metrics_on_the_metrics_port(server):
+    """The same kiln: metrics as the OpenAI server's /metrics, from the same module."""
+    def samples():
+        with urllib.request.urlopen(server.metrics_url, timeout=10) as r:
+            return kiln_samples(r.read().decode(), "kiln")
+
+    wait_until_idle(server)
+    before = samples()
+    with Stream(server.grpc_url) as stream:
+        stream.send("counted", token_request(PROMPT, 8, min_length=8))
+        stream.wait_finished(["counted"], timeout=30)
+    assert len(stream.tokens("counted")) == len(PROMPT) + 8
+    wait_until_idle(server)
+    after = samples()
+    delta = {name: after[name] - before[name] for name in after}
+    assert delta["kiln:prompt_tokens_total"] == len(PROMPT) and delta["kiln:generation_tokens_total"] == 8
+    assert delta["kiln:time_to_first_token_seconds_count"] == 1 and delta["kiln:e2e_request_latency_seconds_count"] == 1
+    assert delta["kiln:inter_token_latency_seconds_count"] >= 1 and delta["kiln:e2e_request_latency_seconds_sum"] > 0
+    assert wait_for(lambda: samples()["kiln:kv_cache_usage_perc"] == 0 and samples()["kiln:num_requests_running"] == 0,
+                    5)
 
 
 BAD_GRPC = {

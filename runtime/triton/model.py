@@ -6,7 +6,9 @@ in flight. `execute` parses each request, hands it to a thread of its own and re
 that thread streams the Session's outputs back and always ends the request with the final flag,
 after an error or a cancellation too. A watcher thread turns client cancellations into
 `Session.cancel` and keeps the KV-cache gauges on Triton's metrics endpoint current; a counter
-there tells how requests ended (stop, length, cancelled, error).
+there tells how requests ended (stop, length, cancelled, error). The serving metrics that the
+OpenAI server exports too (kiln:..., runtime/metrics.py) are published there through
+`_TritonExporter`.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import triton_python_backend_utils as pb_utils
 
 try:
     from kiln.runtime.arguments import ArgumentError
+    from kiln.runtime.metrics import COUNTER, GAUGE, HISTOGRAM, METRICS, MetricSpec, ServingMetrics
     from kiln.runtime.session import Session
     from kiln.runtime.triton import protocol
 except ImportError as e:
@@ -50,6 +53,44 @@ class _InFlight:
     # backend releases the request itself when `execute` returns.)
     lock: threading.Lock = field(default_factory=threading.Lock)
     ending: bool = False
+
+
+class _TritonExporter:
+    """The serving metrics (runtime/metrics.py) as Triton custom metrics, each labelled with the
+    model's name. A counter's name carries `_total`, as Prometheus clients expose it, so both
+    servers show the same samples."""
+
+    def __init__(self, model_name: str, lock: threading.Lock):
+        self.lock = lock
+        kinds = {GAUGE: pb_utils.MetricFamily.GAUGE, COUNTER: pb_utils.MetricFamily.COUNTER,
+                 HISTOGRAM: pb_utils.MetricFamily.HISTOGRAM}
+        self.families, self.metrics = [], {}
+        for spec in METRICS:
+            family = pb_utils.MetricFamily(name=spec.name + ("_total" if spec.kind == COUNTER else ""),
+                                           description=spec.description,
+                                           kind=kinds[spec.kind])
+            labels = {"model_name": model_name}
+            self.metrics[spec] = (family.Metric(labels=labels, buckets=list(spec.buckets)) if spec.kind == HISTOGRAM
+                                  else family.Metric(labels=labels))
+            self.families.append(family)
+
+    def set(self, spec: MetricSpec, value: float) -> None:
+        with self.lock:
+            self.metrics[spec].set(value)
+
+    def increment(self, spec: MetricSpec, amount: float) -> None:
+        with self.lock:
+            self.metrics[spec].increment(amount)
+
+    def observe(self, spec: MetricSpec, value: float) -> None:
+        with self.lock:
+            self.metrics[spec].observe(value)
+
+    def close(self) -> None:
+        # Metrics must go before their families (the backend refuses the other order).
+        with self.lock:
+            self.metrics.clear()
+            self.families.clear()
 
 
 class TritonPythonModel:
@@ -89,6 +130,8 @@ class TritonPythonModel:
         # send from two threads at once (the server crashed), and an older stats reading must
         # never overwrite a newer one.
         self.metrics_lock = threading.Lock()
+        self.exporter = _TritonExporter(model_name, self.metrics_lock)
+        self.serving = ServingMetrics(self.exporter, lambda: self.session.stats)
         self._publish_metrics()
 
     def execute(self, requests: list) -> None:
@@ -110,10 +153,12 @@ class TritonPythonModel:
     def _serve(self, entry: _InFlight) -> None:
         reply = protocol.Reply(entry.job)
         last, error, outcome = None, None, "cancelled"
+        tracker = self.serving.request()
         try:
             outputs = self.session.stream(entry.job.prompt, entry.job.params, entry.job.prompt_token_ids)
             try:
                 for out in outputs:
+                    tracker.update(out)
                     # Set before reading `cancelled`; the watcher sets `cancelled` before reading this,
                     # so one of the two always sees the other and the Session request gets cancelled.
                     entry.request_id = out.request_id
@@ -135,6 +180,7 @@ class TritonPythonModel:
         except Exception as e:  # a failed engine step: this request ends, the model keeps serving
             error = _error(entry.request, f"Kiln could not finish this request: {e}", pb_utils.TritonError.INTERNAL)
         # Metrics first: once a client has every final response, the metrics show its blocks freed.
+        tracker.end(error is None and outcome in ("stop", "length"))
         self._count("error" if error is not None else outcome)
         self._publish_metrics()
         with entry.lock:
@@ -173,6 +219,7 @@ class TritonPythonModel:
             stats = self.session.stats
             for key, gauge in self.gauges.items():
                 gauge.set(stats[key])
+        self.serving.publish()  # outside the lock: the exporter takes it per metric
 
     def finalize(self) -> None:
         self.stopping.set()
@@ -189,6 +236,7 @@ class TritonPythonModel:
             self.gauges.clear()
             self.outcomes.clear()
             del self.kv_family, self.request_family, self.outcome_family
+        self.exporter.close()
         pb_utils.Logger.log_info("Kiln session closed")
 
 
