@@ -7,6 +7,8 @@ DEMO_CKPT := engines/demo-checkpoint
 DEMO_ENGINE := engines/demo
 
 ENGINE ?= $(DEMO_ENGINE)
+# `make serve` starts tritonserver (triton) or the OpenAI-compatible serve-engine (openai).
+SERVER ?= triton
 
 # The tests with threads, processes and a server in them: `make test-repeat` runs them COUNT times
 # in a row and stops at the first failure, to show they do not flake.
@@ -14,7 +16,8 @@ COUNT ?= 20
 REPEAT_TESTS ?= tests/test_triton_server.py tests/test_triton_tp.py tests/test_session_batching.py \
 	tests/test_session_requests.py tests/test_session_streaming.py tests/test_session_arguments.py \
 	tests/test_session_fuzz.py \
-	tests/test_tp_session.py tests/test_tensor_parallel.py
+	tests/test_tp_session.py tests/test_tensor_parallel.py \
+	tests/test_openai_server.py tests/test_openai_load.py
 
 .PHONY: install demo test test-repeat serve clean
 
@@ -38,13 +41,15 @@ demo: install
 		--max-seq-len 128 --max-num-tokens 128 --target cpu
 	$(BIN)/run-engine --engine $(DEMO_ENGINE) --prompt "The kiln was hot" --prompt "Once upon a time" --max-tokens 24
 
-# Serves ENGINE (default: the demo engine) through a real tritonserver on 127.0.0.1; Ctrl-C stops it.
+# Serves ENGINE (default: the demo engine) on 127.0.0.1 through SERVER: a real tritonserver
+# (triton, the default) or serve-engine's OpenAI API on port 8000 (openai); Ctrl-C stops it.
 serve: install
+	@case "$(SERVER)" in triton|openai) ;; *) echo "SERVER must be triton or openai, got '$(SERVER)'" >&2; exit 1;; esac
 	@if [ ! -f $(ENGINE)/rank0.engine ]; then \
 		if [ "$(ENGINE)" = "$(DEMO_ENGINE)" ]; then $(MAKE) demo; \
 		else echo "$(ENGINE) has no rank0.engine: build it with build-engine, or run 'make serve' for the demo engine" >&2; exit 1; fi; \
 	fi
-	$(BIN)/serve-triton --engine $(ENGINE)
+	$(BIN)/$(if $(filter openai,$(SERVER)),serve-engine,serve-triton) --engine $(ENGINE)
 
 test: install
 	$(PY) -m pytest -q

@@ -208,6 +208,15 @@ class Session:
     def _token_ids(self, prompt: Prompt) -> list[int]:
         return self._core.encode(prompt.text) if prompt.text is not None else list(prompt.token_ids)
 
+    def validate(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
+                 prompt_token_ids: Seq[int] | None = None) -> list[int]:
+        """Check one request as submitting it would, without submitting it: its prompt's token
+        ids, or a `ValueError` naming what this engine cannot serve. Lets a front end refuse a
+        request before it answers anything, or check several before it submits any."""
+        ids = self._token_ids(one_prompt(prompt, prompt_token_ids))
+        self._core.validate(ids, _sampling_params(sampling_params))
+        return ids
+
     def cancel(self, request_id: str) -> None:
         """Stop a request; its blocks are freed and its stream ends with finish_reason 'cancelled'."""
         with self._locked():
