@@ -46,6 +46,10 @@ def test_without_a_template_the_engine_has_none(factory, tmp_path):
     assert not (engine / "chat_template.jinja").exists()
     with Session(engine) as session:
         assert session.chat_template is None
+        with pytest.raises(ChatTemplateError, match="has no chat template .* send a plain prompt instead"):
+            session.chat([{"role": "user", "content": "Hi"}])
+    result = CliRunner().invoke(run_engine, ["--engine", str(engine), "--chat", "Hi"])
+    assert result.exit_code == 1 and "has no chat template" in result.output
 
 
 def test_where_a_checkpoints_template_is_found(tmp_path):
@@ -112,20 +116,6 @@ def test_session_chat_generates_from_the_rendered_conversation(factory):
     assert [o.prompt_token_ids for o in both] == ids
     assert [o.outputs[0].token_ids for o in both] == [o.outputs[0].token_ids for o in want]
     assert one[0].outputs[0].token_ids == want[0].outputs[0].token_ids
-
-
-def test_an_engine_without_a_template_says_so(factory, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(factory.checkpoint("llama3"), ckpt)
-    config = json.loads((ckpt / "tokenizer_config.json").read_text())
-    del config["chat_template"]
-    (ckpt / "tokenizer_config.json").write_text(json.dumps(config))
-    engine = factory.engine(ckpt, dtype="float32")
-    with Session(engine) as session:
-        with pytest.raises(ChatTemplateError, match="has no chat template .* send a plain prompt instead"):
-            session.chat([{"role": "user", "content": "Hi"}])
-    result = CliRunner().invoke(run_engine, ["--engine", str(engine), "--chat", "Hi"])
-    assert result.exit_code == 1 and "has no chat template" in result.output
 
 
 def test_run_engine_chat_prints_session_chats_answer(factory):
