@@ -184,6 +184,8 @@ BAD_REQUESTS = [
     (COMPLETIONS_PATH, {"prompt": "x", "model": "gpt-4"}, 404, "model", "The model `gpt-4` does not exist"),
     (CHAT_PATH, {"messages": CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens",
      "max_completion_tokens must be >= 1"),
+    (CHAT_PATH, {"messages": CHAT, "max_completion_tokens": 60}, 400, "max_completion_tokens",
+     "exceeds the engine's max_seq_len"),
     (CHAT_PATH, {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs", "needs logprobs: true"),
     (CHAT_PATH, {"messages": CHAT, "logprobs": "yes"}, 400, "logprobs", "must be a bool"),
     (CHAT_PATH, {"messages": []}, 400, "messages", "messages is empty"),

@@ -54,6 +54,7 @@ class Job:
     prompts: tuple  # completions: each a text or a list of token ids; chat: the one conversation
     params: SamplingParams
     max_tokens_given: bool  # if not, a chat may generate up to the engine's max_seq_len
+    max_tokens_param: str  # max_tokens, or chat's max_completion_tokens when the client used it
     stream: bool
     include_usage: bool
     logprobs: bool
@@ -67,7 +68,7 @@ class Job:
             return "messages" if self.chat else "prompt"
         if argument == "logprobs" and self.chat:
             return "top_logprobs"
-        return argument
+        return self.max_tokens_param if argument == "max_tokens" else argument
 
 
 def parse_completion(body: Any) -> Job:
@@ -138,7 +139,8 @@ def _job(body: dict, chat: bool, prompts: tuple, logprobs: int | None, max_token
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("model", f"must be a string, got {model!r}")
-    return Job(chat, model, prompts, params, max_tokens is not None, stream, include_usage, logprobs is not None)
+    return Job(chat, model, prompts, params, max_tokens is not None, max_tokens_name, stream, include_usage,
+               logprobs is not None)
 
 
 def _object(body: Any, known: frozenset[str]) -> dict:
