@@ -284,7 +284,8 @@ _ROLE_CHECK = ("{%- if message['role'] not in ['system', 'user', 'assistant'] %}
 _LLAMA3_TEMPLATE = (
     "{{- bos_token }}\n"
     "{%- for message in messages %}\n" + _ROLE_CHECK +
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}\n"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}\n"
     "{%- endfor %}\n"
     "{%- if add_generation_prompt %}\n"
     "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n"

@@ -131,7 +131,7 @@ def run_engine(ctx: click.Context, engine_dir: Path, prompts: tuple[str, ...], p
         submit = _chat_submitter(session, system) if chats else session.stream
         start = time.perf_counter()
         try:
-            results = (_run_streaming(submit, texts, params) if stream else _run_batch(session, submit, texts, params))
+            results = _run_streaming(submit, texts, params) if stream else _run_batch(session, submit, texts, params)
         except RuntimeError as e:  # the engine loop failed a step
             raise click.ClickException(str(e)) from None
         wall = time.perf_counter() - start

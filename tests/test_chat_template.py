@@ -108,8 +108,8 @@ def test_session_chat_generates_from_the_rendered_conversation(factory):
     reference = AutoTokenizer.from_pretrained(ckpt)
     params = SamplingParams(temperature=0, max_tokens=8)
     with Session(factory.engine(ckpt, dtype="float32")) as session:
-        ids = [reference.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-               for c in CONVERSATIONS[:2]]
+        ids = [reference.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"] for c in CONVERSATIONS[:2]]
         want = session.generate(prompt_token_ids=ids, sampling_params=params)
         one = session.chat(CONVERSATIONS[0], params)
         both = session.chat(CONVERSATIONS[:2], params)

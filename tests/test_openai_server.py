@@ -105,7 +105,8 @@ def test_chat_greedy_equals_session_chat_streamed_or_not(server, client):
 
 def test_chat_without_max_tokens_may_fill_the_engine(server, client):
     prompt = len(server.session.apply_chat_template(CHAT, tokenize=True))
-    response = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, extra_body={"ignore_eos": True})
+    response = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0,
+                                              extra_body={"ignore_eos": True})
     assert response.usage.completion_tokens == server.session.max_seq_len - prompt
     assert response.choices[0].finish_reason == "length"
 
@@ -261,7 +262,8 @@ def test_a_failed_load_is_a_500_naming_why(tmp_path):
     with serve(lambda: Session(tmp_path), on_load_failure=reported.append) as failed:
         status, answer = request(failed, "GET", "/health")
     assert status == 500 and answer["error"]["code"] == "engine_failed"
-    assert answer["error"]["message"].startswith("the engine failed to load:") and reported == [answer["error"]["message"]]
+    message = answer["error"]["message"]
+    assert message.startswith("the engine failed to load:") and reported == [message]
 
 
 @pytest.mark.parametrize("stream", [True, False])
