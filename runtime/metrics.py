@@ -90,8 +90,7 @@ class ServingMetrics:
             self.exporter.set(WAITING, stats["waiting"])
             self.exporter.set(KV_USAGE, stats["kv_blocks_used"] / stats["kv_blocks_total"])
             for spec, key in _SESSION_COUNTERS.items():
-                # Read with a default until the Session counts prefix-cache lookups (issue 15, part B).
-                total = stats.get(key, 0)
+                total = stats[key]
                 if total > self._published[spec]:
                     self.exporter.increment(spec, total - self._published[spec])
                     self._published[spec] = total

@@ -29,9 +29,12 @@ from kiln.runtime.session import Session
               help="Where to run: auto takes the GPU when the engine was built for its arch, else the CPU.")
 @click.option("--policy", type=click.Choice(POLICIES), default=POLICIES[0], show_default=True,
               help="max_utilization admits eagerly and may preempt; guaranteed_no_evict never preempts.")
+@click.option("--no-prefix-caching", is_flag=True,
+              help="Compute every prompt in full instead of reusing the KV blocks of prefixes seen before.")
 @click.pass_context
 def serve_engine(ctx: click.Context, engine_dir: Path, host: str, port: int, model_name: str | None,
-                 kv_cache_fraction: float | None, max_kv_tokens: int | None, device: str, policy: str) -> None:
+                 kv_cache_fraction: float | None, max_kv_tokens: int | None, device: str, policy: str,
+                 no_prefix_caching: bool) -> None:
     """Serve a Kiln engine over the OpenAI API until Ctrl-C.
 
     POST /v1/completions and /v1/chat/completions (streamed or not), GET /v1/models, /health
@@ -61,7 +64,8 @@ def serve_engine(ctx: click.Context, engine_dir: Path, host: str, port: int, mod
         server.should_exit = True
 
     app = create_app(lambda: Session(engine_dir, device=device, kv_cache_fraction=kv_cache_fraction,
-                                     max_kv_tokens=max_kv_tokens, policy=policy), name, failed)
+                                     max_kv_tokens=max_kv_tokens, policy=policy,
+                                     prefix_caching=not no_prefix_caching), name, failed)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5))
     click.echo(click.style(f"Kiln serves {engine_dir} as model {name!r} at http://{host}:{port}/v1; Ctrl-C stops it.",
                            bold=True), err=True)
