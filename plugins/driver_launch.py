@@ -54,6 +54,8 @@ def _evaluate(node: ast.expr, names: dict[str, int]) -> int | tuple:
         return node.value
     if isinstance(node, ast.Name) and node.id in names:
         return names[node.id]
+    if isinstance(node, ast.Name) and node.id == "SMS":
+        return sm_count()
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         return _BINARY[type(node.op)](_evaluate(node.left, names), _evaluate(node.right, names))
     if isinstance(node, ast.Tuple):
@@ -66,8 +68,6 @@ def _evaluate(node: ast.expr, names: dict[str, int]) -> int | tuple:
 
 def grid(expr: str | Sequence[str], names: dict[str, int]) -> tuple[int, int, int]:
     """A kernel meta's grid (one expression string or one string per axis) as 3 ints."""
-    if "SMS" not in names and "SMS" in str(expr):
-        names = {**names, "SMS": sm_count()}
     parts = _evaluate(_parse(expr), names) if isinstance(expr, str) else tuple(
         _evaluate(_parse(e), names) for e in expr)
     parts = parts if isinstance(parts, tuple) else (parts,)
