@@ -1,0 +1,50 @@
+"""FP8 (e4m3) numerics: the one definition that every FP8 weight, activation and KV-cache path
+is checked against (CPU references and GPU kernels alike).
+
+- Weights: float8_e4m3fn [N, K] and one float32 scale per output feature, w ~ wq * scale[:, None];
+  the scale maps the row's largest magnitude onto e4m3's largest finite value (448).
+- Activations: quantized per token (row) when they are made, x ~ xq * scale[:, None], with the
+  same rule per row. A row of zeros gets the smallest scale, so nothing divides by zero.
+- GEMM: the products of e4m3 values are exact in float32, so y = (xq @ wq^T in float32)
+  * x_scale[:, None] * w_scale[None, :], then cast to the activation dtype.
+
+Rounding is torch's float -> float8_e4m3fn cast (round to nearest even, saturated here by the
+clamp first: e4m3fn has no infinity, and an unclamped overflow would become NaN).
+"""
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+# The smallest scale a row gets: keeps an all-zero row finite and its reciprocal in float32.
+MIN_SCALE = 1.0 / (E4M3_MAX * 512.0)
+
+
+def to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale rounded to e4m3, saturating at +-448; `scale` broadcasts against `x`."""
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+
+
+def row_scales(x: torch.Tensor) -> torch.Tensor:
+    """One float32 scale per row of a 2-D tensor: its largest magnitude over 448."""
+    return (x.float().abs().amax(dim=-1) / E4M3_MAX).clamp(min=MIN_SCALE)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3 values and their float32 scales [rows]: for weights (a row is an output
+    feature) and for activations (a row is a token) alike."""
+    scale = row_scales(x)
+    return to_e4m3(x, scale[:, None]), scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q.float() * scale.float()[:, None]).to(dtype)
+
+
+def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """y = x W^T with W8A8 numerics: x quantized per token here, accumulated in float32; returns
+    x's dtype."""
+    xq, x_scale = quantize_rows(x)
+    acc = xq.float() @ wq.float().t()
+    return (acc * x_scale[:, None] * w_scale.float()[None, :]).to(x.dtype)
