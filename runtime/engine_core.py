@@ -3,7 +3,7 @@
 A step reads as three verbs: the scheduler picks the chunks, `_run` enqueues the step and the
 picking of its tokens where the logits are (`_sample` says what to pick: `runtime.sampler.Picks`),
 and the step in flight hands its tokens back to `_append`, which finishes sequences.
-Overlapped (the default on one device, see runtime/overlap.py), a step is launched before the
+Overlapped (the default, see runtime/overlap.py), a step is launched before the
 previous one's tokens are handed back. `Session` drives this from a background thread; nothing
 here knows about threads.
 """
@@ -48,8 +48,7 @@ class EngineCore:
     def __init__(self, engine_dir: str | Path, device: str | None = None, kv_cache_fraction: float | None = None,
                  max_kv_tokens: int | None = None, policy: str = "max_utilization", worker_timeout: float = 60.0,
                  overlap: bool = True, prefix_caching: bool = True):
-        """`overlap=False` runs the plain loop; tensor-parallel engines always do (the other
-        ranks cannot read the sampled ids that stay on rank 0's device). `prefix_caching=False`
+        """`overlap=False` runs the plain loop (runtime/overlap.py). `prefix_caching=False`
         computes every prompt in full (runtime/prefix_cache.py)."""
         check_engine_options(device, kv_cache_fraction, max_kv_tokens, policy, worker_timeout, prefix_caching)
         self.engine, on_gpu = open_engine(engine_dir, device)
@@ -65,7 +64,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.peak_blocks = 0
         self.finished: list[int] = []  # sequences whose sampling state the next picks drop
-        self.in_flight = InFlight(overlap and m.world_size == 1, self._append)
+        self.in_flight = InFlight(overlap, self._append)
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -159,7 +158,7 @@ class EngineCore:
         feed = self.in_flight.feed(batch)
         seqs, picks = self._sample(batch)
         sampled = self.executor.execute(step, copies, feed, picks)
-        return self.in_flight.launch(seqs, *sampled) if sampled is not None else None
+        return self.in_flight.launch(seqs, sampled) if sampled is not None else None
 
     def _sample(self, batch: list[ScheduledChunk]) -> tuple[list[Sequence], Picks | None]:
         """The sequences this step gives a token (the chunks that reach the end of their

@@ -16,7 +16,7 @@ from kiln.plugins import STEP_INPUTS
 from kiln.runtime.arena import Arena
 from kiln.runtime.engine import Engine
 from kiln.runtime.sampler import Picks, SequenceSampler
-from kiln.runtime.step import Feed, StepInputs
+from kiln.runtime.step import Feed, SampledIds, StepInputs
 
 
 class InputRegion:
@@ -76,11 +76,12 @@ class ArenaExecutor:
         self.sampler = SequenceSampler(device, m.eos_token_ids)
 
     def execute(self, step: StepInputs, copies: list[tuple[int, int]] = (), feed: Feed | None = None,
-                picks: Picks | None = None) -> tuple[torch.Tensor, list[dict | None]] | None:
+                picks: Picks | None = None) -> SampledIds | None:
         """`run` the step, then pick the tokens `picks` asks for where the logits are: the token
-        ids (int64 [rows], left on the device) and the logprobs entries; None without picks."""
+        ids (int64 [rows], left on the device, a copy to the host started) and the logprobs
+        entries; None without picks. Nothing waits for the device."""
         logits = self.run(step, copies, feed)
-        return self.sampler.pick(logits, picks) if picks is not None else None
+        return SampledIds(*self.sampler.pick(logits, picks)) if picks is not None else None
 
     def _view(self, name: str, dims: dict[str, int]) -> torch.Tensor:
         info = self.engine.manifest.tensors[name]

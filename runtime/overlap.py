@@ -12,8 +12,10 @@ still on their way, and is what makes this exact:
   on the device from N's sampled ids (`runtime.step.Feed`), and the sampler counts it among
   the generated tokens (min_tokens). A sequence whose pending token is its last under
   max_tokens is not scheduled again.
-- N's ids come back through a non-blocking copy into pinned memory and an event; only
-  `settle` waits, on that event. Tokens are appended and checked (stop ids, stop strings,
+- N's ids come back through a non-blocking copy into pinned memory and an event
+  (`runtime.step.SampledIds`), or from rank 0 of a tensor-parallel engine, whose every rank
+  keeps its own copy of the ids for the feed (`runtime.tp_executor.RankTokens`); only `settle`
+  waits for them. Tokens are appended and checked (stop ids, stop strings,
   length) in step order, so outputs and text are those of the plain loop.
 - A sequence that N finished (a stop id or string) or that was cancelled meanwhile was already
   launched in N+1: that one extra token is dropped when it arrives, never emitted. Its blocks
@@ -34,7 +36,7 @@ On the CPU executor everything runs synchronously, but through the same code pat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -45,21 +47,22 @@ from kiln.runtime.step import Feed
 Append = Callable[[Sequence, int, "dict | None"], None]
 
 
+class Sampled(Protocol):
+    """What an executor's `execute` returns for a step that picks tokens: `runtime.step.SampledIds`
+    on one device, `runtime.tp_executor.RankTokens` for a tensor-parallel engine."""
+
+    ids: torch.Tensor | None  # where the logits were, for the next step's feed (None: on each rank)
+
+    def wait(self) -> tuple[list[int], list[dict | None]]: ...
+
+
 @dataclass
 class Launched:
-    """A step whose sampled ids are on their way to the host: row i of `tokens` is `seqs[i]`'s."""
+    """A step whose sampled ids are on their way to the host: row i of them is `seqs[i]`'s."""
 
     seqs: list[Sequence]
-    tokens: torch.Tensor             # where the logits were
-    host: torch.Tensor               # the ids on the host once `ready` has passed
-    ready: torch.cuda.Event | None   # None: `host` is already there
-    logprobs: list[dict | None]
+    sampled: Sampled
     row_of: dict[int, int]           # seq_id -> row
-
-    def wait(self) -> list[int]:
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.host.tolist()
 
 
 class InFlight:
@@ -89,21 +92,13 @@ class InFlight:
             if c.seq.pending:
                 rows.append(first - 1)
                 picks.append(self.step.row_of[c.seq.seq_id])
-        return Feed(rows, picks, self.step.tokens) if rows else None
+        return Feed(rows, picks, self.step.sampled.ids) if rows else None
 
-    def launch(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: list[dict | None]) -> Launched:
-        """Record a step whose sampling has been enqueued: its sequences' tokens are pending, and
-        a copy of the ids to the host is started."""
+    def launch(self, seqs: list[Sequence], sampled: Sampled) -> Launched:
+        """Record a step whose sampling has been enqueued: its sequences' tokens are pending."""
         for seq in seqs:
             seq.pending += 1
-        row_of = {s.seq_id: i for i, s in enumerate(seqs)}
-        if tokens.device.type != "cuda":
-            return Launched(seqs, tokens, tokens, None, logprobs, row_of)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return Launched(seqs, tokens, host, ready, logprobs, row_of)
+        return Launched(seqs, sampled, {s.seq_id: i for i, s in enumerate(seqs)})
 
     def hand_over(self, launched: Launched | None) -> list[Request]:
         """Make `launched` the step in flight and settle the one before it; without overlap,
@@ -120,9 +115,9 @@ class InFlight:
         return self._settle(launched) if launched is not None else []
 
     def _settle(self, launched: Launched) -> list[Request]:
-        tokens = launched.wait()
+        tokens, logprobs = launched.sampled.wait()
         updated: dict[int, Request] = {}
-        for seq, token, logprob in zip(launched.seqs, tokens, launched.logprobs):
+        for seq, token, logprob in zip(launched.seqs, tokens, logprobs):
             seq.pending -= 1
             if seq.status is Status.FINISHED:
                 continue  # stopped or cancelled after this step was launched: the extra token is dropped

@@ -33,12 +33,36 @@ class Feed:
 
     rows: list[int]
     picks: list[int]
-    sampled: torch.Tensor  # the previous step's sampled ids, where its logits were
+    sampled: torch.Tensor | None  # the previous step's sampled ids, where its logits were (None:
+                                  # on each tensor-parallel rank, which keeps its own)
 
     def apply(self, input_ids: torch.Tensor) -> None:
         device = input_ids.device
         chosen = self.sampled.index_select(0, to_device(self.picks, torch.long, self.sampled.device))
         input_ids.index_copy_(0, to_device(self.rows, torch.long, device), chosen.to(device, input_ids.dtype))
+
+
+class SampledIds:
+    """A step's sampled token ids on their way to the host: `ids` stays where the logits were
+    (the next step's `Feed` reads it there) and a copy to pinned host memory is started at once;
+    `wait()` waits for that copy alone. `logprobs` are read on the host when sampled."""
+
+    def __init__(self, ids: torch.Tensor, logprobs: list[dict | None]):
+        self.ids = ids
+        self.logprobs = logprobs
+        self._ready = None
+        self._host = ids
+        if ids.device.type == "cuda":
+            self._host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            self._host.copy_(ids, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def wait(self) -> tuple[list[int], list[dict | None]]:
+        """The ids as a host list, and the logprobs entries."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist(), self.logprobs
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -1,13 +1,19 @@
 """The executor for a tensor-parallel engine: one worker process per rank.
 
 The Session's process schedules; each step it writes the step inputs, laid out like the
-arena's input region (`runtime.executor.InputRegion`), into one shared-memory buffer that every
-worker maps at start-up, sends each rank a small header (the step's sizes and block copies; rank
-0 also gets the `Picks`) and waits for all of them with a deadline. Rank 0 samples where the
-logits are, with the same `SequenceSampler` a single-rank executor uses, and sends back only
-the token ids (and logprobs entries when asked). A rank that dies, hangs or fails is named in
-the error, the step fails (so the Session fails the requests in flight) and `close()` reaps
-every worker.
+arena's input region (`runtime.executor.InputRegion`), into one of two slots of a shared-memory
+buffer that every worker maps at start-up, and sends each rank the same small header (the slot,
+the step's sizes, block copies, the `Feed` rows and the `Picks`). Every rank runs the step and
+picks its tokens from the full logits with the same `SequenceSampler` state and seeds (an
+unseeded sequence gets a seed here), so every rank holds the same sampled ids on its device and
+feeds them to its next step itself: the overlapped engine loop (runtime/overlap.py) works as on
+one GPU. Only rank 0 sends its ids back (and logprobs entries when asked).
+
+Replies are pipelined: a rank answers for step N after it has launched step N+1, or when told
+to settle, so the host work of both processes overlaps the GPUs. `execute` returns a
+`RankTokens` whose `wait` collects step N's replies, in step order, with a deadline. A rank that
+dies, hangs or fails is named in the error, the step fails (so the Session fails the requests in
+flight) and `close()` reaps every worker.
 
 Workers are fresh interpreters (`python -m kiln.runtime.tp_worker`), not multiprocessing
 children: multiprocessing's spawn re-imports the caller's `__main__`, which fails for a script
@@ -15,14 +21,16 @@ without an `if __name__ == "__main__":` guard, one fed on standard input, or a n
 worker inherits the two ends of its socket pairs (steps, pings) and the shared buffer (an
 anonymous memory file: nothing to unlink, gone with its last process) as file descriptors.
 
-The buffer holds one step: the next is written only after every rank has answered for this
-one, and a rank answers only after it has copied its inputs out.
+Slot N % 2 is written again only for step N + 2, after every rank has answered for step N,
+which a rank does only after it has copied step N's inputs out (when it launched N + 1).
 """
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import multiprocessing as mp
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -39,6 +47,8 @@ from kiln.runtime.step import Feed, StepInputs
 
 STARTUP_TIMEOUT = 120.0
 STEP_TIMEOUT = 60.0
+# Step-input slots in the shared buffer: the step being written and the one a rank may still be reading.
+SLOTS = 2
 
 
 class WorkerError(RuntimeError):
@@ -57,6 +67,17 @@ def _worker_env() -> dict[str, str]:
     home = str(Path(kiln.__file__).resolve().parents[1])
     path = os.environ.get("PYTHONPATH")
     return {**os.environ, "PYTHONPATH": home if not path else f"{home}{os.pathsep}{path}"}
+
+
+def slot_bytes(nbytes: int) -> int:
+    """A slot's size in the shared buffer: `nbytes` rounded up so every slot's int64 views align."""
+    return -(-nbytes // 64) * 64
+
+
+def input_slots(buffer: torch.Tensor, nbytes: int) -> list[torch.Tensor]:
+    """The SLOTS views of `nbytes` each into the shared buffer, the same in every process."""
+    stride = slot_bytes(nbytes)
+    return [buffer[i * stride:i * stride + nbytes] for i in range(SLOTS)]
 
 
 def _shared_buffer(nbytes: int) -> tuple[int, torch.Tensor]:
@@ -89,7 +110,11 @@ class TensorParallelExecutor:
         port = _free_port()
         self.step_timeout = step_timeout
         self.inputs = inputs
-        shared_fd, self.shared = _shared_buffer(inputs.nbytes)
+        shared_fd, shared = _shared_buffer(SLOTS * slot_bytes(inputs.nbytes))
+        self.slots = input_slots(shared, inputs.nbytes)
+        self.sent = self.answered = 0          # steps sent to the ranks, and answered by all of them
+        self.settle_sent = 0                   # steps up to which the ranks were told to answer
+        self.replies: dict[int, tuple] = {}    # step -> rank 0's reply, kept until its RankTokens waits
         self.conns, self.pings, self.procs = [], [], []
         try:
             for rank in range(world_size):
@@ -174,25 +199,42 @@ class TensorParallelExecutor:
                 raise self._failure(rank, "died", None, doing) from None
 
     def execute(self, step: StepInputs, copies: list[tuple[int, int]] = (), feed: Feed | None = None,
-                picks: Picks | None = None) -> tuple[torch.Tensor, list[dict | None]] | None:
-        """Run one step on every rank and pick its tokens on rank 0 (`ArenaExecutor.execute`);
-        the token ids come back to the host."""
-        if feed is not None:
-            raise ValueError("a tensor-parallel engine runs the plain engine loop: its ranks cannot read the sampled "
-                             "ids kept on rank 0 (EngineCore turns overlap off for it)")
-        self.inputs.pack(step, self.shared)
-        header = (step.sizes, list(copies))
-        self._send_all("step", [(*header, picks if rank == 0 else None) for rank in range(len(self.conns))],
+                picks: Picks | None = None) -> RankTokens | None:
+        """Send one step to every rank, which runs it, picks its tokens and feeds `feed`'s rows
+        from its own previous sampled ids (`ArenaExecutor.execute`); returns at once, with what
+        collects rank 0's ids, or None without picks."""
+        number = self.sent + 1
+        self._collect(number - SLOTS)  # then every rank has copied that step's inputs out of the slot
+        slot = number % SLOTS
+        self.inputs.pack(step, self.slots[slot])
+        fed = None if feed is None else (feed.rows, feed.picks)
+        self._send_all("step", [(slot, step.sizes, list(copies), fed, _seeded(picks))] * len(self.conns),
                        "receiving a step")
-        sampled = self._gather(self.step_timeout, "running a step")[0]
-        if sampled is None:
-            return None
-        tokens, logprobs = sampled
-        return torch.tensor(tokens, dtype=torch.long), logprobs
+        self.sent = number
+        return None if picks is None else RankTokens(self, number)
+
+    def _collect(self, number: int) -> None:
+        """Gather every rank's replies up to step `number`, in order, telling the ranks to answer
+        for the last step sent when nothing after it will; keep rank 0's picks."""
+        while self.answered < number:
+            step = self.answered + 1
+            if step == self.sent and self.settle_sent < step:
+                self._send_all("settle", [None] * len(self.conns), "settling a step")
+                self.settle_sent = step
+            reply = self._gather(self.step_timeout, "running a step")[0]
+            if reply is not None:
+                self.replies[step] = reply
+            self.answered = step
+
+    def tokens(self, number: int) -> tuple[list[int], list[dict | None]]:
+        """Rank 0's sampled ids and logprobs entries of step `number`."""
+        self._collect(number)
+        return self.replies.pop(number)
 
     def all_reduce_seconds(self, tokens: int) -> float:
         """Rank 0's estimate of the seconds a step of `tokens` tokens spends in all-reduces,
         timed apart from any step (`runtime.collectives`)."""
+        self._collect(self.sent)
         self._send_all("all_reduce_seconds", [tokens] * len(self.conns), "timing all-reduces")
         return self._gather(self.step_timeout, "timing all-reduces")[0]
 
@@ -212,4 +254,26 @@ class TensorParallelExecutor:
         for conn in self.conns + self.pings:
             conn.close()
         self.conns, self.pings, self.procs = [], [], []
-        self.shared = None  # the mapping goes with its last view
+        self.slots = None  # the mapping goes with its last view
+
+
+class RankTokens:
+    """Step `number`'s sampled ids, on every rank's device and on their way from rank 0."""
+
+    ids = None  # each rank feeds its own copy to the next step
+
+    def __init__(self, executor: TensorParallelExecutor, number: int):
+        self.executor = executor
+        self.number = number
+
+    def wait(self) -> tuple[list[int], list[dict | None]]:
+        return self.executor.tokens(self.number)
+
+
+def _seeded(picks: Picks | None) -> Picks | None:
+    """`picks` with a seed for every new sequence: each rank draws from its own generators, and
+    unseeded ones (torch's global RNG) would differ between ranks."""
+    if picks is None or all(seed is not None for _, seed in picks.new.values()):
+        return picks
+    return dataclasses.replace(picks, new={s: (params, random.getrandbits(63) if seed is None else seed)
+                                           for s, (params, seed) in picks.new.items()})

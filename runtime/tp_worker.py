@@ -9,12 +9,15 @@ The worker joins the process group (gloo with the CPU executor, or NCCL with the
 on GPU `rank`, plus a gloo group over which the ranks set up the custom all-reduce), loads its
 rank's engine file, answers with where its arena holds the step inputs and whether it sums
 with the custom all-reduce, and then serves calls from the Session's process: `step` (the
-step's sizes, the copy-on-write copies and, for rank 0, the `Picks`; the inputs are in the
-shared buffer), `all_reduce_seconds` (bench-engine's estimate of a step's collective time,
+slot of the shared buffer holding the step's inputs, its sizes, the copy-on-write copies, the
+rows to feed from the previous step's sampled ids and the `Picks`), `settle` (answer for the
+step launched last), `all_reduce_seconds` (bench-engine's estimate of a step's collective time,
 `runtime.collectives`) and `stop`. Every rank runs every step; row-parallel ops all-reduce
 (inside their reference implementations on the CPU, after their kernels on the GPU:
-`runtime.all_reduce`), so every rank ends with the full logits, and rank 0 picks the tokens
-from them on its device and sends back their ids.
+`runtime.all_reduce`), so every rank ends with the same full logits and picks the same tokens
+from them on its device (same sampler state, same seeds), which it feeds to its next step.
+A rank answers for step N once it has launched step N+1 (or is told to settle): rank 0 with the
+ids and logprobs entries, the others with None.
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ import torch.distributed as dist
 from kiln.runtime.all_reduce import AllReduce, gloo_gather, open_all_reduce
 from kiln.runtime.collectives import step_all_reduce_seconds
 from kiln.runtime.executor import ArenaExecutor
+from kiln.runtime.step import Feed, SampledIds
+from kiln.runtime.tp_executor import input_slots
 
 # How long a rank waits in a collective for a peer before failing; the Session's own deadline
 # is shorter, so a dead peer is reported by the Session, not by a gloo timeout.
@@ -83,28 +88,64 @@ def worker_main(engine_dir: str, rank: int, world_size: int, port: int, num_kv_b
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
+    slots = input_slots(shared, executor.inputs.nbytes)
+    pending: SampledIds | None = None  # the step launched last, not answered yet
     try:
         while True:
             call, args = conn.recv()
             if call == "stop":
                 summing.close()
                 break
-            try:
-                if call == "all_reduce_seconds":
-                    reply = step_all_reduce_seconds(executor.engine, args, executor.kv_cache.device, summing)
-                else:
-                    sizes, copies, picks = args
-                    sampled = executor.execute(executor.inputs.unpack(shared, sizes), copies, None, picks)
-                    # Only rank 0 picks (every rank has the logits); on a GPU reading the ids
-                    # also waits for the step.
-                    reply = None if sampled is None else (sampled[0].tolist(), sampled[1])
-                conn.send(("ok", reply))
-            except Exception:
-                conn.send(("error", traceback.format_exc()))
+            if call == "step":
+                # Launch this step, then answer for the one before it: its tokens are ready by
+                # the time this one is queued behind it.
+                try:
+                    slot, sizes, copies, fed, picks = args
+                    feed = None if fed is None else Feed(*fed, pending.ids)
+                    launched = executor.execute(executor.inputs.unpack(slots[slot], sizes), copies, feed, picks)
+                except Exception:
+                    _answer(conn, rank, pending)
+                    pending = None
+                    conn.send(("error", traceback.format_exc()))
+                    continue
+                _answer(conn, rank, pending)
+                pending = launched or _NO_PICKS
+            elif call == "settle":
+                _answer(conn, rank, pending)
+                pending = None
+            elif call == "all_reduce_seconds":
+                try:
+                    conn.send(("ok", step_all_reduce_seconds(executor.engine, args, executor.kv_cache.device, summing)))
+                except Exception:
+                    conn.send(("error", traceback.format_exc()))
     except (EOFError, KeyboardInterrupt):
         pass  # the Session's process is gone or stopping: nothing left to serve
     finally:
         dist.destroy_process_group()
+
+
+class _NoPicks:
+    """A launched step that picks no tokens (prefill chunks only): its answer carries none."""
+
+    ids = None
+
+    def wait(self) -> None:
+        return None
+
+
+_NO_PICKS = _NoPicks()
+
+
+def _answer(conn: Connection, rank: int, launched: SampledIds | _NoPicks | None) -> None:
+    """Reply for the launched step: rank 0 with its token ids and logprobs entries (reading them
+    waits for the step), the other ranks with None once it has run (an error here is the step's)."""
+    if launched is None:
+        return
+    try:
+        sampled = launched.wait()
+        conn.send(("ok", sampled if rank == 0 else None))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
 
 
 def _map_shared(fd: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Tensor-parallel serving on the CPU: a Session over a TP engine starts one gloo worker per
 rank, gives the same greedy tokens as TP=1 with in-flight batching, the same seeded samples
-(rank 0 samples with the same sampler and generators), and survives a worker that dies or
+(every rank samples with the same sampler and generators), overlapped as on one device, and survives a worker that dies or
 hangs by failing the requests in flight with an error naming the rank."""
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ def test_unknown_all_reduce_mode_is_refused_naming_the_variable(factory, checkpo
 
 def mixed_requests(n: int = 32) -> tuple[list[list[int]], list[SamplingParams]]:
     rng = random.Random(7)
-    prompts = [[rng.randrange(3, 380) for _ in range(rng.randrange(2, 20))] for _ in range(n)]
+    # Prompts longer than a step's 32 tokens are prefilled in chunks: steps that pick no token.
+    prompts = [[rng.randrange(3, 380) for _ in range(rng.randrange(2, 20) if i % 8 else rng.randrange(33, 50))]
+               for i in range(n)]
     params = [SamplingParams(temperature=0, max_tokens=rng.randrange(1, 12), ignore_eos=True) for _ in range(n)]
     return prompts, params
 
@@ -54,6 +56,37 @@ def test_tp_engine_matches_tp1_with_inflight_batching(factory, checkpoint, tp1_t
         outs = s.generate(prompt_token_ids=prompts, sampling_params=params)
         assert s.stats["kv_blocks_used"] == 0
     assert [o.outputs[0].token_ids for o in outs] == tp1_tokens
+
+
+def test_tp_engine_overlapped_matches_its_plain_loop(factory, checkpoint):
+    """The overlapped loop on a TP engine (each rank feeds the ids it sampled itself, replies
+    pipelined one step behind) gives the plain loop's tokens, unseeded sampling included: the
+    Session seeds every sequence so that the ranks draw alike."""
+    prompts, params = mixed_requests(16)
+    params = [SamplingParams(temperature=0.9, seed=i, max_tokens=p.max_tokens, ignore_eos=True) if i % 2 else p
+              for i, p in enumerate(params)]
+    engine = factory.engine(checkpoint, tp_size=2, **BUILD)
+    outs = {}
+    for overlap in (True, False):
+        with Session(engine, overlap=overlap) as s:
+            outs[overlap] = [o.outputs[0].token_ids for o in s.generate(prompt_token_ids=prompts, sampling_params=params)]
+            unseeded = s.generate(prompt_token_ids=prompts[:4], sampling_params=SamplingParams(
+                temperature=1.0, max_tokens=12, n=2, ignore_eos=True))
+            assert [len(c.token_ids) for o in unseeded for c in o.outputs] == [12] * 8
+            assert s.stats["kv_blocks_used"] == 0
+    assert outs[True] == outs[False]
+
+
+def test_unseeded_sequences_get_one_seed_for_every_rank():
+    from kiln.runtime.sampler import Picks
+    from kiln.runtime.tp_executor import _seeded
+
+    params = SamplingParams(temperature=1.0)
+    picks = Picks([0, 1], [3, 4], [0, 0], [[], []], [[], []], {3: (params, None), 4: (params, 17)})
+    seeded = _seeded(picks)
+    assert seeded.new[4] == (params, 17) and isinstance(seeded.new[3][1], int)
+    assert picks.new[3] == (params, None)  # the engine loop's record is left as it was
+    assert _seeded(seeded) is seeded
 
 
 def sampled_requests() -> tuple[list[list[int]], list[SamplingParams]]:
@@ -76,7 +109,7 @@ def _samples(engine) -> list[list[tuple[list[int], list | None]]]:
 
 
 def test_tp_engine_samples_what_tp1_samples(factory, checkpoint):
-    """Seeded sampling happens on rank 0 with the generators TP 1 uses, so the tokens match;
+    """Seeded sampling happens on every rank with the generators TP 1 uses, so the tokens match;
     logprobs match up to the all-reduce's float rounding."""
     tp1, tp2 = _samples(factory.engine(checkpoint, **BUILD)), _samples(factory.engine(checkpoint, tp_size=2, **BUILD))
     assert [[ids for ids, _ in r] for r in tp2] == [[ids for ids, _ in r] for r in tp1]
