@@ -3,9 +3,13 @@
 # `nvidia-h200-x2` machine: a random Llama-3-8B-shape bf16 checkpoint, its TP 1 and TP 2
 # engines, the TP GPU tests (the custom all-reduce against NCCL, eagerly and in replayed CUDA
 # graphs; TP 2 greedy and seeded tokens against TP 1's), then bench-engine decode at batch 1 and
-# 64 for TP 1, TP 2 with NCCL alone (KILN_ALL_REDUCE=nccl) and TP 2 with the custom all-reduce.
+# 64 for TP 1, TP 2 (overlapped loop, custom all-reduce), TP 2 with the plain loop and TP 2 with
+# NCCL alone (KILN_ALL_REDUCE=nccl).
 #
-#   KILN_COMMIT=<short hash> OUT=/somewhere bash scripts/gpu_tp.sh
+#   KILN_COMMIT=<short hash> OUT=/somewhere bash scripts/gpu_tp.sh [build|bench]
+#
+# With no argument it does both; `build` (checkpoint, engines, GPU tests) and `bench` split it
+# over two device calls of 10 minutes on one warm machine (set KILN_GPU_WORKDIR under /tmp).
 #
 # Each step writes its output to its own file under $OUT (default gpu-results) and has its own
 # time limit; a step that fails or runs out of time does not stop the later ones, and
@@ -36,9 +40,10 @@ step() {
   return 0
 }
 
+phase=${1:-all}
+if [ "$phase" != bench ]; then
 step environment 60 "date -u +'date %Y-%m-%dT%H:%M:%SZ'; echo commit $KILN_COMMIT; nvidia-smi; nvidia-smi topo -m;
   python3 -c 'import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__, \"gpus\", torch.cuda.device_count())'"
-
 step checkpoint 150 "p=\$(python3 -c 'import sys; from pathlib import Path; from kiln.bench.model import SHAPES, ensure_checkpoint
 print(ensure_checkpoint(Path(sys.argv[1]), SHAPES[\"llama3-8b\"], \"bfloat16\", \"cuda\")[0])' $work | tail -1) && ln -sfn \$p $ckpt && ls -la \$p"
 
@@ -57,8 +62,12 @@ step build-and-test 330 "
   wait \$tp2; echo build tp2 exit \$?
   ls -la $work/tp1 $work/tp2"
 
+fi
+if [ "$phase" != build ]; then
 step bench-tp1 100 "$BENCH --engine $work/tp1 --json $out/bench-tp1.json"
+step bench-tp2 110 "$BENCH --engine $work/tp2 --json $out/bench-tp2.json"
+step bench-tp2-plain 110 "$BENCH --no-overlap --engine $work/tp2 --json $out/bench-tp2-plain.json"
 step bench-tp2-nccl 110 "KILN_ALL_REDUCE=nccl $BENCH --engine $work/tp2 --json $out/bench-tp2-nccl.json"
-step bench-tp2-custom 110 "$BENCH --engine $work/tp2 --json $out/bench-tp2-custom.json"
+fi
 
 cat "$out/steps.txt"
