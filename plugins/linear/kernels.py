@@ -79,7 +79,11 @@ WIDE_TILES = (
     Tile("medium", 256, 128, 128, 64, 8, stages=4, tma=True),
     Tile("prefill", None, 128, 128, 64, 8, stages=4, tma=True),
 )
-WIDE_N = 16384  # weight rows from which WIDE_TILES apply
+# Weight rows from which WIDE_TILES apply. TP 2's gate/up (14,336 rows) counts as wide: on an H200
+# (2026-11-30, .gpu profile of a TP 2 decode step, BENCHMARKS.md) its fused norm+SwiGLU took 83 us
+# a layer at T = 64 with the narrow tiles, more than TP 1's whole 28,672 rows (73 us): 32-row
+# programs each re-read their 64 rows of x for half as many weight bytes.
+WIDE_N = 12288
 
 
 def tiles_for(weight_rows: int) -> tuple[Tile, ...]:
