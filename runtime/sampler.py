@@ -25,7 +25,7 @@ its own generator, so a seeded request gets the same tokens whatever else shares
 
 The state a step's sampling needs beyond its logits, each sequence's parameters and seeded
 generator, is a `SequenceSampler` kept where the logits are: in the engine's executor, or in
-rank 0's worker of a tensor-parallel engine, which the engine loop tells what to pick with a
+every rank's worker of a tensor-parallel engine, which the engine loop tells what to pick with a
 `Picks` record of plain data.
 
 Logprobs come from the log-softmax of the logits after (a)-(c) and temperature (temperature 0
