@@ -10,7 +10,8 @@ of 5 replays). Printed: the best configurations per shape with the bandwidth of 
 reach, beside the device copy rate measured in the same run; ALL.txt gets every configuration's
 time.
 
-Shapes: Llama-3-8B's projections (qkv, o, gate/up, down) at T = 1 and 64. Kernels: the split-K
+Shapes: Llama-3-8B's projections (qkv, o, gate/up, down) at T = 1 and 64, or one rank's of
+a TP engine with KILN_TUNE_TP=2 (or 4). Kernels: the split-K
 GEMM `linear_kernel` at tilings and K splits, `norm_swiglu_kernel` at its tiles, and
 `norm_qkv_rope_kernel` (checked against its plugin's reference) at programs per head, K tiles,
 K splits and depths. NAME compiles only the configurations of that shape or kernel.
@@ -31,7 +32,11 @@ from scripts.gpu_timing import graph_us
 from scripts.sweep import try_compile
 
 L2_ROTATION = 200_000_000  # bytes of weight copies cycled through, 4x the H200's L2
-SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+# KILN_TUNE_TP=r sweeps one rank's shapes of a TP r engine: column-parallel weights (qkv, gate/up)
+# keep 1/r of their rows, row-parallel ones (o_proj, down) 1/r of their columns.
+TP = int(os.environ.get("KILN_TUNE_TP", "1"))
+SHAPES = {"qkv": (6144 // TP, 4096), "o_proj": (4096, 4096 // TP), "gate_up": (28672 // TP, 4096),
+          "down": (4096, 14336 // TP)}
 
 
 def configs() -> list[tuple[str, dict, AotKernel]]:
@@ -78,7 +83,7 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
     return out
 
 
-QKV_HEADS = (32, 8, 128)  # Llama-3-8B: query heads, KV heads, head_dim
+QKV_HEADS = (32 // TP, 8 // TP, 128)  # Llama-3-8B: query heads, KV heads, head_dim
 
 
 def _norm_qkv_rope_configs() -> list[tuple[str, dict, AotKernel]]:
