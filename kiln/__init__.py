@@ -9,6 +9,13 @@ from __future__ import annotations
 
 import os as _os
 
+# Kiln's CPU steps are thousands of small torch ops, each an OpenMP parallel region. Between regions
+# libgomp's threads spin-wait, unless the process has more OpenMP threads than cores: whether a
+# Session's engine loop spins therefore depended on other threads' pools, and one made on a thread
+# that then exited (its pool gone) spun, and under CPU contention ran its steps 15-50x slower.
+# Passive waiting makes the loop's speed its own. libgomp reads this once, when torch loads it:
+# it takes effect when kiln is imported before torch, and an explicit setting is kept.
+_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 _here = _os.path.dirname(_os.path.abspath(__file__))
 _root = _os.path.dirname(_here)
 # In a source checkout the subpackages sit beside this folder, not inside it. An installed copy

@@ -10,7 +10,8 @@ cache entry that exists is complete.
 `scripts/fetch_real_models.py` is the command line; tests use `fetch` through the `real_model`
 fixture, which skips with the reason when the index cannot be reached. On the GPU machine, which
 reaches no index, `cached` finds a GGUF carried there into the cache (scripts/real_model_gpu.sh).
-`chat_prompts` turns CHAT_QUESTIONS into the chat prompts the real-model tests generate from.
+`chat_prompts` turns CHAT_QUESTIONS into the chat prompts the real-model tests generate from;
+`gemma_turn_prompts` does the same for a Gemma GGUF that carries no chat template.
 """
 from __future__ import annotations
 
@@ -88,6 +89,19 @@ def chat_prompts(engine_dir: Path, questions: list[str]) -> list[list[int]]:
     texts = [renderer.apply_chat_template([{"role": "user", "content": q}], chat_template=template, tokenize=False,
                                           add_generation_prompt=True) for q in questions]
     return [tokenizer.encode(t).ids for t in texts]
+
+
+def gemma_turn_prompts(engine_dir: Path, questions: list[str]) -> list[list[int]]:
+    """Each question as a one-turn chat prompt in Gemma's turn format, written out here because
+    the only Gemma 3 GGUF on the index (the 270M base model) carries no chat template: what
+    Gemma 3's own template renders for one user message with the generation prompt (`<bos>`,
+    the trimmed message in a user turn, the model turn's header), tokenized by the engine's
+    tokenizer with no specials added (the text holds its `<bos>`)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(engine_dir / "tokenizer.json"))
+    texts = [f"<bos><start_of_turn>user\n{q.strip()}<end_of_turn>\n<start_of_turn>model\n" for q in questions]
+    return [tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
 
 
 class IndexUnreachable(RuntimeError):

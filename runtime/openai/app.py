@@ -43,17 +43,12 @@ def create_app(load: Callable[[], Session], model_name: str,
                on_load_failure: Callable[[str], None] | None = None) -> FastAPI:
     """An app serving the Session that `load` returns under the name `model_name`. `load` runs on a
     thread of its own once the server starts, so the server answers (503) while the engine loads;
-    a failed load is reported to `on_load_failure` and every request gets it as a 500. The same
-    thread closes the Session when the server stops."""
+    a failed load is reported to `on_load_failure` and every request gets it as a 500. The Session
+    is closed when the server stops."""
     state = ServerState()
     exporter = PrometheusExporter(model_name)
 
-    stopping = threading.Event()
-
-    def own_session() -> None:
-        # This thread stays alive until it has closed the Session: once the thread that loaded a
-        # Session has exited, its CPU steps ran many times slower (16 short chats: 0.07 s with the
-        # loading thread alive, 1-2 s after it ended), as if torch's thread pools were tied to it.
+    def load_session() -> None:
         try:
             session = load()
         except Exception as e:
@@ -65,18 +60,17 @@ def create_app(load: Callable[[], Session], model_name: str,
         state.metrics = ServingMetrics(exporter, lambda: session.stats)
         state.session = session  # last: the routes take a set session as loaded
         log.info("the engine is loaded: serving it as model %r", model_name)
-        stopping.wait()
-        session.close()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        owner = threading.Thread(target=own_session, name="kiln-openai-session", daemon=True)
-        owner.start()
+        loader = threading.Thread(target=load_session, name="kiln-openai-load", daemon=True)
+        loader.start()
         try:
             yield
         finally:
-            stopping.set()
-            await asyncio.to_thread(owner.join)
+            await asyncio.to_thread(loader.join)
+            if state.session is not None:
+                await asyncio.to_thread(state.session.close)
 
     app = FastAPI(title="Kiln", lifespan=lifespan)
     app.state.kiln = state
