@@ -111,7 +111,6 @@ def test_tokenizer_is_transformers(gemma):
     assert read_gguf(gemma.gguf).chat_template is None  # the base model's file has none
 
 
-
 def test_greedy_turn_completions_match_transformers(hf_model, prompts, gguf_tokens):
     want = hf_greedy(hf_model, prompts, MAX_TOKENS)
     assert [len(t) for t in want] == [MAX_TOKENS] * NUM_PROMPTS
