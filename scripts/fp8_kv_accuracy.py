@@ -6,12 +6,14 @@ writes to one JSON file the perplexity of each on the fixed text, the change (th
     .venv/bin/python scripts/fp8_kv_accuracy.py --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf \\
         --out $OUT/fp8_kv_accuracy.json
 
-(the GGUF as scripts/real_model_gpu.sh carries it to the GPU machine; any Hugging Face folder
-or GGUF of a supported family works). --device cpu runs the same on the CPU.
+On the GPU machine, `bash scripts/real_model_gpu.sh fp8kv` joins the carried GGUF and runs this
+(see the top of that script); any Hugging Face folder or GGUF of a supported family works.
+--device cpu runs the same on the CPU.
 """
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -45,12 +47,14 @@ def main(checkpoint: Path, out: Path, device: str, prompts: int, max_tokens: int
             build_engine(checkpoint, engines[-1], BuildConfig(**build, kv_cache_dtype=kv))
         chat = chat_prompts(engines[0], CHAT_QUESTIONS[:prompts])
         result = measure(engines[0], engines[1], device, chat, max_tokens)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    # The GPU machine's copy has no usable .git: there KILN_COMMIT names it (scripts/real_model_gpu.sh).
+    commit = os.environ.get("KILN_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                                             capture_output=True, text=True).stdout.strip()
     device_name = "cpu"
     if device == "cuda":
         import torch
         device_name = torch.cuda.get_device_name()
-    record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit.stdout.strip() or None,
+    record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit or None,
               "device": device_name, "targets": list(targets), "checkpoint": str(checkpoint),
               "command": " ".join(sys.argv), **result.to_json(),
               "pass": abs(result.perplexity_change) <= 0.01}
