@@ -20,6 +20,7 @@ from kiln.models import CheckpointError, read_config, read_kv_scales
 from kiln.plugins.fp8 import FP8, to_e4m3
 from kiln.runtime.engine import load_engine
 from kiln.runtime.executor import CpuExecutor
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.session import Session
 from kiln.runtime.step import SequenceChunk, pack_step
 
@@ -173,15 +174,28 @@ def test_a_checkpoint_with_some_layers_scales_missing_is_refused(checkpoint, tmp
 
 
 def test_tensor_parallel_ranks_take_their_kv_heads_scales(checkpoint, tmp_path):
-    values = torch.arange(1, 1 + LAYERS * 2 * KV_HEADS, dtype=torch.float32).reshape(LAYERS, 2, KV_HEADS) / 64
+    """Per-head scales, different for each head: each rank holds and reads its own kv head's,
+    so TP=2 gives TP=1's greedy tokens (a rank reading the other's scales would not)."""
+    values = torch.arange(1, 1 + LAYERS * 2 * KV_HEADS, dtype=torch.float32).reshape(LAYERS, 2, KV_HEADS) / 2048
     names = {i: (f"model.layers.{i}.self_attn.k_scale", f"model.layers.{i}.self_attn.v_scale") for i in range(LAYERS)}
     ckpt = with_kv_scales(checkpoint, tmp_path / "ckpt", names, values, COMPRESSED_TENSORS)
-    build_engine(ckpt, tmp_path / "tp", BuildConfig(dtype="float32", max_seq_len=64, kv_block_size=4, tp_size=2,
-                                                    kv_cache_dtype="fp8"))
+    build = dict(dtype="float32", max_seq_len=64, kv_block_size=4, max_num_tokens=32, kv_cache_dtype="fp8")
+    for tp in (1, 2):
+        build_engine(ckpt, tmp_path / f"tp{tp}", BuildConfig(**build, tp_size=tp))
+    assert read_engine_file(tmp_path / "tp1" / "rank0.engine").manifest.kv.scale_granularity == "head"
     for rank in range(2):
-        ef = read_engine_file(tmp_path / "tp" / f"rank{rank}.engine")
-        assert ef.manifest.kv.num_kv_heads == 1
+        ef = read_engine_file(tmp_path / "tp2" / f"rank{rank}.engine")
+        # A rank's manifest describes its own weight: one kv head, so one scale per layer and k or v.
+        assert ef.manifest.kv.num_kv_heads == 1 and ef.manifest.kv.scale_granularity == "tensor"
         assert torch.equal(ef.weights["kv_scales"], values[:, :, rank:rank + 1])
+    prompts = [list(range(3 + i, 20 + 2 * i)) for i in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    tokens = []
+    for tp in (1, 2):
+        with Session(tmp_path / f"tp{tp}", device="cpu") as session:
+            tokens.append([o.outputs[0].token_ids for o in session.generate(prompt_token_ids=prompts,
+                                                                            sampling_params=params)])
+    assert tokens[0] == tokens[1]
 
 
 def test_prefix_caching_copy_on_write_and_preemption_on_an_e4m3_cache(fp8_engine_dir, factory, checkpoint):
