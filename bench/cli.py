@@ -15,7 +15,7 @@ import click
 import torch
 from click.core import ParameterSource
 
-from kiln.bench import decode, latency, offline, prefix, startup
+from kiln.bench import decode, kv_dtype, latency, offline, prefix, startup
 from kiln.bench.driver import EngineInfo, inspect, kv_token_budget, open_core, random_prompts, release
 from kiln.bench.eager import eager_unsupported
 from kiln.bench.figures import Figure
@@ -23,7 +23,7 @@ from kiln.bench.hardware import measure
 from kiln.bench.model import SHAPES, Shape, check_shape, ensure_checkpoint, ensure_engine, with_overrides
 from kiln.bench.options import PHASES, IntList, LengthPairs, Phases, PrefixLengths
 from kiln.bench.report import render, results, write_json
-from kiln.builder.config import BuildConfig, BuildConfigError, default_targets
+from kiln.builder.config import KV_CACHE_DTYPES, BuildConfig, BuildConfigError, default_targets
 from kiln.dtypes import MODEL_DTYPES, torch_dtype
 from kiln.engines.format import EngineFileError
 from kiln.models.config import CheckpointError
@@ -95,6 +95,36 @@ def _resolve_engine(engine: Path | None, checkpoint: Path | None, work_dir: Path
     path, reused = ensure_engine(work_dir, checkpoint, cfg)
     status(("reusing engine " if reused else "built engine ") + str(path))
     return path, checkpoint
+
+
+def _throughput(info: EngineInfo, hw, budget: int, notes: list[str], phases: list[str], batch_sizes: list[int],
+                decode_context: int, decode_steps: int, offline_pairs: list[tuple[int, int]], requests: dict,
+                seed: int, overlap: bool, prefix_caching: bool) -> list[Figure]:
+    """The decode and offline phases through one EngineCore whose KV pool takes at most `budget`
+    tokens; adds each offline run's summary to `notes`."""
+    if "decode" not in phases and "offline" not in phases:
+        return []
+    wanted = [decode.kv_tokens_needed(info, b, decode_context, decode_steps) for b in batch_sizes] \
+        if "decode" in phases else []
+    wanted += [offline.kv_tokens_wanted(info, i, o, requests[i, o]) for i, o in offline_pairs] \
+        if "offline" in phases else []
+    run = open_core(info, hw, min(budget, max(wanted + [info.manifest.kv.block_size])), overlap=overlap,
+                    prefix_caching=prefix_caching)
+    figures: list[Figure] = []
+    try:
+        if "decode" in phases:
+            for b in batch_sizes:
+                status(f"decode b={b}: {decode_context}-token prompts, {decode_steps} timed steps")
+                figures.append(decode.measure_decode(run, b, decode_context, decode_steps, seed))
+        if "offline" in phases:
+            for i, o in offline_pairs:
+                status(f"offline {i}/{o}: {requests[i, o]} requests")
+                measured = offline.measure_offline(run, i, o, requests[i, o], seed, progress=True)
+                figures += measured
+                notes += [offline.summary(f) for f in measured[:1] if f.value is not None]
+    finally:
+        run.close()
+    return figures
 
 
 def _eager_baseline(figures: list[Figure], checkpoint: Path, info: EngineInfo, device: str, context: int,
@@ -188,6 +218,11 @@ Examples:
 @_shape_flags
 @click.option("--dtype", type=click.Choice(MODEL_DTYPES), default="bfloat16", show_default=True,
               help="Weights and KV cache of the engine bench builds (not with --engine).")
+@click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto", show_default=True,
+              help="fp8: also build the checkpoint with an e4m3 KV cache and run decode and offline on it too, "
+                   "its KV pool sized from the same free memory (about twice the tokens), each figure beside "
+                   "the model-dtype cache's (not with --engine). Concurrency is capped by --max-batch-size: "
+                   "raise it for long sequences to gain from the larger pool.")
 @click.option("--max-batch-size", type=int, default=256, show_default=True, help="Build flag (not with --engine).")
 @click.option("--max-seq-len", type=int, default=4352, show_default=True, help="Build flag: 2048+2048 fits.")
 @click.option("--max-num-tokens", type=int, default=8192, show_default=True, help="Build flag: tokens per step.")
@@ -228,7 +263,7 @@ Examples:
 def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path | None, work_dir: Path,
                  device: str | None, shape: str, num_layers: int | None, hidden_size: int | None,
                  num_heads: int | None, num_kv_heads: int | None, intermediate_size: int | None,
-                 vocab_size: int | None, dtype: str,
+                 vocab_size: int | None, dtype: str, kv_cache_dtype: str,
                  max_batch_size: int, max_seq_len: int, max_num_tokens: int, phases: list[str],
                  batch_sizes: list[int], decode_context: int, decode_steps: int,
                  offline_pairs: list[tuple[int, int]], offline_requests: int | None, rate: float,
@@ -237,6 +272,9 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
                  no_prefix_caching: bool, seed: int, json_path: Path) -> None:
     if len(rate_lengths) != 1:
         raise click.BadParameter("give one IN/OUT pair", param_hint="--rate-lengths")
+    if kv_cache_dtype == "fp8" and engine_dir is not None:
+        raise click.UsageError("--kv-cache-dtype fp8 builds the checkpoint a second time, with an e4m3 KV cache: "
+                               "give --checkpoint (or a --shape) instead of --engine")
     device = _device(device)
     if (device == "cpu" and engine_dir is None and checkpoint is None
             and ctx.get_parameter_source("shape") is ParameterSource.DEFAULT):
@@ -270,26 +308,21 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
         status("start-up: a fresh process loads the engine and generates one token")
         figures += startup.measure_startup(info, device, min(budget, startup.kv_tokens_wanted(info)))
         release(device)
-    if "decode" in phases or "offline" in phases:
-        wanted = [decode.kv_tokens_needed(info, b, decode_context, decode_steps) for b in batch_sizes] \
-            if "decode" in phases else []
-        wanted += [offline.kv_tokens_wanted(info, i, o, requests[i, o]) for i, o in offline_pairs] \
-            if "offline" in phases else []
-        run = open_core(info, hw, min(budget, max(wanted + [info.manifest.kv.block_size])), overlap=not no_overlap,
-                        prefix_caching=not no_prefix_caching)
-        try:
-            if "decode" in phases:
-                for b in batch_sizes:
-                    status(f"decode b={b}: {decode_context}-token prompts, {decode_steps} timed steps")
-                    figures.append(decode.measure_decode(run, b, decode_context, decode_steps, seed))
-            if "offline" in phases:
-                for i, o in offline_pairs:
-                    status(f"offline {i}/{o}: {requests[i, o]} requests")
-                    measured = offline.measure_offline(run, i, o, requests[i, o], seed, progress=True)
-                    figures += measured
-                    notes += [offline.summary(f) for f in measured[:1] if f.value is not None]
-        finally:
-            run.close()
+    throughput = dict(phases=phases, batch_sizes=batch_sizes, decode_context=decode_context,
+                      decode_steps=decode_steps, offline_pairs=offline_pairs, requests=requests, seed=seed,
+                      overlap=not no_overlap, prefix_caching=not no_prefix_caching)
+    figures += _throughput(info, hw, budget, notes, **throughput)
+    fp8_figures: list[Figure] = []
+    if kv_cache_dtype == "fp8" and ("decode" in phases or "offline" in phases):
+        release(device)
+        fp8_dir, _ = _resolve_engine(None, checkpoint, work_dir.expanduser(), device, model_shape,
+                                     kv_dtype.fp8_config(cfg))
+        fp8_info = inspect(fp8_dir, device)
+        status(f"the same with an e4m3 KV cache ({fp8_dir})")
+        fp8_figures = kv_dtype.tagged(_throughput(fp8_info, hw, kv_token_budget(fp8_info, device), notes,
+                                                  **throughput))
+        notes += kv_dtype.comparisons(figures, fp8_figures, info.manifest.kv.dtype)
+        release(device)
     if "latency" in phases:
         (i, o), = rate_lengths
         status(f"latency: {rate_requests} requests of {i}/{o} tokens at {rate:g} per second")
@@ -312,6 +345,8 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
         notes.append(f"no eager baseline: {unsupported}")
     elif any(f.value is not None and f.section in ("decode", "offline") for f in figures):
         _eager_baseline(figures, checkpoint, info, device, decode_context, decode_steps, seed)
+    kv_dtype.share_eager(figures, fp8_figures)
+    figures += fp8_figures
     if any(f.section in ("latency", "prefix") for f in figures):
         notes.append("latency and prefix have no eager baseline: an eager script has no server loop to compare with")
     m = info.manifest

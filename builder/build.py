@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from torch import nn
 from tqdm import tqdm
 
@@ -19,7 +20,8 @@ from kiln.atomic import atomic_folder
 from kiln.builder.config import BuildConfig
 from kiln.builder.ir import Graph
 from kiln.builder.kernels import compile_all_reduce, compile_kernels
-from kiln.builder.passes import FUSIONS, fold_weights, plan_memory, shard
+from kiln.builder.passes import FUSIONS, fold_weights, plan_memory, quantize_kv_cache, shard
+from kiln.builder.passes.kv_cache import KV_SCALES, granularity
 from kiln.builder.passes.memory import MemoryPlan
 from kiln.builder.trace import trace
 from kiln.engines.format import write_engine_file
@@ -84,12 +86,14 @@ def manifest_for(graph: Graph, memory: MemoryPlan, cfg: BuildConfig, model_info:
                  chat_template_file: str | None = None, all_reduce_keys: dict[str, list[str]] | None = None) -> Manifest:
     """Rank `rank`'s manifest; the writer adds the weight and kernel indexes."""
     kv = graph.tensors["kv_cache"]
+    scales = graph.weights.get(KV_SCALES)
     return Manifest(
         kiln_version=KILN_VERSION, model=model_info, dtype=cfg.dtype, targets=tuple(cfg.targets),
         rank=rank, world_size=cfg.tp_size, max_num_tokens=cfg.max_num_tokens,
         max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len,
         kv=KVLayout(num_layers=kv.shape[0], block_size=cfg.kv_block_size, num_kv_heads=kv.shape[4],
-                    head_dim=kv.shape[5], dtype=kv.dtype),
+                    head_dim=kv.shape[5], dtype=kv.dtype, scales=KV_SCALES if scales is not None else None,
+                    scale_granularity=granularity(scales) if scales is not None else None),
         tokenizer_file=tokenizer_file, chat_template_file=chat_template_file,
         inputs=tuple(graph.inputs), outputs=tuple(graph.outputs),
         tensors={name: TensorSpec(tuple(t.shape), t.dtype, t.kind)
@@ -120,17 +124,20 @@ def _check_output(output: Path) -> None:
 
 def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, model_info: dict,
                      extra_files: Mapping[str, bytes] | None = None, progress: bool = False,
-                     chat_template: str | None = None) -> BuildSummary:
+                     chat_template: str | None = None, kv_scales: torch.Tensor | None = None) -> BuildSummary:
     """Compile an in-memory model definition into an engine folder; `extra_files` (name ->
     contents: the checkpoint's config and tokenizer files) are written into it, and
-    `chat_template` (Jinja text) as CHAT_TEMPLATE_FILE."""
+    `chat_template` (Jinja text) as CHAT_TEMPLATE_FILE. With `cfg.kv_cache_dtype` fp8 the cache
+    is e4m3 with `kv_scales` ([layers, 2] or [layers, 2, kv heads]; None is 1.0 everywhere)."""
     start = time.time()
     output = Path(output)
     _check_output(output)
     extra_files = dict(extra_files or {})
     tokenizer_file = TOKENIZER_FILE if TOKENIZER_FILE in extra_files else None
-    passes = FUSIONS if cfg.fuse else ()
-    steps = ["trace", *[f.__name__ for f in passes]]
+    passes = [(f.__name__, f) for f in (FUSIONS if cfg.fuse else ())]
+    if cfg.kv_cache_dtype == "fp8":
+        passes.append((quantize_kv_cache.__name__, lambda g: quantize_kv_cache(g, kv_scales)))
+    steps = ["trace", *[name for name, _ in passes]]
     for r in range(cfg.tp_size):
         steps += [f"rank {r}: shard+fold+plan", f"rank {r}: kernels", f"rank {r}: write"]
     bar = tqdm(total=len(steps), desc="build-engine", unit="step", disable=not progress)
@@ -139,9 +146,9 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
             bar.set_postfix_str("trace")
             graph = trace(model)
             bar.update()
-            for fusion in passes:
-                bar.set_postfix_str(fusion.__name__)
-                graph = fusion(graph)
+            for name, graph_pass in passes:
+                bar.set_postfix_str(name)
+                graph = graph_pass(graph)
                 bar.update()
             layers, fusions = _fusions_per_layer(graph)
             weight_bytes, arena_bytes, kernel_counts = [], [], []
@@ -183,7 +190,14 @@ def build_engine(checkpoint: str | Path, output: str | Path, cfg: BuildConfig, p
     if cfg.max_seq_len > mcfg.max_position_embeddings:
         notes.append(f"--max-seq-len {cfg.max_seq_len} exceeds the model's max_position_embeddings "
                      f"({mcfg.max_position_embeddings}): quality past it is not guaranteed")
+    kv_scales = models.read_kv_scales(checkpoint, mcfg)
+    if cfg.kv_cache_dtype == "fp8":
+        notes.append("KV cache float8_e4m3fn, " + ("with the checkpoint's scales" if kv_scales is not None else
+                                                   "scales 1.0 (the checkpoint has none)"))
+    elif kv_scales is not None:
+        notes.append("the checkpoint carries FP8 KV-cache scales: --kv-cache-dtype fp8 would use them")
     summary = build_from_model(model, output, cfg, {"source": str(checkpoint), **mcfg.to_dict()},
-                               models.engine_files(checkpoint), progress, models.read_chat_template(checkpoint))
+                               models.engine_files(checkpoint), progress, models.read_chat_template(checkpoint),
+                               kv_scales)
     summary.notes += notes
     return summary

@@ -7,10 +7,10 @@ from pathlib import Path
 import click
 
 from kiln.builder.build import BuildError, build_engine as run_build
-from kiln.builder.config import TARGETS, BuildConfig, BuildConfigError, default_targets
+from kiln.builder.config import KV_CACHE_DTYPES, TARGETS, BuildConfig, BuildConfigError, default_targets
 from kiln.builder.kernels import KernelError
 from kiln.builder.onnx_export import EXTERNAL_DATA_BYTES, OnnxExportError, export_onnx
-from kiln.builder.passes import ShardError
+from kiln.builder.passes import KVScalesError, ShardError
 from kiln.builder.trace import TraceError
 from kiln.dtypes import MODEL_DTYPES
 from kiln.engines.format import EngineFileError, read_engine_file
@@ -40,6 +40,12 @@ from kiln.models import CheckpointError, read_config
               help="Tokens per paged KV-cache block (a power of two).")
 @click.option("--target", "targets", multiple=True, type=click.Choice(TARGETS),
               help="Hardware to build for; repeat for several. Default: this machine's GPU, else cpu.")
+@click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto", show_default=True,
+              help="KV cache element type. auto: the model's dtype. fp8: e4m3 (float8_e4m3fn), half the bytes "
+                   "per token, so the same memory holds twice the tokens; stored as value / scale with one k "
+                   "and one v scale per layer (or per kv head) taken from the checkpoint when it carries them "
+                   "(compressed-tensors kv_cache_scheme, ModelOpt k_scale/v_scale), else 1.0, as other engines "
+                   "do without calibration.")
 @click.option("--no-fuse", "no_fuse", is_flag=True,
               help="Keep the traced plan of primitive ops (no fusion passes): runs on the CPU; the reference "
                    "that a fusion must not change.")
@@ -48,7 +54,7 @@ from kiln.models import CheckpointError, read_config
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_batch_size: int,
                  max_seq_len: int | None, max_num_tokens: int, kv_block_size: int, targets: tuple[str, ...],
-                 no_fuse: bool, onnx_out: Path | None, quiet: bool) -> None:
+                 kv_cache_dtype: str, no_fuse: bool, onnx_out: Path | None, quiet: bool) -> None:
     """Compile a Hugging Face checkpoint or a GGUF file into a Kiln engine folder.
 
     Traces Kiln's definition of the model, fuses each decoder layer (RMSNorm+QKV+RoPE,
@@ -69,7 +75,8 @@ def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_b
         dtype = model_cfg.dtype if dtype == "auto" else dtype
         cfg = BuildConfig(dtype=dtype, tp_size=tp_size, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                           max_num_tokens=max_num_tokens, kv_block_size=kv_block_size,
-                          targets=tuple(dict.fromkeys(targets)) or default_targets(), fuse=not no_fuse)
+                          targets=tuple(dict.fromkeys(targets)) or default_targets(), fuse=not no_fuse,
+                          kv_cache_dtype=kv_cache_dtype)
     except BuildConfigError as e:
         raise click.UsageError(str(e)) from None
     except CheckpointError as e:
@@ -80,7 +87,7 @@ def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_b
         raise click.BadParameter(str(e), param_hint="--checkpoint") from None
     except ShardError as e:
         raise click.BadParameter(str(e), param_hint="--tp-size") from None
-    except (BuildError, TraceError, BuildConfigError, KernelError) as e:
+    except (BuildError, TraceError, BuildConfigError, KernelError, KVScalesError) as e:
         raise click.UsageError(str(e)) from None
     click.echo(summary.render())
     if onnx_out is not None:
@@ -143,7 +150,8 @@ def inspect_engine(engine_dir: Path, rank: int, as_json: bool, onnx_out: Path | 
         click.echo(f"  {slot.offset:>12,} {slot.nbytes:>12,}  {name}")
     kv = m.kv
     click.echo(f"\nkv cache: {kv.num_layers} layers x {kv.num_kv_heads} kv heads x head_dim {kv.head_dim}, "
-               f"{kv.dtype}, {kv.block_size} tokens per block, {kv.bytes_per_token:,} bytes per token")
+               f"{kv.dtype}, {kv.block_size} tokens per block, {kv.bytes_per_token:,} bytes per token"
+               + (f", {kv.scale_granularity} scales in weight {kv.scales}" if kv.scales else ""))
     by_target: dict[str, int] = {}
     for entry in m.kernels.values():
         by_target[entry.target] = by_target.get(entry.target, 0) + 1

@@ -7,6 +7,11 @@ from kiln.dtypes import MODEL_DTYPES
 from kiln.engines.manifest import blocks_per_sequence, symbol_bounds
 
 TARGETS = ("cpu", "sm_80", "sm_89", "sm_90", "sm_100")
+# --kv-cache-dtype: "auto" keeps the cache in the model's dtype, "fp8" stores e4m3 (plugins/fp8.py).
+KV_CACHE_DTYPES = ("auto", "fp8")
+# GPU targets whose Triton has e4m3 (float8e4nv) values; sm_80 has none, even for a cache that
+# is only converted in registers (Triton refuses the type there).
+FP8_KV_TARGETS = ("sm_89", "sm_90", "sm_100")
 
 
 class BuildConfigError(ValueError):
@@ -25,6 +30,7 @@ class BuildConfig:
     # False keeps the traced plan of primitive ops (`--no-fuse`): it runs on the CPU, and its
     # ONNX export is the reference that a fusion pass must not change.
     fuse: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -38,11 +44,18 @@ class BuildConfig:
             raise BuildConfigError(f"--kv-block-size must be a power of two, got {self.kv_block_size}")
         if not isinstance(self.fuse, bool):
             raise BuildConfigError(f"fuse must be True or False, got {self.fuse!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise BuildConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: choose one of {', '.join(KV_CACHE_DTYPES)}")
         if not self.targets:
             raise BuildConfigError("at least one --target is needed")
         unknown = [t for t in self.targets if t not in TARGETS]
         if unknown:
             raise BuildConfigError(f"--target {unknown[0]}: choose from {', '.join(TARGETS)}")
+        no_fp8 = [t for t in self.targets if t != "cpu" and t not in FP8_KV_TARGETS]
+        if self.kv_cache_dtype == "fp8" and no_fp8:
+            raise BuildConfigError(f"--kv-cache-dtype fp8 cannot run on --target {no_fp8[0]}: Triton has e4m3 values "
+                                   f"only on {', '.join(FP8_KV_TARGETS)} (and the cpu reference); build for those, "
+                                   "or keep --kv-cache-dtype auto for that target")
 
     @property
     def bounds(self) -> dict[str, int]:

@@ -80,6 +80,12 @@ def export_onnx(engine: str | Path, output: str | Path, external_data: bool | No
         except EngineFileError as e:
             raise OnnxExportError(str(e)) from None
         m = ef.manifest
+        if m.kv.scales is not None:
+            # The dense prefill form passes each layer's k and v in the model's dtype, never
+            # through the cache, so it would not show the e4m3 rounding the engine does.
+            raise OnnxExportError(f"{engine} has an FP8 KV cache, which the ONNX form (dense prefill, k and v in "
+                                  f"{m.dtype}) cannot express: export the same checkpoint built with "
+                                  "--kv-cache-dtype auto")
         path = onnx_paths(output, m.world_size)[m.rank]
         model = rank_model(onnx, m, str(file))
         weight_bytes = sum(w.nbytes for w in ef.weights.values())
@@ -252,7 +258,7 @@ def _model_props(m: Manifest, source: str) -> dict[str, str]:
         "kiln.targets": ", ".join(m.targets),
         "kiln.model": json.dumps(m.model),
         "kiln.limits": json.dumps(limits),
-        "kiln.kv_cache": json.dumps(asdict(m.kv)),
+        "kiln.kv_cache": json.dumps(m.kv.to_json()),
         "kiln.memory_plan": json.dumps(memory_plan),
         "kiln.kernels": json.dumps(kernels),
     }

@@ -33,15 +33,25 @@ def symbol_bounds(max_num_tokens: int, max_batch_size: int, blocks_per_seq: int)
     return {"T": max_num_tokens, "S": max_batch_size, "L": max_batch_size, "B": blocks_per_seq}
 
 
+KV_FP8 = "float8_e4m3fn"
+SCALE_GRANULARITIES = ("tensor", "head")
+
+
 @dataclass(frozen=True)
 class KVLayout:
-    """The paged KV cache's layout; the pool is [layers, K and V, blocks, block_size, kv heads, head_dim]."""
+    """The paged KV cache's layout; the pool is [layers, K and V, blocks, block_size, kv heads, head_dim].
+
+    An e4m3 cache (`dtype` float8_e4m3fn) holds value / scale: `scales` names the float32 weight
+    [layers, 2 (k, v), kv heads] of those scales, one per layer and k or v ("tensor", the same for
+    every head) or one per kv head too ("head"). A cache in the model's dtype has none."""
 
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: str
+    scales: str | None = None
+    scale_granularity: str | None = None
 
     @property
     def bytes_per_token(self) -> int:
@@ -54,6 +64,31 @@ class KVLayout:
 
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def scales_shape(self) -> tuple[int, int, int]:
+        return (self.num_layers, 2, self.num_kv_heads)
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields; an unquantized cache's (None) scale fields are left out, as engines from
+        before them wrote it."""
+        return {k: v for k, v in _fields(self).items() if v is not None}
+
+    def check(self, weights: dict[str, WeightEntry]) -> None:
+        """An e4m3 cache names its scales weight, of the right shape; any other cache has none."""
+        if self.dtype != KV_FP8:
+            if self.scales is not None or self.scale_granularity is not None:
+                raise ManifestError(f"manifest.kv_cache: a {self.dtype} cache has no scales; only a {KV_FP8} "
+                                    "cache does")
+            return
+        if self.scale_granularity not in SCALE_GRANULARITIES:
+            raise ManifestError(f"manifest.kv_cache.scale_granularity must be one of {SCALE_GRANULARITIES} for a "
+                                f"{KV_FP8} cache, got {self.scale_granularity!r}")
+        w = weights.get(self.scales) if self.scales is not None else None
+        if w is None or w.dtype != "float32" or tuple(w.shape) != self.scales_shape:
+            raise ManifestError(f"manifest.kv_cache.scales must name a float32 weight of shape "
+                                f"{list(self.scales_shape)}, got {self.scales!r}"
+                                + (f" ({w.dtype} {list(w.shape)})" if w is not None else ""))
 
 
 @dataclass(frozen=True)
@@ -195,7 +230,7 @@ class Manifest:
             "targets": list(self.targets), "rank": self.rank, "world_size": self.world_size,
             "limits": {"max_num_tokens": self.max_num_tokens, "max_batch_size": self.max_batch_size,
                        "max_seq_len": self.max_seq_len},
-            "kv_cache": _fields(self.kv), "tokenizer": self.tokenizer_file,
+            "kv_cache": self.kv.to_json(), "tokenizer": self.tokenizer_file,
             "chat_template": self.chat_template_file,
             "inputs": list(self.inputs), "outputs": list(self.outputs),
             "tensors": {n: {**_fields(t), "shape": list(t.shape)} for n, t in self.tensors.items()},
@@ -220,7 +255,8 @@ class Manifest:
             max_num_tokens=limits.integer("max_num_tokens"), max_batch_size=limits.integer("max_batch_size"),
             max_seq_len=limits.integer("max_seq_len"),
             kv=KVLayout(kv.integer("num_layers"), kv.integer("block_size"), kv.integer("num_kv_heads"),
-                        kv.integer("head_dim"), kv.dtype("dtype")),
+                        kv.integer("head_dim"), kv.dtype("dtype"), kv.string("scales", optional=True),
+                        kv.string("scale_granularity", optional=True)),
             tokenizer_file=m.string("tokenizer", optional=True),
             chat_template_file=m.string("chat_template", optional=True),
             inputs=m.strs("inputs"), outputs=m.strs("outputs"),
@@ -266,6 +302,7 @@ class Manifest:
         absent = [k for keys in self.all_reduce_kernels.values() for k in keys if k not in self.kernels]
         if absent:
             raise ManifestError(f"manifest: all_reduce_kernels names kernel {absent[0]!r}, which is not stored")
+        self.kv.check(self.weights)
         unplaced = [n for n, t in self.tensors.items() if t.kind != "state" and n not in self.slots]
         if unplaced:
             raise ManifestError(f"manifest: tensor {unplaced[0]!r} has no place in the memory plan")

@@ -13,6 +13,7 @@ from kiln.dtypes import MODEL_DTYPES, torch_dtype
 from kiln.models.config import CheckpointError, ModelConfig, parse_config, read_folder_config
 from kiln.models.gemma3 import Gemma3ForCausalLM
 from kiln.models.gguf import read_gguf
+from kiln.models.kv_scales import is_kv_scale, kv_scales_from
 from kiln.models.llama import LlamaForCausalLM
 
 # family -> model definition; every other family is the Llama one's
@@ -90,14 +91,26 @@ def safetensors_files(checkpoint_dir: Path) -> list[Path]:
     return files
 
 
-def iter_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(checkpoint_dir: Path, wanted=lambda name: True) -> Iterator[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of a folder's safetensors files whose names `wanted` accepts."""
     for path in safetensors_files(checkpoint_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if wanted(name):
+                        yield name, f.get_tensor(name)
         except (OSError, RuntimeError, SafetensorError) as e:
             raise CheckpointError(f"cannot read {path}: {e} (re-copy or re-download the checkpoint)") from None
+
+
+def read_kv_scales(checkpoint: str | Path, cfg: ModelConfig) -> torch.Tensor | None:
+    """The FP8 KV-cache scales a checkpoint carries, [layers, 2, kv heads] float32
+    (`models.kv_scales`); None when it has none (a GGUF file never does)."""
+    checkpoint = Path(checkpoint)
+    if is_gguf_path(checkpoint):
+        return None
+    return kv_scales_from(dict(iter_tensors(checkpoint, is_kv_scale)), cfg.num_layers, cfg.num_kv_heads,
+                          str(checkpoint))
 
 
 def load(checkpoint: str | Path, dtype: str = "float32", max_positions: int | None = None
@@ -114,7 +127,8 @@ def load(checkpoint: str | Path, dtype: str = "float32", max_positions: int | No
     state: dict[str, torch.Tensor] = {}
     for stored, tensor in tensors:
         name = model.checkpoint_name(stored)
-        if name is None or name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+        if (name is None or name.endswith(_IGNORED_SUFFIXES) or is_kv_scale(stored)
+                or (cfg.tie_word_embeddings and name == "lm_head.weight")):
             continue
         if name not in expected:
             raise CheckpointError(f"{checkpoint}: unexpected tensor {stored!r} for a {cfg.architecture} "

@@ -12,6 +12,8 @@ from typing import Any
 TARGET_CC = {"sm_80": 80, "sm_89": 89, "sm_90": 90, "sm_100": 100}
 # Triton's pointer type in a signature for each engine dtype.
 POINTER_TYPES = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}
+# Triton's pointer to e4m3 (torch.float8_e4m3fn) values, such as an FP8 KV cache's.
+FP8_POINTER = "*fp8e4nv"
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,11 @@ class PluginSpec:
         return input_dtypes[self.dtype] if self.dtype in input_dtypes else self.dtype
 
     def call_reference(self, inputs: Sequence[torch.Tensor | None], attrs: dict) -> torch.Tensor:
-        return self.reference(*inputs, **attrs)
+        """The reference on `inputs` (in `input_names` order; trailing optional ones may be left
+        off) and `attrs`, passed by name: an optional input added last (such as attention's
+        `kv_scales`) comes after the attrs in the reference's own signature, where models that
+        pass the attrs by position do not see it."""
+        return self.reference(**dict(zip(self.input_names, inputs)), **attrs)
 
     def module(self, name: str) -> ModuleType | None:
         """One of the plugin's own modules (`kernels`, `launch`, `onnx`), imported on first use

@@ -72,7 +72,10 @@ def load_engine(engine_dir: str | Path, rank: int = 0, target: str | None = "cpu
         if spec.version != entry.version:
             raise EngineLoadError(f"engine uses plugin {spec.name} v{entry.version}, this Kiln has "
                                   f"v{spec.version}: rebuild the engine with this Kiln")
-        plan.append(PlanOp(spec, entry.inputs, entry.attrs, entry.output, entry.kernel_keys))
+        # In the plugin's input order, which the executors pass them in; an optional input the
+        # plugin gained after the engine was built (attention's kv_scales) is absent.
+        inputs = {name: entry.inputs.get(name) for name in spec.input_names}
+        plan.append(PlanOp(spec, inputs, entry.attrs, entry.output, entry.kernel_keys))
     engine = Engine(engine_dir, m, ef.weights, ef.kernels, plan)
     if target is not None:
         engine.require_target(target)

@@ -12,7 +12,8 @@
 #     1. run: bash scripts/real_model_gpu.sh stash     carry: [".real/part0"]
 #     2. run: bash scripts/real_model_gpu.sh run       carry: [".real/part1", ".real/SHA256", ".real/whl"]
 #   `run` writes $OUT/real_model_gpu.txt (date, commit, device, figures, PASS/FAIL) and
-#   $OUT/pytest-real-gpu.txt. Run `git rev-parse --short HEAD` here and pass it as KILN_COMMIT:
+#   $OUT/pytest-real-gpu.txt. `fp8kv` in its place (same carry) runs scripts/fp8_kv_accuracy.py:
+#   the FP8 KV cache's perplexity against the bf16 cache's, into $OUT/fp8_kv_accuracy.json. Run `git rev-parse --short HEAD` here and pass it as KILN_COMMIT:
 #   the GPU machine's copy has no usable .git.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +38,7 @@ case "${1:-}" in
     cp -r .real/. "$STASH"/
     ls -l "$STASH"
     ;;
-  run)
+  run|fp8kv)
     mkdir -p "$STASH"
     cp -r .real/. "$STASH"/
     export KILN_MODEL_CACHE=${KILN_MODEL_CACHE:-/tmp/kiln-models}
@@ -46,6 +47,12 @@ case "${1:-}" in
     (cd "$KILN_MODEL_CACHE/$MODEL" && sha256sum -c "$STASH/SHA256")
     python3 -m pip install -q --no-index --no-deps --target /tmp/site "$STASH"/whl/*.whl
     export PYTHONPATH=$PWD:/tmp/site
+    if [ "$1" = fp8kv ]; then
+      out=${OUT:-gpu-results}
+      mkdir -p "$out"
+      exec python3 scripts/fp8_kv_accuracy.py --checkpoint "$KILN_MODEL_CACHE/$MODEL/$GGUF_NAME" \
+        --out "$out/fp8_kv_accuracy.json"
+    fi
     export KILN_GPU_WORKDIR=${KILN_GPU_WORKDIR:-$PWD/engines/gpu-work}
     out=${OUT:-gpu-results}
     mkdir -p "$out"
@@ -56,7 +63,7 @@ case "${1:-}" in
     exit $(( status || PIPESTATUS[0] ))
     ;;
   *)
-    echo "usage: $0 prepare|stash|run (see the top of this file)" >&2
+    echo "usage: $0 prepare|stash|run|fp8kv (see the top of this file)" >&2
     exit 2
     ;;
 esac

@@ -315,3 +315,28 @@ def test_bare_run_without_a_gpu_writes_no_8b_checkpoint(tmp_path):
     assert result.exit_code == 2, result.output
     assert "no GPU here" in result.output and "--shape tiny" in result.output and "8B-parameter" in result.output
     assert not (tmp_path / "work").exists()
+
+
+def test_fp8_kv_cache_is_measured_beside_the_model_dtype_cache(tmp_path):
+    """--kv-cache-dtype fp8: decode and offline again on the e4m3-cache engine in the same run,
+    its pool twice the tokens of the same bytes (here both hold every request), each figure
+    beside its model-dtype twin, with the ratio in a note."""
+    result = invoke(*TINY, "--only", "decode,offline", "--batch-sizes", "2", "--offline", "8/8",
+                    "--offline-requests", "4", "--kv-cache-dtype", "fp8", "--work-dir", tmp_path / "work",
+                    "--json", tmp_path / "out.json")
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert [f["name"] for f in data["offline"]] == ["offline 8/8 output", "offline 8/8 total",
+                                                    "offline 8/8 output [fp8 KV]", "offline 8/8 total [fp8 KV]"]
+    assert [f.get("kv_cache") for f in data["decode"]] == [None, "fp8"]
+    for plain, fp8 in ((data["decode"][0], data["decode"][1]), (data["offline"][0], data["offline"][2])):
+        assert plain["value"] > 0 and fp8["value"] > 0 and fp8["eager"] == plain["eager"] > 0
+    ratio = data["offline"][2]["value"] / data["offline"][0]["value"]
+    assert f"offline 8/8 output: fp8 KV {ratio:.2f}x the bfloat16 KV cache" in result.stdout
+    engines = [p.name for p in (tmp_path / "work" / "engines").glob("*/*")]
+    assert len(engines) == 2 and sum("-fp8kv-" in name for name in engines) == 1
+
+
+def test_fp8_kv_cache_needs_a_checkpoint_not_an_engine(tmp_path):
+    result = invoke("--engine", tmp_path, "--device", "cpu", "--kv-cache-dtype", "fp8")
+    assert result.exit_code == 2 and "give --checkpoint (or a --shape) instead of --engine" in result.output

@@ -373,7 +373,7 @@ def test_parity_tma_norm_qkv_rope(request, bias, qk_norm, heads_per_tile, dtype)
             {"eps": EPS, "layer": layer, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d})
         out = torch.full((t, heads * d), float("nan"), dtype=dtype)
         norm_qkv_rope_kernels.tma_norm_qkv_rope_kernel[(TMA_PROGRAMS,)](
-            x, row_scales(x), w_qkv, b, q_norm, k_norm, positions, rope, kv_cache, slots, out, t, 80, layer, EPS,
+            x, row_scales(x), w_qkv, b, q_norm, k_norm, positions, rope, kv_cache, slots, None, out, t, 80, layer, EPS,
             K=k, H=heads, KVH=kv_heads, D=d, BLOCK_M=64, BLOCK_K=32, GROUP_M=2, HEADS=heads_per_tile,
             UPCAST_DOT=linear_kernels.upcast_dot(x))
         assert_matches(out, ref)

@@ -70,11 +70,13 @@ NUM_BLOCKS = 96
 # Constexprs that only say whether the kernel runs in the interpreter: run() sets them there,
 # the AOT kernels never.
 INTERPRETER_ONLY = {"UPCAST_DOT", "INTERPRETER"}
-POINTER_DTYPES = {"*fp32": torch.float32, "*fp16": torch.float16, "*bf16": torch.bfloat16, "*i32": torch.int32}
-# (family, dtype, max_seq_len, hidden size): 512 keys per sequence make decode steps split the
+POINTER_DTYPES = {"*fp32": torch.float32, "*fp16": torch.float16, "*bf16": torch.bfloat16, "*i32": torch.int32,
+                  "*fp8e4nv": torch.float8_e4m3fn}
+# (family, dtype, max_seq_len, hidden size, KV cache dtype): 512 keys per sequence make decode steps split the
 # keys, 128 do not; a 512-wide model makes the decode and mixed steps' GEMMs split K.
-ENGINES = [("llama3", "bfloat16", 512, 64), ("qwen3", "float32", 128, 64), ("qwen2", "float32", 128, 64),
-           ("llama3", "bfloat16", 128, 512), ("gemma3", "bfloat16", 512, 64)]
+ENGINES = [("llama3", "bfloat16", 512, 64, "auto"), ("qwen3", "float32", 128, 64, "auto"),
+           ("qwen2", "float32", 128, 64, "auto"), ("llama3", "bfloat16", 128, 512, "auto"),
+           ("gemma3", "bfloat16", 512, 64, "auto"), ("llama3", "bfloat16", 512, 64, "fp8")]  # last: an e4m3 KV cache
 # Ops a family's plans never hold: Gemma 3's post-norms sit between attention, its projections
 # and the residual adds, so none of those fuse; only Gemma 3 soft-caps its logits.
 UNUSED_OPS = {"gemma3": {"attention_o_proj", "linear_residual"}}
@@ -223,7 +225,7 @@ class Built:
     aot: dict[str, AotKernel]   # kernel key -> the AotKernel it was compiled from
 
 
-def build_without_compiler(checkpoint: Path, output: Path, dtype: str, max_seq_len: int) -> Built:
+def build_without_compiler(checkpoint: Path, output: Path, dtype: str, max_seq_len: int, kv_cache_dtype: str) -> Built:
     """Build for ["cpu", TARGET] with a stand-in for the cubin compiler (the interpreter cannot
     compile); everything else in the engine is what build-engine writes. Its own kernel cache,
     so every kernel goes through the stand-in and is recorded."""
@@ -239,7 +241,7 @@ def build_without_compiler(checkpoint: Path, output: Path, dtype: str, max_seq_l
         mp.delenv("TRITON_INTERPRET")        # build-engine refuses GPU targets in interpreter mode
         build_engine(checkpoint, output, BuildConfig(dtype=dtype, max_batch_size=32, max_seq_len=max_seq_len,
                                                      max_num_tokens=80, kv_block_size=16,
-                                                     targets=("cpu", TARGET)))
+                                                     targets=("cpu", TARGET), kv_cache_dtype=kv_cache_dtype))
     return Built(load_engine(output), aot)
 
 
@@ -309,28 +311,29 @@ def variants(op: str, engine, entry: dict, args: list, attrs: dict, out: torch.T
         yield op, {**shapes, "norm_weight": True, "bias": True, "qk_norm": True}, \
             [x, randn(x.shape[1]), w_qkv, randn(w_qkv.shape[0]), norm_randn(d), norm_randn(d), *rest], attrs, out
     elif op == "attention_o_proj":
-        q, _, _, *cache, w_o, _, residual = args
+        q, _, _, *cache, w_o, _, residual, kv_scales = args
         kv = attrs["num_kv_heads"] * attrs["head_dim"]
         k, v = randn(q.shape[0], kv), randn(q.shape[0], kv)
-        yield op, {**shapes, "bias": True}, [q, k, v, *cache, w_o, randn(w_o.shape[0]), residual], attrs, out
-        attention_shapes = {name: shapes[name] for name in ("heads", "kv_heads", "head_dim", "block_size")}
+        yield op, {**shapes, "bias": True}, [q, k, v, *cache, w_o, randn(w_o.shape[0]), residual, kv_scales], \
+            attrs, out
+        attention_shapes = {name: shapes[name] for name in ("heads", "kv_heads", "head_dim", "block_size", "fp8_kv")}
         attention_attrs = {name: attrs[name] for name in ("layer", "num_heads", "num_kv_heads", "head_dim", "scale",
                                                           "window")}
-        yield "attention", attention_shapes, [q, k, v, *cache], attention_attrs, torch.empty_like(q)
-        yield "attention", attention_shapes, [q, None, None, *cache], attention_attrs, torch.empty_like(q)
+        yield "attention", attention_shapes, [q, k, v, *cache, kv_scales], attention_attrs, torch.empty_like(q)
+        yield "attention", attention_shapes, [q, None, None, *cache, kv_scales], attention_attrs, torch.empty_like(q)
 
 
 @pytest.fixture(scope="module")
 def engines(factory, tmp_path_factory):
     root = tmp_path_factory.mktemp("launch-args")
-    return {(family, dtype, seq, hidden): build_without_compiler(
+    return {(family, dtype, seq, hidden, kv): build_without_compiler(
         factory.checkpoint(family, hidden_size=hidden, intermediate_size=2 * hidden),
-        root / f"{family}-{dtype}-{seq}-{hidden}", dtype, seq) for family, dtype, seq, hidden in ENGINES}
+        root / f"{family}-{dtype}-{seq}-{hidden}-{kv}", dtype, seq, kv) for family, dtype, seq, hidden, kv in ENGINES}
 
 
-@pytest.mark.parametrize("family,dtype,max_seq_len,hidden", ENGINES)
-def test_launchers_pass_what_run_passes(engines, family, dtype, max_seq_len, hidden):
-    built = engines[family, dtype, max_seq_len, hidden]
+@pytest.mark.parametrize("family,dtype,max_seq_len,hidden,kv_cache_dtype", ENGINES)
+def test_launchers_pass_what_run_passes(engines, family, dtype, max_seq_len, hidden, kv_cache_dtype):
+    built = engines[family, dtype, max_seq_len, hidden, kv_cache_dtype]
     engine, manifest = built.engine, built.engine.manifest
     executor = CpuExecutor(engine, NUM_BLOCKS)
     scratch = allocate_scratch(engine)

@@ -27,7 +27,7 @@ def shard(graph: Graph, rank: int, world_size: int) -> Graph:
         part = rule(g.input_shapes(node), node.attrs, rank, world_size, node.source)
         node.attrs.update(part.attrs)
         for input_name, split in part.weights.items():
-            weight = node.inputs[input_name]
+            weight = node.inputs.get(input_name)
             if weight is not None:
                 _put(g, weight, split, done)
     kv = g.tensors["kv_cache"]

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from kiln.plugins.aot import POINTER_TYPES, TARGET_CC, AotKernel, pointer_params
+from kiln.plugins.aot import FP8_POINTER, POINTER_TYPES, TARGET_CC, AotKernel, pointer_params
 
 MAX_SPLITS = 32             # S=1, 8192 keys on an H200: 16 splits give 1.7 TB/s, 32 give 2.1
 SPLIT_MIN_KEYS = 256        # fewer keys per split than this cost more to merge than they save
@@ -29,11 +29,27 @@ PREFILL = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 PREFILL_SM90 = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
 SM90_TARGETS = ("sm_90", "sm_100")
 DECODE = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+E4M3_MAX = tl.constexpr(448.0)  # plugins/fp8.py's
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_stride, v_stride,
-                     ROW: tl.constexpr, BLOCK: tl.constexpr):
+def to_e4m3(x, scale):
+    """x / scale saturated to +-448 and rounded to the nearest e4m3 value (ties to even), in
+    float32: plugins/fp8.py's `to_e4m3`, whose cast to float8e4nv is then exact. The rounding is
+    done here rather than left to the cast because Triton's interpreter truncates e4m3
+    subnormals (and sm_80 has no e4m3 conversion instruction): adding and subtracting
+    1.5 * 2**23 units of the value's e4m3 spacing rounds it there with float32's own rounding."""
+    y = tl.clamp(x.to(tl.float32) / scale, -E4M3_MAX, E4M3_MAX)
+    exponent = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # subnormals: -6
+    # 2**(exponent - 3) is the spacing of e4m3's 3-bit mantissa; the biased exponent of that times 2**23.
+    magic = ((exponent + 147) << 23).to(tl.float32, bitcast=True) * 1.5
+    return (y + magic) - magic
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, scale_ptr, k_stride, v_stride,
+                     ROW: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """scale_ptr: this layer's [2, kv heads] scales of an e4m3 cache, or None."""
     tok = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < ROW
@@ -41,6 +57,10 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k
     dst = tl.load(slot_mapping_ptr + tok).to(tl.int64) * ROW + cols
     k = tl.load(k_ptr + tok * k_stride + cols, mask=ok)
     v = tl.load(v_ptr + tok * v_stride + cols, mask=ok)
+    if scale_ptr is not None:
+        head = cols // HEAD_DIM
+        k = to_e4m3(k, tl.load(scale_ptr + head, mask=ok, other=1.0))
+        v = to_e4m3(v, tl.load(scale_ptr + ROW // HEAD_DIM + head, mask=ok, other=1.0))
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
@@ -115,7 +135,7 @@ def _attend(q, acc, m, l, start, hi, pos, window, table, k_cache_ptr, v_cache_pt
 
 @triton.jit
 def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_ptr,
-                      block_tables_ptr, query_lens_ptr, context_lens_ptr,
+                      block_tables_ptr, query_lens_ptr, context_lens_ptr, scale_ptr,
                       num_seqs, q_stride, out_stride, table_stride, scale, window,
                       NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -152,6 +172,12 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     qk_scale = scale * 1.4426950408889634  # exp2 instead of exp
+    if scale_ptr is not None:
+        # An e4m3 cache (scale_ptr: this layer's [2, kv heads] scales) holds k / k_scale and
+        # v / v_scale, converted exactly to q's dtype in _attend. Every key and value of this
+        # program has its kv head's scale, so k * k_scale is applied to the scores (q.k * k_scale)
+        # and v * v_scale to the accumulated p.v, once, instead of to each loaded element.
+        qk_scale = qk_scale * tl.load(scale_ptr + kv_head)
     table = block_tables_ptr + seq.to(tl.int64) * table_stride
     # Whole key tiles that every row of the block sees (causal: up to its first query; no window)
     # take no mask: in a long prefill that is all but the tiles on the diagonal.
@@ -166,6 +192,8 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_
         acc, m, l = _attend(q, acc, m, l, start, hi, pos, window, table, k_cache_ptr, v_cache_ptr, kv_head, d,
                             d_ok, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, INTERPRETER)
 
+    if scale_ptr is not None:
+        acc = acc * tl.load(scale_ptr + NUM_KV_HEADS + kv_head)
     if SPLIT:
         # Unnormalised partial result and its (max, sum) for _combine_splits_kernel.
         part = (q_rows.to(tl.int64) * NUM_HEADS + head) * tl.num_programs(2) + tl.program_id(2)
@@ -215,14 +243,19 @@ def _check_layout(kv_cache: torch.Tensor, *rows: torch.Tensor) -> None:
 
 
 def write_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Copy each token's k and v rows [T, kv_heads*head_dim] into its cache slot."""
+             slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
+    """Copy each token's k and v rows [T, kv_heads*head_dim] into its cache slot (in e4m3,
+    value / scale, with `kv_scales` [layers, 2, kv_heads])."""
     _check_layout(kv_cache, k, v)
     row = kv_cache.shape[-2] * kv_cache.shape[-1]
     block = _row_block(row)
     _write_kv_kernel[(k.shape[0], triton.cdiv(row, block))](
-        k, v, kv_cache[layer, 0], kv_cache[layer, 1], slot_mapping, k.stride(0), v.stride(0),
-        ROW=row, BLOCK=block)
+        k, v, kv_cache[layer, 0], kv_cache[layer, 1], slot_mapping, _layer_scales(kv_scales, layer),
+        k.stride(0), v.stride(0), ROW=row, BLOCK=block, HEAD_DIM=kv_cache.shape[-1])
+
+
+def _layer_scales(kv_scales: torch.Tensor | None, layer: int) -> torch.Tensor | None:
+    return None if kv_scales is None else kv_scales[layer].contiguous()
 
 
 def choose_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, max_keys: int) -> int:
@@ -237,8 +270,10 @@ def choose_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, max_keys: i
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_lens: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor,
-                    attrs: dict, num_splits: int = 1, config: dict | None = None) -> None:
-    """Attention of q over the cache into out; `num_splits` > 1 takes the split-KV path."""
+                    attrs: dict, num_splits: int = 1, config: dict | None = None,
+                    kv_scales: torch.Tensor | None = None) -> None:
+    """Attention of q over the cache into out; `num_splits` > 1 takes the split-KV path;
+    `kv_scales` [layers, 2, kv_heads] for an e4m3 cache."""
     heads, kv_heads, head_dim = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be within 1..{MAX_SPLITS}, got {num_splits}")
@@ -255,7 +290,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     layer = attrs["layer"]
     _attention_kernel[grid](
         q, kv_cache[layer, 0], kv_cache[layer, 1], out, part, stats,
-        block_tables, query_lens, context_lens,
+        block_tables, query_lens, context_lens, _layer_scales(kv_scales, attrs["layer"]),
         seqs, q.stride(0), out.stride(0), block_tables.stride(0), attrs["scale"], attrs["window"],
         NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[3],
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=_head_block(head_dim), SEQ_CHUNK=SEQ_CHUNK,
@@ -268,44 +303,59 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
-    """inputs: q, k?, v?, kv_cache, slot_mapping, block_tables, query_lens, context_lens."""
-    q, k, v, kv_cache, slot_mapping, block_tables, query_lens, context_lens = inputs
+    """inputs: q, k?, v?, kv_cache, slot_mapping, block_tables, query_lens, context_lens, kv_scales?
+    (given for an e4m3 cache)."""
+    q, k, v, kv_cache, slot_mapping, block_tables, query_lens, context_lens, kv_scales = padded(inputs, 9)
     # The launches are stream-ordered, so every cache write lands before attention reads.
     if k is not None and v is not None:
-        write_kv(kv_cache, attrs["layer"], k, v, slot_mapping)
+        write_kv(kv_cache, attrs["layer"], k, v, slot_mapping, kv_scales)
     max_keys = block_tables.shape[1] * kv_cache.shape[3]
     splits = choose_num_splits(q.shape[0], query_lens.shape[0], attrs["num_kv_heads"], max_keys)
-    paged_attention(q, kv_cache, block_tables, query_lens, context_lens, out, attrs, splits)
+    paged_attention(q, kv_cache, block_tables, query_lens, context_lens, out, attrs, splits, kv_scales=kv_scales)
+
+
+def padded(inputs: list, count: int) -> list:
+    """`inputs` with absent trailing optional inputs (None) up to `count`."""
+    return list(inputs) + [None] * (count - len(inputs))
 
 
 def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
-    """Kernels for `shapes` keys heads, kv_heads, head_dim, block_size (cache block).
+    """Kernels for `shapes` keys heads, kv_heads, head_dim, block_size (cache block) and fp8_kv
+    (the cache is e4m3; default False).
 
     The launcher passes kv_cache + (2 * layer + 0 or 1) * num_blocks * block_size * kv_heads *
-    head_dim elements as the k and v cache pointers, and step inputs as they are. With num_splits
-    > 1 it also passes fp32 workspaces part [T, heads, num_splits, head_dim] and stats
+    head_dim elements as the k and v cache pointers, and step inputs as they are; with fp8_kv,
+    kv_scales + layer * 2 * kv_heads as scale_ptr (the kernels built without it take none). With
+    num_splits > 1 it also passes fp32 workspaces part [T, heads, num_splits, head_dim] and stats
     [T, heads, num_splits, 2], and launches the combine kernel after the attention kernel.
     """
     ptr = POINTER_TYPES[dtype]
+    fp8_kv = shapes.get("fp8_kv", False)
+    cache = FP8_POINTER if fp8_kv else ptr
+    scales = {"scale_ptr": "*fp32" if fp8_kv else "constexpr"}
+    scale_const = {} if fp8_kv else {"scale_ptr": None}
     heads, kv_heads, head_dim = shapes["heads"], shapes["kv_heads"], shapes["head_dim"]
     row = kv_heads * head_dim
     common = {"NUM_HEADS": heads, "NUM_KV_HEADS": kv_heads, "HEAD_DIM": head_dim,
               "BLOCK_D": _head_block(head_dim)}
+    write_sig = {"k_ptr": ptr, "v_ptr": ptr, "k_cache_ptr": cache, "v_cache_ptr": cache, "slot_mapping_ptr": "*i32",
+                 **scales, "k_stride": "i32", "v_stride": "i32", "ROW": "constexpr", "BLOCK": "constexpr",
+                 "HEAD_DIM": "constexpr"}
     write = AotKernel(
-        _write_kv_kernel,
-        {"k_ptr": ptr, "v_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr, "slot_mapping_ptr": "*i32",
-         "k_stride": "i32", "v_stride": "i32", "ROW": "constexpr", "BLOCK": "constexpr"},
-        {"ROW": row, "BLOCK": _row_block(row)}, aligned=("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr"),
+        _write_kv_kernel, write_sig, {"ROW": row, "BLOCK": _row_block(row), "HEAD_DIM": head_dim, **scale_const},
+        aligned=("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr"),
         meta={"role": "write_kv", "grid": f"(T, {triton.cdiv(row, _row_block(row))}, 1)", "pointer_alignment": 16,
               "when": "k and v are given; before the attention kernel"})
     attention_sig = {
-        "q_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr, "out_ptr": ptr,
+        "q_ptr": ptr, "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": ptr,
         "part_ptr": "*fp32", "stats_ptr": "*fp32", "block_tables_ptr": "*i32",
-        "query_lens_ptr": "*i32", "context_lens_ptr": "*i32", "num_seqs": "i32", "q_stride": "i32",
+        "query_lens_ptr": "*i32", "context_lens_ptr": "*i32", **scales, "num_seqs": "i32", "q_stride": "i32",
         "out_stride": "i32", "table_stride": "i32", "scale": "fp32", "window": "i32",
         **{name: "constexpr" for name in ("NUM_HEADS", "NUM_KV_HEADS", "HEAD_DIM", "BLOCK_SIZE",
                                           "BLOCK_M", "BLOCK_N", "BLOCK_D", "SEQ_CHUNK", "SPLIT",
                                           "INTERPRETER")}}
+    # A layer's scales start 2 * kv_heads floats apart: not always 16-byte aligned.
+    aligned = tuple(p for p in pointer_params(attention_sig) if p != "scale_ptr")
     kernels = [write]
     group = heads // kv_heads
     for role, cfg, split, when, targets in (
@@ -316,8 +366,9 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
         kernels.append(AotKernel(
             _attention_kernel, attention_sig,
             {**common, "BLOCK_SIZE": shapes["block_size"], "BLOCK_M": cfg["BLOCK_M"],
-             "BLOCK_N": cfg["BLOCK_N"], "SEQ_CHUNK": SEQ_CHUNK, "SPLIT": split, "INTERPRETER": False},
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], aligned=pointer_params(attention_sig),
+             "BLOCK_N": cfg["BLOCK_N"], "SEQ_CHUNK": SEQ_CHUNK, "SPLIT": split, "INTERPRETER": False,
+             **scale_const},
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], aligned=aligned,
             targets=targets,
             meta={"role": role, "when": when, "pointer_alignment": 16,
                   "grid": f"(T * {group} // {cfg['BLOCK_M']} + S, {kv_heads}, {'num_splits' if split else 1})"}))

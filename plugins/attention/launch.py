@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.plugins.attention.kernels import choose_num_splits
+from kiln.plugins.attention.kernels import choose_num_splits, padded
 from kiln.plugins.driver_launch import check_aligned, grid, ptr
 
 FP32_BYTES = 4
@@ -36,8 +36,11 @@ def scratch_bytes(attrs: dict, limits: dict[str, int]) -> dict[str, int]:
 
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
            dims: dict[str, int], stream: int, scratch: dict[str, torch.Tensor]) -> None:
-    """inputs: q, k?, v?, kv_cache, slot_mapping, block_tables, query_lens, context_lens."""
-    q, k, v, kv_cache, slot_mapping, block_tables, query_lens, context_lens = inputs
+    """inputs: q, k?, v?, kv_cache, slot_mapping, block_tables, query_lens, context_lens, kv_scales?
+    (an e4m3 cache's, which the kernels were then built to take)."""
+    q, k, v, kv_cache, slot_mapping, block_tables, query_lens, context_lens, kv_scales = padded(inputs, 9)
+    # This layer's [2, kv heads] scales, or nothing for kernels built without them.
+    scales = [] if kv_scales is None else [kv_scales[attrs["layer"]].data_ptr()]
     if not kv_cache.is_contiguous() or any(t.stride(-1) != 1 for t in (q, out)):
         raise ValueError("attention needs a contiguous kv_cache and q, out rows with contiguous columns")
     roles = _roles(metas)
@@ -51,7 +54,7 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
         check_aligned(metas[i], k, v, k_cache, v_cache)
         kernels[i].launch(grid(metas[i]["grid"], names),
                           [k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                           slot_mapping.data_ptr(), k.stride(0), v.stride(0)], stream)
+                           slot_mapping.data_ptr(), *scales, k.stride(0), v.stride(0)], stream)
     splits = choose_num_splits(tokens, seqs, attrs["num_kv_heads"], block_tables.shape[1] * kv_cache.shape[3])
     part = stats = None
     if tokens > seqs:
@@ -66,7 +69,8 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
     check_aligned(metas[i], q, k_cache, v_cache, out)
     kernels[i].launch(grid(metas[i]["grid"], {**names, "num_splits": splits}),
                       [q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), ptr(part), ptr(stats),
-                       block_tables.data_ptr(), query_lens.data_ptr(), context_lens.data_ptr(), seqs, q.stride(0),
+                       block_tables.data_ptr(), query_lens.data_ptr(), context_lens.data_ptr(), *scales, seqs,
+                       q.stride(0),
                        out.stride(0), block_tables.stride(0), attrs["scale"], attrs["window"]], stream)
     if part is not None:
         i = roles["combine_splits"]

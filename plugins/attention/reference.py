@@ -5,32 +5,52 @@ decode token) at the end of `context_lens[s]` tokens in the cache. New k/v, when
 first written to their cache slots; then every query attends causally to its sequence's cache
 (optionally within a sliding window), with grouped-query heads. Softmax is in float32.
 
-kv_cache: [layers, 2, num_blocks, block_size, kv_heads, head_dim].
+kv_cache: [layers, 2, num_blocks, block_size, kv_heads, head_dim]. With `kv_scales`
+[layers, 2, kv_heads] (float32) the cache is float8_e4m3fn: k and v go in as value / scale
+rounded to e4m3 (plugins/fp8.py) and come out as value * scale.
 """
 from typing import Optional
 
 import torch
 
+from kiln.plugins.fp8 import FP8, to_e4m3
+
 
 def write_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, kv_scales: Optional[torch.Tensor] = None) -> None:
     kvh, hd = kv_cache.shape[-2:]
     slots = slot_mapping.long()
     for which, x in ((0, k), (1, v)):
-        kv_cache[layer, which].view(-1, kvh, hd).index_copy_(0, slots, x.view(-1, kvh, hd).to(kv_cache.dtype))
+        rows = x.view(-1, kvh, hd)
+        if kv_scales is not None:
+            rows = to_e4m3(rows, kv_scales[layer, which][None, :, None])
+        dst = kv_cache[layer, which].view(-1, kvh, hd)
+        if dst.dtype == FP8:  # index_copy_ has no float8 kernel on the CPU; the bytes are the same
+            dst, rows = dst.view(torch.uint8), rows.view(torch.uint8)
+        dst.index_copy_(0, slots, rows.to(dst.dtype))
+
+
+def read_kv(kv_cache: torch.Tensor, layer: int, which: int, blocks: torch.Tensor, length: int,
+            kv_scales: Optional[torch.Tensor]) -> torch.Tensor:
+    """The first `length` k (which 0) or v (1) rows held in `blocks`, [length, kv_heads, head_dim] in float32."""
+    kvh, hd = kv_cache.shape[-2:]
+    rows = kv_cache[layer, which].view(torch.uint8)[blocks].view(kv_cache.dtype) if kv_cache.dtype == FP8 \
+        else kv_cache[layer, which, blocks]
+    rows = rows.reshape(-1, kvh, hd)[:length].float()
+    return rows if kv_scales is None else rows * kv_scales[layer, which][None, :, None]
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_lens: torch.Tensor, context_lens: torch.Tensor, layer: int,
                     num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                    window: int) -> torch.Tensor:
+                    window: int, kv_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
     block_size = kv_cache.shape[3]
     out = torch.empty_like(q)
     start = 0
     for s, (n, ctx) in enumerate(zip(query_lens.tolist(), context_lens.tolist())):
         blocks = block_tables[s, : (ctx + block_size - 1) // block_size].long()
-        k = kv_cache[layer, 0, blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
-        v = kv_cache[layer, 1, blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
+        k = read_kv(kv_cache, layer, 0, blocks, ctx, kv_scales)
+        v = read_kv(kv_cache, layer, 1, blocks, ctx, kv_scales)
         qs = q[start:start + n].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
         scores = torch.einsum("qhgd,khd->hgqk", qs, k) * scale
         q_pos = torch.arange(ctx - n, ctx)[:, None]
@@ -48,9 +68,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 def attention(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
               kv_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
               query_lens: torch.Tensor, context_lens: torch.Tensor, layer: int, num_heads: int,
-              num_kv_heads: int, head_dim: int, scale: float, window: int) -> torch.Tensor:
+              num_kv_heads: int, head_dim: int, scale: float, window: int,
+              kv_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
     # k and v are absent when a fused NormQKVRope already wrote them into the cache.
     if k is not None and v is not None:
-        write_kv(kv_cache, layer, k, v, slot_mapping)
+        write_kv(kv_cache, layer, k, v, slot_mapping, kv_scales)
     return paged_attention(q, kv_cache, block_tables, query_lens, context_lens, layer,
-                           num_heads, num_kv_heads, head_dim, scale, window)
+                           num_heads, num_kv_heads, head_dim, scale, window, kv_scales)

@@ -16,12 +16,13 @@ def compile_shapes(shapes: dict, attrs: dict, block_size: int) -> dict:
 def shard(shapes: dict, attrs: dict, rank: int, world: int, source: str) -> Shard:
     heads = attention.shard(shapes, attrs, rank, world, source)
     width = heads.attrs["num_heads"] * attrs["head_dim"]
-    return Shard(attrs={**heads.attrs, "all_reduce": True}, weights={"w_o": input_split(rank * width, width)})
+    return Shard(attrs={**heads.attrs, "all_reduce": True},
+                 weights={**heads.weights, "w_o": input_split(rank * width, width)})
 
 
 SPEC = register(PluginSpec(
     name="attention_o_proj", version=1, package=__name__,
-    inputs=("q", "k?", "v?") + attention.CACHE_INPUTS + ("w_o", "b_o?", "residual"),
+    inputs=("q", "k?", "v?") + attention.CACHE_INPUTS + ("w_o", "b_o?", "residual", attention.KV_SCALES),
     attrs={**attention.ATTRS, "all_reduce": bool},
     shape=lambda s, a: s["residual"],
     dtype="residual", reference=attention_o_proj, mutates=("kv_cache",), fused=True,

@@ -15,11 +15,12 @@ from kiln.plugins.linear_residual import kernels as linear_residual
 
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
-    """inputs: the 8 of `attention` (q, k?, v?, kv_cache, slot_mapping, block_tables,
-    query_lens, context_lens), then w_o [hidden, heads*head_dim], b_o? [hidden], residual."""
-    q, w_o, b_o, residual = inputs[0], *inputs[8:]
+    """inputs: the first 8 of `attention` (q, k?, v?, kv_cache, slot_mapping, block_tables,
+    query_lens, context_lens), then w_o [hidden, heads*head_dim], b_o? [hidden], residual, and
+    attention's kv_scales? last."""
+    q, w_o, b_o, residual, kv_scales = inputs[0], *attention.padded(inputs[8:], 4)
     attn = torch.empty_like(q)
-    attention.run(inputs[:8], attrs, attn)
+    attention.run(list(inputs[:8]) + [kv_scales], attrs, attn)
     linear_residual.run([attn, w_o, b_o, residual],
                         {"parallel": "row", "heads": 0, "all_reduce": attrs["all_reduce"]}, out)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kiln.plugins.attention import launch as attention
+from kiln.plugins.attention.kernels import padded
 from kiln.plugins.linear.launch import launch_gemm
 
 
@@ -21,12 +22,14 @@ def scratch_bytes(attrs: dict, limits: dict[str, int]) -> dict[str, int]:
 
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
            dims: dict[str, int], stream: int, scratch: dict[str, torch.Tensor]) -> None:
-    """inputs: the 8 of `attention`, then w_o [hidden, heads*head_dim], b_o? [hidden], residual."""
-    q, w_o, b_o, residual = inputs[0], *inputs[8:]
+    """inputs: the first 8 of `attention`, then w_o [hidden, heads*head_dim], b_o? [hidden],
+    residual, and attention's kv_scales? last."""
+    q, w_o, b_o, residual, kv_scales = inputs[0], *padded(inputs[8:], 4)
     attn = scratch["attention_o_proj_attn"][:q.numel() * q.element_size()].view(q.dtype).view(q.shape)
     attention_idx = [i for i, m in enumerate(metas) if "role" in m]
     gemm_idx = [i for i, m in enumerate(metas) if "bucket" in m]
-    attention.launch([kernels[i] for i in attention_idx], [metas[i] for i in attention_idx], inputs[:8], attrs,
+    attention.launch([kernels[i] for i in attention_idx], [metas[i] for i in attention_idx],
+                     list(inputs[:8]) + [kv_scales], attrs,
                      attn, dims, stream, scratch)
     launch_gemm([kernels[i] for i in gemm_idx], [metas[i] for i in gemm_idx], attn, w_o, b_o, residual, out, stream,
                 scratch)

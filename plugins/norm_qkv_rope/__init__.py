@@ -1,20 +1,24 @@
-"""Fused plugin `norm_qkv_rope`: RMSNorm + q/k/v projection + (q/k norm) + RoPE + KV write.
+"""Fused plugin `norm_qkv_rope`: RMSNorm + q/k/v projection + (q/k norm) + RoPE + KV write
+(in e4m3, value / scale, when `kv_scales` is given: see plugins/attention/reference.py).
 
 [T, H] -> q [T, heads*head_dim]; k and v are written into the paged KV cache. Under tensor
 parallelism each rank keeps whole q heads and the kv heads they use.
 """
 import torch
 
+from kiln.plugins.attention import KV_SCALES, kv_scales_split
 from kiln.plugins.norm_qkv_rope.reference import norm_qkv_rope
 from kiln.plugins.registry import PluginSpec, register
 from kiln.plugins.sharding import Shard, Split, heads, rows
 
 
 def compile_shapes(shapes: dict, attrs: dict, block_size: int) -> dict:
-    """What `kernels.aot_kernels` needs: K, the head layout and which optional inputs it reads."""
+    """What `kernels.aot_kernels` needs: K, the head layout and which optional inputs it reads
+    (kv_scales: the cache is e4m3)."""
     return {"K": shapes["w_qkv"][1], "num_heads": attrs["num_heads"], "num_kv_heads": attrs["num_kv_heads"],
             "head_dim": attrs["head_dim"], "bias": shapes["b_qkv"] is not None,
-            "qk_norm": shapes["q_norm"] is not None, "norm_weight": shapes["norm_weight"] is not None}
+            "qk_norm": shapes["q_norm"] is not None, "norm_weight": shapes["norm_weight"] is not None,
+            "fp8_kv": shapes.get("kv_scales") is not None}
 
 
 def shard(shapes: dict, attrs: dict, rank: int, world: int, source: str) -> Shard:
@@ -28,13 +32,14 @@ def shard(shapes: dict, attrs: dict, rank: int, world: int, source: str) -> Shar
         q, k, v = w[:q_rows], w[q_rows:q_rows + kv_rows], w[q_rows + kv_rows:]
         return torch.cat([rows(q, q0 * hd, qn * hd), rows(k, k0 * hd, kn * hd), rows(v, k0 * hd, kn * hd)])
     split = Split(f"qkv {rank}/{world}", take)
-    return Shard(attrs={"num_heads": qn, "num_kv_heads": kn}, weights={"w_qkv": split, "b_qkv": split})
+    return Shard(attrs={"num_heads": qn, "num_kv_heads": kn},
+                 weights={"w_qkv": split, "b_qkv": split, "kv_scales": kv_scales_split(k0, kn)})
 
 
 SPEC = register(PluginSpec(
     name="norm_qkv_rope", version=1, package=__name__,
     inputs=("x", "norm_weight?", "w_qkv", "b_qkv?", "q_norm?", "k_norm?", "positions",
-            "rope_cache", "kv_cache", "slot_mapping"),
+            "rope_cache", "kv_cache", "slot_mapping", KV_SCALES),
     attrs={"eps": float, "layer": int, "num_heads": int, "num_kv_heads": int, "head_dim": int},
     shape=lambda s, a: (s["x"][0], a["num_heads"] * a["head_dim"]),
     dtype="x", reference=norm_qkv_rope, mutates=("kv_cache",), fused=True,

@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from kiln.dtypes import element_bytes
-from kiln.plugins.aot import POINTER_TYPES, AotKernel, absent_as_none, pointer_params
+from kiln.plugins.aot import FP8_POINTER, POINTER_TYPES, AotKernel, absent_as_none, pointer_params
+from kiln.plugins.attention.kernels import padded, to_e4m3
 from kiln.plugins.linear import tma
 from kiln.plugins.linear.kernels import (TILES, Tile, block_k, gemm_tile,
                                          launch_meta, num_stages, pick_tile, split_buffers, split_halves, split_k,
@@ -46,7 +47,7 @@ def _store_head(ptrs, lo, hi, mask, HALF: tl.constexpr):
 
 @triton.jit
 def norm_qkv_rope_kernel(x_ptr, norm_ptr, w_ptr, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr,
-                         kv_ptr, slot_ptr, out_ptr, part_ptr, count_ptr, T, num_slots, layer, eps,
+                         kv_ptr, slot_ptr, kv_scale_ptr, out_ptr, part_ptr, count_ptr, T, num_slots, layer, eps,
                          K: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
                          HEAD_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                          UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr):
@@ -65,12 +66,13 @@ def norm_qkv_rope_kernel(x_ptr, norm_ptr, w_ptr, bias_ptr, q_norm_ptr, k_norm_pt
         acc, sumsq, last = split_k_sum(acc, sumsq, part_ptr, count_ptr, mask_m, BLOCK_M, 2 * CHUNK, SPLIT_K, True)
     if last:
         _epilogue(acc, tl.rsqrt(sumsq / K + eps), bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr,
-                  slot_ptr, out_ptr, rows, offs_m, mask_m, j, h, num_slots, layer, eps, H, KVH, D, BLOCK_M, CHUNK)
+                  slot_ptr, kv_scale_ptr, out_ptr, rows, offs_m, mask_m, j, h, num_slots, layer, eps, H, KVH, D,
+                  BLOCK_M, CHUNK)
 
 
 @triton.jit
 def tma_norm_qkv_rope_kernel(x_ptr, scale_ptr, w_ptr, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr,
-                             kv_ptr, slot_ptr, out_ptr, T, num_slots, layer, eps,
+                             kv_ptr, slot_ptr, kv_scale_ptr, out_ptr, T, num_slots, layer, eps,
                              K: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                              HEADS: tl.constexpr, UPCAST_DOT: tl.constexpr):
@@ -92,28 +94,29 @@ def tma_norm_qkv_rope_kernel(x_ptr, scale_ptr, w_ptr, bias_ptr, q_norm_ptr, k_no
         mask_m = offs_m < T
         scale = tl.load(scale_ptr + offs_m, mask=mask_m, other=0.0)
         if HEADS == 1:
-            _epilogue(acc, scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr, out_ptr,
-                      pid_n * D + tl.arange(0, D), offs_m, mask_m, tl.arange(0, HALF), pid_n, num_slots, layer,
+            _epilogue(acc, scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr,
+                      kv_scale_ptr, out_ptr, pid_n * D + tl.arange(0, D), offs_m, mask_m, tl.arange(0, HALF), pid_n, num_slots, layer,
                       eps, H, KVH, D, BLOCK_M, HALF)
         else:
             first, second = split_halves(acc, BLOCK_M, D)
             h = 2 * pid_n
             _epilogue(first, scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr,
-                      out_ptr, h * D + tl.arange(0, D), offs_m, mask_m, tl.arange(0, HALF), h, num_slots, layer,
+                      kv_scale_ptr, out_ptr, h * D + tl.arange(0, D), offs_m, mask_m, tl.arange(0, HALF), h, num_slots, layer,
                       eps, H, KVH, D, BLOCK_M, HALF)
             _epilogue(second, scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr,
-                      out_ptr, (h + 1) * D + tl.arange(0, D), offs_m, mask_m, tl.arange(0, HALF), h + 1,
+                      kv_scale_ptr, out_ptr, (h + 1) * D + tl.arange(0, D), offs_m, mask_m, tl.arange(0, HALF), h + 1,
                       num_slots, layer, eps, H, KVH, D, BLOCK_M, HALF)
 
 
 @triton.jit
-def _epilogue(acc, scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr, out_ptr,
-              rows, offs_m, mask_m, j, h, num_slots, layer, eps, H: tl.constexpr,
+def _epilogue(acc, scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr, kv_scale_ptr,
+              out_ptr, rows, offs_m, mask_m, j, h, num_slots, layer, eps, H: tl.constexpr,
               KVH: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """Row scale, bias, then q to the output or k and v (q/k normed and rotated) to the cache.
-    Branch-free (which head kind h is only selects values and masks), so that the persistent
-    TMA kernel's tile loop can be flattened into its K loop: Triton 3.6 cannot flatten around
-    an epilogue with branches."""
+    """Row scale, bias, then q to the output or k and v (q/k normed and rotated) to the cache,
+    as e4m3 value / scale when kv_scale_ptr (the [layers, 2, KVH] scales) is given.
+    Branch-free (which head kind h is only selects values and masks; the kv_scale_ptr test is
+    settled at compile time), so that the persistent TMA kernel's tile loop can be flattened
+    into its K loop: Triton 3.6 cannot flatten around an epilogue with branches."""
     HALF: tl.constexpr = D // 2
     acc *= scale[:, None]
     if bias_ptr is not None:
@@ -143,6 +146,10 @@ def _epilogue(acc, scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, k
     # tl.cast, not .to: the JIT passes layer 1 as a constexpr int.
     cache_row = (tl.cast(layer * 2, tl.int64) + is_v.to(tl.int64)) * num_slots + slot
     kv_head = tl.where(is_v, h - H - KVH, h - H)
+    if kv_scale_ptr is not None:
+        # q heads (kv_head < 0) store nothing here; they read a valid scale all the same.
+        kv_scale = tl.load(kv_scale_ptr + (layer * 2 + is_v.to(tl.int32)) * KVH + tl.where(is_q, 0, kv_head))
+        lo, hi = to_e4m3(lo, kv_scale), to_e4m3(hi, kv_scale)
     _store_head(kv_ptr + cache_row[:, None] * (KVH * D) + kv_head * D + j[None, :], lo, hi,
                 mask_m[:, None] & (not is_q), HALF)
 
@@ -154,9 +161,10 @@ def head_split(tile: Tile, head_dim: int, qk_norm: bool) -> int:
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     """inputs in the spec's order: x, norm_weight?, w_qkv, b_qkv?, q_norm?, k_norm?, positions,
-    rope_cache, kv_cache (written in place), slot_mapping. q/k norm applies when both are
-    given, as in the reference."""
-    x, norm_weight, w_qkv, b_qkv, q_norm, k_norm, positions, rope_cache, kv_cache, slot_mapping = inputs
+    rope_cache, kv_cache (written in place), slot_mapping, kv_scales? (an e4m3 cache's). q/k
+    norm applies when both are given, as in the reference."""
+    x, norm_weight, w_qkv, b_qkv, q_norm, k_norm, positions, rope_cache, kv_cache, slot_mapping, kv_scales = \
+        padded(inputs, 11)
     if q_norm is None or k_norm is None:
         q_norm = k_norm = None
     if not kv_cache.is_contiguous():
@@ -171,7 +179,7 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     part, count = split_buffers(t, tile.block_m, d // split, columns, ksplit, x.device)
     norm_qkv_rope_kernel[(triton.cdiv(t, tile.block_m), columns, ksplit)](
         x, norm_weight, w_qkv, b_qkv, q_norm, k_norm, positions.contiguous(), rope_cache.contiguous(),
-        kv_cache, slot_mapping.contiguous(), out, part, count, t, kv_cache.shape[2] * kv_cache.shape[3],
+        kv_cache, slot_mapping.contiguous(), kv_scales, out, part, count, t, kv_cache.shape[2] * kv_cache.shape[3],
         attrs["layer"], attrs["eps"], K=k, H=heads, KVH=kv_heads, D=d, HEAD_SPLIT=split,
         BLOCK_M=tile.block_m, BLOCK_K=bk, UPCAST_DOT=upcast_dot(x), SPLIT_K=ksplit,
         num_warps=tile.num_warps, num_stages=num_stages(tile.block_m, d // split, bk, x.element_size(), tile.stages))
@@ -189,13 +197,18 @@ def heads_per_tile(heads: int, kv_heads: int, head_dim: int, dtype: str) -> int:
     return 2 if pair else 1
 
 
+def kv_pointer(dtype: str, shapes: dict) -> str:
+    """The KV cache's pointer type: e4m3 with fp8_kv, else the model's dtype."""
+    return FP8_POINTER if shapes.get("fp8_kv", False) else POINTER_TYPES[dtype]
+
+
 def tma_aot(dtype: str, shapes: dict, tile: Tile, optional: dict[str, bool]) -> AotKernel:
     ptr = POINTER_TYPES[dtype]
     bm, _, bk = tma.tile_shape(dtype)
     heads, kv_heads = shapes["num_heads"], shapes["num_kv_heads"]
     signature = {"x_ptr": ptr, "scale_ptr": "*fp32", "w_ptr": ptr, "bias_ptr": ptr, "q_norm_ptr": "*fp32",
-                 "k_norm_ptr": "*fp32", "pos_ptr": "*i32", "rope_ptr": "*fp32", "kv_ptr": ptr, "slot_ptr": "*i32",
-                 "out_ptr": ptr, "T": "i32", "num_slots": "i32", "layer": "i32", "eps": "fp32", "K": "constexpr",
+                 "k_norm_ptr": "*fp32", "pos_ptr": "*i32", "rope_ptr": "*fp32", "kv_ptr": kv_pointer(dtype, shapes),
+                 "slot_ptr": "*i32", "kv_scale_ptr": "*fp32", "out_ptr": ptr, "T": "i32", "num_slots": "i32", "layer": "i32", "eps": "fp32", "K": "constexpr",
                  "H": "constexpr", "KVH": "constexpr", "D": "constexpr", "BLOCK_M": "constexpr",
                  "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "HEADS": "constexpr", "UPCAST_DOT": "constexpr"}
     for name, present in optional.items():
@@ -212,22 +225,22 @@ def tma_aot(dtype: str, shapes: dict, tile: Tile, optional: dict[str, bool]) -> 
 
 def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     """shapes: {"K": hidden size, "num_heads", "num_kv_heads" (this rank's), "head_dim",
-    "bias": bool, "qk_norm": bool, "norm_weight": bool (defaults False; False norm_weight
-    means folded)}. One kernel per shape bucket; num_slots (KV-cache blocks * block size),
+    "bias": bool, "qk_norm": bool, "norm_weight": bool, "fp8_kv": bool (all default False;
+    False norm_weight means folded; fp8_kv: an e4m3 cache and its scales, kv_scale_ptr)}. One kernel per shape bucket; num_slots (KV-cache blocks * block size),
     layer and eps are runtime arguments, positions and slot_mapping int32, rope_cache and the
     q/k norm weights fp32 (as models hold norm weights)."""
     ptr, size = POINTER_TYPES[dtype], element_bytes(dtype)
     k, heads, kv_heads, d = shapes["K"], shapes["num_heads"], shapes["num_kv_heads"], shapes["head_dim"]
     qk_norm = shapes.get("qk_norm", False)
     optional = {"norm_ptr": shapes.get("norm_weight", False), "bias_ptr": shapes.get("bias", False),
-                "q_norm_ptr": qk_norm, "k_norm_ptr": qk_norm}
+                "q_norm_ptr": qk_norm, "k_norm_ptr": qk_norm, "kv_scale_ptr": shapes.get("fp8_kv", False)}
     kernels = []
     for tile in QKV_TILES:
         bk, split = block_k(tile, size), head_split(tile, d, qk_norm)
         ksplit = split_k(tile, k, bk)
         signature = {"x_ptr": ptr, "norm_ptr": ptr, "w_ptr": ptr, "bias_ptr": ptr, "q_norm_ptr": "*fp32",
-                     "k_norm_ptr": "*fp32", "pos_ptr": "*i32", "rope_ptr": "*fp32", "kv_ptr": ptr,
-                     "slot_ptr": "*i32", "out_ptr": ptr, **split_signature(ksplit), "T": "i32", "num_slots": "i32",
+                     "k_norm_ptr": "*fp32", "pos_ptr": "*i32", "rope_ptr": "*fp32", "kv_ptr": kv_pointer(dtype, shapes),
+                     "slot_ptr": "*i32", "kv_scale_ptr": "*fp32", "out_ptr": ptr, **split_signature(ksplit), "T": "i32", "num_slots": "i32",
                      "layer": "i32", "eps": "fp32", "K": "constexpr", "H": "constexpr", "KVH": "constexpr",
                      "D": "constexpr", "HEAD_SPLIT": "constexpr", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
                      "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr"}

@@ -18,12 +18,13 @@ def norm_qkv_rope(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: t
                   b_qkv: Optional[torch.Tensor], q_norm: Optional[torch.Tensor],
                   k_norm: Optional[torch.Tensor], positions: torch.Tensor, rope_cache: torch.Tensor,
                   kv_cache: torch.Tensor, slot_mapping: torch.Tensor, eps: float, layer: int,
-                  num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+                  num_heads: int, num_kv_heads: int, head_dim: int,
+                  kv_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
     qkv = torch.nn.functional.linear(rms_norm(x, norm_weight, eps), w_qkv, b_qkv)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
     if q_norm is not None and k_norm is not None:
         q, k = head_rms_norm(q, q_norm, eps, head_dim), head_rms_norm(k, k_norm, eps, head_dim)
     q = apply_rope(q, positions, rope_cache, head_dim)
     k = apply_rope(k, positions, rope_cache, head_dim)
-    write_kv(kv_cache, layer, k, v, slot_mapping)
+    write_kv(kv_cache, layer, k, v, slot_mapping, kv_scales)
     return q.contiguous()

@@ -1,0 +1,180 @@
+"""The FP8 KV cache's GPU kernels: the KV write, paged attention (prefill, decode, split-KV),
+attention_o_proj and norm_qkv_rope's KV-write epilogue against their PyTorch references under
+Triton's interpreter, with per-head scales; each compiled for sm_89, sm_90 and sm_100, and the
+sm_80 build refused."""
+import os
+
+# Must precede the first `import triton` anywhere: @triton.jit reads it when it decorates.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from kiln.builder.config import BuildConfig, BuildConfigError  # noqa: E402
+from kiln.plugins import get_plugin  # noqa: E402
+from kiln.plugins.attention import kernels as attention_kernels  # noqa: E402
+from kiln.plugins.attention_o_proj import kernels as attention_o_proj_kernels  # noqa: E402
+from kiln.plugins.fp8 import FP8, to_e4m3  # noqa: E402
+from kiln.plugins.norm_qkv_rope import kernels as norm_qkv_rope_kernels  # noqa: E402
+
+from test_kernels_attention import (DECODE_STEP, LLAMA3_8B, MIXED_STEP, ROOT, SMALL_TILES, attention_attrs,  # noqa: E402
+                                    close, make_step)
+
+INTERPRETED = all(isinstance(k, InterpretedFunction) for k in (
+    attention_kernels._attention_kernel, norm_qkv_rope_kernels.norm_qkv_rope_kernel))
+pytestmark = [pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+              pytest.mark.skipif(not INTERPRETED, reason="kernels built before TRITON_INTERPRET was set: "
+                                 "test_kernels_attention.py's fresh-process check covers the same setup")]
+
+
+def scales_for(layers: int, kv_heads: int, seed: int) -> torch.Tensor:
+    """Per-head scales [layers, 2, kv heads] that put the random k and v (std 1) well inside
+    e4m3's range, subnormals included."""
+    gen = torch.Generator().manual_seed(seed)
+    return 0.004 + 0.02 * torch.rand(layers, 2, kv_heads, generator=gen)
+
+
+def fp8_step(spec: list, heads: int, dtype: torch.dtype, seed: int):
+    data = make_step(spec, heads, dtype, seed)
+    scales = scales_for(2, data["cache"].shape[-2], seed)
+    data["cache"] = to_e4m3(data["cache"], scales[:, :, None, None, :, None])
+    return data, scales
+
+
+def inputs(data: dict, cache: torch.Tensor, scales: torch.Tensor) -> list:
+    s = data["step"]
+    return [data["q"], data["k"], data["v"], cache, s.slot_mapping, s.block_tables, s.query_lens, s.context_lens,
+            scales]
+
+
+def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    assert a.dtype == b.dtype == FP8
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spec", [MIXED_STEP, DECODE_STEP], ids=["mixed", "decode"])
+def test_fp8_attention_writes_the_reference_bytes_and_reads_them_back_scaled(dtype, spec):
+    data, scales = fp8_step(spec, 4, dtype, seed=5)
+    attrs = attention_attrs(4, 0)
+    ref_cache, cache = data["cache"].clone(), data["cache"].clone()
+    ref = get_plugin("attention").call_reference(inputs(data, ref_cache, scales), attrs)
+    out = torch.empty_like(ref)
+    attention_kernels.run(inputs(data, cache, scales), attrs, out)
+    # The kernel rounds to e4m3 itself, as plugins/fp8.py does: the same bytes, subnormals too.
+    assert bytes_equal(cache, ref_cache)
+    assert close(out, ref)
+    s = data["step"]
+    for splits in (1, 3):
+        out = torch.empty_like(ref)
+        attention_kernels.paged_attention(data["q"], cache, s.block_tables, s.query_lens, s.context_lens, out, attrs,
+                                          splits, SMALL_TILES, kv_scales=scales)
+        assert close(out, ref), f"num_splits={splits}"
+    # The scales matter: read as 1.0, the same bytes give another result.
+    out = torch.empty_like(ref)
+    attention_kernels.paged_attention(data["q"], cache, s.block_tables, s.query_lens, s.context_lens, out, attrs,
+                                      1, SMALL_TILES, kv_scales=torch.ones_like(scales))
+    assert not close(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_attention_o_proj_matches_reference(dtype):
+    data, scales = fp8_step(MIXED_STEP, 4, dtype, seed=6)
+    attrs = {**attention_attrs(4, 0), "all_reduce": False}
+    gen = torch.Generator().manual_seed(7)
+    o_proj = [(torch.randn(48, 64, generator=gen) / 8).to(dtype), None,
+              torch.randn(data["q"].shape[0], 48, generator=gen).to(dtype)]
+    ref_cache, cache = data["cache"].clone(), data["cache"].clone()
+    args = lambda c: inputs(data, c, scales)[:8] + o_proj + [scales]  # noqa: E731 (kv_scales comes last)
+    ref = get_plugin("attention_o_proj").call_reference(args(ref_cache), attrs)
+    out = torch.empty_like(ref)
+    attention_o_proj_kernels.run(args(cache), attrs, out)
+    assert bytes_equal(cache, ref_cache)
+    assert close(out, ref)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("t", [3, 70])  # the decode and prefill buckets
+def test_fp8_norm_qkv_rope_writes_the_reference_bytes(qk_norm, t):
+    torch.manual_seed(8)
+    k, d, heads, kv_heads, layer = 64, 16, 4, 2, 1
+    rows = (heads + 2 * kv_heads) * d
+    w_qkv = torch.randn(rows, k) * k ** -0.5
+    angles = torch.arange(128)[:, None] * 10000.0 ** (-torch.arange(0, d, 2) / d)
+    scales = scales_for(2, kv_heads, 9)
+    kv_cache = to_e4m3(torch.randn(2, 2, 20, 4, kv_heads, d), 1.0)
+    slots = torch.randperm(80)[:t].to(torch.int32)
+    norm = (1 + 0.2 * torch.randn(d)) if qk_norm else None
+    args = lambda cache: [torch.randn(t, k, generator=torch.Generator().manual_seed(1)), None, w_qkv, None, norm,  # noqa: E731
+                          norm, torch.randint(0, 128, (t,), dtype=torch.int32,
+                                              generator=torch.Generator().manual_seed(2)),
+                          torch.cat([angles.cos(), angles.sin()], dim=1), cache, slots, scales]
+    attrs = {"eps": 1e-6, "layer": layer, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d}
+    ref_cache, cache = kv_cache.clone(), kv_cache.clone()
+    ref = get_plugin("norm_qkv_rope").call_reference(args(ref_cache), attrs)
+    out = torch.empty_like(ref)
+    norm_qkv_rope_kernels.run(args(cache), attrs, out)
+    assert close(out, ref)
+    # float32 sums in another order can land a value on the other side of an e4m3 rounding
+    # boundary: then one step of e4m3 apart, and rarely.
+    got, want = cache.float(), ref_cache.float()
+    differ = got != want
+    assert differ.float().mean() < 0.01
+    step = want.abs().clamp(min=2 ** -6) / 8  # one e4m3 spacing at each value (3 mantissa bits)
+    assert ((got - want).abs() <= step * 1.01)[differ].all()
+    assert torch.equal(cache[0].view(torch.uint8), kv_cache[0].view(torch.uint8))  # other layers untouched
+
+
+COMPILE_SCRIPT = """
+import json, sys
+from kiln.plugins.aot import compile_cubin
+from kiln.plugins.attention import kernels as attention
+from kiln.plugins.norm_qkv_rope import kernels as norm_qkv_rope
+shapes = json.loads(sys.argv[1])
+qkv = {"K": shapes["hidden"], "num_heads": shapes["heads"], "num_kv_heads": shapes["kv_heads"],
+       "head_dim": shapes["head_dim"], "fp8_kv": True}
+result = []
+for name, kernels in (("attention", attention.aot_kernels("bfloat16", {**shapes, "fp8_kv": True})),
+                      ("norm_qkv_rope", norm_qkv_rope.aot_kernels("bfloat16", qkv))):
+    for kernel in kernels:
+        for target in kernel.targets or ("sm_89", "sm_90", "sm_100"):
+            if target == "sm_80":
+                continue
+            try:
+                cubin = compile_cubin(kernel, target)
+                result.append([name, kernel.fn.__name__, target, len(cubin.binary), cubin.shared_bytes])
+            except Exception as exc:
+                result.append([name, kernel.fn.__name__, target, repr(exc)[:400], 0])
+sys.stdout.write(json.dumps(result))
+"""
+
+
+def test_fp8_kv_kernels_compile_for_the_fp8_targets():
+    """Compiled in a child without TRITON_INTERPRET (compilation needs the GPU @triton.jit
+    kernels), for Llama-3-8B's shapes."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, json.dumps(LLAMA3_8B)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads(done.stdout)
+    failed = [r for r in results if not isinstance(r[3], int) or r[3] == 0]
+    assert not failed, failed
+    limit = {"sm_89": 99 * 1024, "sm_90": 227 * 1024, "sm_100": 227 * 1024}
+    assert not [r for r in results if r[4] > limit[r[2]]]
+    for target in limit:
+        assert {r[1] for r in results if r[2] == target} >= {"_write_kv_kernel", "_attention_kernel",
+                                                             "norm_qkv_rope_kernel"}
+
+
+def test_fp8_kv_cache_refuses_sm_80_at_build_time():
+    with pytest.raises(BuildConfigError, match="--kv-cache-dtype fp8 cannot run on --target sm_80.*sm_89, sm_90, sm_100"):
+        BuildConfig(targets=("sm_80", "sm_90"), kv_cache_dtype="fp8")
+    BuildConfig(targets=("sm_80",))  # the model-dtype cache still builds there
+    BuildConfig(targets=("cpu", "sm_89", "sm_90", "sm_100"), kv_cache_dtype="fp8")
+    with pytest.raises(BuildConfigError, match="--kv-cache-dtype int8: choose one of auto, fp8"):
+        BuildConfig(kv_cache_dtype="int8")
