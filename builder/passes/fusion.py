@@ -31,6 +31,17 @@ def _concat(graph: Graph, names: list[str | None], rows: list[int], name: str) -
     return graph.add_weight(name, torch.cat(parts, dim=0))
 
 
+def _scales(graph: Graph, lins: list[Node], rows: list[int], name: str) -> tuple[bool, str | None]:
+    """(whether the projections can share one weight, their concatenated FP8 weight scales): all
+    float8 with scales, or none."""
+    scales = [lin.inputs.get("weight_scale") for lin in lins]
+    if all(s is None for s in scales):
+        return True, None
+    if any(s is None for s in scales):
+        return False, None
+    return True, _concat(graph, scales, rows, name)
+
+
 def _plain(node: Node | None, op: str) -> bool:
     """A primitive node of this op whose projection (if any) is not yet all-reduced."""
     return node is not None and node.op == op and not node.attrs.get("all_reduce", False)
@@ -74,6 +85,9 @@ def fuse_norm_qkv_rope(graph: Graph) -> Graph:
         rows = [a["num_heads"] * a["head_dim"], a["num_kv_heads"] * a["head_dim"], a["num_kv_heads"] * a["head_dim"]]
         lins = [lq, lk, lv]
         prefix = _weight_prefix([lin.inputs["weight"] for lin in lins])
+        same, w_qkv_scale = _scales(g, lins, rows, f"{prefix}.qkv_proj.weight_scale")
+        if not same:
+            continue
         w_qkv = _concat(g, [lin.inputs["weight"] for lin in lins], rows, f"{prefix}.qkv_proj.weight")
         b_qkv = _concat(g, [lin.inputs["bias"] for lin in lins], rows, f"{prefix}.qkv_proj.bias")
         fused = Node("norm_qkv_rope", {
@@ -81,6 +95,7 @@ def fuse_norm_qkv_rope(graph: Graph) -> Graph:
             "q_norm": nq.inputs["weight"] if qk_norm else None, "k_norm": nk.inputs["weight"] if qk_norm else None,
             "positions": rq.inputs["positions"], "rope_cache": rq.inputs["rope_cache"],
             "kv_cache": attn.inputs["kv_cache"], "slot_mapping": attn.inputs["slot_mapping"],
+            "w_qkv_scale": w_qkv_scale,
         }, {"eps": norm.attrs["eps"], "layer": a["layer"], "num_heads": a["num_heads"],
             "num_kv_heads": a["num_kv_heads"], "head_dim": a["head_dim"]}, rq.output, lq.source.rsplit(".", 1)[0])
         attn.inputs["k"] = attn.inputs["v"] = None
@@ -102,7 +117,7 @@ def fuse_attention_o_proj(graph: Graph) -> Graph:
         if residual == lo.output:
             continue
         fused = Node("attention_o_proj", {**attn.inputs, "w_o": lo.inputs["weight"], "b_o": lo.inputs["bias"],
-                                          "residual": residual},
+                                          "residual": residual, "w_o_scale": lo.inputs.get("weight_scale")},
                      {**attn.attrs, "all_reduce": False}, add.output, attn.source)
         g.replace([attn, lo, add], fused)
     return g
@@ -131,8 +146,12 @@ def fuse_norm_swiglu(graph: Graph) -> Graph:
             continue
         inter = g.tensors[lg.output].shape[1]
         names = [lg.inputs["weight"], lu.inputs["weight"]]
+        same, w_gu_scale = _scales(g, [lg, lu], [inter, inter], f"{_weight_prefix(names)}.gate_up_proj.weight_scale")
+        if not same:
+            continue
         w_gu = _concat(g, names, [inter, inter], f"{_weight_prefix(names)}.gate_up_proj.weight")
-        fused = Node("norm_swiglu", {"x": norm.inputs["x"], "norm_weight": norm.inputs["weight"], "w_gu": w_gu},
+        fused = Node("norm_swiglu", {"x": norm.inputs["x"], "norm_weight": norm.inputs["weight"], "w_gu": w_gu,
+                                     "w_gu_scale": w_gu_scale},
                      {"eps": norm.attrs["eps"], "block": 0, "activation": GATED_ACTIVATIONS[mul.op]},
                      mul.output, mul.source)
         g.replace([norm, lg, lu, mul], fused)

@@ -1,8 +1,21 @@
-"""PyTorch reference for `linear`: y = x W^T (+ b), optionally all-reduced across TP ranks."""
+"""PyTorch reference for `linear`: y = x W^T (+ b), optionally all-reduced across TP ranks; and
+`project`, the one GEMM every projection's reference runs: in the model dtype, or W8A8 with
+`plugins.fp8`'s numerics when the weight is float8_e4m3fn with its per-output-feature scale."""
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from kiln.plugins.fp8 import fp8_linear
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.Tensor],
+            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x W^T (+ b). With `weight_scale` the weight is e4m3 and x is quantized per token."""
+    if weight_scale is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    y = fp8_linear(x, weight, weight_scale)
+    return y + bias if bias is not None else y
 
 
 def all_reduce_if(y: torch.Tensor, all_reduce: bool) -> torch.Tensor:
@@ -13,7 +26,7 @@ def all_reduce_if(y: torch.Tensor, all_reduce: bool) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-           parallel: str, heads: int, all_reduce: bool) -> torch.Tensor:
-    y = all_reduce_if(torch.nn.functional.linear(x, weight), all_reduce)
+           parallel: str, heads: int, all_reduce: bool, weight_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    y = all_reduce_if(project(x, weight, weight_scale), all_reduce)
     # The bias goes after the reduction so that it is added once, not once per rank.
     return y + bias if bias is not None else y
