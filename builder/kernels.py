@@ -7,7 +7,7 @@ node's shapes (what they are, the plugin's `compile_shapes` says); each is compi
 constants, options and target) are compiled once per build and kept in an on-disk cache keyed
 by their content hash, so rebuilding is quick. An op that has no GPU kernel (no
 `compile_shapes`) is a build error naming it and the module it came from: nothing falls back
-silently.
+silently: an FP8 op (compile shape `fp8`) needs a kernels module that says `SUPPORTS_FP8 = True`.
 """
 from __future__ import annotations
 
@@ -86,6 +86,9 @@ def compile_kernels(graph: Graph, dtype: str, targets: list[str], block_size: in
         if module is None:
             raise KernelError(f"plugin {spec.name!r} gives compile shapes but has no kernels module "
                               f"({spec.package}.kernels)")
+        if shapes.get("fp8") and not getattr(module, "SUPPORTS_FP8", False):
+            raise KernelError(f"plugin {spec.name!r} has no FP8 GPU kernels in this Kiln: build --quantization fp8 "
+                              "engines for --target cpu, or build without --quantization fp8")
         kernels = module.aot_kernels(dtype, shapes)
         per_node[node.output] = {}
         for target in gpu_targets:
