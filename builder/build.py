@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from kiln import models
 from kiln.atomic import atomic_folder
+from kiln.builder.calibrate import calibrate, read_prompts
 from kiln.builder.config import BuildConfig
 from kiln.builder.ir import Graph, layer_of
 from kiln.builder.kernels import compile_all_reduce, compile_kernels
@@ -122,6 +123,20 @@ def _check_output(output: Path) -> None:
         raise BuildError(f"--output {output} is not empty and holds no engine: choose an empty or new folder")
 
 
+def _calibration_prompts(cfg: BuildConfig, extra_files: Mapping[str, bytes]) -> list[list[int]] | None:
+    """The token ids of --calibration-prompts, each cut to max_seq_len; None without the flag.
+    Read before anything is written, so a bad file fails the build at once."""
+    if cfg.calibration_prompts is None:
+        return None
+    from tokenizers import Tokenizer
+
+    texts = read_prompts(cfg.calibration_prompts)
+    if TOKENIZER_FILE not in extra_files:
+        raise BuildError(f"--calibration-prompts needs the checkpoint's {TOKENIZER_FILE} to tokenize the prompts")
+    tokenizer = Tokenizer.from_str(extra_files[TOKENIZER_FILE].decode("utf-8"))
+    return [ids[:cfg.max_seq_len] for ids in (tokenizer.encode(t).ids for t in texts) if ids]
+
+
 def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, model_info: dict,
                      extra_files: Mapping[str, bytes] | None = None, progress: bool = False,
                      chat_template: str | None = None, kv_scales: torch.Tensor | None = None) -> BuildSummary:
@@ -134,11 +149,15 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
     _check_output(output)
     extra_files = dict(extra_files or {})
     tokenizer_file = TOKENIZER_FILE if TOKENIZER_FILE in extra_files else None
+    calibration = _calibration_prompts(cfg, extra_files)
     passes = {f.__name__: f for f in (FUSIONS if cfg.fuse else ())}
     if cfg.kv_cache_dtype == "fp8":
         passes[quantize_kv_cache.__name__] = lambda g: quantize_kv_cache(g, kv_scales)
     if cfg.quantization == "fp8":
-        passes["quantize_fp8"] = lambda g: quantize_fp8(g, cfg.quantize_lm_head)
+        def quantize(g: Graph) -> Graph:
+            amax = calibrate(g, calibration, cfg.kv_block_size, progress) if calibration else None
+            return quantize_fp8(g, cfg.quantize_lm_head, amax)
+        passes["quantize_fp8" if calibration is None else "calibrate+quantize_fp8"] = quantize
     steps = ["trace", *passes]
     for r in range(cfg.tp_size):
         steps += [f"rank {r}: shard+fold+plan", f"rank {r}: kernels", f"rank {r}: write"]

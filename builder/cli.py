@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from kiln.builder.build import BuildError, build_engine as run_build
+from kiln.builder.calibrate import CalibrationError
 from kiln.builder.config import FP8_TARGETS, KV_CACHE_DTYPES, TARGETS, BuildConfig, BuildConfigError, default_targets
 from kiln.builder.kernels import KernelError
 from kiln.builder.onnx_export import EXTERNAL_DATA_BYTES, OnnxExportError, export_onnx
@@ -58,11 +59,16 @@ from kiln.models import CheckpointError, read_config
                    "checkpoint's (fp8 for a compressed-tensors or ModelOpt FP8 checkpoint, else none).")
 @click.option("--quantize-lm-head", is_flag=True,
               help="With --quantization fp8, quantize the LM head too (it stays in --dtype otherwise).")
+@click.option("--calibration-prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="With --quantization fp8: a text file of prompts, one a line (a few dozen typical ones). They "
+                   "run through the unquantized model on this machine's CPU, and each projection's input gets a "
+                   "static per-tensor FP8 scale from the largest value seen, instead of a scale per token at "
+                   "run time (larger values then saturate).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_batch_size: int,
                  max_seq_len: int | None, max_num_tokens: int, kv_block_size: int, targets: tuple[str, ...],
                  kv_cache_dtype: str, no_fuse: bool, onnx_out: Path | None, quantization: str, quantize_lm_head: bool,
-                 quiet: bool) -> None:
+                 calibration_prompts: Path | None, quiet: bool) -> None:
     """Compile a Hugging Face checkpoint or a GGUF file into a Kiln engine folder.
 
     Traces Kiln's definition of the model, fuses each decoder layer (RMSNorm+QKV+RoPE,
@@ -89,7 +95,8 @@ def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_b
         cfg = BuildConfig(dtype=dtype, tp_size=tp_size, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                           max_num_tokens=max_num_tokens, kv_block_size=kv_block_size,
                           targets=tuple(dict.fromkeys(targets)) or default_targets(), fuse=not no_fuse,
-                          kv_cache_dtype=kv_cache_dtype, quantization=quantization, quantize_lm_head=quantize_lm_head)
+                          kv_cache_dtype=kv_cache_dtype, quantization=quantization, quantize_lm_head=quantize_lm_head,
+                          calibration_prompts=None if calibration_prompts is None else str(calibration_prompts))
         if onnx_out is not None and cfg.quantization != "none":
             raise BuildConfigError(f"--onnx: a --quantization {cfg.quantization} engine has no ONNX form in Kiln yet")
     except BuildConfigError as e:
@@ -102,6 +109,8 @@ def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_b
         raise click.BadParameter(str(e), param_hint="--checkpoint") from None
     except ShardError as e:
         raise click.BadParameter(str(e), param_hint="--tp-size") from None
+    except CalibrationError as e:
+        raise click.BadParameter(str(e), param_hint="--calibration-prompts") from None
     except (BuildError, TraceError, BuildConfigError, KernelError, KVScalesError) as e:
         raise click.UsageError(str(e)) from None
     click.echo(summary.render())

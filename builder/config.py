@@ -36,6 +36,8 @@ class BuildConfig:
     # "fp8": the decoder layers' GEMMs run W8A8 in e4m3 (builder/passes/quantize.py).
     quantization: str = "none"
     quantize_lm_head: bool = False
+    # A text file of prompts (one a line) for static activation scales (builder/calibrate.py).
+    calibration_prompts: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -65,6 +67,8 @@ class BuildConfig:
             raise BuildConfigError(f"--quantization {self.quantization}: choose one of {', '.join(QUANTIZATIONS)}")
         if self.quantize_lm_head and self.quantization == "none":
             raise BuildConfigError("--quantize-lm-head needs --quantization fp8")
+        if self.calibration_prompts is not None and self.quantization == "none":
+            raise BuildConfigError("--calibration-prompts needs --quantization fp8")
         no_fp8 = [t for t in self.targets if t not in FP8_TARGETS + ("cpu",)]
         if self.quantization == "fp8" and no_fp8:
             raise BuildConfigError(f"--quantization fp8 needs FP8 tensor cores, which {no_fp8[0]} does not have: "

@@ -6,9 +6,10 @@ float8 weights turned into Kiln's one form, a float32 scale per output feature.
 
 Both formats store a quantized projection as `<module>.weight` (float8_e4m3fn [N, K]) and
 `<module>.weight_scale`: per channel ([N] or [N, 1]) or per tensor ([] or [1], broadcast here to
-every channel, which is the same numbers). Activations are quantized per token at run time
-(`plugins.fp8`); a checkpoint's static `input_scale` is not used. Anything else (int8, AWQ, GPTQ,
-NVFP4, block-wise or group-wise scales, quantized KV caches) is refused with a message saying so.
+every channel, which is the same numbers). A static per-tensor `<module>.input_scale` becomes the
+op's `<weight>_input_scale`; without one, activations are quantized per token at run time
+(`plugins.fp8`). Anything else (int8, AWQ, GPTQ,
+NVFP4, block-wise or group-wise scales, per-channel input scales, quantized KV caches) is refused with a message saying so.
 """
 from __future__ import annotations
 
@@ -111,6 +112,14 @@ def per_channel_scale(scale: torch.Tensor, out_features: int, name: str) -> torc
         return scale.float().reshape(out_features).contiguous()
     raise CheckpointError(f"{name} has shape {tuple(scale.shape)}: Kiln loads per-tensor or per-channel "
                           f"([{out_features}]) FP8 weight scales, not block- or group-wise ones")
+
+
+def static_input_scale(scale: torch.Tensor, name: str) -> torch.Tensor:
+    """A checkpoint's static activation scale as float32 [1]."""
+    if scale.numel() != 1:
+        raise CheckpointError(f"{name} has shape {tuple(scale.shape)}: Kiln loads a static input scale per "
+                              "tensor only (or none: activations are then quantized per token)")
+    return scale.float().reshape(1)
 
 
 def is_float8(tensor: torch.Tensor) -> bool:

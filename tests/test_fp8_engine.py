@@ -172,3 +172,59 @@ def test_make_checkpoint_writes_both_formats(tmp_path):
         assert (tmp_path / fmt / marker).is_file()
         config = json.loads((tmp_path / fmt / "config.json").read_text())
         assert config["quantization_config"]["quant_method"] == fmt
+
+
+def test_calibration_prompts_give_every_fp8_op_a_static_activation_scale(checkpoints, engines, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The capital of France is Paris.\n\nWrite a haiku about autumn leaves.\nWhat is 17 times 23?\n")
+    out = tmp_path / "static"
+    result = invoke(build_cli, ["--checkpoint", checkpoints[None], "--output", out, *SMALL, "--target", "cpu",
+                                "--quantization", "fp8", "--calibration-prompts", prompts])
+    assert result.exit_code == 0, result.output
+    ef = read_engine_file(out / "rank0.engine")
+    static = {n: w for n, w in ef.weights.items() if n.endswith(".input_scale")}
+    assert len(static) == 2 * 4 and all(w.shape == (1,) and w.dtype == torch.float32 for w in static.values())
+    for op in ef.manifest.plan:
+        if op.op in ("norm_qkv_rope", "attention_o_proj", "norm_swiglu", "linear_residual"):
+            assert any(k.endswith("_input_scale") and v for k, v in op.inputs.items()), op.op
+    static_logits, bf16_logits = logits(out), logits(engines["bf16"])
+    assert not torch.equal(static_logits, logits(engines["fp8"]))
+    assert ((static_logits - bf16_logits).norm() / bf16_logits.norm()).item() < 0.25
+
+
+@pytest.mark.parametrize("content,flags,words", [
+    ("a prompt\n", [], ["--calibration-prompts needs --quantization fp8"]),
+    ("\n  \n", ["--quantization", "fp8"], ["--calibration-prompts", "holds no prompts"]),
+])
+def test_calibration_prompts_errors(checkpoints, tmp_path, content, flags, words):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(content)
+    result = invoke(build_cli, ["--checkpoint", checkpoints[None], "--output", tmp_path / "o", *SMALL,
+                                "--target", "cpu", "--calibration-prompts", prompts, *flags])
+    assert result.exit_code == 2 and all(w in result.output for w in words), result.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_checkpoints_static_input_scales_are_used_and_shared_inputs_take_the_largest(checkpoints, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    folder = tmp_path / "mo"
+    shutil.copytree(checkpoints["modelopt"], folder)
+    given = {"q_proj": 0.01, "k_proj": 0.03, "v_proj": 0.02, "o_proj": 0.05, "gate_proj": 0.04, "up_proj": 0.06,
+             "down_proj": 0.07}
+    for path in folder.glob("*.safetensors"):
+        tensors = load_file(str(path))
+        for name in [n for n in tensors if n.endswith("_proj.weight")]:
+            proj = name.split(".")[-2]
+            tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(given[proj])
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    out = tmp_path / "engine"
+    build_engine(folder, out, BuildConfig(**BUILD, quantization="fp8"))
+    weights = read_engine_file(out / "rank0.engine").weights
+    layer = "model.layers.0"
+    assert weights[f"{layer}.self_attn.qkv_proj.input_scale"].tolist() == [pytest.approx(0.03)]
+    assert weights[f"{layer}.mlp.gate_up_proj.input_scale"].tolist() == [pytest.approx(0.06)]
+    assert weights[f"{layer}.self_attn.o_proj.input_scale"].tolist() == [pytest.approx(0.05)]
+    assert weights[f"{layer}.mlp.down_proj.input_scale"].tolist() == [pytest.approx(0.07)]
+    assert torch.isfinite(logits(out)).all()

@@ -22,8 +22,9 @@ def norm_qkv_rope(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: t
                   kv_cache: torch.Tensor, slot_mapping: torch.Tensor, eps: float, layer: int,
                   num_heads: int, num_kv_heads: int, head_dim: int,
                   kv_scales: Optional[torch.Tensor] = None,
-                  w_qkv_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    qkv = project(rms_norm(x, norm_weight, eps), w_qkv, w_qkv_scale, b_qkv)
+                  w_qkv_scale: Optional[torch.Tensor] = None,
+                  w_qkv_input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    qkv = project(rms_norm(x, norm_weight, eps), w_qkv, w_qkv_scale, b_qkv, w_qkv_input_scale)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
     if q_norm is not None and k_norm is not None:
         q, k = head_rms_norm(q, q_norm, eps, head_dim), head_rms_norm(k, k_norm, eps, head_dim)

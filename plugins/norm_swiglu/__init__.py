@@ -1,7 +1,8 @@
 """Fused plugin `norm_swiglu`: RMSNorm + gate/up projection + gated activation, [T, H] -> [T, I].
 `activation` picks the gate's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma). Under tensor parallelism each rank keeps an equal slice of the intermediate features, of both
 the gate and the up half of w_gu. `w_gu_scale` (float32 [2I], in w_gu's row order) makes the
-projection W8A8 (`plugins.fp8`); it splits and interleaves with w_gu's rows."""
+projection W8A8 (`plugins.fp8`); it splits and interleaves with w_gu's rows. `w_gu_input_scale`
+(float32 [1]) is a static per-tensor activation scale from calibration."""
 import torch
 
 from kiln.plugins.norm_swiglu.reference import norm_swiglu
@@ -14,7 +15,7 @@ def compile_shapes(shapes: dict, attrs: dict, block_size: int) -> dict:
     the activation."""
     return {"K": shapes["w_gu"][1], "I": shapes["w_gu"][0] // 2, "block": attrs["block"],
             "norm_weight": shapes["norm_weight"] is not None, "activation": attrs["activation"],
-            "fp8": shapes.get("w_gu_scale") is not None}
+            "fp8": shapes.get("w_gu_scale") is not None, "fp8_static": shapes.get("w_gu_input_scale") is not None}
 
 
 def shard(shapes: dict, attrs: dict, rank: int, world: int, source: str) -> Shard:
@@ -29,7 +30,7 @@ def shard(shapes: dict, attrs: dict, rank: int, world: int, source: str) -> Shar
 
 SPEC = register(PluginSpec(
     name="norm_swiglu", version=2, package=__name__,
-    inputs=("x", "norm_weight?", "w_gu", "w_gu_scale?"), attrs={"eps": float, "block": int, "activation": str},
+    inputs=("x", "norm_weight?", "w_gu", "w_gu_scale?", "w_gu_input_scale?"), attrs={"eps": float, "block": int, "activation": str},
     shape=lambda s, a: (s["x"][0], s["w_gu"][0] // 2),
     dtype="x", reference=norm_swiglu, fused=True,
     compile_shapes=compile_shapes, shard=shard,
