@@ -74,10 +74,15 @@ def compile_kernels(graph: Graph, dtype: str, targets: list[str], block_size: in
     if not gpu_targets:
         return blobs, per_node
     for node in graph.nodes:
-        if get_plugin(node.op).compile_shapes is None:
+        spec = get_plugin(node.op)
+        if spec.compile_shapes is None:
             raise KernelError(f"op {node.op!r} in module {node.source!r} has no GPU kernel: it cannot run on "
                               f"{', '.join(gpu_targets)} (only fused Llama-family plans can for now); "
                               "build with --target cpu")
+        fp8 = spec.compile_shapes(graph.input_shapes(node), node.attrs, block_size).get("fp8")
+        if fp8 and not getattr(spec.module("kernels"), "SUPPORTS_FP8", False):
+            raise KernelError(f"plugin {spec.name!r} has no FP8 GPU kernels in this Kiln: build --quantization fp8 "
+                              "engines for --target cpu, or build without --quantization fp8")
     _check_compiler()
     for node in graph.nodes:
         spec = get_plugin(node.op)
@@ -86,9 +91,6 @@ def compile_kernels(graph: Graph, dtype: str, targets: list[str], block_size: in
         if module is None:
             raise KernelError(f"plugin {spec.name!r} gives compile shapes but has no kernels module "
                               f"({spec.package}.kernels)")
-        if shapes.get("fp8") and not getattr(module, "SUPPORTS_FP8", False):
-            raise KernelError(f"plugin {spec.name!r} has no FP8 GPU kernels in this Kiln: build --quantization fp8 "
-                              "engines for --target cpu, or build without --quantization fp8")
         kernels = module.aot_kernels(dtype, shapes)
         per_node[node.output] = {}
         for target in gpu_targets:

@@ -228,3 +228,16 @@ def test_a_checkpoints_static_input_scales_are_used_and_shared_inputs_take_the_l
     assert weights[f"{layer}.self_attn.o_proj.input_scale"].tolist() == [pytest.approx(0.05)]
     assert weights[f"{layer}.mlp.down_proj.input_scale"].tolist() == [pytest.approx(0.07)]
     assert torch.isfinite(logits(out)).all()
+
+
+def test_a_gpu_target_without_fp8_kernels_is_refused_before_compiling(checkpoints, tmp_path, monkeypatch):
+    from kiln.plugins import get_plugin
+    # Whatever FP8 kernels this Kiln has, a plugin without them must stop the build.
+    for name in ("linear", "linear_residual", "norm_qkv_rope", "attention_o_proj", "norm_swiglu"):
+        monkeypatch.setattr(get_plugin(name).module("kernels"), "SUPPORTS_FP8", False, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    out = tmp_path / "out"
+    result = invoke(build_cli, ["--checkpoint", checkpoints[None], "--output", out, *SMALL, "--target", "sm_90",
+                                "--quantization", "fp8"])
+    assert result.exit_code == 2 and "'norm_qkv_rope' has no FP8 GPU kernels" in result.output, result.output
+    assert not out.exists()
