@@ -241,3 +241,46 @@ def test_a_gpu_target_without_fp8_kernels_is_refused_before_compiling(checkpoint
                                 "--quantization", "fp8"])
     assert result.exit_code == 2 and "'norm_qkv_rope' has no FP8 GPU kernels" in result.output, result.output
     assert not out.exists()
+
+
+def test_an_engine_from_before_fp8_still_loads_and_runs(engines, tmp_path):
+    """Format 2: no `quantization` in the manifest, no scale inputs in the plan."""
+    import shutil
+    import struct
+    import zlib
+
+    from kiln.engines.format import READS_VERSIONS
+    old = tmp_path / "old"
+    shutil.copytree(engines["bf16"], old)
+    path = old / "rank0.engine"
+    data = bytearray(path.read_bytes())
+    _, _, _, m_off, m_len, _, _ = struct.unpack_from("<8sIIQQQI", data)
+    manifest = json.loads(data[m_off:m_off + m_len])
+    del manifest["quantization"]
+    for op in manifest["plan"]:
+        op["inputs"] = {k: v for k, v in op["inputs"].items() if not k.endswith("_scale")}
+    body = json.dumps(manifest).encode().ljust(m_len, b" ")
+    data[m_off:m_off + m_len] = body
+    struct.pack_into("<I", data, 8, 2)
+    struct.pack_into("<I", data, 40, zlib.crc32(body))
+    path.write_bytes(bytes(data))
+    assert 2 in READS_VERSIONS
+    ef = read_engine_file(path)
+    assert ef.manifest.quantization == "none"
+    assert torch.equal(logits(old), logits(engines["bf16"]))
+
+
+def test_static_activation_scales_need_gpu_kernels_that_say_they_take_them(checkpoints, tmp_path, monkeypatch):
+    from kiln.plugins import get_plugin
+    for name in ("linear", "linear_residual", "norm_qkv_rope", "attention_o_proj", "norm_swiglu"):
+        kernels = get_plugin(name).module("kernels")
+        monkeypatch.setattr(kernels, "SUPPORTS_FP8", True, raising=False)
+        monkeypatch.setattr(kernels, "SUPPORTS_FP8_STATIC", False, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The capital of France is Paris.\n")
+    out = tmp_path / "out"
+    result = invoke(build_cli, ["--checkpoint", checkpoints[None], "--output", out, *SMALL, "--target", "sm_90",
+                                "--quantization", "fp8", "--calibration-prompts", prompts])
+    assert result.exit_code == 2 and "static FP8 activation scales" in result.output, result.output
+    assert not out.exists()
