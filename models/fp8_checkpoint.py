@@ -5,11 +5,12 @@ or a `hf_quant_config.json` beside config.json), read and checked; and the scale
 float8 weights turned into Kiln's one form, a float32 scale per output feature.
 
 Both formats store a quantized projection as `<module>.weight` (float8_e4m3fn [N, K]) and
-`<module>.weight_scale`: per channel ([N] or [N, 1]) or per tensor ([] or [1], broadcast here to
+`<module>.weight_scale` (a config with only a KV-cache scheme is no weight quantization: its
+scales are `models.kv_scales`' business): per channel ([N] or [N, 1]) or per tensor ([] or [1], broadcast here to
 every channel, which is the same numbers). A static per-tensor `<module>.input_scale` becomes the
 op's `<weight>_input_scale`; without one, activations are quantized per token at run time
 (`plugins.fp8`). Anything else (int8, AWQ, GPTQ,
-NVFP4, block-wise or group-wise scales, per-channel input scales, quantized KV caches) is refused with a message saying so.
+NVFP4, block-wise or group-wise scales, per-channel input scales) is refused with a message saying so.
 """
 from __future__ import annotations
 
@@ -42,8 +43,12 @@ def quantization_of(raw: dict, source: str) -> str:
         raise CheckpointError(f"{where} must be an object")
     method = qc.get("quant_method")
     if method == COMPRESSED_TENSORS:
+        if not qc.get("config_groups"):
+            return "none"  # only a KV-cache scheme (models/kv_scales.py reads its scales)
         _check_compressed_tensors(qc, where)
     elif method == MODELOPT:
+        if not qc.get("quant_algo"):
+            return "none"  # only a KV-cache algorithm
         _check_modelopt(qc, where)
     else:
         raise CheckpointError(f"{where}.quant_method {method!r} is not supported: Kiln loads FP8 checkpoints in the "
@@ -72,12 +77,9 @@ def _check_compressed_tensors(qc: dict, where: str) -> None:
     if fmt not in ("float-quantized", "naive-quantized", None):
         raise CheckpointError(f"{where}.format {fmt!r} is not supported: Kiln loads float-quantized (FP8) "
                               "compressed-tensors checkpoints")
-    if qc.get("kv_cache_scheme"):
-        raise CheckpointError(f"{where}.kv_cache_scheme is set: a quantized KV cache in the checkpoint is not "
-                              "supported; remove it (Kiln's --kv-cache-dtype chooses the cache's dtype)")
     groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise CheckpointError(f"{where} has no config_groups")
+    if not isinstance(groups, dict):
+        raise CheckpointError(f"{where}.config_groups must be an object")
     for name, group in groups.items():
         w = (group or {}).get("weights") or {}
         if w.get("type") != "float" or w.get("num_bits") != 8:
@@ -98,10 +100,6 @@ def _check_modelopt(qc: dict, where: str) -> None:
     if algo not in MODELOPT_ALGOS:
         raise CheckpointError(f"{where}.quant_algo {algo!r} is not supported: Kiln loads ModelOpt's "
                               f"{' and '.join(MODELOPT_ALGOS)}")
-    if qc.get("kv_cache_quant_algo"):
-        raise CheckpointError(f"{where}.kv_cache_quant_algo is {qc['kv_cache_quant_algo']!r}: a quantized KV "
-                              "cache in the checkpoint is not supported; remove it (Kiln's --kv-cache-dtype "
-                              "chooses the cache's dtype)")
 
 
 def per_channel_scale(scale: torch.Tensor, out_features: int, name: str) -> torch.Tensor:

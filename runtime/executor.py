@@ -143,9 +143,7 @@ class CpuExecutor(ArenaExecutor):
         dims, values = self._begin(step, copies, feed)
         weights = self.engine.weights
         for op in self.engine.plan:
-            # By name: a plan from before an optional input existed has no entry for it.
-            names = [op.inputs.get(n) for n in op.spec.input_names]
-            args = [None if t is None else values[t] if t in values else weights[t] for t in names]
+            args = [None if t is None else values[t] if t in values else weights[t] for t in op.inputs.values()]
             out = self._view(op.output, dims)
             out.copy_(op.spec.call_reference(args, op.attrs))
             values[op.output] = out
