@@ -185,8 +185,8 @@ def test_parity_split_k_workspace_is_reusable(request):
             x = rand(t, k, dtype=torch.float32)
             out = torch.full((t, n), float("nan"))
             linear_kernels.linear_kernel[(1, columns, split)](
-                x, w, None, None, out, part, count, t, N=n, K=k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                BLOCK_K=bk, UPCAST_DOT=False, SPLIT_K=split)
+                x, None, w, None, None, None, out, part, count, t, N=n, K=k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                BLOCK_K=bk, UPCAST_DOT=False, SPLIT_K=split, ROUND_E4M3=False)
             assert_matches(out, x @ w.T)
             assert not count.any(), f"launch {seed} left arrival counts {count.tolist()}"
     in_mode(request, True, body)

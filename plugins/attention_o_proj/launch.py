@@ -21,12 +21,13 @@ def scratch_bytes(attrs: dict, limits: dict[str, int]) -> dict[str, int]:
 
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
            dims: dict[str, int], stream: int, scratch: dict[str, torch.Tensor]) -> None:
-    """inputs: the 8 of `attention`, then w_o [hidden, heads*head_dim], b_o? [hidden], residual."""
-    q, w_o, b_o, residual = inputs[0], *inputs[8:]
+    """inputs: the 8 of `attention`, then w_o [hidden, heads*head_dim], b_o? [hidden], residual,
+    then w_o_scale [hidden] (FP8) when given."""
+    q, w_o, b_o, residual, w_scale = inputs[0], *(*inputs[8:], None)[:4]
     attn = scratch["attention_o_proj_attn"][:q.numel() * q.element_size()].view(q.dtype).view(q.shape)
     attention_idx = [i for i, m in enumerate(metas) if "role" in m]
-    gemm_idx = [i for i, m in enumerate(metas) if "bucket" in m]
+    gemm_idx = [i for i, m in enumerate(metas) if "bucket" in m or "quantize" in m]
     attention.launch([kernels[i] for i in attention_idx], [metas[i] for i in attention_idx], inputs[:8], attrs,
                      attn, dims, stream, scratch)
     launch_gemm([kernels[i] for i in gemm_idx], [metas[i] for i in gemm_idx], attn, w_o, b_o, residual, out, stream,
-                scratch)
+                scratch, w_scale)
