@@ -2,11 +2,12 @@
 launch what each bucket needs with arguments that compute the W8A8 reference: at decode size the
 GEMM alone (it quantizes x itself), from the small bucket on the quantize pre-pass into the
 executor's scratch buffers (sized from the kernels' metadata as the CUDA executor sizes them),
-then the GEMM reading its e4m3 rows. Each loaded kernel is a stand-in that runs the AOT kernel's
+then the GEMM reading its e4m3 rows: on sm_90 in the prefill bucket the persistent TMA GEMM. Each loaded kernel is a stand-in that runs the AOT kernel's
 function in the interpreter (`interpreted_launch`)."""
 import dataclasses
 import importlib
 import os
+from unittest import mock
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -30,7 +31,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
 ]
 EPS = 1e-5
-MAX_ROWS = 128          # the engine's T bound: the executor sizes per-row scratch for it
+MAX_ROWS = 320          # the engine's T bound: the executor sizes per-row scratch for it
+SMS = 3                 # fewer programs than tiles: each persistent TMA program walks several
 LINEAR_ATTRS = {"parallel": "none", "heads": 0, "all_reduce": False}
 
 
@@ -55,8 +57,9 @@ def launch(plugin: str, shapes: dict, target: str, inputs: list, attrs: dict, ou
     scratch = {name: torch.zeros(nbytes, dtype=torch.uint8) for name, nbytes in sizes.items()}
     log: list = []
     tensors = [t for t in [*inputs, out, *scratch.values(), *views] if t is not None]
-    launcher.launch([Running(k, tensors, log) for k in kernels], [k.meta for k in kernels], inputs, attrs, out,
-                    {"T": inputs[0].shape[0]}, 0, scratch)
+    with mock.patch("kiln.plugins.driver_launch.sm_count", lambda: SMS):
+        launcher.launch([Running(k, tensors, log) for k in kernels], [k.meta for k in kernels], inputs, attrs, out,
+                        {"T": inputs[0].shape[0]}, 0, scratch)
     return [name for name, _ in log]
 
 
@@ -70,15 +73,21 @@ def fp8_weight(rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows(torch.randn(rows, k) * k ** -0.5)
 
 
-def steps(gemm: str) -> list:
-    """(T, the launches expected): a decode step, then one that takes the pre-pass."""
-    return [(3, [gemm]), (100, ["quantize_rows_kernel", gemm])]
+STEPS = (3, 100, 300)    # decode, medium and prefill buckets
+
+
+def expected(t: int, target: str, gemm: str, tma_gemm: str) -> list[str]:
+    """The launches of a step of t rows: the GEMM alone at decode size, else the pre-pass, then
+    the pointer GEMM, or on sm_90 in the prefill bucket the persistent TMA GEMM."""
+    if t <= 16:
+        return [gemm]
+    return ["quantize_rows_kernel", tma_gemm if t > 256 and target == "sm_90" else gemm]
 
 
 @pytest.mark.parametrize("target", ["sm_89", "sm_90"])
-@pytest.mark.parametrize("t,expected", steps("linear_kernel"))
+@pytest.mark.parametrize("t", STEPS)
 @pytest.mark.parametrize("plugin", ["linear", "linear_residual"])
-def test_fp8_linear_launches(plugin, t, expected, target):
+def test_fp8_linear_launches(plugin, t, target):
     torch.manual_seed(t)
     k, n = 256, 40
     wq, ws = fp8_weight(n, k)
@@ -86,14 +95,16 @@ def test_fp8_linear_launches(plugin, t, expected, target):
     r = torch.randn(t, n).bfloat16() if plugin == "linear_residual" else None
     inputs = [x, wq, b, ws] if r is None else [x, wq, b, r, ws]
     out = torch.full((t, n), float("nan"), dtype=torch.bfloat16)
-    assert launch(plugin, {"K": k, "N": n, "bias": True, "fp8": True}, target, inputs, LINEAR_ATTRS, out) == expected
+    assert launch(plugin, {"K": k, "N": n, "bias": True, "fp8": True}, target, inputs, LINEAR_ATTRS, out) == \
+        expected(t, target, "linear_kernel", "tma_linear_kernel")
     close(out, ref.linear(x, wq, b, ws, r))
 
 
 @pytest.mark.parametrize("target", ["sm_89", "sm_90"])
-@pytest.mark.parametrize("t,expected", steps("norm_swiglu_kernel"))
+@pytest.mark.parametrize("t", STEPS)
 @pytest.mark.parametrize("folded", [True, False])
-def test_fp8_norm_swiglu_launches(folded, t, expected, target):
+def test_fp8_norm_swiglu_launches(folded, t, target):
+    """With the norm weight unfolded the TMA kernel is not built: the pointer kernel serves."""
     torch.manual_seed(t + folded)
     k, inter, block = 128, 24, 8
     wq, ws = fp8_weight(2 * inter, k)
@@ -102,14 +113,16 @@ def test_fp8_norm_swiglu_launches(folded, t, expected, target):
     attrs = {"eps": EPS, "block": block, "activation": "silu"}
     out = torch.full((t, inter), float("nan"), dtype=torch.bfloat16)
     shapes = {"K": k, "I": inter, "block": block, "norm_weight": not folded, "fp8": True}
-    assert launch("norm_swiglu", shapes, target, [x, g, wq, ws], attrs, out) == expected
+    tma_gemm = "tma_norm_swiglu_kernel" if folded else "norm_swiglu_kernel"
+    assert launch("norm_swiglu", shapes, target, [x, g, wq, ws], attrs, out) == \
+        expected(t, target, "norm_swiglu_kernel", tma_gemm)
     close(out, ref.norm_swiglu(x, g, wq, ws, EPS, block, "silu"))
 
 
 @pytest.mark.parametrize("target", ["sm_89", "sm_90"])
-@pytest.mark.parametrize("t,expected", steps("norm_qkv_rope_kernel"))
-@pytest.mark.parametrize("folded,bias,qk_norm", [(True, False, False), (False, True, True)])
-def test_fp8_norm_qkv_rope_launches(folded, bias, qk_norm, t, expected, target):
+@pytest.mark.parametrize("t", STEPS)
+@pytest.mark.parametrize("folded,bias,qk_norm", [(True, False, False), (True, True, True), (False, True, True)])
+def test_fp8_norm_qkv_rope_launches(folded, bias, qk_norm, t, target):
     torch.manual_seed(t + bias)
     k, heads, kv_heads, d = 64, 4, 2, 32
     rows = (heads + 2 * kv_heads) * d
@@ -126,7 +139,9 @@ def test_fp8_norm_qkv_rope_launches(folded, bias, qk_norm, t, expected, target):
     expected_cache = inputs[8].clone()
     expected_q = ref.norm_qkv_rope(*inputs[:8], expected_cache, inputs[9], ws, **attrs)
     out = torch.full((t, heads * d), float("nan"), dtype=torch.bfloat16)
-    assert launch("norm_qkv_rope", shapes, target, inputs, attrs, out) == expected
+    tma_gemm = "tma_norm_qkv_rope_kernel" if folded else "norm_qkv_rope_kernel"
+    assert launch("norm_qkv_rope", shapes, target, inputs, attrs, out) == \
+        expected(t, target, "norm_qkv_rope_kernel", tma_gemm)
     close(out, expected_q)
     close(inputs[8], expected_cache)
 

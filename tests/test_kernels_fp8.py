@@ -3,7 +3,8 @@ quantize pre-pass gives the reference's e4m3 values and scales bit for bit, the 
 that sm_89 and the interpreter do in float32 is torch's cast, and every GEMM plugin's FP8
 kernels (`kernels.run`, which takes the bucket the engine takes for T rows) match the plugin's
 reference with its projection done by `fp8_linear`, in every bucket (decode quantizes in the
-kernel, the others read the pre-pass's rows), with T and N not multiples of the tiles."""
+kernel, the others read the pre-pass's rows), with T and N not multiples of the tiles, and so
+do the persistent TMA kernels that sm_90 and later run instead in the TMA buckets."""
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -21,7 +22,7 @@ import kiln.plugins.linear.kernels as linear_kernels  # noqa: E402
 from kiln.plugins.attention import kernels as attention_kernels  # noqa: E402
 from kiln.plugins.attention_o_proj import kernels as attention_o_proj_kernels  # noqa: E402
 from kiln.plugins.fp8 import FP8, quantize_rows  # noqa: E402
-from kiln.plugins.linear import fp8  # noqa: E402
+from kiln.plugins.linear import fp8, tma  # noqa: E402
 from kiln.plugins.linear_residual import kernels as linear_residual_kernels  # noqa: E402
 from kiln.plugins.norm_qkv_rope import kernels as norm_qkv_rope_kernels  # noqa: E402
 from kiln.plugins.norm_swiglu import kernels as norm_swiglu_kernels  # noqa: E402
@@ -228,3 +229,55 @@ def test_parity_fp8_attention_o_proj(t):
     attn = torch.empty_like(inputs[0])
     attention_kernels.run(inputs[:8], attrs, attn)
     assert_matches(out, ref.linear(attn, wq, None, ws, inputs[10]))
+
+
+# The persistent TMA kernels of sm_90 and later with e4m3 operands, in the interpreter: small
+# tiles, fewer programs than tiles, T not a multiple of the row tile; x from the pre-pass.
+TMA_PROGRAMS = 4
+
+
+@pytest.mark.parametrize("bias,residual", [(False, False), (True, True)])
+def test_parity_fp8_tma_linear(bias, residual):
+    torch.manual_seed(7)
+    t, n, k = 150, 96, 256
+    wq, ws = fp8_weight(n, k)
+    x = rand(t, k, dtype=torch.bfloat16)
+    b = rand(n, dtype=torch.bfloat16) if bias else None
+    r = rand(t, n, dtype=torch.bfloat16) if residual else None
+    xq, xs = linear_kernels.quantize_rows(x, None, False, 0.0)
+    out = torch.full((t, n), float("nan"), dtype=torch.bfloat16)
+    tma.tma_linear_kernel[(TMA_PROGRAMS,)](xq, xs, wq, ws, b, r, out, t, N=n, K=k, BLOCK_M=64, BLOCK_N=32, BLOCK_K=64,
+                                           GROUP_M=2, UPCAST_DOT=True)
+    assert_matches(out, ref.linear(x, wq, b, ws, r))
+
+
+def test_parity_fp8_tma_norm_swiglu():
+    """Tiles of 32 weight rows over W_gu interleaved in blocks of 8, x RMSNorm'd by the pre-pass."""
+    torch.manual_seed(8)
+    t, k, inter, block = 150, 128, 48, 8
+    wq, ws = fp8_weight(2 * inter, k)
+    x = rand(t, k, dtype=torch.bfloat16, scale=3.0)
+    xq, xs = linear_kernels.quantize_rows(x, None, True, EPS)
+    out = torch.full((t, inter), float("nan"), dtype=torch.bfloat16)
+    norm_swiglu_kernels.tma_norm_swiglu_kernel[(TMA_PROGRAMS,)](
+        xq, xs, wq, ws, out, t, I=inter, K=k, GU_BLOCK=block, BLOCK_M=64, BLOCK_N=16, BLOCK_K=64, GROUP_M=2,
+        UPCAST_DOT=True, GELU_TANH=False)
+    assert_matches(out, ref.norm_swiglu(x, None, wq, ws, EPS, block, "silu"))
+
+
+@pytest.mark.parametrize("bias,qk_norm,heads_per_tile", [(False, False, 2), (True, True, 1)])
+def test_parity_fp8_tma_norm_qkv_rope(bias, qk_norm, heads_per_tile):
+    torch.manual_seed(9)
+    t, k, d = 70, 64, 16
+    inputs = qkv_inputs(t, k, d, torch.bfloat16, True, bias, qk_norm)
+    x, _, wq, b, q_norm, k_norm, positions, rope, kv_cache, slots, ws = inputs
+    attrs = {"eps": EPS, "layer": 1, "num_heads": 4, "num_kv_heads": 2, "head_dim": d}
+    expected_cache = kv_cache.clone()
+    expected = ref.norm_qkv_rope(*inputs[:8], expected_cache, slots, ws, **attrs)
+    xq, xs = linear_kernels.quantize_rows(x, None, True, EPS)
+    out = torch.full((t, 4 * d), float("nan"), dtype=torch.bfloat16)
+    norm_qkv_rope_kernels.tma_norm_qkv_rope_kernel[(TMA_PROGRAMS,)](
+        xq, xs, wq, ws, b, q_norm, k_norm, positions, rope, kv_cache, slots, out, t, 320, 1, EPS,
+        K=k, H=4, KVH=2, D=d, BLOCK_M=64, BLOCK_K=64, GROUP_M=2, HEADS=heads_per_tile, UPCAST_DOT=True)
+    assert_matches(out, expected)
+    assert_matches(kv_cache, expected_cache)

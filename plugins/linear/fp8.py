@@ -26,8 +26,11 @@ float32 arithmetic, after which the cast is exact. The interpreter also truncate
 bf16, so there (`EMULATE`, the GEMM kernels' UPCAST_DOT) bf16 rounding is done in float32 as
 well, and the dot takes float32 tiles: products of e4m3 values are exact in float32 either way.
 
-sm_80 has no FP8 tensor cores: FP8 kernels are built for FP8_TARGETS only (the builder refuses
-an FP8 engine for sm_80).
+The dots are e4m3 tensor-core MMAs (mma.sync on sm_89, wgmma on sm_90 from the small bucket
+on); for the 16-row decode tiles Triton 3.6 on sm_90 converts both tiles to float16 and uses
+float16 mma.sync, which is exact too. In the TMA buckets sm_90 and sm_100 run the persistent TMA
+GEMM of `linear.tma` on the pre-pass's rows. sm_80 has no FP8 tensor cores: FP8 kernels are built
+for FP8_TARGETS only (the builder refuses an FP8 engine for sm_80).
 """
 from __future__ import annotations
 
@@ -40,6 +43,8 @@ from kiln.plugins.aot import POINTER_TYPES, AotKernel, pointer_params
 from kiln.plugins.fp8 import E4M3_MAX, MIN_SCALE
 
 FP8_TARGETS = ("sm_89", "sm_90", "sm_100")
+# Where a bucket runs the TMA GEMM on TMA targets, sm_89 keeps the pointer kernel.
+POINTER_ONLY = ("sm_89",)
 # (targets, ROUND_E4M3): sm_89's float32 -> e4m3 cast rounds twice (see above).
 TARGET_GROUPS = ((("sm_89",), True), (("sm_90", "sm_100"), False))
 FP8_POINTER = "*fp8e4nv"
@@ -191,10 +196,12 @@ def quantize_block_k(k: int) -> int:
     return min(triton.next_power_of_2(k), 4096)
 
 
-def for_targets(kernel: AotKernel) -> list[AotKernel]:
-    """An FP8 kernel once per group of TARGET_GROUPS, with that group's ROUND_E4M3."""
+def for_targets(kernel: AotKernel, only: tuple[str, ...] = FP8_TARGETS) -> list[AotKernel]:
+    """An FP8 kernel once per group of TARGET_GROUPS (of the targets in `only`), with that
+    group's ROUND_E4M3."""
+    groups = [(tuple(t for t in targets if t in only), round_first) for targets, round_first in TARGET_GROUPS]
     return [dataclasses.replace(kernel, constexprs={**kernel.constexprs, "ROUND_E4M3": round_first}, targets=targets)
-            for targets, round_first in TARGET_GROUPS]
+            for targets, round_first in groups if targets]
 
 
 def quantize_aot(dtype: str, k: int, norm: bool, norm_weight: bool) -> list[AotKernel]:

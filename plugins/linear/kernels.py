@@ -348,8 +348,9 @@ def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool,
                        fp8_weight: bool = False) -> list[AotKernel]:
     """One linear_kernel per shape bucket of TILES, and for the TMA buckets the persistent TMA
     GEMM for sm_90 and later beside it (the pointer kernel then serves sm_80 and sm_89). FP8
-    (`fp8_weight`): kernels for fp8.FP8_TARGETS only, pointer kernels in every bucket, and the
-    quantize pre-pass that the larger buckets read, each per group of fp8.TARGET_GROUPS."""
+    (`fp8_weight`): kernels for fp8.FP8_TARGETS only (each per group of fp8.TARGET_GROUPS), the
+    TMA buckets' e4m3 TMA GEMM beside sm_89's pointer kernel, and the quantize pre-pass that the
+    buckets past decode read."""
     ptr, size = POINTER_TYPES[dtype], dtypes.element_bytes(dtype)
     kernels = []
     for tile in tiles_for(n):
@@ -378,9 +379,12 @@ def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool,
             stages = num_stages(tile.block_m, tile.block_n, bk, 1, tile.stages, 1 if x_scale != "constexpr" else size)
         kernel = AotKernel(linear_kernel, signature, absent_as_none(signature, constexprs), num_warps=tile.num_warps,
                            aligned=pointer_params(signature), num_stages=stages, meta=meta, targets=targets)
-        kernels += fp8.for_targets(kernel) if fp8_weight else [kernel]
-        if tile.tma and not fp8_weight:
-            kernels.append(tma_linear_aot(dtype, n, k, bias, residual, tile.name, tile.max_rows))
+        if fp8_weight:
+            kernels += fp8.for_targets(kernel, fp8.POINTER_ONLY if tile.tma else fp8.FP8_TARGETS)
+        else:
+            kernels.append(kernel)
+        if tile.tma:
+            kernels.append(tma_linear_aot(dtype, n, k, bias, residual, tile.name, tile.max_rows, fp8_weight))
     if fp8_weight:
         kernels += fp8.quantize_aot(dtype, k, norm=False, norm_weight=False)
     return kernels

@@ -81,7 +81,7 @@ def norm_qkv_rope_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, bias_
 
 
 @triton.jit
-def tma_norm_qkv_rope_kernel(x_ptr, scale_ptr, w_ptr, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr,
+def tma_norm_qkv_rope_kernel(x_ptr, scale_ptr, w_ptr, w_scale_ptr, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr,
                              kv_ptr, slot_ptr, out_ptr, T, num_slots, layer, eps,
                              K: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -89,7 +89,8 @@ def tma_norm_qkv_rope_kernel(x_ptr, scale_ptr, w_ptr, bias_ptr, q_norm_ptr, k_no
     """HEADS (1 or 2) whole heads per tile (HEADS * D contiguous rows of W_qkv, each head's two
     halves in order), through the persistent TMA GEMM of `linear.tma`; scale_ptr holds the row
     scales of x's T rows. Two heads make the 256-row tiles the GEMM is fastest with; a pair
-    never straddles q, k and v when H and KVH are even (`heads_per_tile`)."""
+    never straddles q, k and v when H and KVH are even (`heads_per_tile`). W8A8 with w_scale_ptr:
+    x holds the quantize pre-pass's e4m3 rows (RMSNorm'd) and scale_ptr their scales."""
     HALF: tl.constexpr = D // 2
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[T, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[(H + 2 * KVH) * D, K], strides=[K, 1],
@@ -100,6 +101,9 @@ def tma_norm_qkv_rope_kernel(x_ptr, scale_ptr, w_ptr, bias_ptr, q_norm_ptr, k_no
         pid_m, pid_n = tma.tile_coords(tile, tiles_m, tiles_n, GROUP_M)
         acc = tma.tma_dot(x_desc, w_desc, pid_m * BLOCK_M, pid_n * HEADS * D, K, BLOCK_M, HEADS * D, BLOCK_K,
                           UPCAST_DOT)
+        # The row scales are applied by the epilogue; the weight's here.
+        acc = tma.scale_tile(acc, None, w_scale_ptr, pid_m * BLOCK_M + tl.arange(0, BLOCK_M),
+                             pid_n * HEADS * D + tl.arange(0, HEADS * D), T, (H + 2 * KVH) * D)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < T
         scale = tl.load(scale_ptr + offs_m, mask=mask_m, other=0.0)
@@ -205,10 +209,14 @@ def heads_per_tile(heads: int, kv_heads: int, head_dim: int, dtype: str) -> int:
 
 
 def tma_aot(dtype: str, shapes: dict, tile: Tile, optional: dict[str, bool]) -> AotKernel:
+    """The TMA kernel of a bucket; FP8: e4m3 operands, x from the quantize pre-pass."""
+    fp8_weight = shapes.get("fp8", False)
     ptr = POINTER_TYPES[dtype]
-    bm, _, bk = tma.tile_shape(dtype)
+    bm, _, bk = tma.tile_shape(dtype, fp8_weight)
     heads, kv_heads = shapes["num_heads"], shapes["num_kv_heads"]
-    signature = {"x_ptr": ptr, "scale_ptr": "*fp32", "w_ptr": ptr, "bias_ptr": ptr, "q_norm_ptr": "*fp32",
+    operand = fp8.FP8_POINTER if fp8_weight else ptr
+    signature = {"x_ptr": operand, "scale_ptr": "*fp32", "w_ptr": operand,
+                 "w_scale_ptr": "*fp32" if fp8_weight else "constexpr", "bias_ptr": ptr, "q_norm_ptr": "*fp32",
                  "k_norm_ptr": "*fp32", "pos_ptr": "*i32", "rope_ptr": "*fp32", "kv_ptr": ptr, "slot_ptr": "*i32",
                  "out_ptr": ptr, "T": "i32", "num_slots": "i32", "layer": "i32", "eps": "fp32", "K": "constexpr",
                  "H": "constexpr", "KVH": "constexpr", "D": "constexpr", "BLOCK_M": "constexpr",
@@ -219,10 +227,12 @@ def tma_aot(dtype: str, shapes: dict, tile: Tile, optional: dict[str, bool]) -> 
     constexprs = {"K": shapes["K"], "H": heads, "KVH": kv_heads, "D": shapes["head_dim"], "BLOCK_M": bm,
                   "BLOCK_K": bk, "GROUP_M": tma.GROUP_M, "UPCAST_DOT": False,
                   "HEADS": heads_per_tile(heads, kv_heads, shapes["head_dim"], dtype)}
+    meta = tma.tma_meta(tile.name, tile.max_rows, (heads + 2 * kv_heads) // constexprs["HEADS"])
+    if fp8_weight:
+        meta["fp8"] = "prequantized"
     return AotKernel(tma_norm_qkv_rope_kernel, signature, absent_as_none(signature, constexprs),
                      num_warps=tma.WARPS, num_stages=tma.STAGES, aligned=pointer_params(signature),
-                     targets=tma.TMA_TARGETS,
-                     meta=tma.tma_meta(tile.name, tile.max_rows, (heads + 2 * kv_heads) // constexprs["HEADS"]))
+                     targets=tma.TMA_TARGETS, meta=meta)
 
 
 def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
@@ -268,8 +278,11 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
         kernel = AotKernel(norm_qkv_rope_kernel, signature, absent_as_none(signature, constexprs),
                            num_warps=tile.num_warps, aligned=pointer_params(signature), num_stages=stages, meta=meta,
                            targets=targets)
-        kernels += fp8.for_targets(kernel) if fp8_weight else [kernel]
-        if uses_tma(tile, shapes) and not fp8_weight:
+        if fp8_weight:
+            kernels += fp8.for_targets(kernel, fp8.POINTER_ONLY if uses_tma(tile, shapes) else fp8.FP8_TARGETS)
+        else:
+            kernels.append(kernel)
+        if uses_tma(tile, shapes):
             kernels.append(tma_aot(dtype, shapes, tile, optional))
     if fp8_weight:
         kernels += fp8.quantize_aot(dtype, k, norm=True, norm_weight=optional["norm_ptr"])

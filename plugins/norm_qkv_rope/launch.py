@@ -32,7 +32,7 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
     check_fp8(metas[i], w_scale)
     # Weights and step inputs are whole arena regions (256-byte aligned); activations may be views.
     check_aligned(metas[i], x, kv_cache, out)
-    if metas[i].get("tma"):  # the norm weight is folded; the row scales come from a pre-pass
+    if metas[i].get("tma") and w_scale is None:  # the norm weight is folded; the row scales come from a pre-pass
         args = [x.data_ptr(), launch_row_scale(kernels, metas, x, attrs["eps"], stream, scratch)]
     else:
         args = gemm_input_args(kernels, metas, i, x, norm_weight, attrs["eps"], stream, scratch)

@@ -94,12 +94,13 @@ def norm_swiglu_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, out_ptr
 
 
 @triton.jit
-def tma_norm_swiglu_kernel(x_ptr, scale_ptr, w_ptr, out_ptr, T,
+def tma_norm_swiglu_kernel(x_ptr, scale_ptr, w_ptr, w_scale_ptr, out_ptr, T,
                            I: tl.constexpr, K: tl.constexpr, GU_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                            UPCAST_DOT: tl.constexpr, GELU_TANH: tl.constexpr):
     """BLOCK_N output columns per tile from 2 * BLOCK_N contiguous rows of the interleaved W_gu;
-    scale_ptr holds the row scales of x's T rows."""
+    scale_ptr holds the row scales of x's T rows. W8A8 with w_scale_ptr: x holds the quantize
+    pre-pass's e4m3 rows (RMSNorm'd) and scale_ptr their scales."""
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[T, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[2 * I, K], strides=[K, 1], block_shape=[2 * BLOCK_N, BLOCK_K])
     out_desc = tl.make_tensor_descriptor(out_ptr, shape=[T, I], strides=[I, 1], block_shape=[BLOCK_M, BLOCK_N])
@@ -110,8 +111,8 @@ def tma_norm_swiglu_kernel(x_ptr, scale_ptr, w_ptr, out_ptr, T,
         pid_m, pid_n = tma.tile_coords(tile, tiles_m, tiles_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         acc = tma.tma_dot(x_desc, w_desc, off_m, pid_n * 2 * BLOCK_N, K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, UPCAST_DOT)
-        offs_m = off_m + tl.arange(0, BLOCK_M)
-        acc *= tl.load(scale_ptr + offs_m, mask=offs_m < T, other=0.0)[:, None]
+        acc = tma.scale_tile(acc, scale_ptr, w_scale_ptr, off_m + tl.arange(0, BLOCK_M),
+                             pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N), T, 2 * I)
         # Columns [g0 u0 g1 u1 ...] in blocks of GU_BLOCK: (pair, gate/up, column) -> gate, up.
         pairs = tl.permute(tl.reshape(acc, (BLOCK_M, PAIRS, 2, GU_BLOCK)), (0, 1, 3, 2))
         gate, up = tl.split(pairs)
@@ -128,17 +129,23 @@ def uses_tma(tile, shapes: dict, dtype: str) -> bool:
 
 
 def tma_aot(dtype: str, shapes: dict, tile) -> AotKernel:
-    bm, bn, bk = tma.tile_shape(dtype)
+    """The TMA kernel of a bucket; FP8: e4m3 operands, x from the quantize pre-pass."""
+    fp8_weight = shapes.get("fp8", False)
+    bm, bn, bk = tma.tile_shape(dtype, fp8_weight)
     ptr = POINTER_TYPES[dtype]
-    signature = {"x_ptr": ptr, "scale_ptr": "*fp32", "w_ptr": ptr, "out_ptr": ptr, "T": "i32", "I": "constexpr",
+    operand = fp8.FP8_POINTER if fp8_weight else ptr
+    signature = {"x_ptr": operand, "scale_ptr": "*fp32", "w_ptr": operand,
+                 "w_scale_ptr": "*fp32" if fp8_weight else "constexpr", "out_ptr": ptr, "T": "i32", "I": "constexpr",
                  "K": "constexpr", "GU_BLOCK": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
                  "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "UPCAST_DOT": "constexpr", "GELU_TANH": "constexpr"}
     constexprs = {"I": shapes["I"], "K": shapes["K"], "GU_BLOCK": shapes["block"], "BLOCK_M": bm, "BLOCK_N": bn // 2,
                   "BLOCK_K": bk, "GROUP_M": tma.GROUP_M, "UPCAST_DOT": False,
                   "GELU_TANH": GELU_TANH[shapes.get("activation", "silu")]}
-    return AotKernel(tma_norm_swiglu_kernel, signature, constexprs, num_warps=tma.WARPS, num_stages=tma.STAGES,
-                     aligned=pointer_params(signature), targets=tma.TMA_TARGETS,
-                     meta=tma.tma_meta(tile.name, tile.max_rows, triton.cdiv(shapes["I"], bn // 2)))
+    meta = tma.tma_meta(tile.name, tile.max_rows, triton.cdiv(shapes["I"], bn // 2))
+    if fp8_weight:
+        meta["fp8"] = "prequantized"
+    return AotKernel(tma_norm_swiglu_kernel, signature, absent_as_none(signature, constexprs), num_warps=tma.WARPS,
+                     num_stages=tma.STAGES, aligned=pointer_params(signature), targets=tma.TMA_TARGETS, meta=meta)
 
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
@@ -199,8 +206,11 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
         kernel = AotKernel(norm_swiglu_kernel, signature, absent_as_none(signature, constexprs),
                            num_warps=tile.num_warps, aligned=pointer_params(signature), num_stages=stages, meta=meta,
                            targets=targets)
-        kernels += fp8.for_targets(kernel) if fp8_weight else [kernel]
-        if uses_tma(tile, shapes, dtype) and not fp8_weight:
+        if fp8_weight:
+            kernels += fp8.for_targets(kernel, fp8.POINTER_ONLY if uses_tma(tile, shapes, dtype) else fp8.FP8_TARGETS)
+        else:
+            kernels.append(kernel)
+        if uses_tma(tile, shapes, dtype):
             kernels.append(tma_aot(dtype, shapes, tile))
     if fp8_weight:
         kernels += fp8.quantize_aot(dtype, k, norm=True, norm_weight=norm)

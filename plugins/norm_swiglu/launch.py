@@ -23,10 +23,13 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
     i = pick_bucket(metas, rows)
     check_fp8(metas[i], w_scale)
     check_aligned(metas[i], x, norm_weight, w_gu, w_scale, out)
-    if metas[i].get("tma"):
-        scales = launch_row_scale(kernels, metas, x, attrs["eps"], stream, scratch)
-        kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), [x.data_ptr(), scales, w_gu.data_ptr(),
-                                                                 out.data_ptr(), rows], stream)
+    if metas[i].get("tma"):   # row scales (FP8: e4m3 rows and their scales) from a pre-pass
+        if w_scale is None:
+            args = [x.data_ptr(), launch_row_scale(kernels, metas, x, attrs["eps"], stream, scratch)]
+        else:
+            args = gemm_input_args(kernels, metas, i, x, norm_weight, attrs["eps"], stream, scratch)
+        args += [t.data_ptr() for t in (w_gu, w_scale) if t is not None] + [out.data_ptr(), rows]
+        kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)
         return
     args = gemm_input_args(kernels, metas, i, x, norm_weight, attrs["eps"], stream, scratch)
     if norm_weight is not None and metas[i].get("fp8") != "prequantized":
