@@ -59,6 +59,13 @@ def _launcher(spec: PluginSpec) -> ModuleType:
     return launcher
 
 
+def kernel_scratch(launch: dict, limits: dict[str, int]) -> dict[str, int]:
+    """The scratch buffers one kernel's launch metadata names: sized at build time (the split-K
+    GEMMs' workspaces), or in bytes per row of a step (the FP8 GEMMs' quantized rows)."""
+    per_row = {name: nbytes * limits["T"] for name, nbytes in launch.get("scratch_per_row", {}).items()}
+    return {**launch.get("scratch", {}), **per_row}
+
+
 def scratch_bytes(engine: Engine, launchers: list[ModuleType]) -> dict[str, int]:
     """Bytes of each scratch buffer the plan's launchers and kernels ask for: the largest need of any op."""
     m = engine.manifest
@@ -66,9 +73,8 @@ def scratch_bytes(engine: Engine, launchers: list[ModuleType]) -> dict[str, int]
     sizes: dict[str, int] = {}
     for op, launcher in zip(engine.plan, launchers):
         needs = [launcher.scratch_bytes(op.attrs, limits)] if hasattr(launcher, "scratch_bytes") else []
-        # Kernels sized at build time (the split-K GEMMs) name their workspace in their metadata.
         for keys in op.kernel_keys.values():
-            needs += [m.kernels[key].launch.get("scratch", {}) for key in keys]
+            needs += [kernel_scratch(m.kernels[key].launch, limits) for key in keys]
         for need in needs:
             for name, nbytes in need.items():
                 sizes[name] = max(sizes.get(name, 0), nbytes)

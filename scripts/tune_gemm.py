@@ -51,10 +51,12 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
         for bn, bk, split, stages in itertools.product(*space):
             if (k // split) % bk or (name == "gate_up" and split > 2):
                 continue
-            signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "constexpr", "residual_ptr": "constexpr",
+            signature = {"x_ptr": "*bf16", "x_scale_ptr": "constexpr", "w_ptr": "*bf16", "w_scale_ptr": "constexpr",
+                         "bias_ptr": "constexpr", "residual_ptr": "constexpr",
                          "out_ptr": "*bf16", **split_signature(split), "T": "i32", "N": "constexpr",
                          "K": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-                         "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr"}
+                         "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr",
+                         "ROUND_E4M3": "constexpr"}
             constexprs = {"N": n, "K": k, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST_DOT": False,
                           "SPLIT_K": split}
             grid = (triton.cdiv(t, bm), n // bn, split)
@@ -67,11 +69,13 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
             space = (([32, 64], [128], [3, 4, 6], [4, 8]) if t == 1 else
                      ([64, 128, 256], [64, 128], [3, 4], [4, 8]))
             for bn, bk, stages, warps in itertools.product(*space):
-                signature = {"x_ptr": "*bf16", "norm_ptr": "constexpr", "w_ptr": "*bf16", "out_ptr": "*bf16",
+                signature = {"x_ptr": "*bf16", "x_scale_ptr": "constexpr", "norm_ptr": "constexpr", "w_ptr": "*bf16",
+                             "w_scale_ptr": "constexpr", "out_ptr": "*bf16",
                              "part_ptr": "constexpr", "count_ptr": "constexpr", "T": "i32", "eps": "fp32",
                              "I": "constexpr", "K": "constexpr", "GU_BLOCK": "constexpr",
                              "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-                             "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr", "GELU_TANH": "constexpr"}
+                             "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr", "GELU_TANH": "constexpr",
+                             "ROUND_E4M3": "constexpr"}
                 constexprs = {"I": inter, "K": k, "GU_BLOCK": inter, "BLOCK_M": bm, "BLOCK_N": bn // 2,
                               "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": 1, "GELU_TANH": False}
                 grid = (triton.cdiv(t, bm), inter // (bn // 2), 1)
@@ -99,13 +103,14 @@ def _norm_qkv_rope_configs() -> list[tuple[str, dict, AotKernel]]:
         for head_split, bk, split, stages in itertools.product([1, 2, 4, 8], [64, 128, 256], [1, 2, 4], [3, 4, 6]):
             if (k // split) % bk:
                 continue
-            signature = {"x_ptr": "*bf16", "norm_ptr": "constexpr", "w_ptr": "*bf16", "bias_ptr": "constexpr",
+            signature = {"x_ptr": "*bf16", "x_scale_ptr": "constexpr", "norm_ptr": "constexpr", "w_ptr": "*bf16",
+                         "w_scale_ptr": "constexpr", "bias_ptr": "constexpr",
                          "q_norm_ptr": "constexpr", "k_norm_ptr": "constexpr", "pos_ptr": "*i32", "rope_ptr": "*fp32",
                          "kv_ptr": "*bf16", "slot_ptr": "*i32", "out_ptr": "*bf16", **split_signature(split),
                          "T": "i32", "num_slots": "i32", "layer": "i32", "eps": "fp32", "K": "constexpr",
                          "H": "constexpr", "KVH": "constexpr", "D": "constexpr", "HEAD_SPLIT": "constexpr",
                          "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "UPCAST_DOT": "constexpr",
-                         "SPLIT_K": "constexpr"}
+                         "SPLIT_K": "constexpr", "ROUND_E4M3": "constexpr"}
             constexprs = {"K": k, "H": heads, "KVH": kv_heads, "D": d, "HEAD_SPLIT": head_split, "BLOCK_M": bm,
                           "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": split}
             grid = (triton.cdiv(t, bm), (heads + 2 * kv_heads) * head_split, split)

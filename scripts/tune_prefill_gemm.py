@@ -39,19 +39,22 @@ POINTER_TILES = [(128, 128, 64, 8, 4), (64, 64, 64, 4, 4), (128, 256, 64, 8, 3)]
 def configs() -> list[tuple[str, dict, AotKernel]]:
     out = []
     for (name, (n, k)), (bm, bn, bk, warps, stages, group) in itertools.product(SHAPES.items(), TMA_TILES):
-        signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "constexpr", "residual_ptr": "constexpr",
-                     "out_ptr": "*bf16", "T": "i32", "N": "constexpr", "K": "constexpr", "BLOCK_M": "constexpr",
-                     "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "UPCAST_DOT": "constexpr"}
+        signature = {"x_ptr": "*bf16", "x_scale_ptr": "constexpr", "w_ptr": "*bf16", "w_scale_ptr": "constexpr",
+                     "bias_ptr": "constexpr", "residual_ptr": "constexpr", "out_ptr": "*bf16", "T": "i32",
+                     "N": "constexpr", "K": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+                     "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "UPCAST_DOT": "constexpr"}
         constexprs = {"N": n, "K": k, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "UPCAST_DOT": False}
         out.append((name, {"kind": "tma", "n": n, "k": k, "bm": bm, "bn": bn,
                            "label": f"tma bm{bm} bn{bn} bk{bk} w{warps} s{stages} g{group}"},
                     AotKernel(tma_linear_kernel, signature, absent_as_none(signature, constexprs), num_warps=warps,
                               num_stages=stages, aligned=pointer_params(signature))))
     for (name, (n, k)), (bm, bn, bk, warps, stages) in itertools.product(SHAPES.items(), POINTER_TILES):
-        signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "constexpr", "residual_ptr": "constexpr",
+        signature = {"x_ptr": "*bf16", "x_scale_ptr": "constexpr", "w_ptr": "*bf16", "w_scale_ptr": "constexpr",
+                     "bias_ptr": "constexpr", "residual_ptr": "constexpr",
                      "out_ptr": "*bf16", "part_ptr": "constexpr", "count_ptr": "constexpr", "T": "i32",
                      "N": "constexpr", "K": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-                     "BLOCK_K": "constexpr", "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr"}
+                     "BLOCK_K": "constexpr", "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr",
+                     "ROUND_E4M3": "constexpr"}
         constexprs = {"N": n, "K": k, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": 1}
         out.append((name, {"kind": "pointer", "n": n, "k": k, "bm": bm, "bn": bn,
                            "label": f"pointer bm{bm} bn{bn} bk{bk} w{warps} s{stages}"},

@@ -185,8 +185,8 @@ def test_parity_split_k_workspace_is_reusable(request):
             x = rand(t, k, dtype=torch.float32)
             out = torch.full((t, n), float("nan"))
             linear_kernels.linear_kernel[(1, columns, split)](
-                x, w, None, None, out, part, count, t, N=n, K=k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                BLOCK_K=bk, UPCAST_DOT=False, SPLIT_K=split)
+                x, None, w, None, None, None, out, part, count, t, N=n, K=k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                BLOCK_K=bk, UPCAST_DOT=False, SPLIT_K=split, ROUND_E4M3=False)
             assert_matches(out, x @ w.T)
             assert not count.any(), f"launch {seed} left arrival counts {count.tolist()}"
     in_mode(request, True, body)
@@ -315,8 +315,8 @@ def test_parity_tma_linear(request, bias, residual, dtype):
         b = rand(n, dtype=dtype) if bias else None
         r = rand(t, n, dtype=dtype) if residual else None
         out = torch.full((t, n), float("nan"), dtype=dtype)
-        tma.tma_linear_kernel[(TMA_PROGRAMS,)](x, w, b, r, out, t, N=n, K=k, BLOCK_M=64, BLOCK_N=32, BLOCK_K=32,
-                                               GROUP_M=2, UPCAST_DOT=linear_kernels.upcast_dot(x))
+        tma.tma_linear_kernel[(TMA_PROGRAMS,)](x, None, w, None, b, r, out, t, N=n, K=k, BLOCK_M=64, BLOCK_N=32,
+                                               BLOCK_K=32, GROUP_M=2, UPCAST_DOT=linear_kernels.upcast_dot(x))
         inputs = [x, w, b] + ([r] if residual else [])
         ref = get_plugin("linear_residual" if residual else "linear").call_reference(
             inputs, {"parallel": "none", "heads": 0, "all_reduce": False})
@@ -342,7 +342,7 @@ def test_parity_tma_norm_swiglu(request, activation, dtype):
         _, w_gu = with_norm(rand(2 * inter, k, dtype=dtype, scale=k ** -0.5), True)
         out = torch.full((t, inter), float("nan"), dtype=dtype)
         norm_swiglu_kernels.tma_norm_swiglu_kernel[(TMA_PROGRAMS,)](
-            x, row_scales(x), w_gu, out, t, I=inter, K=k, GU_BLOCK=block, BLOCK_M=64, BLOCK_N=16, BLOCK_K=32,
+            x, row_scales(x), w_gu, None, out, t, I=inter, K=k, GU_BLOCK=block, BLOCK_M=64, BLOCK_N=16, BLOCK_K=32,
             GROUP_M=2, UPCAST_DOT=linear_kernels.upcast_dot(x), GELU_TANH=norm_swiglu_kernels.GELU_TANH[activation])
         assert_matches(out, get_plugin("norm_swiglu").call_reference(
             [x, None, w_gu], {"eps": EPS, "block": block, "activation": activation}))
@@ -373,7 +373,8 @@ def test_parity_tma_norm_qkv_rope(request, bias, qk_norm, heads_per_tile, dtype)
             {"eps": EPS, "layer": layer, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d})
         out = torch.full((t, heads * d), float("nan"), dtype=dtype)
         norm_qkv_rope_kernels.tma_norm_qkv_rope_kernel[(TMA_PROGRAMS,)](
-            x, row_scales(x), w_qkv, b, q_norm, k_norm, positions, rope, kv_cache, slots, None, out, t, 80, layer, EPS,
+            x, row_scales(x), w_qkv, None, b, q_norm, k_norm, positions, rope, kv_cache, slots, None, out, t, 80, layer,
+            EPS,
             K=k, H=heads, KVH=kv_heads, D=d, BLOCK_M=64, BLOCK_K=32, GROUP_M=2, HEADS=heads_per_tile,
             UPCAST_DOT=linear_kernels.upcast_dot(x))
         assert_matches(out, ref)

@@ -5,10 +5,9 @@ min(tiles, SMS) programs), and attention's its 128-row prefill kernel, with argu
 make them compute the plugin's reference.
 
 The driver call needs a GPU, so each loaded kernel is a stand-in that runs the AOT kernel's
-own Triton function in the interpreter with the arguments the launcher passed: pointers are
-mapped back to the tensors they are the addresses of, scalars are passed as they are, and the
-constexprs are the cubin's. Where `test_launch_args.py` compares launchers with `kernels.run`
-(whose JIT launches take the pointer-load tiles), this runs what sm_90 runs.
+own Triton function in the interpreter (`interpreted_launch`). Where `test_launch_args.py`
+compares launchers with `kernels.run` (whose JIT launches take the pointer-load tiles), this
+runs what sm_90 runs.
 """
 import importlib
 import os
@@ -21,9 +20,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+from interpreted_launch import Running, targeted  # noqa: E402
 from kiln.builder.passes.fold import _interleave  # noqa: E402
 from kiln.plugins import get_plugin  # noqa: E402
-from kiln.plugins.aot import AotKernel  # noqa: E402
 
 GEMM_PLUGINS = ("linear", "linear_residual", "norm_swiglu", "norm_qkv_rope", "attention")
 KERNELS = {name: importlib.import_module(f"kiln.plugins.{name}.kernels") for name in GEMM_PLUGINS}
@@ -37,33 +36,6 @@ pytestmark = [
 SMS = 3          # fewer programs than tiles: each program walks several
 T = 300          # the prefill bucket (more than 256 rows), not a multiple of the 128-row tile
 EPS = 1e-5
-POINTER_DTYPES = {"*fp32": torch.float32, "*bf16": torch.bfloat16, "*fp16": torch.float16, "*i32": torch.int32}
-
-
-class Running:
-    """A loaded kernel's stand-in: `launch` runs the AOT kernel's function in the interpreter."""
-
-    def __init__(self, kernel: AotKernel, tensors: list[torch.Tensor], log: list) -> None:
-        self.kernel = kernel
-        self.tensors = {t.data_ptr(): t for t in tensors}
-        self.log = log   # (kernel name, grid) of every launch, in order
-
-    def launch(self, grid: tuple[int, int, int], args: list, stream: int) -> None:
-        params = [n for n, kind in self.kernel.signature.items() if kind != "constexpr"]
-        assert len(args) == len(params), (self.kernel.fn.__name__, args)
-        values = {}
-        for name, arg in zip(params, args):
-            kind = self.kernel.signature[name]
-            if kind.startswith("*"):  # 0: an absent optional pointer
-                values[name] = self.tensors[arg].view(POINTER_DTYPES[kind]) if arg else None
-            else:
-                values[name] = arg
-        self.log.append((self.kernel.fn.__name__, grid))
-        self.kernel.fn[grid](**values, **self.kernel.constexprs)
-
-
-def sm90(kernels: list[AotKernel]) -> list[AotKernel]:
-    return [k for k in kernels if k.targets is None or "sm_90" in k.targets]
 
 
 def launch(plugin: str, shapes: dict, inputs: list, attrs: dict, out: torch.Tensor,
@@ -71,7 +43,7 @@ def launch(plugin: str, shapes: dict, inputs: list, attrs: dict, out: torch.Tens
     """Run the plugin's sm_90 launcher on a step of T rows; returns its launches in order.
     `views`: tensors whose addresses the launcher passes besides its inputs'."""
     launcher = LAUNCHERS[plugin]
-    kernels = sm90(KERNELS[plugin].aot_kernels("float32", shapes))
+    kernels = targeted(KERNELS[plugin].aot_kernels("float32", shapes), "sm_90")
     limits = {"T": T, "S": 8, "B": 64, "block_size": 16, "element_bytes": 4}
     scratch = {name: torch.zeros(nbytes, dtype=torch.uint8) for name, nbytes in
                (launcher.scratch_bytes(attrs, limits) if hasattr(launcher, "scratch_bytes") else {}).items()}

@@ -16,19 +16,21 @@ from kiln.plugins.linear_residual import kernels as linear_residual
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     """inputs: the first 8 of `attention` (q, k?, v?, kv_cache, slot_mapping, block_tables,
-    query_lens, context_lens), then w_o [hidden, heads*head_dim], b_o? [hidden], residual, and
-    attention's kv_scales?, then the FP8 scale inputs (the FP8 kernels' business)."""
-    q, w_o, b_o, residual, kv_scales = inputs[0], *attention.padded(inputs[8:], 4)[:4]
+    query_lens, context_lens), then w_o [hidden, heads*head_dim], b_o? [hidden], residual,
+    attention's kv_scales?, then w_o_scale [hidden] (FP8) and w_o_input_scale (refused by GPU
+    builds) when given."""
+    q, w_o, b_o, residual, kv_scales, w_scale = inputs[0], *attention.padded(inputs[8:], 6)[:5]
     attn = torch.empty_like(q)
     attention.run(list(inputs[:8]) + [kv_scales], attrs, attn)
-    linear_residual.run([attn, w_o, b_o, residual],
+    linear_residual.run([attn, w_o, b_o, residual, w_scale],
                         {"parallel": "row", "heads": 0, "all_reduce": attrs["all_reduce"]}, out)
 
 
 def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     """`shapes` keys: those of `attention.aot_kernels` (heads, kv_heads, head_dim, block_size),
-    hidden (o_proj's output width) and bias (whether b_o is given; default False). The launcher
-    provides a [T, heads*head_dim] scratch buffer between the two stages."""
+    hidden (o_proj's output width), bias (whether b_o is given; default False) and fp8 (w_o in
+    e4m3 with its scales; default False). The launcher provides a [T, heads*head_dim] scratch
+    buffer between the two stages."""
     gemm = {"K": shapes["heads"] * shapes["head_dim"], "N": shapes["hidden"],
-            "bias": shapes.get("bias", False)}
+            "bias": shapes.get("bias", False), "fp8": shapes.get("fp8", False)}
     return attention.aot_kernels(dtype, shapes) + linear_residual.aot_kernels(dtype, gemm)

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from kiln import dtypes
 from kiln.plugins.aot import POINTER_TYPES, AotKernel, absent_as_none, pointer_params
+from kiln.plugins.linear import fp8
 from kiln.plugins.linear.tma import POINTER_TARGETS, tma_linear_aot
 
 # Shared memory for the software pipeline's x and W buffers: sm_89 has 99 KiB per block, the
@@ -121,11 +122,12 @@ def split_workspace(rows: int, block_m: int, width: int, column_tiles: int, spli
     return {"gemm_split_part": tiles * split * (block_m * width + block_m) * 4, "gemm_split_count": tiles * 4}
 
 
-def num_stages(block_m: int, weight_rows: int, bk: int, element_bytes: int, cap: int = 4) -> int:
+def num_stages(block_m: int, weight_rows: int, bk: int, element_bytes: int, cap: int = 4,
+               x_bytes: int | None = None) -> int:
     """Pipeline depth, at most `cap`, that keeps the x and W buffers within PIPELINE_SMEM on
     sm_80/sm_89, where Triton keeps num_stages - 1 of them (sm_90+ keeps num_stages, with
-    room to spare)."""
-    per_stage = (block_m + weight_rows) * bk * element_bytes
+    room to spare). `x_bytes`: x's element size where it differs from W's (FP8 weights)."""
+    per_stage = (block_m * (x_bytes or element_bytes) + weight_rows * element_bytes) * bk
     return max(2, min(cap, 1 + PIPELINE_SMEM // per_stage))
 
 
@@ -133,11 +135,18 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def upcast_dot(x: torch.Tensor) -> bool:
+def upcast_dot(x: torch.Tensor, fp8_weight: bool = False) -> bool:
     """Triton's interpreter multiplies bf16 tiles as their raw uint16 bits (triton-lang/triton
     #11584), so there the tiles go to fp32 before tl.dot. The result is the same: a product
-    of two bf16 values is exact in fp32 and the sums are fp32 either way."""
-    return interpreting() and x.dtype == torch.bfloat16
+    of two bf16 values is exact in fp32 and the sums are fp32 either way. FP8 kernels always
+    do so in the interpreter, which also rounds to e4m3 wrongly (see `linear.fp8`)."""
+    return interpreting() and (fp8_weight or x.dtype == torch.bfloat16)
+
+
+def round_e4m3(w_scale: torch.Tensor | None) -> bool:
+    """ROUND_E4M3 of a JIT launch: set for an FP8 kernel in the interpreter, whose float32 ->
+    e4m3 cast is wrong (see `linear.fp8`)."""
+    return interpreting() and w_scale is not None
 
 
 def split_signature(split: int) -> dict[str, str]:
@@ -249,15 +258,23 @@ def split_halves(acc, BLOCK_M: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, part_ptr, count_ptr, T,
+def linear_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, residual_ptr, out_ptr, part_ptr, count_ptr, T,
                   N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr,
+                  ROUND_E4M3: tl.constexpr):
+    """w_scale_ptr given: W8A8 (`linear.fp8.fp8_gemm_tile`, whose x_scale_ptr says whether x is
+    already quantized); None: x and W in the activation dtype."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < T
     mask_n = offs_n < N
-    acc, sumsq = gemm_tile(x_ptr, None, w_ptr, offs_m, mask_m, offs_n, mask_n,
-                           K, BLOCK_M, BLOCK_N, BLOCK_K, False, UPCAST_DOT, SPLIT_K)
+    if w_scale_ptr is not None:
+        acc = fp8.fp8_gemm_tile(x_ptr, x_scale_ptr, None, w_ptr, w_scale_ptr, offs_m, mask_m, offs_n, mask_n, 0.0,
+                                K, BLOCK_M, BLOCK_N, BLOCK_K, False, UPCAST_DOT, SPLIT_K, ROUND_E4M3)
+        sumsq = tl.zeros((BLOCK_M,), tl.float32)
+    else:
+        acc, sumsq = gemm_tile(x_ptr, None, w_ptr, offs_m, mask_m, offs_n, mask_n,
+                               K, BLOCK_M, BLOCK_N, BLOCK_K, False, UPCAST_DOT, SPLIT_K)
     last = True
     if SPLIT_K > 1:
         acc, sumsq, last = split_k_sum(acc, sumsq, part_ptr, count_ptr, mask_m, BLOCK_M, BLOCK_N, SPLIT_K, False)
@@ -281,56 +298,109 @@ def split_buffers(rows: int, block_m: int, width: int, column_tiles: int, split:
             torch.zeros(sizes["gemm_split_count"] // 4, dtype=torch.int32, device=device))
 
 
+def fp8_input(tile: Tile) -> str:
+    """How an FP8 bucket gets its quantized GEMM input (`linear.fp8`): "in_kernel" for the decode
+    bucket, else "prequantized" by the quantize pre-pass."""
+    small = tile.max_rows is not None and tile.max_rows <= fp8.IN_KERNEL_MAX_ROWS
+    return "in_kernel" if small else "prequantized"
+
+
+def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None, norm: bool,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantize pre-pass through Triton's JIT: x's GEMM input rows in e4m3 and their scales."""
+    t, k = x.shape
+    xq = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(t, dtype=torch.float32, device=x.device)
+    fp8.quantize_rows_kernel[(t,)](x, norm_weight, xq, scales, t, eps, K=k, BLOCK_K=fp8.quantize_block_k(k),
+                                   NORM=norm, EMULATE=interpreting(), ROUND_E4M3=interpreting(),
+                                   num_warps=fp8.QUANTIZE_WARPS)
+    return xq, scales
+
+
+def gemm_input(tile: Tile, x: torch.Tensor, w_scale: torch.Tensor | None, norm_weight: torch.Tensor | None = None,
+               norm: bool = False, eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x operand, x scales) of a JIT launch: x itself unless the bucket takes e4m3 rows."""
+    if w_scale is None or fp8_input(tile) == "in_kernel":
+        return x, None
+    return quantize_rows(x, norm_weight, norm, eps)
+
+
 def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  residual: torch.Tensor | None, out: torch.Tensor) -> None:
-    """out = x weight^T (+ bias) (+ residual), through Triton's JIT launch."""
+                  residual: torch.Tensor | None, out: torch.Tensor, w_scale: torch.Tensor | None = None) -> None:
+    """out = x weight^T (+ bias) (+ residual), through Triton's JIT launch; W8A8 with w_scale."""
     t, k = x.shape
     n = weight.shape[0]
     tile = pick_tile(t, n)
-    bk = block_k(tile, x.element_size())
     x, weight = x.contiguous(), weight.contiguous()
+    bk = block_k(tile, weight.element_size())
     split, columns = split_k(tile, k, bk), triton.cdiv(n, tile.block_n)
     part, count = split_buffers(t, tile.block_m, tile.block_n, columns, split, x.device)
+    xa, x_scale = gemm_input(tile, x, w_scale)
     linear_kernel[(triton.cdiv(t, tile.block_m), columns, split)](
-        x, weight, bias, None if residual is None else residual.contiguous(), out, part, count, t,
-        N=n, K=k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=bk,
-        UPCAST_DOT=upcast_dot(x), SPLIT_K=split, num_warps=tile.num_warps,
-        num_stages=num_stages(tile.block_m, tile.block_n, bk, x.element_size(), tile.stages))
+        xa, x_scale, weight, w_scale, bias, None if residual is None else residual.contiguous(), out, part, count,
+        t, N=n, K=k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=bk,
+        UPCAST_DOT=upcast_dot(x, w_scale is not None), SPLIT_K=split, ROUND_E4M3=round_e4m3(w_scale),
+        num_warps=tile.num_warps,
+        num_stages=num_stages(tile.block_m, tile.block_n, bk, weight.element_size(), tile.stages, xa.element_size()))
 
 
-def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool) -> list[AotKernel]:
+def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool,
+                       fp8_weight: bool = False) -> list[AotKernel]:
     """One linear_kernel per shape bucket of TILES, and for the TMA buckets the persistent TMA
-    GEMM for sm_90 and later beside it (the pointer kernel then serves sm_80 and sm_89)."""
+    GEMM for sm_90 and later beside it (the pointer kernel then serves sm_80 and sm_89). FP8
+    (`fp8_weight`): kernels for fp8.FP8_TARGETS only (each per group of fp8.TARGET_GROUPS), the
+    TMA buckets' e4m3 TMA GEMM beside sm_89's pointer kernel, and the quantize pre-pass that the
+    buckets past decode read."""
     ptr, size = POINTER_TYPES[dtype], dtypes.element_bytes(dtype)
     kernels = []
     for tile in tiles_for(n):
-        bk = block_k(tile, size)
+        bk = block_k(tile, 1 if fp8_weight else size)
         split = split_k(tile, k, bk)
-        signature = {"x_ptr": ptr, "w_ptr": ptr, "bias_ptr": ptr, "residual_ptr": ptr, "out_ptr": ptr,
+        x_ptr, x_scale, w_ptr, w_scale = ptr, "constexpr", ptr, "constexpr"
+        if fp8_weight:
+            w_ptr, w_scale = fp8.FP8_POINTER, "*fp32"
+            if fp8_input(tile) == "prequantized":
+                x_ptr, x_scale = fp8.FP8_POINTER, "*fp32"
+        signature = {"x_ptr": x_ptr, "x_scale_ptr": x_scale, "w_ptr": w_ptr, "w_scale_ptr": w_scale,
+                     "bias_ptr": ptr, "residual_ptr": ptr, "out_ptr": ptr,
                      **split_signature(split), "T": "i32", "N": "constexpr", "K": "constexpr",
                      "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-                     "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr"}
+                     "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr", "ROUND_E4M3": "constexpr"}
         constexprs = {"N": n, "K": k, "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": bk,
-                      "UPCAST_DOT": False, "SPLIT_K": split}
+                      "UPCAST_DOT": False, "SPLIT_K": split, "ROUND_E4M3": False}
         for name, present in (("bias_ptr", bias), ("residual_ptr", residual)):
             if not present:
                 signature[name] = "constexpr"
-        kernels.append(AotKernel(
-            linear_kernel, signature, absent_as_none(signature, constexprs), num_warps=tile.num_warps, aligned=pointer_params(signature),
-            num_stages=num_stages(tile.block_m, tile.block_n, bk, size, tile.stages),
-            meta=launch_meta(tile, triton.cdiv(n, tile.block_n), split), targets=POINTER_TARGETS if tile.tma else None))
+        meta = launch_meta(tile, triton.cdiv(n, tile.block_n), split)
+        stages = num_stages(tile.block_m, tile.block_n, bk, size, tile.stages)
+        targets = POINTER_TARGETS if tile.tma else None
+        if fp8_weight:
+            meta["fp8"] = fp8_input(tile)
+            stages = num_stages(tile.block_m, tile.block_n, bk, 1, tile.stages, 1 if x_scale != "constexpr" else size)
+        kernel = AotKernel(linear_kernel, signature, absent_as_none(signature, constexprs), num_warps=tile.num_warps,
+                           aligned=pointer_params(signature), num_stages=stages, meta=meta, targets=targets)
+        if fp8_weight:
+            kernels += fp8.for_targets(kernel, fp8.POINTER_ONLY if tile.tma else fp8.FP8_TARGETS)
+        else:
+            kernels.append(kernel)
         if tile.tma:
-            kernels.append(tma_linear_aot(dtype, n, k, bias, residual, tile.name, tile.max_rows))
+            kernels.append(tma_linear_aot(dtype, n, k, bias, residual, tile.name, tile.max_rows, fp8_weight))
+    if fp8_weight:
+        kernels += fp8.quantize_aot(dtype, k, norm=False, norm_weight=False)
     return kernels
 
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
-    """inputs: x [T, K], weight [N, K], bias [N] or None. `all_reduce` is left to the caller
-    (see the module docstring); `parallel` and `heads` only matter to the shard pass."""
-    x, weight, bias = inputs[:3]
-    launch_linear(x, weight, bias, None, out)
+    """inputs: x [T, K], weight [N, K], bias [N] or None, then weight_scale [N] (FP8) and
+    weight_input_scale when given (a static activation scale; builds for a GPU refuse it, see
+    `plugins.linear.fp8`). `all_reduce` is left to the caller (see the module docstring);
+    `parallel` and `heads` only matter to the shard pass."""
+    x, weight, bias, w_scale = (*inputs, None)[:4]
+    launch_linear(x, weight, bias, None, out, w_scale)
 
 
 def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
-    """shapes: {"K": in features, "N": out features, "bias": bool (default False)}."""
-    return linear_aot_kernels(dtype, shapes["N"], shapes["K"], shapes.get("bias", False), residual=False)
+    """shapes: {"K": in features, "N": out features, "bias": bool (default False), "fp8": bool
+    (default False: weights in the activation dtype)}."""
+    return linear_aot_kernels(dtype, shapes["N"], shapes["K"], shapes.get("bias", False), residual=False,
+                              fp8_weight=shapes.get("fp8", False))

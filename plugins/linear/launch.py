@@ -42,23 +42,56 @@ def launch_row_scale(kernels: list, metas: list[dict], x: torch.Tensor, eps: flo
     return scales.data_ptr()
 
 
+def check_fp8(meta: dict, w_scale: torch.Tensor | None) -> None:
+    """A GEMM bucket kernel built for FP8 weights gets their scales, and one built without gets none."""
+    if ("fp8" in meta) != (w_scale is not None):
+        raise ValueError(f"GEMM kernel built {'with' if 'fp8' in meta else 'without'} FP8 weights, given "
+                         f"{'no ' if w_scale is None else ''}weight scales: the engine's kernels and weights "
+                         "disagree; rebuild the engine")
+
+
+def launch_quantize(kernels: list, metas: list[dict], x: torch.Tensor, norm_weight: torch.Tensor | None,
+                    eps: float, stream: int, scratch: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """Run an FP8 plugin's quantize pre-pass (`linear.fp8`) over x's rows; returns the addresses
+    of the e4m3 rows and of their scales, in the scratch buffers its meta names."""
+    i = next(i for i, meta in enumerate(metas) if meta.get("quantize"))
+    rows = x.shape[0]
+    check_aligned(metas[i], x, norm_weight)
+    args = [x.data_ptr()] + ([norm_weight.data_ptr()] if norm_weight is not None else [])
+    args += [scratch["fp8_x"].data_ptr(), scratch["fp8_x_scale"].data_ptr(), rows, eps]
+    kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)
+    return scratch["fp8_x"].data_ptr(), scratch["fp8_x_scale"].data_ptr()
+
+
+def gemm_input_args(kernels: list, metas: list[dict], i: int, x: torch.Tensor, norm_weight: torch.Tensor | None,
+                    eps: float, stream: int, scratch: dict[str, torch.Tensor]) -> list[int]:
+    """The x operand pointers of GEMM bucket kernel i: x, or for an FP8 bucket that reads e4m3
+    rows, the quantize pre-pass's rows and scales (run here first)."""
+    if metas[i].get("fp8") == "prequantized":
+        return list(launch_quantize(kernels, metas, x, norm_weight, eps, stream, scratch))
+    return [x.data_ptr()]
+
+
 def launch_gemm(kernels: list, metas: list[dict], x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None, residual: torch.Tensor | None, out: torch.Tensor,
-                stream: int, scratch: dict[str, torch.Tensor]) -> None:
-    """out = x weight^T (+ bias) (+ residual) with the bucket kernel for x's row count.
-    `linear_kernel` takes bias and residual pointers only when built with them."""
+                stream: int, scratch: dict[str, torch.Tensor], w_scale: torch.Tensor | None = None) -> None:
+    """out = x weight^T (+ bias) (+ residual) with the bucket kernel for x's row count, W8A8 when
+    the kernels were built for FP8 (w_scale: the weight's scales). `linear_kernel` takes bias
+    and residual pointers only when built with them."""
     rows = x.shape[0]
     i = pick_bucket(metas, rows)
-    check_aligned(metas[i], x, weight, bias, residual, out)
-    args = [x.data_ptr(), weight.data_ptr()]
-    args += [t.data_ptr() for t in (bias, residual) if t is not None]
+    check_fp8(metas[i], w_scale)
+    check_aligned(metas[i], x, weight, w_scale, bias, residual, out)
+    args = gemm_input_args(kernels, metas, i, x, None, 0.0, stream, scratch) + [weight.data_ptr()]
+    args += [t.data_ptr() for t in (w_scale, bias, residual) if t is not None]
     args += [out.data_ptr(), *split_args(metas[i], scratch), rows]
     kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)
 
 
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
            dims: dict[str, int], stream: int, scratch: dict[str, torch.Tensor]) -> None:
-    """inputs: x [T, K], weight [N, K], bias [N] or None. Summing partials over ranks
-    (`all_reduce`) is the executor's business."""
-    x, weight, bias = inputs[:3]
-    launch_gemm(kernels, metas, x, weight, bias, None, out, stream, scratch)
+    """inputs: x [T, K], weight [N, K], bias [N] or None, then weight_scale [N] (FP8) and
+    weight_input_scale when given (refused by GPU builds, see `plugins.linear.fp8`). Summing
+    partials over ranks (`all_reduce`) is the executor's business."""
+    x, weight, bias, w_scale = (*inputs, None)[:4]
+    launch_gemm(kernels, metas, x, weight, bias, None, out, stream, scratch, w_scale)

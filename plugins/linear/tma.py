@@ -21,6 +21,12 @@ The fused plugins share this core (`tma_dot`, `tile_coords`) and, since a TMA ti
 the tensor cores without passing through registers, take the RMSNorm row scale from
 `row_scale_kernel`'s pre-pass (one read of x, under 3% of the GEMM at 1,024 rows) instead of
 summing x^2 inside the K loop as the decode kernels do.
+
+FP8 engines run the same kernels with e4m3 operands (K tiles of 128 elements, the same bytes),
+x quantized before the load by `linear.fp8`'s pre-pass rather than in registers: a TMA tile goes
+from memory to shared memory to the tensor cores, and quantizing in the kernel would mean a trip
+through registers and back to shared memory for every x tile of every output tile, where the
+pre-pass reads x once and halves the bytes the GEMM loads. `scale_tile` applies the scales.
 """
 from __future__ import annotations
 
@@ -40,8 +46,11 @@ BLOCK_M, GROUP_M, WARPS, STAGES = 128, 8, 8, 3
 ROW_SCALE_WARPS = 8
 
 
-def tile_shape(dtype: str) -> tuple[int, int, int]:
-    """(block_m, block_n, block_k) of the TMA GEMM for an engine dtype."""
+def tile_shape(dtype: str, fp8: bool = False) -> tuple[int, int, int]:
+    """(block_m, block_n, block_k) of the TMA GEMM for an engine dtype; e4m3 operands (`fp8`)
+    take K tiles of 128 elements, the same 128 bytes per row as bf16's 64."""
+    if fp8:
+        return BLOCK_M, 256, 128
     return (BLOCK_M, 256, 64) if dtype != "float32" else (BLOCK_M, 128, 32)
 
 
@@ -71,12 +80,24 @@ def tma_dot(x_desc, w_desc, off_m, off_n, K: tl.constexpr, BLOCK_M: tl.constexpr
 
 
 @triton.jit
-def tma_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, T,
+def scale_tile(acc, row_scale_ptr, col_scale_ptr, offs_m, offs_n, T, N):
+    """acc [BLOCK_M, BLOCK_N] times the row scales of its rows (when given) and the column
+    scales of its columns (the FP8 GEMMs: x's per-token and W's per-feature scales)."""
+    if row_scale_ptr is not None:
+        acc = acc * tl.load(row_scale_ptr + offs_m, mask=offs_m < T, other=0.0)[:, None]
+    if col_scale_ptr is not None:
+        acc = acc * tl.load(col_scale_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
+    return acc
+
+
+@triton.jit
+def tma_linear_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, residual_ptr, out_ptr, T,
                       N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """out = x W^T (+ bias) (+ residual) for x [T, K], W [N, K], out [T, N]. The epilogue
-    works on the two column halves of the tile in turn: with a residual, the whole tile's
-    layout conversions would not fit in shared memory beside the pipeline's buffers."""
+    """out = x W^T (+ bias) (+ residual) for x [T, K], W [N, K], out [T, N]; W8A8 with
+    w_scale_ptr, x then holding the quantize pre-pass's e4m3 rows and x_scale_ptr their scales.
+    The epilogue works on the two column halves of the tile in turn: with a residual, the whole
+    tile's layout conversions would not fit in shared memory beside the pipeline's buffers."""
     HALF: tl.constexpr = BLOCK_N // 2
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[T, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
@@ -89,6 +110,8 @@ def tma_linear_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, T,
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tma_dot(x_desc, w_desc, off_m, off_n, K, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT)
+        acc = scale_tile(acc, x_scale_ptr, w_scale_ptr, off_m + tl.arange(0, BLOCK_M), off_n + tl.arange(0, BLOCK_N),
+                         T, N)
         left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
         _linear_epilogue(left, bias_ptr, residual_ptr, out_desc, off_m, off_n, T, N, BLOCK_M, HALF)
         _linear_epilogue(right, bias_ptr, residual_ptr, out_desc, off_m, off_n + HALF, T, N, BLOCK_M, HALF)
@@ -127,19 +150,24 @@ def tma_meta(bucket: str, max_rows: int | None, column_tiles: int) -> dict:
 
 
 def tma_linear_aot(dtype: str, n: int, k: int, bias: bool, residual: bool, bucket: str,
-                   max_rows: int | None) -> AotKernel:
-    """The persistent TMA GEMM serving a bucket on TMA_TARGETS."""
-    bm, bn, bk = tile_shape(dtype)
+                   max_rows: int | None, fp8: bool = False) -> AotKernel:
+    """The persistent TMA GEMM serving a bucket on TMA_TARGETS; `fp8`: e4m3 operands, x from
+    the quantize pre-pass (meta "fp8": "prequantized")."""
+    bm, bn, bk = tile_shape(dtype, fp8)
     ptr = POINTER_TYPES[dtype]
-    signature = {"x_ptr": ptr, "w_ptr": ptr, "bias_ptr": ptr if bias else "constexpr",
+    operand, scale = ("*fp8e4nv", "*fp32") if fp8 else (ptr, "constexpr")
+    signature = {"x_ptr": operand, "x_scale_ptr": scale, "w_ptr": operand, "w_scale_ptr": scale,
+                 "bias_ptr": ptr if bias else "constexpr",
                  "residual_ptr": ptr if residual else "constexpr", "out_ptr": ptr, "T": "i32",
                  "N": "constexpr", "K": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
                  "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "UPCAST_DOT": "constexpr"}
     constexprs = {"N": n, "K": k, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": GROUP_M,
                   "UPCAST_DOT": False}
+    meta = tma_meta(bucket, max_rows, triton.cdiv(n, bn))
+    if fp8:
+        meta["fp8"] = "prequantized"
     return AotKernel(tma_linear_kernel, signature, absent_as_none(signature, constexprs), num_warps=WARPS,
-                     num_stages=STAGES, aligned=pointer_params(signature), targets=TMA_TARGETS,
-                     meta=tma_meta(bucket, max_rows, triton.cdiv(n, bn)))
+                     num_stages=STAGES, aligned=pointer_params(signature), targets=TMA_TARGETS, meta=meta)
 
 
 def row_scale_aot(dtype: str, k: int) -> AotKernel:

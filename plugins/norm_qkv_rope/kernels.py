@@ -25,10 +25,10 @@ import triton.language as tl
 from kiln.dtypes import element_bytes
 from kiln.plugins.aot import FP8_POINTER, POINTER_TYPES, AotKernel, absent_as_none, pointer_params
 from kiln.plugins.attention.kernels import padded, to_e4m3
-from kiln.plugins.linear import tma
-from kiln.plugins.linear.kernels import (TILES, Tile, block_k, gemm_tile,
-                                         launch_meta, num_stages, pick_tile, split_buffers, split_halves, split_k,
-                                         split_k_sum, split_signature, upcast_dot, with_bucket)
+from kiln.plugins.linear import fp8, tma
+from kiln.plugins.linear.kernels import (TILES, Tile, block_k, fp8_input, gemm_input, gemm_tile, launch_meta,
+                                         num_stages, pick_tile, round_e4m3, split_buffers, split_halves,
+                                         split_k, split_k_sum, split_signature, upcast_dot, with_bucket)
 
 # The narrow-weight tiles, but for up to 64 rows 64 weight rows (half a Llama head) per program,
 # 64-wide K tiles and K split in 4: every program re-reads its rows of x twice (the dot, and
@@ -46,11 +46,14 @@ def _store_head(ptrs, lo, hi, mask, HALF: tl.constexpr):
 
 
 @triton.jit
-def norm_qkv_rope_kernel(x_ptr, norm_ptr, w_ptr, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr,
-                         kv_ptr, slot_ptr, kv_scale_ptr, out_ptr, part_ptr, count_ptr, T, num_slots, layer, eps,
+def norm_qkv_rope_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, bias_ptr, q_norm_ptr, k_norm_ptr,
+                         pos_ptr, rope_ptr, kv_ptr, slot_ptr, kv_scale_ptr, out_ptr, part_ptr, count_ptr, T, num_slots,
+                         layer, eps,
                          K: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
                          HEAD_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                         UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr):
+                         UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr, ROUND_E4M3: tl.constexpr):
+    """w_scale_ptr given: W8A8 (`linear.fp8.fp8_gemm_tile`, its tile already row-scaled)."""
+    FP8: tl.constexpr = w_scale_ptr is not None
     HALF: tl.constexpr = D // 2
     CHUNK: tl.constexpr = HALF // HEAD_SPLIT
     h = tl.program_id(1) // HEAD_SPLIT
@@ -59,19 +62,28 @@ def norm_qkv_rope_kernel(x_ptr, norm_ptr, w_ptr, bias_ptr, q_norm_ptr, k_norm_pt
     mask_m = offs_m < T
     i = tl.arange(0, 2 * CHUNK)
     rows = h * D + (i // CHUNK) * HALF + (tl.program_id(1) % HEAD_SPLIT) * CHUNK + i % CHUNK
-    acc, sumsq = gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, rows < (H + 2 * KVH) * D,
-                           K, BLOCK_M, 2 * CHUNK, BLOCK_K, True, UPCAST_DOT, SPLIT_K)
+    if FP8:
+        acc = fp8.fp8_gemm_tile(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, offs_m, mask_m, rows,
+                                rows < (H + 2 * KVH) * D, eps, K, BLOCK_M, 2 * CHUNK, BLOCK_K, True, UPCAST_DOT,
+                                SPLIT_K, ROUND_E4M3)
+        sumsq = tl.zeros((BLOCK_M,), tl.float32)
+    else:
+        acc, sumsq = gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, rows < (H + 2 * KVH) * D,
+                               K, BLOCK_M, 2 * CHUNK, BLOCK_K, True, UPCAST_DOT, SPLIT_K)
     last = True
     if SPLIT_K > 1:
-        acc, sumsq, last = split_k_sum(acc, sumsq, part_ptr, count_ptr, mask_m, BLOCK_M, 2 * CHUNK, SPLIT_K, True)
+        acc, sumsq, last = split_k_sum(acc, sumsq, part_ptr, count_ptr, mask_m, BLOCK_M, 2 * CHUNK, SPLIT_K,
+                                       not FP8)
     if last:
-        _epilogue(acc, tl.rsqrt(sumsq / K + eps), bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr,
-                  slot_ptr, kv_scale_ptr, out_ptr, rows, offs_m, mask_m, j, h, num_slots, layer, eps, H, KVH, D,
-                  BLOCK_M, CHUNK)
+        row_scale = tl.rsqrt(sumsq / K + eps)
+        if FP8:
+            row_scale = tl.full((BLOCK_M,), 1.0, tl.float32)
+        _epilogue(acc, row_scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr,
+                  kv_scale_ptr, out_ptr, rows, offs_m, mask_m, j, h, num_slots, layer, eps, H, KVH, D, BLOCK_M, CHUNK)
 
 
 @triton.jit
-def tma_norm_qkv_rope_kernel(x_ptr, scale_ptr, w_ptr, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr,
+def tma_norm_qkv_rope_kernel(x_ptr, scale_ptr, w_ptr, w_scale_ptr, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr,
                              kv_ptr, slot_ptr, kv_scale_ptr, out_ptr, T, num_slots, layer, eps,
                              K: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -79,7 +91,8 @@ def tma_norm_qkv_rope_kernel(x_ptr, scale_ptr, w_ptr, bias_ptr, q_norm_ptr, k_no
     """HEADS (1 or 2) whole heads per tile (HEADS * D contiguous rows of W_qkv, each head's two
     halves in order), through the persistent TMA GEMM of `linear.tma`; scale_ptr holds the row
     scales of x's T rows. Two heads make the 256-row tiles the GEMM is fastest with; a pair
-    never straddles q, k and v when H and KVH are even (`heads_per_tile`)."""
+    never straddles q, k and v when H and KVH are even (`heads_per_tile`). W8A8 with w_scale_ptr:
+    x holds the quantize pre-pass's e4m3 rows (RMSNorm'd) and scale_ptr their scales."""
     HALF: tl.constexpr = D // 2
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[T, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[(H + 2 * KVH) * D, K], strides=[K, 1],
@@ -90,6 +103,9 @@ def tma_norm_qkv_rope_kernel(x_ptr, scale_ptr, w_ptr, bias_ptr, q_norm_ptr, k_no
         pid_m, pid_n = tma.tile_coords(tile, tiles_m, tiles_n, GROUP_M)
         acc = tma.tma_dot(x_desc, w_desc, pid_m * BLOCK_M, pid_n * HEADS * D, K, BLOCK_M, HEADS * D, BLOCK_K,
                           UPCAST_DOT)
+        # The row scales are applied by the epilogue; the weight's here.
+        acc = tma.scale_tile(acc, None, w_scale_ptr, pid_m * BLOCK_M + tl.arange(0, BLOCK_M),
+                             pid_n * HEADS * D + tl.arange(0, HEADS * D), T, (H + 2 * KVH) * D)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < T
         scale = tl.load(scale_ptr + offs_m, mask=mask_m, other=0.0)
@@ -161,10 +177,11 @@ def head_split(tile: Tile, head_dim: int, qk_norm: bool) -> int:
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     """inputs in the spec's order: x, norm_weight?, w_qkv, b_qkv?, q_norm?, k_norm?, positions,
-    rope_cache, kv_cache (written in place), slot_mapping, kv_scales? (an e4m3 cache's), then the FP8 weight scales (the FP8 kernels' business). q/k
-    norm applies when both are given, as in the reference."""
-    x, norm_weight, w_qkv, b_qkv, q_norm, k_norm, positions, rope_cache, kv_cache, slot_mapping, kv_scales = \
-        padded(inputs, 11)[:11]
+    rope_cache, kv_cache (written in place), slot_mapping, kv_scales? (an e4m3 cache's), then
+    w_qkv_scale (FP8) and w_qkv_input_scale (refused by GPU builds) when given. q/k norm applies
+    when both are given, as in the reference."""
+    x, norm_weight, w_qkv, b_qkv, q_norm, k_norm, positions, rope_cache, kv_cache, slot_mapping, kv_scales, \
+        w_scale = padded(inputs, 13)[:12]
     if q_norm is None or k_norm is None:
         q_norm = k_norm = None
     if not kv_cache.is_contiguous():
@@ -173,16 +190,18 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     t, k = x.shape
     heads, kv_heads, d = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
     tile = pick_tile(t, tiles=QKV_TILES)
-    bk = block_k(tile, x.element_size())
+    bk = block_k(tile, w_qkv.element_size())
     split = head_split(tile, d, q_norm is not None)
     ksplit, columns = split_k(tile, k, bk), (heads + 2 * kv_heads) * split
     part, count = split_buffers(t, tile.block_m, d // split, columns, ksplit, x.device)
+    xa, x_scale = gemm_input(tile, x, w_scale, norm_weight, True, attrs["eps"])
     norm_qkv_rope_kernel[(triton.cdiv(t, tile.block_m), columns, ksplit)](
-        x, norm_weight, w_qkv, b_qkv, q_norm, k_norm, positions.contiguous(), rope_cache.contiguous(),
-        kv_cache, slot_mapping.contiguous(), kv_scales, out, part, count, t, kv_cache.shape[2] * kv_cache.shape[3],
-        attrs["layer"], attrs["eps"], K=k, H=heads, KVH=kv_heads, D=d, HEAD_SPLIT=split,
-        BLOCK_M=tile.block_m, BLOCK_K=bk, UPCAST_DOT=upcast_dot(x), SPLIT_K=ksplit,
-        num_warps=tile.num_warps, num_stages=num_stages(tile.block_m, d // split, bk, x.element_size(), tile.stages))
+        xa, x_scale, None if x_scale is not None else norm_weight, w_qkv, w_scale, b_qkv, q_norm, k_norm,
+        positions.contiguous(), rope_cache.contiguous(), kv_cache, slot_mapping.contiguous(), kv_scales, out, part,
+        count, t, kv_cache.shape[2] * kv_cache.shape[3], attrs["layer"], attrs["eps"], K=k, H=heads, KVH=kv_heads,
+        D=d, HEAD_SPLIT=split, BLOCK_M=tile.block_m, BLOCK_K=bk, UPCAST_DOT=upcast_dot(x, w_scale is not None),
+        SPLIT_K=ksplit, ROUND_E4M3=round_e4m3(w_scale), num_warps=tile.num_warps,
+        num_stages=num_stages(tile.block_m, d // split, bk, w_qkv.element_size(), tile.stages, xa.element_size()))
 
 
 def uses_tma(tile: Tile, shapes: dict) -> bool:
@@ -203,12 +222,17 @@ def kv_pointer(dtype: str, shapes: dict) -> str:
 
 
 def tma_aot(dtype: str, shapes: dict, tile: Tile, optional: dict[str, bool]) -> AotKernel:
+    """The TMA kernel of a bucket; FP8: e4m3 operands, x from the quantize pre-pass."""
+    fp8_weight = shapes.get("fp8", False)
     ptr = POINTER_TYPES[dtype]
-    bm, _, bk = tma.tile_shape(dtype)
+    bm, _, bk = tma.tile_shape(dtype, fp8_weight)
     heads, kv_heads = shapes["num_heads"], shapes["num_kv_heads"]
-    signature = {"x_ptr": ptr, "scale_ptr": "*fp32", "w_ptr": ptr, "bias_ptr": ptr, "q_norm_ptr": "*fp32",
+    operand = FP8_POINTER if fp8_weight else ptr
+    signature = {"x_ptr": operand, "scale_ptr": "*fp32", "w_ptr": operand,
+                 "w_scale_ptr": "*fp32" if fp8_weight else "constexpr", "bias_ptr": ptr, "q_norm_ptr": "*fp32",
                  "k_norm_ptr": "*fp32", "pos_ptr": "*i32", "rope_ptr": "*fp32", "kv_ptr": kv_pointer(dtype, shapes),
-                 "slot_ptr": "*i32", "kv_scale_ptr": "*fp32", "out_ptr": ptr, "T": "i32", "num_slots": "i32", "layer": "i32", "eps": "fp32", "K": "constexpr",
+                 "slot_ptr": "*i32", "kv_scale_ptr": "*fp32", "out_ptr": ptr, "T": "i32", "num_slots": "i32",
+                 "layer": "i32", "eps": "fp32", "K": "constexpr",
                  "H": "constexpr", "KVH": "constexpr", "D": "constexpr", "BLOCK_M": "constexpr",
                  "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "HEADS": "constexpr", "UPCAST_DOT": "constexpr"}
     for name, present in optional.items():
@@ -217,45 +241,66 @@ def tma_aot(dtype: str, shapes: dict, tile: Tile, optional: dict[str, bool]) -> 
     constexprs = {"K": shapes["K"], "H": heads, "KVH": kv_heads, "D": shapes["head_dim"], "BLOCK_M": bm,
                   "BLOCK_K": bk, "GROUP_M": tma.GROUP_M, "UPCAST_DOT": False,
                   "HEADS": heads_per_tile(heads, kv_heads, shapes["head_dim"], dtype)}
+    meta = tma.tma_meta(tile.name, tile.max_rows, (heads + 2 * kv_heads) // constexprs["HEADS"])
+    if fp8_weight:
+        meta["fp8"] = "prequantized"
     return AotKernel(tma_norm_qkv_rope_kernel, signature, absent_as_none(signature, constexprs),
                      num_warps=tma.WARPS, num_stages=tma.STAGES, aligned=pointer_params(signature),
-                     targets=tma.TMA_TARGETS,
-                     meta=tma.tma_meta(tile.name, tile.max_rows, (heads + 2 * kv_heads) // constexprs["HEADS"]))
+                     targets=tma.TMA_TARGETS, meta=meta)
 
 
 def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     """shapes: {"K": hidden size, "num_heads", "num_kv_heads" (this rank's), "head_dim",
-    "bias": bool, "qk_norm": bool, "norm_weight": bool, "fp8_kv": bool (all default False;
-    False norm_weight means folded; fp8_kv: an e4m3 cache and its scales, kv_scale_ptr)}. One kernel per shape bucket; num_slots (KV-cache blocks * block size),
-    layer and eps are runtime arguments, positions and slot_mapping int32, rope_cache and the
-    q/k norm weights fp32 (as models hold norm weights)."""
+    "bias": bool, "qk_norm": bool, "norm_weight": bool, "fp8_kv": bool, "fp8": bool (all
+    default False; False norm_weight means folded; fp8_kv: an e4m3 cache and its scales,
+    kv_scale_ptr; fp8: an e4m3 weight and its row scales)}. One kernel per shape bucket;
+    num_slots (KV-cache blocks * block size), layer and eps are runtime arguments, positions and
+    slot_mapping int32, rope_cache and the q/k norm weights fp32 (as models hold norm weights).
+    FP8: pointer kernels for fp8.FP8_TARGETS in every bucket, and the quantize pre-pass (RMSNorm
+    included) that the larger buckets read."""
     ptr, size = POINTER_TYPES[dtype], element_bytes(dtype)
     k, heads, kv_heads, d = shapes["K"], shapes["num_heads"], shapes["num_kv_heads"], shapes["head_dim"]
-    qk_norm = shapes.get("qk_norm", False)
+    qk_norm, fp8_weight = shapes.get("qk_norm", False), shapes.get("fp8", False)
     optional = {"norm_ptr": shapes.get("norm_weight", False), "bias_ptr": shapes.get("bias", False),
                 "q_norm_ptr": qk_norm, "k_norm_ptr": qk_norm, "kv_scale_ptr": shapes.get("fp8_kv", False)}
     kernels = []
     for tile in QKV_TILES:
-        bk, split = block_k(tile, size), head_split(tile, d, qk_norm)
+        bk, split = block_k(tile, 1 if fp8_weight else size), head_split(tile, d, qk_norm)
         ksplit = split_k(tile, k, bk)
-        signature = {"x_ptr": ptr, "norm_ptr": ptr, "w_ptr": ptr, "bias_ptr": ptr, "q_norm_ptr": "*fp32",
-                     "k_norm_ptr": "*fp32", "pos_ptr": "*i32", "rope_ptr": "*fp32", "kv_ptr": kv_pointer(dtype, shapes),
-                     "slot_ptr": "*i32", "kv_scale_ptr": "*fp32", "out_ptr": ptr, **split_signature(ksplit), "T": "i32", "num_slots": "i32",
-                     "layer": "i32", "eps": "fp32", "K": "constexpr", "H": "constexpr", "KVH": "constexpr",
-                     "D": "constexpr", "HEAD_SPLIT": "constexpr", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
-                     "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr"}
+        prequantized = fp8_weight and fp8_input(tile) == "prequantized"
+        signature = {"x_ptr": FP8_POINTER if prequantized else ptr, "x_scale_ptr": "*fp32", "norm_ptr": ptr,
+                     "w_ptr": FP8_POINTER if fp8_weight else ptr, "w_scale_ptr": "*fp32", "bias_ptr": ptr,
+                     "q_norm_ptr": "*fp32", "k_norm_ptr": "*fp32", "pos_ptr": "*i32", "rope_ptr": "*fp32",
+                     "kv_ptr": kv_pointer(dtype, shapes), "slot_ptr": "*i32", "kv_scale_ptr": "*fp32", "out_ptr": ptr,
+                     **split_signature(ksplit), "T": "i32", "num_slots": "i32", "layer": "i32", "eps": "fp32",
+                     "K": "constexpr", "H": "constexpr", "KVH": "constexpr", "D": "constexpr",
+                     "HEAD_SPLIT": "constexpr", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
+                     "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr", "ROUND_E4M3": "constexpr"}
         constexprs = {"K": k, "H": heads, "KVH": kv_heads, "D": d, "HEAD_SPLIT": split, "BLOCK_M": tile.block_m,
-                      "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": ksplit}
-        for name, present in optional.items():
-            if not present:
+                      "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": ksplit, "ROUND_E4M3": False}
+        # The pre-pass applies the norm weight for the buckets that read e4m3 rows.
+        present = {**optional, "norm_ptr": optional["norm_ptr"] and not prequantized,
+                   "x_scale_ptr": prequantized, "w_scale_ptr": fp8_weight}
+        for name, given in present.items():
+            if not given:
                 signature[name] = "constexpr"
-        kernels.append(AotKernel(
-            norm_qkv_rope_kernel, signature, absent_as_none(signature, constexprs), num_warps=tile.num_warps, aligned=pointer_params(signature),
-            num_stages=num_stages(tile.block_m, d // split, bk, size, tile.stages),
-            meta=launch_meta(tile, (heads + 2 * kv_heads) * split, ksplit, d // split),
-            targets=tma.POINTER_TARGETS if uses_tma(tile, shapes) else None))
+        meta = launch_meta(tile, (heads + 2 * kv_heads) * split, ksplit, d // split)
+        stages = num_stages(tile.block_m, d // split, bk, size, tile.stages)
+        targets = tma.POINTER_TARGETS if uses_tma(tile, shapes) else None
+        if fp8_weight:
+            meta["fp8"] = fp8_input(tile)
+            stages = num_stages(tile.block_m, d // split, bk, 1, tile.stages, 1 if prequantized else size)
+        kernel = AotKernel(norm_qkv_rope_kernel, signature, absent_as_none(signature, constexprs),
+                           num_warps=tile.num_warps, aligned=pointer_params(signature), num_stages=stages, meta=meta,
+                           targets=targets)
+        if fp8_weight:
+            kernels += fp8.for_targets(kernel, fp8.POINTER_ONLY if uses_tma(tile, shapes) else fp8.FP8_TARGETS)
+        else:
+            kernels.append(kernel)
         if uses_tma(tile, shapes):
             kernels.append(tma_aot(dtype, shapes, tile, optional))
-    if any(uses_tma(tile, shapes) for tile in QKV_TILES):
+    if fp8_weight:
+        kernels += fp8.quantize_aot(dtype, k, norm=True, norm_weight=optional["norm_ptr"])
+    elif any(uses_tma(tile, shapes) for tile in QKV_TILES):
         kernels.append(tma.row_scale_aot(dtype, k))
     return kernels

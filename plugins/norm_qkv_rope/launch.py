@@ -6,7 +6,8 @@ import torch
 
 from kiln.plugins.attention.kernels import padded
 from kiln.plugins.driver_launch import check_aligned, grid
-from kiln.plugins.linear.launch import launch_row_scale, pick_bucket, row_scale_bytes, split_args
+from kiln.plugins.linear.launch import (check_fp8, gemm_input_args, launch_row_scale, pick_bucket, row_scale_bytes,
+                                        split_args)
 
 
 def scratch_bytes(attrs: dict, limits: dict[str, int]) -> dict[str, int]:
@@ -17,10 +18,12 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
            dims: dict[str, int], stream: int, scratch: dict[str, torch.Tensor]) -> None:
     """inputs in the spec's order: x, norm_weight?, w_qkv, b_qkv?, q_norm?, k_norm?, positions,
     rope_cache (fp32), kv_cache (written in place), slot_mapping, kv_scales? (an e4m3 cache's
-    [layers, 2, kv heads]). The kernels take the optional
-    pointers only when they were built with them (absent ones are constexpr None)."""
-    x, norm_weight, w_qkv, b_qkv, q_norm, k_norm, positions, rope_cache, kv_cache, slot_mapping, kv_scales = \
-        padded(inputs, 11)[:11]
+    [layers, 2, kv heads]), then w_qkv_scale (FP8) and w_qkv_input_scale (refused by GPU builds)
+    when given. The kernels take the optional pointers only when they were built with them (absent
+    ones are constexpr None); an FP8 bucket that reads e4m3 rows gets them from the quantize
+    pre-pass, which applies the norm weight."""
+    x, norm_weight, w_qkv, b_qkv, q_norm, k_norm, positions, rope_cache, kv_cache, slot_mapping, kv_scales, \
+        w_scale = padded(inputs, 13)[:12]
     if (q_norm is None) != (k_norm is None):
         # The kernel was built for both or neither; one alone has no kernel to match it.
         raise ValueError("norm_qkv_rope needs both q_norm and k_norm, or neither")
@@ -28,14 +31,16 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
         raise ValueError("norm_qkv_rope's kernel writes a contiguous KV cache")
     rows = x.shape[0]
     i = pick_bucket(metas, rows)
+    check_fp8(metas[i], w_scale)
     # Weights and step inputs are whole arena regions (256-byte aligned); activations may be views.
     check_aligned(metas[i], x, kv_cache, out)
-    args = [x.data_ptr()]
-    if metas[i].get("tma"):  # the norm weight is folded; the row scales come from a pre-pass
-        args += [launch_row_scale(kernels, metas, x, attrs["eps"], stream, scratch)]
-    args += [norm_weight.data_ptr()] if norm_weight is not None else []
-    args += [w_qkv.data_ptr()]
-    args += [t.data_ptr() for t in (b_qkv, q_norm, k_norm) if t is not None]
+    if metas[i].get("tma") and w_scale is None:  # the norm weight is folded; the row scales come from a pre-pass
+        args = [x.data_ptr(), launch_row_scale(kernels, metas, x, attrs["eps"], stream, scratch)]
+    else:
+        args = gemm_input_args(kernels, metas, i, x, norm_weight, attrs["eps"], stream, scratch)
+        if norm_weight is not None and metas[i].get("fp8") != "prequantized":
+            args.append(norm_weight.data_ptr())
+    args += [t.data_ptr() for t in (w_qkv, w_scale, b_qkv, q_norm, k_norm) if t is not None]
     args += [positions.data_ptr(), rope_cache.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr()]
     args += [kv_scales.data_ptr()] if kv_scales is not None else []
     args += [out.data_ptr(), *split_args(metas[i], scratch), rows, kv_cache.shape[2] * kv_cache.shape[3],

@@ -28,10 +28,11 @@ import triton.language as tl
 
 from kiln.dtypes import element_bytes
 from kiln.plugins.aot import POINTER_TYPES, AotKernel, absent_as_none, pointer_params
-from kiln.plugins.linear import tma
-from kiln.plugins.linear.kernels import (WIDE_N, block_k, gemm_tile,
-                                         launch_meta, num_stages, pick_tile, split_buffers, split_halves, split_k,
-                                         split_k_sum, split_signature, tiles_for, upcast_dot, with_bucket)
+from kiln.plugins.linear import fp8, tma
+from kiln.plugins.linear.kernels import (WIDE_N, block_k, fp8_input, gemm_input, gemm_tile, launch_meta,
+                                         num_stages, pick_tile, round_e4m3, split_buffers, split_halves,
+                                         split_k, split_k_sum, split_signature, tiles_for, upcast_dot,
+                                         with_bucket)
 
 
 def swiglu_tiles(weight_rows: int) -> tuple:
@@ -57,10 +58,13 @@ def _gate(g, GELU_TANH: tl.constexpr):
 
 
 @triton.jit
-def norm_swiglu_kernel(x_ptr, norm_ptr, w_ptr, out_ptr, part_ptr, count_ptr, T, eps,
+def norm_swiglu_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, count_ptr, T, eps,
                        I: tl.constexpr, K: tl.constexpr, GU_BLOCK: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr, GELU_TANH: tl.constexpr):
+                       UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr, GELU_TANH: tl.constexpr,
+                       ROUND_E4M3: tl.constexpr):
+    """w_scale_ptr given: W8A8 (`linear.fp8.fp8_gemm_tile`, its tile already row-scaled)."""
+    FP8: tl.constexpr = w_scale_ptr is not None
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < T
@@ -68,13 +72,21 @@ def norm_swiglu_kernel(x_ptr, norm_ptr, w_ptr, out_ptr, part_ptr, count_ptr, T, 
     i = tl.arange(0, 2 * BLOCK_N)
     cols = tl.program_id(1) * BLOCK_N + i % BLOCK_N
     rows = (cols // GU_BLOCK) * (2 * GU_BLOCK) + cols % GU_BLOCK + (i // BLOCK_N) * GU_BLOCK
-    acc, sumsq = gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, cols < I,
-                           K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, True, UPCAST_DOT, SPLIT_K)
+    if FP8:
+        acc = fp8.fp8_gemm_tile(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, offs_m, mask_m, rows, cols < I,
+                                eps, K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, True, UPCAST_DOT, SPLIT_K, ROUND_E4M3)
+        sumsq = tl.zeros((BLOCK_M,), tl.float32)
+    else:
+        acc, sumsq = gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, cols < I,
+                               K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, True, UPCAST_DOT, SPLIT_K)
     last = True
     if SPLIT_K > 1:
-        acc, sumsq, last = split_k_sum(acc, sumsq, part_ptr, count_ptr, mask_m, BLOCK_M, 2 * BLOCK_N, SPLIT_K, True)
+        acc, sumsq, last = split_k_sum(acc, sumsq, part_ptr, count_ptr, mask_m, BLOCK_M, 2 * BLOCK_N, SPLIT_K,
+                                       not FP8)
     if last:
-        gate, up = split_halves(acc * tl.rsqrt(sumsq / K + eps)[:, None], BLOCK_M, BLOCK_N)
+        if not FP8:
+            acc = acc * tl.rsqrt(sumsq / K + eps)[:, None]
+        gate, up = split_halves(acc, BLOCK_M, BLOCK_N)
         y = _gate(gate, GELU_TANH) * up
         mask = mask_m[:, None] & (offs_n < I)[None, :]
         tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * I + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
@@ -82,12 +94,13 @@ def norm_swiglu_kernel(x_ptr, norm_ptr, w_ptr, out_ptr, part_ptr, count_ptr, T, 
 
 
 @triton.jit
-def tma_norm_swiglu_kernel(x_ptr, scale_ptr, w_ptr, out_ptr, T,
+def tma_norm_swiglu_kernel(x_ptr, scale_ptr, w_ptr, w_scale_ptr, out_ptr, T,
                            I: tl.constexpr, K: tl.constexpr, GU_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                            UPCAST_DOT: tl.constexpr, GELU_TANH: tl.constexpr):
     """BLOCK_N output columns per tile from 2 * BLOCK_N contiguous rows of the interleaved W_gu;
-    scale_ptr holds the row scales of x's T rows."""
+    scale_ptr holds the row scales of x's T rows. W8A8 with w_scale_ptr: x holds the quantize
+    pre-pass's e4m3 rows (RMSNorm'd) and scale_ptr their scales."""
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[T, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[2 * I, K], strides=[K, 1], block_shape=[2 * BLOCK_N, BLOCK_K])
     out_desc = tl.make_tensor_descriptor(out_ptr, shape=[T, I], strides=[I, 1], block_shape=[BLOCK_M, BLOCK_N])
@@ -98,8 +111,8 @@ def tma_norm_swiglu_kernel(x_ptr, scale_ptr, w_ptr, out_ptr, T,
         pid_m, pid_n = tma.tile_coords(tile, tiles_m, tiles_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         acc = tma.tma_dot(x_desc, w_desc, off_m, pid_n * 2 * BLOCK_N, K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, UPCAST_DOT)
-        offs_m = off_m + tl.arange(0, BLOCK_M)
-        acc *= tl.load(scale_ptr + offs_m, mask=offs_m < T, other=0.0)[:, None]
+        acc = tma.scale_tile(acc, scale_ptr, w_scale_ptr, off_m + tl.arange(0, BLOCK_M),
+                             pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N), T, 2 * I)
         # Columns [g0 u0 g1 u1 ...] in blocks of GU_BLOCK: (pair, gate/up, column) -> gate, up.
         pairs = tl.permute(tl.reshape(acc, (BLOCK_M, PAIRS, 2, GU_BLOCK)), (0, 1, 3, 2))
         gate, up = tl.split(pairs)
@@ -116,65 +129,91 @@ def uses_tma(tile, shapes: dict, dtype: str) -> bool:
 
 
 def tma_aot(dtype: str, shapes: dict, tile) -> AotKernel:
-    bm, bn, bk = tma.tile_shape(dtype)
+    """The TMA kernel of a bucket; FP8: e4m3 operands, x from the quantize pre-pass."""
+    fp8_weight = shapes.get("fp8", False)
+    bm, bn, bk = tma.tile_shape(dtype, fp8_weight)
     ptr = POINTER_TYPES[dtype]
-    signature = {"x_ptr": ptr, "scale_ptr": "*fp32", "w_ptr": ptr, "out_ptr": ptr, "T": "i32", "I": "constexpr",
+    operand = fp8.FP8_POINTER if fp8_weight else ptr
+    signature = {"x_ptr": operand, "scale_ptr": "*fp32", "w_ptr": operand,
+                 "w_scale_ptr": "*fp32" if fp8_weight else "constexpr", "out_ptr": ptr, "T": "i32", "I": "constexpr",
                  "K": "constexpr", "GU_BLOCK": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
                  "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "UPCAST_DOT": "constexpr", "GELU_TANH": "constexpr"}
     constexprs = {"I": shapes["I"], "K": shapes["K"], "GU_BLOCK": shapes["block"], "BLOCK_M": bm, "BLOCK_N": bn // 2,
                   "BLOCK_K": bk, "GROUP_M": tma.GROUP_M, "UPCAST_DOT": False,
                   "GELU_TANH": GELU_TANH[shapes.get("activation", "silu")]}
-    return AotKernel(tma_norm_swiglu_kernel, signature, constexprs, num_warps=tma.WARPS, num_stages=tma.STAGES,
-                     aligned=pointer_params(signature), targets=tma.TMA_TARGETS,
-                     meta=tma.tma_meta(tile.name, tile.max_rows, triton.cdiv(shapes["I"], bn // 2)))
+    meta = tma.tma_meta(tile.name, tile.max_rows, triton.cdiv(shapes["I"], bn // 2))
+    if fp8_weight:
+        meta["fp8"] = "prequantized"
+    return AotKernel(tma_norm_swiglu_kernel, signature, absent_as_none(signature, constexprs), num_warps=tma.WARPS,
+                     num_stages=tma.STAGES, aligned=pointer_params(signature), targets=tma.TMA_TARGETS, meta=meta)
 
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
-    """inputs: x [T, K], norm_weight [K] or None (folded), w_gu [2I, K]; attrs eps, block, activation."""
-    x, norm_weight, w_gu = inputs[:3]
+    """inputs: x [T, K], norm_weight [K] or None (folded), w_gu [2I, K], then w_gu_scale [2I]
+    (FP8) and w_gu_input_scale (refused by GPU builds) when given; attrs eps, block, activation."""
+    x, norm_weight, w_gu, w_scale = (*inputs, None)[:4]
     x, w_gu = x.contiguous(), w_gu.contiguous()
     t, k = x.shape
     inter = w_gu.shape[0] // 2
     tile = pick_tile(t, tiles=swiglu_tiles(2 * inter))
-    bk = block_k(tile, x.element_size())
+    bk = block_k(tile, w_gu.element_size())
     # Half of the tile's weight rows are gate rows, half up rows.
     bn = tile.block_n // 2
     split, columns = split_k(tile, k, bk), triton.cdiv(inter, bn)
     part, count = split_buffers(t, tile.block_m, 2 * bn, columns, split, x.device)
+    xa, x_scale = gemm_input(tile, x, w_scale, norm_weight, True, attrs["eps"])
     norm_swiglu_kernel[(triton.cdiv(t, tile.block_m), columns, split)](
-        x, norm_weight, w_gu, out, part, count, t, attrs["eps"], I=inter, K=k, GU_BLOCK=attrs["block"] or inter,
-        BLOCK_M=tile.block_m, BLOCK_N=bn, BLOCK_K=bk, UPCAST_DOT=upcast_dot(x), SPLIT_K=split,
-        GELU_TANH=GELU_TANH[attrs["activation"]], num_warps=tile.num_warps,
-        num_stages=num_stages(tile.block_m, tile.block_n, bk, x.element_size(), tile.stages))
+        xa, x_scale, None if x_scale is not None else norm_weight, w_gu, w_scale, out, part, count, t, attrs["eps"],
+        I=inter, K=k, GU_BLOCK=attrs["block"] or inter, BLOCK_M=tile.block_m, BLOCK_N=bn, BLOCK_K=bk,
+        UPCAST_DOT=upcast_dot(x, w_scale is not None), SPLIT_K=split, GELU_TANH=GELU_TANH[attrs["activation"]],
+        ROUND_E4M3=round_e4m3(w_scale), num_warps=tile.num_warps,
+        num_stages=num_stages(tile.block_m, tile.block_n, bk, w_gu.element_size(), tile.stages, xa.element_size()))
 
 
 def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     """shapes: {"K": hidden size, "I": intermediate size (this rank's), "block": gate/up
     interleave block (0: not interleaved), "norm_weight": bool (default False: folded),
-    "activation": "silu" (default) or "gelu_tanh"}. One kernel per shape bucket; eps is a
-    runtime argument."""
+    "activation": "silu" (default) or "gelu_tanh", "fp8": bool (default False)}. One kernel
+    per shape bucket; eps is a runtime argument. FP8: pointer kernels for fp8.FP8_TARGETS in
+    every bucket, and the quantize pre-pass (RMSNorm included) that the larger buckets read."""
     ptr, size = POINTER_TYPES[dtype], element_bytes(dtype)
     k, inter, norm = shapes["K"], shapes["I"], shapes.get("norm_weight", False)
+    fp8_weight = shapes.get("fp8", False)
     kernels = []
     tiles = swiglu_tiles(2 * inter)
     for tile in tiles:
-        bk, bn = block_k(tile, size), tile.block_n // 2
+        bk, bn = block_k(tile, 1 if fp8_weight else size), tile.block_n // 2
         split = split_k(tile, k, bk)
-        signature = {"x_ptr": ptr, "norm_ptr": ptr if norm else "constexpr", "w_ptr": ptr, "out_ptr": ptr,
-                     **split_signature(split), "T": "i32", "eps": "fp32", "I": "constexpr", "K": "constexpr",
-                     "GU_BLOCK": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-                     "BLOCK_K": "constexpr", "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr",
-                     "GELU_TANH": "constexpr"}
+        x_ptr, x_scale, w_ptr, w_scale, norm_ptr = ptr, "constexpr", ptr, "constexpr", ptr if norm else "constexpr"
+        if fp8_weight:
+            w_ptr, w_scale = fp8.FP8_POINTER, "*fp32"
+            if fp8_input(tile) == "prequantized":   # the pre-pass applies the norm weight
+                x_ptr, x_scale, norm_ptr = fp8.FP8_POINTER, "*fp32", "constexpr"
+        signature = {"x_ptr": x_ptr, "x_scale_ptr": x_scale, "norm_ptr": norm_ptr, "w_ptr": w_ptr,
+                     "w_scale_ptr": w_scale, "out_ptr": ptr, **split_signature(split), "T": "i32", "eps": "fp32",
+                     "I": "constexpr", "K": "constexpr", "GU_BLOCK": "constexpr", "BLOCK_M": "constexpr",
+                     "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "UPCAST_DOT": "constexpr",
+                     "SPLIT_K": "constexpr", "GELU_TANH": "constexpr", "ROUND_E4M3": "constexpr"}
         constexprs = {"I": inter, "K": k, "GU_BLOCK": shapes["block"] or inter, "BLOCK_M": tile.block_m,
                       "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": split,
-                      "GELU_TANH": GELU_TANH[shapes.get("activation", "silu")]}
-        kernels.append(AotKernel(
-            norm_swiglu_kernel, signature, absent_as_none(signature, constexprs), num_warps=tile.num_warps, aligned=pointer_params(signature),
-            num_stages=num_stages(tile.block_m, tile.block_n, bk, size, tile.stages),
-            meta=launch_meta(tile, triton.cdiv(inter, bn), split, 2 * bn),
-            targets=tma.POINTER_TARGETS if uses_tma(tile, shapes, dtype) else None))
+                      "GELU_TANH": GELU_TANH[shapes.get("activation", "silu")], "ROUND_E4M3": False}
+        meta = launch_meta(tile, triton.cdiv(inter, bn), split, 2 * bn)
+        stages = num_stages(tile.block_m, tile.block_n, bk, size, tile.stages)
+        targets = tma.POINTER_TARGETS if uses_tma(tile, shapes, dtype) else None
+        if fp8_weight:
+            meta["fp8"] = fp8_input(tile)
+            stages = num_stages(tile.block_m, tile.block_n, bk, 1, tile.stages, 1 if x_scale != "constexpr" else size)
+        kernel = AotKernel(norm_swiglu_kernel, signature, absent_as_none(signature, constexprs),
+                           num_warps=tile.num_warps, aligned=pointer_params(signature), num_stages=stages, meta=meta,
+                           targets=targets)
+        if fp8_weight:
+            kernels += fp8.for_targets(kernel, fp8.POINTER_ONLY if uses_tma(tile, shapes, dtype) else fp8.FP8_TARGETS)
+        else:
+            kernels.append(kernel)
         if uses_tma(tile, shapes, dtype):
             kernels.append(tma_aot(dtype, shapes, tile))
-    if any(uses_tma(tile, shapes, dtype) for tile in tiles):
+    if fp8_weight:
+        kernels += fp8.quantize_aot(dtype, k, norm=True, norm_weight=norm)
+    elif any(uses_tma(tile, shapes, dtype) for tile in tiles):
         kernels.append(tma.row_scale_aot(dtype, k))
     return kernels

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from kiln.plugins.driver_launch import check_aligned, grid
-from kiln.plugins.linear.launch import launch_row_scale, pick_bucket, row_scale_bytes, split_args
+from kiln.plugins.linear.launch import (check_fp8, gemm_input_args, launch_row_scale, pick_bucket, row_scale_bytes,
+                                        split_args)
 
 
 def scratch_bytes(attrs: dict, limits: dict[str, int]) -> dict[str, int]:
@@ -14,16 +15,26 @@ def scratch_bytes(attrs: dict, limits: dict[str, int]) -> dict[str, int]:
 
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
            dims: dict[str, int], stream: int, scratch: dict[str, torch.Tensor]) -> None:
-    """inputs: x [T, K], norm_weight [K] or None (folded: not a kernel parameter), w_gu [2I, K]."""
-    x, norm_weight, w_gu = inputs[:3]
+    """inputs: x [T, K], norm_weight [K] or None (folded: not a kernel parameter), w_gu [2I, K],
+    then w_gu_scale [2I] (FP8) and w_gu_input_scale (refused by GPU builds) when given. An FP8
+    bucket that reads e4m3 rows gets them from the quantize pre-pass, which applies the norm (and
+    its weight)."""
+    x, norm_weight, w_gu, w_scale = (*inputs, None)[:4]
     rows = x.shape[0]
     i = pick_bucket(metas, rows)
-    check_aligned(metas[i], x, norm_weight, w_gu, out)
-    if metas[i].get("tma"):
-        scales = launch_row_scale(kernels, metas, x, attrs["eps"], stream, scratch)
-        kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), [x.data_ptr(), scales, w_gu.data_ptr(),
-                                                                 out.data_ptr(), rows], stream)
+    check_fp8(metas[i], w_scale)
+    check_aligned(metas[i], x, norm_weight, w_gu, w_scale, out)
+    if metas[i].get("tma"):   # row scales (FP8: e4m3 rows and their scales) from a pre-pass
+        if w_scale is None:
+            args = [x.data_ptr(), launch_row_scale(kernels, metas, x, attrs["eps"], stream, scratch)]
+        else:
+            args = gemm_input_args(kernels, metas, i, x, norm_weight, attrs["eps"], stream, scratch)
+        args += [t.data_ptr() for t in (w_gu, w_scale) if t is not None] + [out.data_ptr(), rows]
+        kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)
         return
-    args = [x.data_ptr()] + ([norm_weight.data_ptr()] if norm_weight is not None else [])
-    args += [w_gu.data_ptr(), out.data_ptr(), *split_args(metas[i], scratch), rows, attrs["eps"]]
+    args = gemm_input_args(kernels, metas, i, x, norm_weight, attrs["eps"], stream, scratch)
+    if norm_weight is not None and metas[i].get("fp8") != "prequantized":
+        args.append(norm_weight.data_ptr())
+    args += [t.data_ptr() for t in (w_gu, w_scale) if t is not None]
+    args += [out.data_ptr(), *split_args(metas[i], scratch), rows, attrs["eps"]]
     kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)

@@ -1,0 +1,220 @@
+"""The W8A8 (FP8) GEMM core that every GEMM plugin's FP8 kernels share, with `plugins.fp8`'s
+numerics: e4m3 weights [N, K] with a float32 scale per weight row, the GEMM input quantized per
+token (its largest magnitude over 448, round to nearest even, saturating), e4m3 products summed
+in float32, then acc * x_scale[row] * w_scale[col].
+
+The GEMM input is the exact activation the bf16 kernels multiply: x for `linear`, the RMSNorm'd
+row rounded to the activation dtype (times an unfolded norm weight) for the norm plugins. A
+row's scale needs the whole row before the first product, so it comes from one of two places:
+
+- the decode bucket (T <= 16) walks its rows once before the K loop (`row_stats`) and quantizes
+  each x tile in registers: at a handful of rows that pre-loop costs less than a launch;
+- the larger buckets, where every program re-reading whole rows would multiply x's traffic,
+  take the rows already quantized by `quantize_rows_kernel` (one program per row: x read once,
+  e4m3 rows and their scales written to scratch), so their K loop loads e4m3 x, half the bytes
+  of bf16. The persistent TMA GEMMs need this anyway: a TMA tile reaches the tensor cores from
+  shared memory without passing through registers, so it must already be e4m3 in memory.
+
+Quantizing divides each element by its row's scale with a correctly rounded division, as
+`plugins.fp8.to_e4m3` does: multiplying by the reciprocal is off by a float32 ulp at times, and
+bf16 rows land on e4m3 rounding ties often enough (0.1% of elements) for that to show. The cast
+to e4m3 is not always right either: on sm_89 Triton 3.6 converts float32 to e4m3 through
+float16, rounding twice (a value just above a midpoint between two e4m3 values can land on it
+in float16, then go to the even side), and Triton's interpreter drops a carry out of the
+mantissa (124.2 becomes 64). There (ROUND_E4M3) the value is first rounded to the e4m3 grid in
+float32 arithmetic, after which the cast is exact. The interpreter also truncates float32 to
+bf16, so there (`EMULATE`, the GEMM kernels' UPCAST_DOT) bf16 rounding is done in float32 as
+well, and the dot takes float32 tiles: products of e4m3 values are exact in float32 either way.
+
+The dots are e4m3 tensor-core MMAs (mma.sync on sm_89, wgmma on sm_90 from the small bucket
+on); for the 16-row decode tiles Triton 3.6 on sm_90 converts both tiles to float16 and uses
+float16 mma.sync, which is exact too. In the TMA buckets sm_90 and sm_100 run the persistent TMA
+GEMM of `linear.tma` on the pre-pass's rows. sm_80 has no FP8 tensor cores: FP8 kernels are built
+for FP8_TARGETS only (the builder refuses an FP8 engine for sm_80).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import triton
+import triton.language as tl
+
+from kiln.plugins.aot import POINTER_TYPES, AotKernel, pointer_params
+from kiln.plugins.fp8 import E4M3_MAX, MIN_SCALE
+
+FP8_TARGETS = ("sm_89", "sm_90", "sm_100")
+# Where a bucket runs the TMA GEMM on TMA targets, sm_89 keeps the pointer kernel.
+POINTER_ONLY = ("sm_89",)
+# (targets, ROUND_E4M3): sm_89's float32 -> e4m3 cast rounds twice (see above).
+TARGET_GROUPS = ((("sm_89",), True), (("sm_90", "sm_100"), False))
+FP8_POINTER = "*fp8e4nv"
+# The decode bucket quantizes in registers; larger buckets read the pre-pass's e4m3 rows.
+IN_KERNEL_MAX_ROWS = 16
+QUANTIZE_WARPS = 8
+
+_MAX = tl.constexpr(E4M3_MAX)
+_MIN_SCALE = tl.constexpr(MIN_SCALE)
+
+
+@triton.jit
+def _round_grid(v, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """float32 v rounded to the nearest value (ties to even) of a float format with MANTISSA
+    stored bits whose steps stop shrinking below 2^MIN_EXP, in float32 arithmetic: the step at
+    v's binade is 2^(exponent - MANTISSA), and adding and subtracting 1.5 * 2^23 rounds v / step
+    to an integer (scaling by powers of two is exact, so only that addition rounds)."""
+    bits = v.to(tl.int32, bitcast=True)
+    a = tl.abs(v)
+    exponent = tl.maximum((bits >> 23) & 0xFF, 127 + MIN_EXP)
+    step = ((exponent - MANTISSA) << 23).to(tl.float32, bitcast=True)
+    inverse = ((254 + MANTISSA - exponent) << 23).to(tl.float32, bitcast=True)
+    r = ((a * inverse + 12582912.0) - 12582912.0) * step
+    return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_to(v, dtype: tl.constexpr, EMULATE: tl.constexpr):
+    """float32 v rounded to `dtype`. The interpreter truncates float32 to bf16, so there
+    (EMULATE) bf16 rounding is done in float32 arithmetic and the value stays float32; its
+    float16 conversion is right. (Emulated bf16 ignores subnormals, which the tests never meet.)"""
+    if EMULATE and dtype == tl.bfloat16:
+        return _round_grid(v, 7, -119)
+    return v.to(dtype)
+
+
+@triton.jit
+def to_e4m3(v, scale, ROUND_E4M3: tl.constexpr):
+    """v / scale (per row) clamped to +-448 and rounded to e4m3 (subnormals below 2^-6): by the
+    cast, or with ROUND_E4M3 in float32 arithmetic first (see the module docstring)."""
+    v = tl.clamp(tl.math.div_rn(v.to(tl.float32), scale[:, None]), -_MAX, _MAX)
+    if ROUND_E4M3:
+        v = _round_grid(v, 3, -6)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def normalized(x, rstd, norm_ptr, cols, mask_k, NORM: tl.constexpr, EMULATE: tl.constexpr):
+    """The GEMM input of a tile of x as the bf16 path has it: x itself, or with NORM the row
+    times its RMSNorm scale rounded to x's dtype, then times an unfolded norm weight and rounded
+    again (`rms_norm.reference`)."""
+    if NORM:
+        dtype: tl.constexpr = x.dtype
+        x = round_to(x.to(tl.float32) * rstd[:, None], dtype, EMULATE)
+        if norm_ptr is not None:
+            g = tl.load(norm_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
+            x = round_to(x.to(tl.float32) * g[None, :], dtype, EMULATE)
+    return x
+
+
+@triton.jit
+def row_stats(x_ptr, norm_ptr, offs_m, mask_m, eps, K: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_K: tl.constexpr, NORM: tl.constexpr, EMULATE: tl.constexpr):
+    """(x_scale, rstd) of rows offs_m of x [., K]: the e4m3 scale of each row's GEMM input and,
+    with NORM, its RMSNorm scale (else 1). A folded norm needs one pass: |x| * rstd rounded to
+    x's dtype grows with |x|, so the normalized row's largest magnitude is that of x's largest.
+    An unfolded norm weight reorders the magnitudes, and a second pass finds it."""
+    offs_k = tl.arange(0, BLOCK_K)
+    ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :]
+    sumsq = tl.zeros((BLOCK_M,), tl.float32)
+    amax = tl.zeros((BLOCK_M,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(ptrs + k0, mask=mask_m[:, None] & (offs_k < K - k0)[None, :], other=0.0).to(tl.float32)
+        sumsq += tl.sum(x * x, axis=1)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
+    if NORM:
+        rstd = tl.rsqrt(sumsq / K + eps)
+        amax = round_to(amax * rstd, x_ptr.dtype.element_ty, EMULATE).to(tl.float32)
+        if norm_ptr is not None:
+            amax = tl.zeros((BLOCK_M,), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                mask_k = offs_k < K - k0
+                x = tl.load(ptrs + k0, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                xn = normalized(x, rstd, norm_ptr, k0 + offs_k, mask_k, NORM, EMULATE).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(xn), axis=1))
+    return tl.maximum(tl.math.div_rn(amax, _MAX), _MIN_SCALE), rstd
+
+
+@triton.jit
+def fp8_gemm_tile(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, offs_m, mask_m, rows, mask_n, eps,
+                  K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  NORM: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr, ROUND_E4M3: tl.constexpr):
+    """`linear.kernels.gemm_tile` with e4m3 weights: x[offs_m] against the weight rows `rows`,
+    returning the [BLOCK_M, BLOCK_N] float32 tile already scaled by x_scale[row] * w_scale[col]
+    (the norm's row scale included), over part program_id(2) of K when SPLIT_K > 1.
+
+    x_scale_ptr None: x is the activation (x's dtype), quantized here (see the module
+    docstring); given: x holds `quantize_rows_kernel`'s e4m3 rows and x_scale_ptr their scales."""
+    K_PART: tl.constexpr = K // SPLIT_K
+    k_lo = 0
+    if SPLIT_K > 1:
+        k_lo = tl.program_id(2) * K_PART
+    if x_scale_ptr is None:
+        x_scale, rstd = row_stats(x_ptr, norm_ptr, offs_m, mask_m, eps, K, BLOCK_M, BLOCK_K, NORM, UPCAST_DOT)
+    else:
+        x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * K + k_lo + offs_k[None, :]
+    w_ptrs = w_ptr + rows.to(tl.int64)[None, :] * K + k_lo + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K_PART, BLOCK_K):
+        mask_k = offs_k < K_PART - k0
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if x_scale_ptr is None:
+            x = normalized(x, rstd, norm_ptr, k_lo + k0 + offs_k, mask_k, NORM, UPCAST_DOT)
+            x = to_e4m3(x, x_scale, ROUND_E4M3)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if UPCAST_DOT:
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    w_scale = tl.load(w_scale_ptr + rows, mask=mask_n, other=0.0)
+    return acc * x_scale[:, None] * w_scale[None, :]
+
+
+@triton.jit
+def quantize_rows_kernel(x_ptr, norm_ptr, xq_ptr, scale_ptr, T, eps, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                         NORM: tl.constexpr, EMULATE: tl.constexpr, ROUND_E4M3: tl.constexpr):
+    """Row program_id(0) of x [T, K] (RMSNorm'd with NORM) quantized: e4m3 values to xq [T, K],
+    the row's scale to scale[T]."""
+    row = tl.program_id(0) + tl.zeros((1,), tl.int32)
+    mask_m = row < T
+    x_scale, rstd = row_stats(x_ptr, norm_ptr, row, mask_m, eps, K, 1, BLOCK_K, NORM, EMULATE)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs = row.to(tl.int64)[:, None] * K + offs_k[None, :]
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = offs_k < K - k0
+        mask = mask_m[:, None] & mask_k[None, :]
+        x = tl.load(x_ptr + offs + k0, mask=mask, other=0.0)
+        q = to_e4m3(normalized(x, rstd, norm_ptr, k0 + offs_k, mask_k, NORM, EMULATE), x_scale, ROUND_E4M3)
+        tl.store(xq_ptr + offs + k0, q, mask=mask)
+    tl.store(scale_ptr + row, x_scale, mask=mask_m)
+
+
+def quantize_block_k(k: int) -> int:
+    return min(triton.next_power_of_2(k), 4096)
+
+
+def for_targets(kernel: AotKernel, only: tuple[str, ...] = FP8_TARGETS) -> list[AotKernel]:
+    """An FP8 kernel once per group of TARGET_GROUPS (of the targets in `only`), with that
+    group's ROUND_E4M3."""
+    groups = [(tuple(t for t in targets if t in only), round_first) for targets, round_first in TARGET_GROUPS]
+    return [dataclasses.replace(kernel, constexprs={**kernel.constexprs, "ROUND_E4M3": round_first}, targets=targets)
+            for targets, round_first in groups if targets]
+
+
+def quantize_aot(dtype: str, k: int, norm: bool, norm_weight: bool) -> list[AotKernel]:
+    """The quantizing pre-pass of an FP8 plugin's larger buckets, per target group (meta
+    "quantize": no bucket)."""
+    ptr = POINTER_TYPES[dtype]
+    signature = {"x_ptr": ptr, "norm_ptr": ptr if norm_weight else "constexpr", "xq_ptr": FP8_POINTER,
+                 "scale_ptr": "*fp32", "T": "i32", "eps": "fp32", "K": "constexpr", "BLOCK_K": "constexpr",
+                 "NORM": "constexpr", "EMULATE": "constexpr", "ROUND_E4M3": "constexpr"}
+    constexprs = {"K": k, "BLOCK_K": quantize_block_k(k), "NORM": norm, "EMULATE": False}
+    if not norm_weight:
+        constexprs["norm_ptr"] = None
+    return for_targets(AotKernel(quantize_rows_kernel, signature, constexprs, num_warps=QUANTIZE_WARPS, num_stages=1,
+                                 aligned=pointer_params(signature),
+                                 meta={"quantize": True, "grid": "(T, 1, 1)", "pointer_alignment": 16,
+                                       "scratch_per_row": {"fp8_x": k, "fp8_x_scale": 4}}))

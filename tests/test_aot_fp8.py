@@ -1,0 +1,115 @@
+"""The FP8 GEMM kernels compile ahead of time for every target with FP8 tensor cores (sm_89,
+sm_90, sm_100) at Llama-3-8B's shapes, within each target's shared memory, and sm_80 gets none
+(the builder refuses an FP8 engine for it). Each target holds one kernel per GEMM bucket and
+the quantize pre-pass, and the PTX shows what the design relies on: the dots are e4m3 MMAs
+(mma.sync on sm_89, wgmma from the small bucket on sm_90), sm_90 casts float32 to e4m3 in one
+rounding, and sm_89, whose cast rounds through float16, rounds in float32 first (ROUND_E4M3).
+On sm_90 and sm_100 the TMA buckets run the persistent TMA GEMM with e4m3 operands."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SMEM_LIMIT = {"sm_89": 99 * 1024, "sm_90": 227 * 1024, "sm_100": 227 * 1024}
+
+SCRIPT = """
+import importlib, json, re, sys
+from kiln.plugins.aot import TARGET_CC, compile_kernel
+
+SHAPES = {
+    "linear": {"K": 4096, "N": 6144, "fp8": True},
+    "linear_residual": {"K": 14336, "N": 4096, "fp8": True},
+    "norm_swiglu": {"K": 4096, "I": 14336, "block": 64, "fp8": True},
+    "norm_qkv_rope": {"K": 4096, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "fp8": True},
+    # every optional input: unfolded norms, a bias, q/k norm
+    "norm_qkv_rope_all": {"K": 2048, "num_heads": 16, "num_kv_heads": 2, "head_dim": 128, "bias": True,
+                          "qk_norm": True, "norm_weight": True, "fp8": True},
+}
+out = {}
+for name, shapes in SHAPES.items():
+    plugin = importlib.import_module(f"kiln.plugins.{name.removesuffix('_all')}.kernels")
+    kernels = plugin.aot_kernels("bfloat16", shapes)
+    for target in TARGET_CC:
+        rows = []
+        for k in kernels:
+            if k.targets is not None and target not in k.targets:
+                continue
+            row = {"fn": k.fn.__name__, "bucket": k.meta.get("bucket"), "fp8": k.meta.get("fp8"),
+                   "quantize": bool(k.meta.get("quantize")), "round": k.constexprs.get("ROUND_E4M3"),
+                   "params": sorted(k.signature) == sorted(k.fn.arg_names)}
+            compiled = compile_kernel(k, target)
+            ptx = compiled.asm["ptx"]
+            row.update(shared=compiled.metadata.shared, scratch=compiled.metadata.global_scratch_size,
+                       elf=compiled.asm["cubin"].startswith(b"\\x7fELF"),
+                       mma=sorted(set(re.findall(r"(?:mma\\.sync|wgmma\\.mma_async)[\\w.]*", ptx))),
+                       cvt=sorted(set(re.findall(r"cvt[\\w.]*e4m3x2\\.f(?:16x2|32)", ptx))),
+                       magic="0f4B400000" in ptx)
+            rows.append(row)
+        out[f"{name} {target}"] = rows
+sys.stdout.write(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    # Compiled without TRITON_INTERPRET, which would make the kernels interpreter stand-ins.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout)
+
+
+NAMES = ["linear", "linear_residual", "norm_swiglu", "norm_qkv_rope", "norm_qkv_rope_all"]
+
+
+def test_sm80_gets_no_fp8_kernels(compiled):
+    assert all(compiled[f"{name} sm_80"] == [] for name in NAMES)
+
+
+@pytest.mark.parametrize("target", list(SMEM_LIMIT))
+@pytest.mark.parametrize("name", NAMES)
+def test_every_bucket_and_the_pre_pass_compile(compiled, name, target):
+    rows = compiled[f"{name} {target}"]
+    assert [r["bucket"] for r in rows if r["bucket"]] == ["decode", "small", "medium", "prefill"]
+    assert [r["fp8"] for r in rows if r["bucket"]] == ["in_kernel", "prequantized", "prequantized", "prequantized"]
+    assert [r["fn"] for r in rows if r["quantize"]] == ["quantize_rows_kernel"]
+    assert len(rows) == 5
+    # The prefill bucket runs the persistent TMA GEMM on sm_90 and later (with the norm weight
+    # folded into the projection); its descriptors live in global scratch, and it never rounds
+    # to e4m3 itself (it reads the pre-pass's rows).
+    prefill = next(r for r in rows if r["bucket"] == "prefill")
+    assert prefill["fn"].startswith("tma_") == (target != "sm_89" and name != "norm_qkv_rope_all"), prefill
+    for r in rows:
+        tma = r["fn"].startswith("tma_")
+        assert r["params"] and r["elf"] and (r["scratch"] > 0) == tma, r
+        assert r["shared"] <= SMEM_LIMIT[target], r
+        assert r["round"] == (None if tma else target == "sm_89"), r
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dots_are_e4m3_tensor_core_ops(compiled, name):
+    for r in compiled[f"{name} sm_89"]:
+        if r["bucket"]:
+            assert r["mma"] == ["mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32"], r
+    for r in compiled[f"{name} sm_90"]:
+        if r["bucket"] and r["bucket"] != "decode":   # 16-row decode tiles take mma.sync from f16
+            assert r["mma"] and all(m.startswith("wgmma.mma_async") and "e4m3.e4m3" in m for m in r["mma"]), r
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_casts_to_e4m3_round_once(compiled, name):
+    """Where x is quantized in the kernel (decode bucket, pre-pass): sm_90 and sm_100 cast float32
+    directly; sm_89 casts through float16 and so rounds in float32 first (the magic constant of
+    `linear.fp8._round_grid` survives compilation)."""
+    for target in ("sm_90", "sm_100"):
+        for r in compiled[f"{name} {target}"]:
+            if r["quantize"] or r["fp8"] == "in_kernel":
+                assert r["cvt"] == ["cvt.rn.satfinite.e4m3x2.f32"] and not r["magic"], (target, r)
+    for r in compiled[f"{name} sm_89"]:
+        if r["quantize"] or r["fp8"] == "in_kernel":
+            assert r["cvt"] == ["cvt.rn.satfinite.e4m3x2.f16x2"] and r["magic"], r

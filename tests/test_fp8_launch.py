@@ -1,0 +1,173 @@
+"""The FP8 GEMM plugins' driver launchers, given their AOT kernels for sm_89 and for sm_90,
+launch what each bucket needs with arguments that compute the W8A8 reference: at decode size the
+GEMM alone (it quantizes x itself), from the small bucket on the quantize pre-pass into the
+executor's scratch buffers (sized from the kernels' metadata as the CUDA executor sizes them),
+then the GEMM reading its e4m3 rows: on sm_90 in the prefill bucket the persistent TMA GEMM. Each loaded kernel is a stand-in that runs the AOT kernel's
+function in the interpreter (`interpreted_launch`)."""
+import dataclasses
+import importlib
+import os
+from unittest import mock
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+import fp8_references as ref  # noqa: E402
+from interpreted_launch import Running, targeted  # noqa: E402
+from kiln.plugins.aot import AotKernel  # noqa: E402
+from kiln.plugins.fp8 import quantize_rows  # noqa: E402
+from kiln.runtime.cuda_executor import kernel_scratch  # noqa: E402
+
+PLUGINS = ("linear", "linear_residual", "norm_swiglu", "norm_qkv_rope", "attention_o_proj", "attention")
+KERNELS = {name: importlib.import_module(f"kiln.plugins.{name}.kernels") for name in PLUGINS}
+LAUNCHERS = {name: importlib.import_module(f"kiln.plugins.{name}.launch") for name in PLUGINS}
+
+pytestmark = [
+    pytest.mark.skipif(not isinstance(KERNELS["linear"].linear_kernel, InterpretedFunction),
+                       reason="runs the kernels in Triton's interpreter (set when torch sees no GPU)"),
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+]
+EPS = 1e-5
+MAX_ROWS = 320          # the engine's T bound: the executor sizes per-row scratch for it
+SMS = 3                 # fewer programs than tiles: each persistent TMA program walks several
+LINEAR_ATTRS = {"parallel": "none", "heads": 0, "all_reduce": False}
+
+
+def interpretable(kernel: AotKernel) -> AotKernel:
+    """The kernel with the constexprs that work around the interpreter's float conversions
+    (`linear.fp8`) set, as `kernels.run` sets them there; launch arguments do not depend on them."""
+    fixes = {name: True for name in ("UPCAST_DOT", "INTERPRETER", "EMULATE", "ROUND_E4M3")
+             if name in kernel.constexprs}
+    return dataclasses.replace(kernel, constexprs={**kernel.constexprs, **fixes})
+
+
+def launch(plugin: str, shapes: dict, target: str, inputs: list, attrs: dict, out: torch.Tensor,
+           views: list[torch.Tensor] = ()) -> list[str]:
+    """Run the plugin's launcher with its kernels for `target`; returns the kernels it launched."""
+    launcher = LAUNCHERS[plugin]
+    kernels = [interpretable(k) for k in targeted(KERNELS[plugin].aot_kernels("bfloat16", shapes), target)]
+    limits = {"T": MAX_ROWS, "S": 8, "B": 64, "block_size": 16, "element_bytes": 2}
+    sizes = launcher.scratch_bytes(attrs, limits) if hasattr(launcher, "scratch_bytes") else {}
+    for kernel in kernels:
+        for name, nbytes in kernel_scratch(kernel.meta, limits).items():
+            sizes[name] = max(sizes.get(name, 0), nbytes)
+    scratch = {name: torch.zeros(nbytes, dtype=torch.uint8) for name, nbytes in sizes.items()}
+    log: list = []
+    tensors = [t for t in [*inputs, out, *scratch.values(), *views] if t is not None]
+    with mock.patch("kiln.plugins.driver_launch.sm_count", lambda: SMS):
+        launcher.launch([Running(k, tensors, log) for k in kernels], [k.meta for k in kernels], inputs, attrs, out,
+                        {"T": inputs[0].shape[0]}, 0, scratch)
+    return [name for name, _ in log]
+
+
+def close(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """bf16 results two roundings apart (see test_kernels_fp8.assert_matches)."""
+    err = (out.float() - expected.float()).abs()
+    assert (err <= 2 ** -7 * (expected.float().abs() + expected.float().abs().max())).all(), err.max()
+
+
+def fp8_weight(rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_rows(torch.randn(rows, k) * k ** -0.5)
+
+
+STEPS = (3, 100, 300)    # decode, medium and prefill buckets
+
+
+def expected(t: int, target: str, gemm: str, tma_gemm: str) -> list[str]:
+    """The launches of a step of t rows: the GEMM alone at decode size, else the pre-pass, then
+    the pointer GEMM, or on sm_90 in the prefill bucket the persistent TMA GEMM."""
+    if t <= 16:
+        return [gemm]
+    return ["quantize_rows_kernel", tma_gemm if t > 256 and target == "sm_90" else gemm]
+
+
+@pytest.mark.parametrize("target", ["sm_89", "sm_90"])
+@pytest.mark.parametrize("t", STEPS)
+@pytest.mark.parametrize("plugin", ["linear", "linear_residual"])
+def test_fp8_linear_launches(plugin, t, target):
+    torch.manual_seed(t)
+    k, n = 256, 40
+    wq, ws = fp8_weight(n, k)
+    x, b = torch.randn(t, k).bfloat16(), torch.randn(n).bfloat16()
+    r = torch.randn(t, n).bfloat16() if plugin == "linear_residual" else None
+    inputs = [x, wq, b, ws] if r is None else [x, wq, b, r, ws]
+    out = torch.full((t, n), float("nan"), dtype=torch.bfloat16)
+    assert launch(plugin, {"K": k, "N": n, "bias": True, "fp8": True}, target, inputs, LINEAR_ATTRS, out) == \
+        expected(t, target, "linear_kernel", "tma_linear_kernel")
+    close(out, ref.linear(x, wq, b, ws, r))
+
+
+@pytest.mark.parametrize("target", ["sm_89", "sm_90"])
+@pytest.mark.parametrize("t", STEPS)
+@pytest.mark.parametrize("folded", [True, False])
+def test_fp8_norm_swiglu_launches(folded, t, target):
+    """With the norm weight unfolded the TMA kernel is not built: the pointer kernel serves."""
+    torch.manual_seed(t + folded)
+    k, inter, block = 128, 24, 8
+    wq, ws = fp8_weight(2 * inter, k)
+    x = (3 * torch.randn(t, k)).bfloat16()
+    g = None if folded else (1 + 0.3 * torch.randn(k)).bfloat16()
+    attrs = {"eps": EPS, "block": block, "activation": "silu"}
+    out = torch.full((t, inter), float("nan"), dtype=torch.bfloat16)
+    shapes = {"K": k, "I": inter, "block": block, "norm_weight": not folded, "fp8": True}
+    tma_gemm = "tma_norm_swiglu_kernel" if folded else "norm_swiglu_kernel"
+    assert launch("norm_swiglu", shapes, target, [x, g, wq, ws], attrs, out) == \
+        expected(t, target, "norm_swiglu_kernel", tma_gemm)
+    close(out, ref.norm_swiglu(x, g, wq, ws, EPS, block, "silu"))
+
+
+@pytest.mark.parametrize("target", ["sm_89", "sm_90"])
+@pytest.mark.parametrize("t", STEPS)
+@pytest.mark.parametrize("folded,bias,qk_norm", [(True, False, False), (True, True, True), (False, True, True)])
+def test_fp8_norm_qkv_rope_launches(folded, bias, qk_norm, t, target):
+    torch.manual_seed(t + bias)
+    k, heads, kv_heads, d = 64, 4, 2, 32
+    rows = (heads + 2 * kv_heads) * d
+    wq, ws = fp8_weight(rows, k)
+    angles = torch.arange(512)[:, None] * 10000.0 ** (-torch.arange(0, d, 2) / d)
+    inputs = [torch.randn(t, k).bfloat16(), None if folded else (1 + 0.3 * torch.randn(k)).bfloat16(), wq,
+              torch.randn(rows).bfloat16() if bias else None, 1 + 0.2 * torch.randn(d) if qk_norm else None,
+              1 + 0.2 * torch.randn(d) if qk_norm else None, torch.randint(0, 512, (t,), dtype=torch.int32),
+              torch.cat([angles.cos(), angles.sin()], dim=1), torch.randn(2, 2, 80, 4, kv_heads, d).bfloat16(),
+              torch.randperm(320)[:t].to(torch.int32), None, ws]
+    attrs = {"eps": EPS, "layer": 1, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d}
+    shapes = {"K": k, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d, "bias": bias,
+              "qk_norm": qk_norm, "norm_weight": not folded, "fp8": True}
+    expected_cache = inputs[8].clone()
+    expected_q = ref.norm_qkv_rope(*inputs[:8], expected_cache, inputs[9], ws, **attrs)
+    out = torch.full((t, heads * d), float("nan"), dtype=torch.bfloat16)
+    tma_gemm = "tma_norm_qkv_rope_kernel" if folded else "norm_qkv_rope_kernel"
+    assert launch("norm_qkv_rope", shapes, target, inputs, attrs, out) == \
+        expected(t, target, "norm_qkv_rope_kernel", tma_gemm)
+    close(out, expected_q)
+    close(inputs[8], expected_cache)
+
+
+@pytest.mark.parametrize("target", ["sm_89", "sm_90"])
+def test_fp8_attention_o_proj_launches_the_pre_pass_on_the_attention_output(target):
+    """A prefill step: attention into the op's scratch buffer, the pre-pass quantizes that, and
+    o_proj reads it."""
+    torch.manual_seed(5)
+    heads, kv_heads, d, bs, hidden, layer = 4, 2, 32, 16, 72, 1
+    lens, cached = [70, 30], [0, 20]
+    t = sum(lens)
+    kv_cache = torch.randn(2, 2, 20, bs, kv_heads, d).bfloat16()
+    tables = torch.randperm(20)[:16].view(2, 8).to(torch.int32)
+    wq, ws = fp8_weight(hidden, heads * d)
+    inputs = [torch.randn(t, heads * d).bfloat16(), None, None, kv_cache, torch.zeros(t, dtype=torch.int32), tables,
+              torch.tensor(lens, dtype=torch.int32), torch.tensor([n + c for n, c in zip(lens, cached)],
+                                                                   dtype=torch.int32),
+              wq, None, torch.randn(t, hidden).bfloat16(), None, ws]
+    attrs = {"layer": layer, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d, "scale": d ** -0.5,
+             "window": 0, "all_reduce": False}
+    shapes = {"heads": heads, "kv_heads": kv_heads, "head_dim": d, "block_size": bs, "hidden": hidden, "fp8": True}
+    out = torch.full((t, hidden), float("nan"), dtype=torch.bfloat16)
+    log = launch("attention_o_proj", shapes, target, inputs, attrs, out,
+                 views=[kv_cache[layer, 0], kv_cache[layer, 1]])
+    assert log[-2:] == ["quantize_rows_kernel", "linear_kernel"]
+    attn = torch.empty_like(inputs[0])   # o_proj's input: what the attention kernel gives
+    KERNELS["attention"].run(inputs[:8], attrs, attn)
+    close(out, ref.linear(attn, wq, None, ws, inputs[10]))
