@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from kiln.dtypes import MODEL_DTYPES
 from kiln.engines.manifest import QUANTIZATIONS, blocks_per_sequence, symbol_bounds
+from kiln.plugins.fp8 import FP8_TARGETS
 
 TARGETS = ("cpu", "sm_80", "sm_89", "sm_90", "sm_100")
 # --kv-cache-dtype: "auto" keeps the cache in the model's dtype, "fp8" stores e4m3 (plugins/fp8.py).
@@ -12,8 +13,6 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 # GPU targets whose Triton has e4m3 (float8e4nv) values; sm_80 has none, even for a cache that
 # is only converted in registers (Triton refuses the type there).
 FP8_KV_TARGETS = ("sm_89", "sm_90", "sm_100")
-# The GPU targets with FP8 (e4m3) tensor cores: Ada, Hopper, Blackwell.
-FP8_TARGETS = ("sm_89", "sm_90", "sm_100")
 
 
 class BuildConfigError(ValueError):

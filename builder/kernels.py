@@ -7,8 +7,9 @@ node's shapes (what they are, the plugin's `compile_shapes` says); each is compi
 constants, options and target) are compiled once per build and kept in an on-disk cache keyed
 by their content hash, so rebuilding is quick. An op that has no GPU kernel (no
 `compile_shapes`) is a build error naming it and the module it came from: nothing falls back
-silently: an FP8 op (compile shape `fp8`) needs a kernels module that says `SUPPORTS_FP8 = True`,
-and one with a static activation scale (`fp8_static`) one that says `SUPPORTS_FP8_STATIC = True`.
+silently: an FP8 op (compile shape `fp8`) needs a kernels module whose `FP8_TARGETS` names every
+GPU target of the build, and one with a static activation scale (`fp8_static`) one that says
+`SUPPORTS_FP8_STATIC = True`.
 """
 from __future__ import annotations
 
@@ -82,13 +83,14 @@ def compile_kernels(graph: Graph, dtype: str, targets: list[str], block_size: in
                               "build with --target cpu")
         shapes = spec.compile_shapes(graph.input_shapes(node), node.attrs, block_size)
         kernels = spec.module("kernels")
-        if shapes.get("fp8") and not getattr(kernels, "SUPPORTS_FP8", False):
-            raise KernelError(f"plugin {spec.name!r} has no FP8 GPU kernels in this Kiln: build --quantization fp8 "
-                              "engines for --target cpu, or build without --quantization fp8")
+        if shapes.get("fp8"):
+            _check_fp8_targets(spec.name, getattr(kernels, "FP8_TARGETS", ()), gpu_targets)
         if shapes.get("fp8_static") and not getattr(kernels, "SUPPORTS_FP8_STATIC", False):
-            raise KernelError(f"plugin {spec.name!r} has no GPU kernels for static FP8 activation scales in this "
-                              "Kiln: build without --calibration-prompts (a checkpoint's input_scale gives them "
-                              "too), or for --target cpu")
+            raise KernelError(f"plugin {spec.name!r}'s FP8 GPU kernels quantize activations per token and take no "
+                              "static FP8 activation scales (from --calibration-prompts, or a checkpoint's "
+                              "input_scale tensors): build without --calibration-prompts, or from a checkpoint "
+                              "without input_scale (or its bf16 original with --quantization fp8), or for "
+                              "--target cpu")
     _check_compiler()
     for node in graph.nodes:
         spec = get_plugin(node.op)
@@ -103,6 +105,17 @@ def compile_kernels(graph: Graph, dtype: str, targets: list[str], block_size: in
             per_node[node.output][target] = [_add(blobs, kernel, target, node.op, progress) for kernel in kernels
                                               if kernel.targets is None or target in kernel.targets]
     return blobs, per_node
+
+
+def _check_fp8_targets(plugin: str, fp8_targets: tuple[str, ...], gpu_targets: list[str]) -> None:
+    """An FP8 op's plugin must have FP8 kernels for every GPU target of the build."""
+    missing = [t for t in gpu_targets if t not in fp8_targets]
+    if not missing:
+        return
+    have = f" (it has them for {', '.join(fp8_targets)} only)" if fp8_targets else ""
+    instead = f"build for {' or '.join(fp8_targets)}, " if fp8_targets else ""
+    raise KernelError(f"plugin {plugin!r} has no FP8 GPU kernels for {', '.join(missing)}{have}: {instead}"
+                      "build --quantization fp8 engines for --target cpu, or build without --quantization fp8")
 
 
 def compile_all_reduce(dtype: str, targets: list[str], world_size: int,

@@ -19,6 +19,8 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+# The GPU targets with e4m3 tensor cores (sm_80 has none): where FP8 engines are built and run.
+FP8_TARGETS = ("sm_89", "sm_90", "sm_100")
 # The smallest scale a row gets: keeps an all-zero row finite and its reciprocal in float32.
 MIN_SCALE = 1.0 / (E4M3_MAX * 512.0)
 

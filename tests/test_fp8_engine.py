@@ -230,16 +230,15 @@ def test_a_checkpoints_static_input_scales_are_used_and_shared_inputs_take_the_l
     assert torch.isfinite(logits(out)).all()
 
 
-def test_a_gpu_target_without_fp8_kernels_is_refused_before_compiling(checkpoints, tmp_path, monkeypatch):
+def test_a_plugin_without_fp8_kernels_for_a_target_is_refused(checkpoints, tmp_path, monkeypatch):
     from kiln.plugins import get_plugin
-    # Whatever FP8 kernels this Kiln has, a plugin without them must stop the build.
-    for name in ("linear", "linear_residual", "norm_qkv_rope", "attention_o_proj", "norm_swiglu"):
-        monkeypatch.setattr(get_plugin(name).module("kernels"), "SUPPORTS_FP8", False, raising=False)
+    monkeypatch.setattr(get_plugin("norm_qkv_rope").module("kernels"), "FP8_TARGETS", ("sm_89",))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     out = tmp_path / "out"
     result = invoke(build_cli, ["--checkpoint", checkpoints[None], "--output", out, *SMALL, "--target", "sm_90",
                                 "--quantization", "fp8"])
-    assert result.exit_code == 2 and "'norm_qkv_rope' has no FP8 GPU kernels" in result.output, result.output
+    assert result.exit_code == 2 and "'norm_qkv_rope' has no FP8 GPU kernels for sm_90" in result.output, \
+        result.output
     assert not out.exists()
 
 
@@ -270,17 +269,31 @@ def test_an_engine_from_before_fp8_still_loads_and_runs(engines, tmp_path):
     assert torch.equal(logits(old), logits(engines["bf16"]))
 
 
-def test_static_activation_scales_need_gpu_kernels_that_say_they_take_them(checkpoints, tmp_path, monkeypatch):
-    from kiln.plugins import get_plugin
-    for name in ("linear", "linear_residual", "norm_qkv_rope", "attention_o_proj", "norm_swiglu"):
-        kernels = get_plugin(name).module("kernels")
-        monkeypatch.setattr(kernels, "SUPPORTS_FP8", True, raising=False)
-        monkeypatch.setattr(kernels, "SUPPORTS_FP8_STATIC", False, raising=False)
+@pytest.mark.parametrize("source", ["calibration", "checkpoint"])
+def test_a_gpu_build_with_static_activation_scales_is_refused(source, checkpoints, tmp_path, monkeypatch):
+    """The GPU kernels quantize activations per token; static scales (from --calibration-prompts
+    or a checkpoint's input_scale) would be silently ignored there, so the build stops first."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("The capital of France is Paris.\n")
+    args = ["--checkpoint", checkpoints[None]]
+    if source == "calibration":
+        prompts = tmp_path / "prompts.txt"
+        prompts.write_text("The capital of France is Paris.\n")
+        args += ["--calibration-prompts", prompts]
+    else:
+        folder = tmp_path / "mo"
+        shutil.copytree(checkpoints["modelopt"], folder)
+        for path in folder.glob("*.safetensors"):
+            tensors = load_file(str(path))
+            for name in [n for n in tensors if n.endswith("_proj.weight")]:
+                tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(0.05)
+            save_file(tensors, str(path), metadata={"format": "pt"})
+        args = ["--checkpoint", folder]
     out = tmp_path / "out"
-    result = invoke(build_cli, ["--checkpoint", checkpoints[None], "--output", out, *SMALL, "--target", "sm_90",
-                                "--quantization", "fp8", "--calibration-prompts", prompts])
-    assert result.exit_code == 2 and "static FP8 activation scales" in result.output, result.output
+    result = invoke(build_cli, [*args, "--output", out, *SMALL, "--target", "sm_90", "--quantization", "fp8"])
+    assert result.exit_code == 2, result.output
+    for words in ("take no static FP8 activation scales", "--calibration-prompts", "input_scale", "--target cpu"):
+        assert words in result.output, result.output
     assert not out.exists()

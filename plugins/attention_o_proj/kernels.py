@@ -11,7 +11,11 @@ import torch
 
 from kiln.plugins.aot import AotKernel
 from kiln.plugins.attention import kernels as attention
+from kiln.plugins.linear import fp8
 from kiln.plugins.linear_residual import kernels as linear_residual
+
+# The builder refuses FP8 plans for GPU targets not named here (`builder.kernels`).
+FP8_TARGETS = fp8.FP8_TARGETS
 
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:

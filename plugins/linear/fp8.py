@@ -39,15 +39,13 @@ import dataclasses
 import triton
 import triton.language as tl
 
-from kiln.plugins.aot import POINTER_TYPES, AotKernel, pointer_params
-from kiln.plugins.fp8 import E4M3_MAX, MIN_SCALE
+from kiln.plugins.aot import FP8_POINTER, POINTER_TYPES, AotKernel, pointer_params
+from kiln.plugins.fp8 import E4M3_MAX, FP8_TARGETS, MIN_SCALE
 
-FP8_TARGETS = ("sm_89", "sm_90", "sm_100")
 # Where a bucket runs the TMA GEMM on TMA targets, sm_89 keeps the pointer kernel.
 POINTER_ONLY = ("sm_89",)
 # (targets, ROUND_E4M3): sm_89's float32 -> e4m3 cast rounds twice (see above).
 TARGET_GROUPS = ((("sm_89",), True), (("sm_90", "sm_100"), False))
-FP8_POINTER = "*fp8e4nv"
 # The decode bucket quantizes in registers; larger buckets read the pre-pass's e4m3 rows.
 IN_KERNEL_MAX_ROWS = 16
 QUANTIZE_WARPS = 8

@@ -31,6 +31,9 @@ from kiln.plugins.aot import POINTER_TYPES, AotKernel, absent_as_none, pointer_p
 from kiln.plugins.linear import fp8
 from kiln.plugins.linear.tma import POINTER_TARGETS, tma_linear_aot
 
+# The builder refuses FP8 plans for GPU targets not named here (`builder.kernels`).
+FP8_TARGETS = fp8.FP8_TARGETS
+
 # Shared memory for the software pipeline's x and W buffers: sm_89 has 99 KiB per block, the
 # smallest of the targets; the rest is left for the epilogue's layout conversions.
 PIPELINE_SMEM = 80 * 1024

@@ -10,7 +10,11 @@ from __future__ import annotations
 import torch
 
 from kiln.plugins.aot import AotKernel
+from kiln.plugins.linear import fp8
 from kiln.plugins.linear.kernels import launch_linear, linear_aot_kernels
+
+# The builder refuses FP8 plans for GPU targets not named here (`builder.kernels`).
+FP8_TARGETS = fp8.FP8_TARGETS
 
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:

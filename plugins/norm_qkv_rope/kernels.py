@@ -30,6 +30,9 @@ from kiln.plugins.linear.kernels import (TILES, Tile, block_k, fp8_input, gemm_i
                                          num_stages, pick_tile, round_e4m3, split_buffers, split_halves,
                                          split_k, split_k_sum, split_signature, upcast_dot, with_bucket)
 
+# The builder refuses FP8 plans for GPU targets not named here (`builder.kernels`).
+FP8_TARGETS = fp8.FP8_TARGETS
+
 # The narrow-weight tiles, but for up to 64 rows 64 weight rows (half a Llama head) per program,
 # 64-wide K tiles and K split in 4: every program re-reads its rows of x twice (the dot, and
 # the row sum of x^2 for the norm), so fewer, wider programs cut that traffic. Measured on an

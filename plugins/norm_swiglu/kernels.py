@@ -34,6 +34,9 @@ from kiln.plugins.linear.kernels import (WIDE_N, block_k, fp8_input, gemm_input,
                                          split_k, split_k_sum, split_signature, tiles_for, upcast_dot,
                                          with_bucket)
 
+# The builder refuses FP8 plans for GPU targets not named here (`builder.kernels`).
+FP8_TARGETS = fp8.FP8_TARGETS
+
 
 def swiglu_tiles(weight_rows: int) -> tuple:
     """The GEMM buckets for gate/up, with 128 weight rows (64 of gate, 64 of up) and 128-wide K
