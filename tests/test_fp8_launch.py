@@ -15,10 +15,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-import fp8_references as ref  # noqa: E402
 from interpreted_launch import Running, targeted  # noqa: E402
 from kiln.plugins.aot import AotKernel  # noqa: E402
 from kiln.plugins.fp8 import quantize_rows  # noqa: E402
+from kiln.plugins.registry import get_plugin  # noqa: E402
 from kiln.runtime.cuda_executor import kernel_scratch  # noqa: E402
 
 PLUGINS = ("linear", "linear_residual", "norm_swiglu", "norm_qkv_rope", "attention_o_proj", "attention")
@@ -97,7 +97,7 @@ def test_fp8_linear_launches(plugin, t, target):
     out = torch.full((t, n), float("nan"), dtype=torch.bfloat16)
     assert launch(plugin, {"K": k, "N": n, "bias": True, "fp8": True}, target, inputs, LINEAR_ATTRS, out) == \
         expected(t, target, "linear_kernel", "tma_linear_kernel")
-    close(out, ref.linear(x, wq, b, ws, r))
+    close(out, get_plugin(plugin).call_reference(inputs, LINEAR_ATTRS))
 
 
 @pytest.mark.parametrize("target", ["sm_89", "sm_90"])
@@ -116,7 +116,7 @@ def test_fp8_norm_swiglu_launches(folded, t, target):
     tma_gemm = "tma_norm_swiglu_kernel" if folded else "norm_swiglu_kernel"
     assert launch("norm_swiglu", shapes, target, [x, g, wq, ws], attrs, out) == \
         expected(t, target, "norm_swiglu_kernel", tma_gemm)
-    close(out, ref.norm_swiglu(x, g, wq, ws, EPS, block, "silu"))
+    close(out, get_plugin("norm_swiglu").call_reference([x, g, wq, ws], attrs))
 
 
 @pytest.mark.parametrize("target", ["sm_89", "sm_90"])
@@ -137,7 +137,7 @@ def test_fp8_norm_qkv_rope_launches(folded, bias, qk_norm, t, target):
     shapes = {"K": k, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d, "bias": bias,
               "qk_norm": qk_norm, "norm_weight": not folded, "fp8": True}
     expected_cache = inputs[8].clone()
-    expected_q = ref.norm_qkv_rope(*inputs[:8], expected_cache, inputs[9], ws, **attrs)
+    expected_q = get_plugin("norm_qkv_rope").call_reference([*inputs[:8], expected_cache, *inputs[9:]], attrs)
     out = torch.full((t, heads * d), float("nan"), dtype=torch.bfloat16)
     tma_gemm = "tma_norm_qkv_rope_kernel" if folded else "norm_qkv_rope_kernel"
     assert launch("norm_qkv_rope", shapes, target, inputs, attrs, out) == \
@@ -170,4 +170,4 @@ def test_fp8_attention_o_proj_launches_the_pre_pass_on_the_attention_output(targ
     assert log[-2:] == ["quantize_rows_kernel", "linear_kernel"]
     attn = torch.empty_like(inputs[0])   # o_proj's input: what the attention kernel gives
     KERNELS["attention"].run(inputs[:8], attrs, attn)
-    close(out, ref.linear(attn, wq, None, ws, inputs[10]))
+    close(out, get_plugin("linear_residual").call_reference([attn, wq, None, inputs[10], ws], LINEAR_ATTRS))
