@@ -28,10 +28,13 @@ SHAPES = {
     # every optional input: unfolded norms, a bias, q/k norm
     "norm_qkv_rope_all": {"K": 2048, "num_heads": 16, "num_kv_heads": 2, "head_dim": 128, "bias": True,
                           "qk_norm": True, "norm_weight": True, "fp8": True},
+    # with an e4m3 KV cache too: kv_scale_ptr beside w_scale_ptr
+    "norm_qkv_rope_kv": {"K": 4096, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "fp8": True,
+                         "fp8_kv": True},
 }
 out = {}
 for name, shapes in SHAPES.items():
-    plugin = importlib.import_module(f"kiln.plugins.{name.removesuffix('_all')}.kernels")
+    plugin = importlib.import_module(f"kiln.plugins.{name.removesuffix('_all').removesuffix('_kv')}.kernels")
     kernels = plugin.aot_kernels("bfloat16", shapes)
     for target in TARGET_CC:
         rows = []
@@ -64,7 +67,9 @@ def compiled() -> dict:
     return json.loads(done.stdout)
 
 
-NAMES = ["linear", "linear_residual", "norm_swiglu", "norm_qkv_rope", "norm_qkv_rope_all"]
+NAMES = ["linear", "linear_residual", "norm_swiglu", "norm_qkv_rope", "norm_qkv_rope_all", "norm_qkv_rope_kv"]
+# The e4m3 KV write adds its own casts (test_kernels_fp8_kv checks those).
+GEMM_INPUT_CASTS = NAMES[:-1]
 
 
 def test_sm80_gets_no_fp8_kernels(compiled):
@@ -101,7 +106,7 @@ def test_dots_are_e4m3_tensor_core_ops(compiled, name):
             assert r["mma"] and all(m.startswith("wgmma.mma_async") and "e4m3.e4m3" in m for m in r["mma"]), r
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", GEMM_INPUT_CASTS)
 def test_casts_to_e4m3_round_once(compiled, name):
     """Where x is quantized in the kernel (decode bucket, pre-pass): sm_90 and sm_100 cast float32
     directly; sm_89 casts through float16 and so rounds in float32 first (the magic constant of

@@ -97,3 +97,25 @@ def test_gemma3_engine_compiles_for_sm_90_and_sm_80(factory, tmp_path):
     blobs = read_engine_file(tmp_path / "engine" / "rank0.engine").kernels
     assert all(blob[:4] == b"\x7fELF" for blob in blobs.values())
     assert load_engine(tmp_path / "engine").manifest.model["architecture"] == "Gemma3ForCausalLM"
+
+
+def test_fp8_engine_compiles_for_the_fp8_targets(factory, tmp_path):
+    """Every FP8 op of a W8A8 plan with an e4m3 KV cache gets its FP8 kernels for sm_89 and
+    sm_90 through the builder (the plan's compile shapes are what the kernels take): one GEMM per
+    bucket and the quantize pre-pass, the weights stored in e4m3."""
+    from kiln.plugins.fp8 import FP8
+    targets = ["sm_89", "sm_90"]
+    result = build_cli(factory.checkpoint("qwen3"), tmp_path / "engine", targets, tmp_path / "cache",
+                       extra=["--quantization", "fp8", "--kv-cache-dtype", "fp8"], timeout=1200)
+    assert result.returncode == 0, result.stderr + result.stdout
+    ef = read_engine_file(tmp_path / "engine" / "rank0.engine")
+    m = ef.manifest
+    assert m.quantization == "fp8" and m.targets == tuple(targets)
+    fp8_ops = [op for op in m.plan if any(n.endswith("_scale") and t is not None for n, t in op.inputs.items())]
+    assert {op.op for op in fp8_ops} == {"norm_qkv_rope", "attention_o_proj", "norm_swiglu", "linear_residual"}
+    for op in fp8_ops:
+        for target in targets:
+            entries = [m.kernels[k].entry for k in op.kernel_keys[target]]
+            assert "quantize_rows_kernel" in entries, (op.op, target, entries)
+    layers = sum(op.op == "norm_qkv_rope" for op in m.plan)
+    assert layers and sum(w.dtype == FP8 for w in ef.weights.values()) == 4 * layers
