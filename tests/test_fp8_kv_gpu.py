@@ -1,10 +1,10 @@
 """The FP8 KV cache on the GPU (`pytest -m gpu -rP`): a float32 engine built with
 --kv-cache-dtype fp8 for the CPU and this GPU, 16 prompts x 64 greedy tokens in flight on each,
-then both executors teacher-forced on the CPU's tokens, their argmax compared position by position. The CPU reference rounds k and v to e4m3
-as the kernels do, but the GPU sums each k and v in another order, so a value next to an e4m3
-rounding boundary can land one e4m3 step away (about 6%): the logits are compared within 1e-2,
-not the float32 engine's 1e-4, and the argmax must agree on 98% of the positions. The
-figures are printed (and appended to KILN_GPU_RESULTS)."""
+then both executors teacher-forced on the CPU's tokens, their argmax compared position by
+position. The CPU reference rounds k and v to e4m3 as the kernels do, but the GPU sums each k
+and v in another order, so a value next to an e4m3 rounding boundary can land one e4m3 step away
+(about 6%): the logits are compared within 1e-2, not the float32 engine's 1e-4, and the argmax
+must agree on 98% of the positions. The figures are printed (and appended to KILN_GPU_RESULTS)."""
 from __future__ import annotations
 
 from statistics import median
