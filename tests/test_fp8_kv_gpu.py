@@ -1,10 +1,10 @@
 """The FP8 KV cache on the GPU (`pytest -m gpu -rP`): a float32 engine built with
 --kv-cache-dtype fp8 for the CPU and this GPU, 16 prompts x 64 greedy tokens in flight on each,
-then both executors teacher-forced on the CPU's tokens. The CPU reference rounds k and v to e4m3
-as the kernels do, but the GPU sums each k and v in another order, so a value next to an e4m3
-rounding boundary can land one e4m3 step away (about 6%): the logits are compared within 1e-2,
-not the float32 engine's 1e-4, and the greedy tokens must agree on 98% of the positions. The
-figures are printed (and appended to KILN_GPU_RESULTS)."""
+then both executors teacher-forced on the CPU's tokens, their argmax compared position by
+position. The CPU reference rounds k and v to e4m3 as the kernels do, but the GPU sums each k
+and v in another order, so a value next to an e4m3 rounding boundary can land one e4m3 step away
+(about 6%): the logits are compared within 1e-2, not the float32 engine's 1e-4, and the argmax
+must agree on 98% of the positions. The figures are printed (and appended to KILN_GPU_RESULTS)."""
 from __future__ import annotations
 
 from statistics import median
@@ -35,7 +35,11 @@ def test_fp8_kv_gpu_engine_matches_its_cpu_reference(family, gpu_workdir, arch, 
             executor.close()
     free_gpu()
     errors = relative_errors(logits["cuda"], logits["cpu"])
-    agreement = argmax_agreement(tokens["cuda"], logits["cpu"])
+    # Position by position on the same (CPU's) tokens: a free-running GPU sequence that took the
+    # other side of one near-tie would count every later position as a disagreement (qwen3 on an
+    # H200, 2026-11-30: 0.950 that way, with a median logits error of 3.8e-4).
+    gpu_argmax = [step_logits.argmax(dim=1).tolist() for step_logits in logits["cuda"]]
+    agreement = argmax_agreement(gpu_argmax, logits["cpu"])
     line = report(f"{family} small float32 + fp8 KV, cuda vs cpu", tokens["cuda"], agreement, errors)
     publish(line, record_property)
     assert agreement[0] >= FP8_KV_AGREEMENT, line
