@@ -17,7 +17,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from interpreted_launch import Running, targeted  # noqa: E402
 from kiln.plugins.aot import AotKernel  # noqa: E402
-from kiln.plugins.fp8 import quantize_rows  # noqa: E402
+from kiln.plugins.fp8 import FP8, quantize_rows  # noqa: E402
 from kiln.plugins.registry import get_plugin  # noqa: E402
 from kiln.runtime.cuda_executor import kernel_scratch  # noqa: E402
 
@@ -144,6 +144,40 @@ def test_fp8_norm_qkv_rope_launches(folded, bias, qk_norm, t, target):
         expected(t, target, "norm_qkv_rope_kernel", tma_gemm)
     close(out, expected_q)
     close(inputs[8], expected_cache)
+
+
+@pytest.mark.parametrize("target", ["sm_89", "sm_90"])
+@pytest.mark.parametrize("t", (3, 300))
+def test_fp8_norm_qkv_rope_launches_with_an_fp8_kv_cache(t, target):
+    """e4m3 weights and an e4m3 cache: kv_scales (before w_qkv_scale in the spec) reaches
+    kv_scale_ptr of the pointer kernel and of sm_90's TMA kernel. The cache is compared
+    dequantized: the reference's bf16 roundings before the cache's move a value by up to the
+    bf16 bound of `close`, and then to a neighbouring e4m3 step."""
+    torch.manual_seed(t)
+    k, heads, kv_heads, d = 64, 4, 2, 32
+    rows = (heads + 2 * kv_heads) * d
+    wq, ws = fp8_weight(rows, k)
+    angles = torch.arange(512)[:, None] * 10000.0 ** (-torch.arange(0, d, 2) / d)
+    kv_scales = 0.004 + 0.02 * torch.rand(2, 2, kv_heads)
+    inputs = [torch.randn(t, k).bfloat16(), None, wq, torch.randn(rows).bfloat16(), 1 + 0.2 * torch.randn(d),
+              1 + 0.2 * torch.randn(d), torch.randint(0, 512, (t,), dtype=torch.int32),
+              torch.cat([angles.cos(), angles.sin()], dim=1),
+              torch.zeros(2, 2, 80, 4, kv_heads, d, dtype=FP8), torch.randperm(320)[:t].to(torch.int32), kv_scales,
+              ws]
+    attrs = {"eps": EPS, "layer": 1, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d}
+    shapes = {"K": k, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d, "bias": True,
+              "qk_norm": True, "fp8": True, "fp8_kv": True}
+    expected_cache = inputs[8].clone()
+    expected_q = get_plugin("norm_qkv_rope").call_reference([*inputs[:8], expected_cache, *inputs[9:]], attrs)
+    out = torch.full((t, heads * d), float("nan"), dtype=torch.bfloat16)
+    assert launch("norm_qkv_rope", shapes, target, inputs, attrs, out) == \
+        expected(t, target, "norm_qkv_rope_kernel", "tma_norm_qkv_rope_kernel")
+    close(out, expected_q)
+    scale = kv_scales[:, :, None, None, :, None]
+    got, want = inputs[8].float() * scale, expected_cache.float() * scale
+    assert want[1].abs().max() > 0 and not got[0].any()   # written to layer 1 only
+    bound = 2 ** -7 * (want.abs() + want.abs().max()) + want.abs() / 8
+    assert ((got - want).abs() <= bound).all(), (got - want).abs().max()
 
 
 @pytest.mark.parametrize("target", ["sm_89", "sm_90"])
