@@ -94,7 +94,7 @@ def _inputs(plugin: str, t: int, k: int, weight, scale, gen) -> tuple[list, obje
     angles = positions[:, None].float() * 500000.0 ** (-torch.arange(0, HEAD_DIM, 2, device="cuda") / HEAD_DIM)
     rope = torch.cat([angles.cos(), angles.sin()], dim=1).contiguous()
     kv = torch.zeros(1, 2, -(-t // 16), 16, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    inputs = [x, None, weight, None, None, None, positions, rope, kv, positions.clone(), *tail]
+    inputs = [x, None, weight, None, None, None, positions, rope, kv, positions.clone(), None, *tail]  # no kv_scales
     return inputs, torch.empty(t, HEADS * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
 
 
@@ -103,7 +103,8 @@ def _reference(plugin: str, inputs: list, weight) -> object:
     from kiln.plugins import get_plugin
 
     spec = get_plugin(plugin)
-    count = len(spec.inputs) - (spec.inputs[-1].endswith("_scale?"))
+    # Up to the weight's scale inputs, which come last in every GEMM spec (after kv_scales).
+    count = min((i for i, name in enumerate(spec.inputs) if name.endswith("_scale?")), default=len(spec.inputs))
     given = [t.float() if t is not None and t.is_floating_point() else t for t in inputs[:count]]
     given[2 if plugin != "linear_residual" else 1] = weight.float()
     if plugin == "norm_qkv_rope":
