@@ -4,10 +4,12 @@ Phases, in order (each frees its device memory before the next): resolve the eng
 or built from a checkpoint, or from a random Llama-3-8B-shape checkpoint), measure the
 copy bandwidth and GEMM rate, start-up in a fresh process, decode and offline throughput
 through one EngineCore, latency through a Session, prefix caching on and off (an EngineCore
-each), then the eager baseline, then the table and the JSON file.
+each), decode and offline again on the FP8-weights engine with --quantization fp8, then
+the eager baseline, then the table and the JSON file.
 """
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from pathlib import Path
 
@@ -18,13 +20,14 @@ from click.core import ParameterSource
 from kiln.bench import decode, kv_dtype, latency, offline, prefix, startup
 from kiln.bench.driver import EngineInfo, inspect, kv_token_budget, open_core, random_prompts, release
 from kiln.bench.eager import eager_unsupported
-from kiln.bench.figures import Figure
+from kiln.bench.figures import Figure, beside_bf16
 from kiln.bench.hardware import measure
 from kiln.bench.model import SHAPES, Shape, check_shape, ensure_checkpoint, ensure_engine, with_overrides
 from kiln.bench.options import PHASES, IntList, LengthPairs, Phases, PrefixLengths
 from kiln.bench.report import render, results, write_json
 from kiln.builder.config import KV_CACHE_DTYPES, BuildConfig, BuildConfigError, default_targets
 from kiln.dtypes import MODEL_DTYPES, torch_dtype
+from kiln.engines.manifest import QUANTIZATIONS
 from kiln.engines.format import EngineFileError
 from kiln.models.config import CheckpointError
 
@@ -201,6 +204,7 @@ Examples:
       --batch-sizes 1,4 --decode-context 16 --decode-steps 16 --offline 8/8 --rate-lengths 8/8 \\
       --prefix-lengths 16/4/4 --prefix-requests 4
   bench-engine --only prefix                    # prefix caching on the Llama-3-8B shape
+  bench-engine --quantization fp8 --only decode,offline   # FP8 beside bf16, Llama-3-8B shape
 """
 
 
@@ -223,6 +227,10 @@ Examples:
                    "its KV pool sized from the same free memory (about twice the tokens), each figure beside "
                    "the model-dtype cache's (not with --engine). Concurrency is capped by --max-batch-size: "
                    "raise it for long sequences to gain from the larger pool.")
+@click.option("--quantization", type=click.Choice(QUANTIZATIONS), default="none", show_default=True,
+              help="fp8: also build the FP8 engine (build-engine --quantization fp8) of the same checkpoint and "
+                   "run decode and offline on it after the bf16 one, each FP8 figure beside the bf16 figure it "
+                   "is compared with (not with --engine).")
 @click.option("--max-batch-size", type=int, default=256, show_default=True, help="Build flag (not with --engine).")
 @click.option("--max-seq-len", type=int, default=4352, show_default=True, help="Build flag: 2048+2048 fits.")
 @click.option("--max-num-tokens", type=int, default=8192, show_default=True, help="Build flag: tokens per step.")
@@ -263,7 +271,7 @@ Examples:
 def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path | None, work_dir: Path,
                  device: str | None, shape: str, num_layers: int | None, hidden_size: int | None,
                  num_heads: int | None, num_kv_heads: int | None, intermediate_size: int | None,
-                 vocab_size: int | None, dtype: str, kv_cache_dtype: str,
+                 vocab_size: int | None, dtype: str, kv_cache_dtype: str, quantization: str,
                  max_batch_size: int, max_seq_len: int, max_num_tokens: int, phases: list[str],
                  batch_sizes: list[int], decode_context: int, decode_steps: int,
                  offline_pairs: list[tuple[int, int]], offline_requests: int | None, rate: float,
@@ -287,13 +295,23 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
     model_shape = with_overrides(model_shape, max_position_embeddings=max(model_shape.max_position_embeddings,
                                                                           max_seq_len))
     notes: list[str] = []
+    if quantization != "none" and engine_dir is not None:
+        raise click.UsageError(f"--quantization {quantization} builds a bf16 and an {quantization} engine from one "
+                               "checkpoint to measure them side by side: give --checkpoint (or a --shape), not "
+                               "--engine")
     try:
         cfg = BuildConfig(dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                           max_num_tokens=max_num_tokens,
                           targets=default_targets() if device == "cuda" else ("cpu",))
+        quantized_cfg = dataclasses.replace(cfg, quantization=quantization) if quantization != "none" else None
         engine_dir, checkpoint = _resolve_engine(engine_dir, checkpoint, work_dir.expanduser(), device,
                                                  model_shape, cfg)
         info = inspect(engine_dir, device)
+        quantized_info = None
+        if quantized_cfg is not None:
+            path, reused = ensure_engine(work_dir.expanduser(), checkpoint, quantized_cfg)
+            status(("reusing engine " if reused else "built engine ") + str(path))
+            quantized_info = inspect(path, device)
     except (EngineFileError, CheckpointError, BuildConfigError, ValueError, FileExistsError) as e:
         raise click.ClickException(str(e)) from e
 
@@ -335,6 +353,15 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
         figures += prefix.measure_prefix(info, hw, min(budget, workload.kv_tokens_wanted(info)), workload, seed,
                                          overlap=not no_overlap, status=status)
         release(device)
+    quantized: list[Figure] = []
+    if quantized_info is not None and ("decode" in phases or "offline" in phases):
+        release(device)
+        status(f"the same with {quantization} weights ({quantized_info.path})")
+        quantized_notes: list[str] = []
+        quantized = _throughput(quantized_info, hw, kv_token_budget(quantized_info, device), quantized_notes,
+                                **throughput)
+        notes += [f"{quantization} engine: {n}" for n in quantized_notes]
+        release(device)
 
     if no_baseline:
         notes.append("eager baseline skipped (--no-baseline)")
@@ -347,6 +374,11 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
         _eager_baseline(figures, checkpoint, info, device, decode_context, decode_steps, seed)
     kv_dtype.share_eager(figures, fp8_figures)
     figures += fp8_figures
+    figures += beside_bf16(quantized, figures, quantization)
+    if quantized:
+        notes.append(f"{quantization} figures: the {quantization} engine built from the same checkpoint, measured "
+                     "after the bf16 one, decode and offline; 'vs bf16' is how many times better. Their FLOP "
+                     "limit uses the bf16 GEMM rate measured above")
     if any(f.section in ("latency", "prefix") for f in figures):
         notes.append("latency and prefix have no eager baseline: an eager script has no server loop to compare with")
     m = info.manifest
@@ -356,8 +388,11 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
 
     header = [f"engine {engine_dir}  ({m.dtype}, tp {m.world_size}, targets {', '.join(m.targets)})",
               f"device {hw.device_name}  torch {torch.__version__}"]
+    if quantized_info is not None:
+        header.insert(1, f"engine {quantized_info.path}  ({quantization}, the same checkpoint)")
     click.echo(render(figures, hw, header, notes))
     context = {"engine": str(engine_dir), "checkpoint": str(checkpoint) if checkpoint else None,
+               "quantized_engine": str(quantized_info.path) if quantized_info is not None else None,
                "build": {"dtype": m.dtype, "max_batch_size": m.max_batch_size, "max_seq_len": m.max_seq_len,
                          "max_num_tokens": m.max_num_tokens, "kv_block_size": m.kv.block_size},
                "world_size": m.world_size,

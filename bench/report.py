@@ -111,14 +111,16 @@ def render(figures: list[Figure], hw: Hardware, header: list[str], notes: list[s
     lines.append(f"copy bandwidth {hw.copy_bytes_per_s / 1e9:,.1f} GB/s (read + write, "
                  f"{hw.copy_buffer_bytes / 2**20:,.0f} MiB buffer)   "
                  f"GEMM {hw.gemm_flops_per_s / 1e12:,.3g} TFLOP/s ({hw.gemm_dtype} {hw.gemm_n}^3)")
-    rows = [("figure", "kiln", "limit", "of limit", "eager", "vs eager")]
+    quantized = any(f.quantization != "none" for f in figures)
+    rows = [("figure", "kiln", "limit", "of limit", "eager", "vs eager") + (("vs bf16",) if quantized else ())]
     for f in figures:
+        vs_bf16 = (_ratio(f.ratio_to_bf16, False),) if quantized else ()
         if f.value is None:
-            rows.append((f"{f.name} ({f.unit})", "-", "-", "-", "-", "-"))
+            rows.append((f"{f.name} ({f.unit})", "-", "-", "-", "-", "-") + vs_bf16)
             continue
         limit = f"{_num(f.limit)} ({f.bound})" if f.limit is not None else "-"
         rows.append((f"{f.name} ({f.unit})", _num(f.value), limit, _ratio(f.ratio_to_limit, True),
-                     _num(f.eager), _ratio(f.ratio_to_eager, False)))
+                     _num(f.eager), _ratio(f.ratio_to_eager, False)) + vs_bf16)
     lines.append("")
     lines += _table(rows)
     lines += _step_times(figures)

@@ -1,11 +1,11 @@
-"""The build: model -> trace -> fusion -> per rank (shard, fold, plan memory) -> engine folder.
+"""The build: model -> trace -> fusion -> (FP8 quantization) -> per rank (shard, fold, plan memory)
+-> engine folder.
 
 The output folder is assembled in a temporary sibling and renamed into place at the end, so
 a failed build leaves nothing half-written.
 """
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,11 +17,14 @@ from tqdm import tqdm
 
 from kiln import models
 from kiln.atomic import atomic_folder
+from kiln.builder.calibrate import calibrate, read_prompts
 from kiln.builder.config import BuildConfig
-from kiln.builder.ir import Graph
+from kiln.builder.ir import Graph, layer_of
 from kiln.builder.kernels import compile_all_reduce, compile_kernels
 from kiln.builder.passes import FUSIONS, fold_weights, plan_memory, quantize_kv_cache, shard
 from kiln.builder.passes.kv_cache import KV_SCALES, granularity
+from kiln.builder.passes import FUSIONS, fold_weights, plan_memory, shard
+from kiln.builder.passes.quantize import is_fp8, quantize_fp8
 from kiln.builder.passes.memory import MemoryPlan
 from kiln.builder.trace import trace
 from kiln.engines.format import write_engine_file
@@ -47,6 +50,7 @@ class BuildSummary:
     arena_bytes: list[int]
     targets: list[str]
     kernels: list[int]
+    quantization: str = "none"
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -58,7 +62,8 @@ class BuildSummary:
             f"layers      {self.layers}   fused ops per layer: {fused}",
             f"plan        {sum(self.op_counts.values())} ops: "
             + ", ".join(f"{op} {n}" for op, n in sorted(self.op_counts.items())),
-            f"weights     {_mib(self.weight_bytes[0])} per rank ({_mib(sum(self.weight_bytes))} total)",
+            f"weights     {_mib(self.weight_bytes[0])} per rank ({_mib(sum(self.weight_bytes))} total)"
+            + (f", {self.quantization} GEMMs" if self.quantization != "none" else ""),
             f"arena       {_mib(self.arena_bytes[0])} per rank (activations and step inputs)",
             f"kernels     {self.kernels[0]} cubins per rank" + ("" if self.kernels[0] else " (CPU only: none needed)"),
             f"time        {self.seconds:.1f} s",
@@ -68,11 +73,6 @@ class BuildSummary:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
-
-
-def layer_of(source: str) -> int | None:
-    m = re.search(r"\blayers\.(\d+)\b", source)
-    return int(m.group(1)) if m else None
 
 
 def lower_rank(graph: Graph, cfg: BuildConfig, rank: int) -> tuple[Graph, MemoryPlan]:
@@ -103,6 +103,7 @@ def manifest_for(graph: Graph, memory: MemoryPlan, cfg: BuildConfig, model_info:
                    for n in graph.nodes),
         arena_bytes=memory.arena_bytes, slots=memory.slots,
         all_reduce_kernels={t: tuple(k) for t, k in (all_reduce_keys or {}).items()},
+        quantization=cfg.quantization,
     )
 
 
@@ -122,6 +123,20 @@ def _check_output(output: Path) -> None:
         raise BuildError(f"--output {output} is not empty and holds no engine: choose an empty or new folder")
 
 
+def _calibration_prompts(cfg: BuildConfig, extra_files: Mapping[str, bytes]) -> list[list[int]] | None:
+    """The token ids of --calibration-prompts, each cut to max_seq_len; None without the flag.
+    Read before anything is written, so a bad file fails the build at once."""
+    if cfg.calibration_prompts is None:
+        return None
+    from tokenizers import Tokenizer
+
+    texts = read_prompts(cfg.calibration_prompts)
+    if TOKENIZER_FILE not in extra_files:
+        raise BuildError(f"--calibration-prompts needs the checkpoint's {TOKENIZER_FILE} to tokenize the prompts")
+    tokenizer = Tokenizer.from_str(extra_files[TOKENIZER_FILE].decode("utf-8"))
+    return [ids[:cfg.max_seq_len] for ids in (tokenizer.encode(t).ids for t in texts) if ids]
+
+
 def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, model_info: dict,
                      extra_files: Mapping[str, bytes] | None = None, progress: bool = False,
                      chat_template: str | None = None, kv_scales: torch.Tensor | None = None) -> BuildSummary:
@@ -134,10 +149,16 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
     _check_output(output)
     extra_files = dict(extra_files or {})
     tokenizer_file = TOKENIZER_FILE if TOKENIZER_FILE in extra_files else None
-    passes = [(f.__name__, f) for f in (FUSIONS if cfg.fuse else ())]
+    calibration = _calibration_prompts(cfg, extra_files)
+    passes = {f.__name__: f for f in (FUSIONS if cfg.fuse else ())}
     if cfg.kv_cache_dtype == "fp8":
-        passes.append((quantize_kv_cache.__name__, lambda g: quantize_kv_cache(g, kv_scales)))
-    steps = ["trace", *[name for name, _ in passes]]
+        passes[quantize_kv_cache.__name__] = lambda g: quantize_kv_cache(g, kv_scales)
+    if cfg.quantization == "fp8":
+        def quantize(g: Graph) -> Graph:
+            amax = calibrate(g, calibration, cfg.kv_block_size, progress) if calibration else None
+            return quantize_fp8(g, cfg.quantize_lm_head, amax)
+        passes["quantize_fp8" if calibration is None else "calibrate+quantize_fp8"] = quantize
+    steps = ["trace", *passes]
     for r in range(cfg.tp_size):
         steps += [f"rank {r}: shard+fold+plan", f"rank {r}: kernels", f"rank {r}: write"]
     bar = tqdm(total=len(steps), desc="build-engine", unit="step", disable=not progress)
@@ -146,10 +167,13 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
             bar.set_postfix_str("trace")
             graph = trace(model)
             bar.update()
-            for name, graph_pass in passes:
+            for name, rewrite in passes.items():
                 bar.set_postfix_str(name)
-                graph = graph_pass(graph)
+                graph = rewrite(graph)
                 bar.update()
+            if cfg.quantization == "none" and is_fp8(graph):
+                raise BuildError("the model holds FP8 weights (a pre-quantized checkpoint): build it with "
+                                 "--quantization fp8")
             layers, fusions = _fusions_per_layer(graph)
             weight_bytes, arena_bytes, kernel_counts = [], [], []
             for rank in range(cfg.tp_size):
@@ -179,7 +203,7 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
     finally:
         bar.close()
     return BuildSummary(output, layers, fusions, graph.count_ops(), weight_bytes, arena_bytes,
-                        list(cfg.targets), kernel_counts, time.time() - start)
+                        list(cfg.targets), kernel_counts, cfg.quantization, time.time() - start)
 
 
 def build_engine(checkpoint: str | Path, output: str | Path, cfg: BuildConfig, progress: bool = False) -> BuildSummary:

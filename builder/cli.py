@@ -7,14 +7,15 @@ from pathlib import Path
 import click
 
 from kiln.builder.build import BuildError, build_engine as run_build
-from kiln.builder.config import KV_CACHE_DTYPES, TARGETS, BuildConfig, BuildConfigError, default_targets
+from kiln.builder.calibrate import CalibrationError
+from kiln.builder.config import FP8_TARGETS, KV_CACHE_DTYPES, TARGETS, BuildConfig, BuildConfigError, default_targets
 from kiln.builder.kernels import KernelError
 from kiln.builder.onnx_export import EXTERNAL_DATA_BYTES, OnnxExportError, export_onnx
 from kiln.builder.passes import KVScalesError, ShardError
 from kiln.builder.trace import TraceError
 from kiln.dtypes import MODEL_DTYPES
 from kiln.engines.format import EngineFileError, read_engine_file
-from kiln.engines.manifest import Manifest
+from kiln.engines.manifest import QUANTIZATIONS, Manifest
 from kiln.models import CheckpointError, read_config
 
 
@@ -51,10 +52,23 @@ from kiln.models import CheckpointError, read_config
                    "that a fusion must not change.")
 @click.option("--onnx", "onnx_out", type=click.Path(path_type=Path),
               help="Then export each rank's plan as ONNX to this .onnx file (see inspect-engine --onnx).")
+@click.option("--quantization", type=click.Choice(("auto",) + QUANTIZATIONS), default="auto", show_default=True,
+              help="fp8: the decoder layers' projections run W8A8 in e4m3 (weights with a scale per output "
+                   "channel, computed here; activations quantized per token), accumulating in float32; needs "
+                   f"--target {', '.join(FP8_TARGETS)} or cpu (sm_80 has no FP8 tensor cores). auto: the "
+                   "checkpoint's (fp8 for a compressed-tensors or ModelOpt FP8 checkpoint, else none).")
+@click.option("--quantize-lm-head", is_flag=True,
+              help="With --quantization fp8, quantize the LM head too (it stays in --dtype otherwise).")
+@click.option("--calibration-prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="With --quantization fp8: a text file of prompts, one a line (a few dozen typical ones). They "
+                   "run through the unquantized model on this machine's CPU, and each projection's input gets a "
+                   "static per-tensor FP8 scale from the largest value seen, instead of a scale per token at "
+                   "run time (larger values then saturate).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_batch_size: int,
                  max_seq_len: int | None, max_num_tokens: int, kv_block_size: int, targets: tuple[str, ...],
-                 kv_cache_dtype: str, no_fuse: bool, onnx_out: Path | None, quiet: bool) -> None:
+                 kv_cache_dtype: str, no_fuse: bool, onnx_out: Path | None, quantization: str, quantize_lm_head: bool,
+                 calibration_prompts: Path | None, quiet: bool) -> None:
     """Compile a Hugging Face checkpoint or a GGUF file into a Kiln engine folder.
 
     Traces Kiln's definition of the model, fuses each decoder layer (RMSNorm+QKV+RoPE,
@@ -65,6 +79,7 @@ def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_b
     \b
     Example:
       build-engine --checkpoint ./Llama-3.2-1B --output engines/llama1b --dtype float32 --target cpu
+      build-engine --checkpoint ./Llama-3.1-8B --output engines/llama8b-fp8 --quantization fp8 --target sm_90
       inspect-engine engines/llama1b
       triton-repo --engine engines/llama1b --output /tmp/kiln-repo   (to serve it with Triton)
     """
@@ -73,10 +88,17 @@ def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_b
         # `is None`, not `or`: an explicit 0 must reach BuildConfig's check, not become the default.
         max_seq_len = model_cfg.max_position_embeddings if max_seq_len is None else max_seq_len
         dtype = model_cfg.dtype if dtype == "auto" else dtype
+        if quantization == "none" and model_cfg.quantization != "none":
+            raise BuildConfigError(f"--quantization none: the checkpoint holds {model_cfg.quantization} weights; "
+                                   f"build it with --quantization {model_cfg.quantization} (or auto)")
+        quantization = model_cfg.quantization if quantization == "auto" else quantization
         cfg = BuildConfig(dtype=dtype, tp_size=tp_size, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                           max_num_tokens=max_num_tokens, kv_block_size=kv_block_size,
                           targets=tuple(dict.fromkeys(targets)) or default_targets(), fuse=not no_fuse,
-                          kv_cache_dtype=kv_cache_dtype)
+                          kv_cache_dtype=kv_cache_dtype, quantization=quantization, quantize_lm_head=quantize_lm_head,
+                          calibration_prompts=None if calibration_prompts is None else str(calibration_prompts))
+        if onnx_out is not None and cfg.quantization != "none":
+            raise BuildConfigError(f"--onnx: a --quantization {cfg.quantization} engine has no ONNX form in Kiln yet")
     except BuildConfigError as e:
         raise click.UsageError(str(e)) from None
     except CheckpointError as e:
@@ -87,6 +109,8 @@ def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_b
         raise click.BadParameter(str(e), param_hint="--checkpoint") from None
     except ShardError as e:
         raise click.BadParameter(str(e), param_hint="--tp-size") from None
+    except CalibrationError as e:
+        raise click.BadParameter(str(e), param_hint="--calibration-prompts") from None
     except (BuildError, TraceError, BuildConfigError, KernelError, KVScalesError) as e:
         raise click.UsageError(str(e)) from None
     click.echo(summary.render())
@@ -134,7 +158,7 @@ def inspect_engine(engine_dir: Path, rank: int, as_json: bool, onnx_out: Path | 
         return
     click.echo(f"engine   {path}  (rank {m.rank} of {m.world_size}, Kiln {m.kiln_version})")
     click.echo("model    " + "  ".join(f"{k}={v}" for k, v in m.model.items()))
-    click.echo(f"build    dtype={m.dtype}  max_batch_size={m.max_batch_size}  max_seq_len={m.max_seq_len}  "
+    click.echo(f"build    dtype={m.dtype}  quantization={m.quantization}  max_batch_size={m.max_batch_size}  max_seq_len={m.max_seq_len}  "
                f"max_num_tokens={m.max_num_tokens}  tp_size={m.world_size}")
     click.echo(f"targets  {', '.join(m.targets)}")
     click.echo(f"\nplan ({len(m.plan)} ops)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kiln.dtypes import MODEL_DTYPES
-from kiln.engines.manifest import blocks_per_sequence, symbol_bounds
+from kiln.engines.manifest import QUANTIZATIONS, blocks_per_sequence, symbol_bounds
 
 TARGETS = ("cpu", "sm_80", "sm_89", "sm_90", "sm_100")
 # --kv-cache-dtype: "auto" keeps the cache in the model's dtype, "fp8" stores e4m3 (plugins/fp8.py).
@@ -12,6 +12,8 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 # GPU targets whose Triton has e4m3 (float8e4nv) values; sm_80 has none, even for a cache that
 # is only converted in registers (Triton refuses the type there).
 FP8_KV_TARGETS = ("sm_89", "sm_90", "sm_100")
+# The GPU targets with FP8 (e4m3) tensor cores: Ada, Hopper, Blackwell.
+FP8_TARGETS = ("sm_89", "sm_90", "sm_100")
 
 
 class BuildConfigError(ValueError):
@@ -31,6 +33,11 @@ class BuildConfig:
     # ONNX export is the reference that a fusion pass must not change.
     fuse: bool = True
     kv_cache_dtype: str = "auto"
+    # "fp8": the decoder layers' GEMMs run W8A8 in e4m3 (builder/passes/quantize.py).
+    quantization: str = "none"
+    quantize_lm_head: bool = False
+    # A text file of prompts (one a line) for static activation scales (builder/calibrate.py).
+    calibration_prompts: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -56,6 +63,16 @@ class BuildConfig:
             raise BuildConfigError(f"--kv-cache-dtype fp8 cannot run on --target {no_fp8[0]}: Triton has e4m3 values "
                                    f"only on {', '.join(FP8_KV_TARGETS)} (and the cpu reference); build for those, "
                                    "or keep --kv-cache-dtype auto for that target")
+        if self.quantization not in QUANTIZATIONS:
+            raise BuildConfigError(f"--quantization {self.quantization}: choose one of {', '.join(QUANTIZATIONS)}")
+        if self.quantize_lm_head and self.quantization == "none":
+            raise BuildConfigError("--quantize-lm-head needs --quantization fp8")
+        if self.calibration_prompts is not None and self.quantization == "none":
+            raise BuildConfigError("--calibration-prompts needs --quantization fp8")
+        no_fp8 = [t for t in self.targets if t not in FP8_TARGETS + ("cpu",)]
+        if self.quantization == "fp8" and no_fp8:
+            raise BuildConfigError(f"--quantization fp8 needs FP8 tensor cores, which {no_fp8[0]} does not have: "
+                                   f"build for {', '.join(FP8_TARGETS)} (or cpu), or without --quantization fp8")
 
     @property
     def bounds(self) -> dict[str, int]:

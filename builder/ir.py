@@ -8,6 +8,7 @@ tensor. Node order is execution order; the passes keep it valid.
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,7 @@ class Graph:
         """
         ids = {id(n) for n in pattern}
         last = max(i for i, n in enumerate(self.nodes) if id(n) in ids)
+        fused.inputs = in_spec_order(fused.op, fused.inputs)
         self.nodes[last] = fused
         self.nodes = [n for n in self.nodes if id(n) not in ids]
         self.prune()
@@ -110,6 +112,22 @@ class Graph:
         for n in self.nodes:
             counts[n.op] = counts.get(n.op, 0) + 1
         return counts
+
+
+def layer_of(source: str) -> int | None:
+    """The decoder layer a node comes from, by its module path ("model.layers.3.mlp" -> 3)."""
+    m = re.search(r"\blayers\.(\d+)\b", source)
+    return int(m.group(1)) if m else None
+
+
+def in_spec_order(op: str, inputs: dict[str, str | None]) -> dict[str, str | None]:
+    """A node's inputs in its plugin's order, absent optional ones as None: the order the CUDA
+    launchers unpack them in."""
+    spec = get_plugin(op)
+    unknown = sorted(set(inputs) - set(spec.input_names))
+    if unknown:
+        raise ValueError(f"plugin {op!r} has no input {unknown[0]!r}; its inputs are {', '.join(spec.inputs)}")
+    return {name: inputs.get(name) for name in spec.input_names}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

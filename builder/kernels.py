@@ -7,7 +7,8 @@ node's shapes (what they are, the plugin's `compile_shapes` says); each is compi
 constants, options and target) are compiled once per build and kept in an on-disk cache keyed
 by their content hash, so rebuilding is quick. An op that has no GPU kernel (no
 `compile_shapes`) is a build error naming it and the module it came from: nothing falls back
-silently.
+silently: an FP8 op (compile shape `fp8`) needs a kernels module that says `SUPPORTS_FP8 = True`,
+and one with a static activation scale (`fp8_static`) one that says `SUPPORTS_FP8_STATIC = True`.
 """
 from __future__ import annotations
 
@@ -74,10 +75,20 @@ def compile_kernels(graph: Graph, dtype: str, targets: list[str], block_size: in
     if not gpu_targets:
         return blobs, per_node
     for node in graph.nodes:
-        if get_plugin(node.op).compile_shapes is None:
+        spec = get_plugin(node.op)
+        if spec.compile_shapes is None:
             raise KernelError(f"op {node.op!r} in module {node.source!r} has no GPU kernel: it cannot run on "
                               f"{', '.join(gpu_targets)} (only fused Llama-family plans can for now); "
                               "build with --target cpu")
+        shapes = spec.compile_shapes(graph.input_shapes(node), node.attrs, block_size)
+        kernels = spec.module("kernels")
+        if shapes.get("fp8") and not getattr(kernels, "SUPPORTS_FP8", False):
+            raise KernelError(f"plugin {spec.name!r} has no FP8 GPU kernels in this Kiln: build --quantization fp8 "
+                              "engines for --target cpu, or build without --quantization fp8")
+        if shapes.get("fp8_static") and not getattr(kernels, "SUPPORTS_FP8_STATIC", False):
+            raise KernelError(f"plugin {spec.name!r} has no GPU kernels for static FP8 activation scales in this "
+                              "Kiln: build without --calibration-prompts (a checkpoint's input_scale gives them "
+                              "too), or for --target cpu")
     _check_compiler()
     for node in graph.nodes:
         spec = get_plugin(node.op)

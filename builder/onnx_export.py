@@ -86,6 +86,9 @@ def export_onnx(engine: str | Path, output: str | Path, external_data: bool | No
             raise OnnxExportError(f"{engine} has an FP8 KV cache, which the ONNX form (dense prefill, k and v in "
                                   f"{m.dtype}) cannot express: export the same checkpoint built with "
                                   "--kv-cache-dtype auto")
+        if m.quantization != "none":
+            raise OnnxExportError(f"{file} is a {m.quantization} engine: its W8A8 projections have no ONNX form in "
+                                  "Kiln yet; export the engine built without --quantization")
         path = onnx_paths(output, m.world_size)[m.rank]
         model = rank_model(onnx, m, str(file))
         weight_bytes = sum(w.nbytes for w in ef.weights.values())

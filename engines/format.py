@@ -24,7 +24,10 @@ from kiln.dtypes import dtype_name, torch_dtype
 from kiln.engines.manifest import KernelEntry, Manifest, Section, WeightEntry
 
 # 2: the typed manifest (limits stored once, no memory_plan.bounds, no duplicate build keys).
-FORMAT_VERSION: int = 2
+# 3: `quantization` and the FP8 scale inputs of the GEMM ops, which a Kiln that reads only 2
+#    would run as plain projections; version 2 files still load (as quantization "none").
+FORMAT_VERSION: int = 3
+READS_VERSIONS: tuple[int, ...] = (2, 3)
 MAGIC: bytes = b"KILNENG\x00"
 
 HEADER_SIZE = 64
@@ -203,11 +206,11 @@ def read_engine_file(path: str | Path, rank: int | None = None, world_size: int 
                 f"{path}: engine file is truncated: only {size} bytes, shorter than the "
                 f"{HEADER_SIZE}-byte header; {rebuild}")
         _magic, version, _flags, m_off, m_len, total, m_crc = _HEADER.unpack_from(head)
-        if 0 < version < FORMAT_VERSION:
+        if 0 < version < min(READS_VERSIONS):
             raise UnsupportedVersionError(
                 f"{path}: engine file format version {version} was written by an older Kiln; this Kiln "
                 f"reads version {FORMAT_VERSION}: rebuild the engine with this Kiln's build-engine")
-        if version != FORMAT_VERSION:
+        if version not in READS_VERSIONS:
             raise UnsupportedVersionError(
                 f"{path}: engine file format version {version} is not supported by this Kiln "
                 f"(supports version {FORMAT_VERSION}); rebuild the engine with this Kiln or upgrade Kiln")

@@ -20,6 +20,11 @@ class ManifestError(ValueError):
     """The manifest's JSON does not have the shape this Kiln writes; the message names the field."""
 
 
+# How an engine's GEMM weights are stored: "none" in the model dtype; "fp8" as float8_e4m3fn with
+# a float32 `<weight>_scale` input per op (W8A8, plugins/fp8.py).
+QUANTIZATIONS = ("none", "fp8")
+
+
 def blocks_per_sequence(max_seq_len: int, block_size: int) -> int:
     """KV blocks one sequence of `max_seq_len` tokens needs: the width of a block table."""
     return -(-max_seq_len // block_size)
@@ -184,6 +189,7 @@ class Manifest:
     chat_template_file: str | None = None  # the checkpoint's chat template (Jinja), in the engine folder
     # A tensor-parallel engine's custom all-reduce kernel, per GPU target (plugins/all_reduce).
     all_reduce_kernels: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    quantization: str = "none"     # one of QUANTIZATIONS; absent in engines from before FP8: "none"
     # Set by the writer (engines.format), replacing whatever the builder left there.
     weights: dict[str, WeightEntry] = field(default_factory=dict)
     kernels: dict[str, KernelEntry] = field(default_factory=dict)
@@ -231,7 +237,7 @@ class Manifest:
             "limits": {"max_num_tokens": self.max_num_tokens, "max_batch_size": self.max_batch_size,
                        "max_seq_len": self.max_seq_len},
             "kv_cache": self.kv.to_json(), "tokenizer": self.tokenizer_file,
-            "chat_template": self.chat_template_file,
+            "chat_template": self.chat_template_file, "quantization": self.quantization,
             "inputs": list(self.inputs), "outputs": list(self.outputs),
             "tensors": {n: {**_fields(t), "shape": list(t.shape)} for n, t in self.tensors.items()},
             "plan": [{**_fields(p), "kernel_keys": {t: list(k) for t, k in p.kernel_keys.items()}}
@@ -264,6 +270,7 @@ class Manifest:
                      for n, t in m.objs("tensors")},
             plan=tuple(_plan_entry(p) for p in m.list_of_objs("plan")),
             all_reduce_kernels=_kernel_keys(m.obj("all_reduce_kernels", optional=True)),
+            quantization=m.string("quantization", optional=True) or "none",
             arena_bytes=memory.integer("arena_bytes", low=0),
             slots={n: Slot(s.integer("offset", low=0), s.integer("nbytes", low=0)) for n, s in memory.objs("tensors")},
             weights={n: WeightEntry(w.dtype("dtype"), w.shape("shape"), w.integer("offset", low=0),
@@ -282,6 +289,9 @@ class Manifest:
 
     def _check(self) -> None:
         """What the fields must agree on, beyond each field's own type."""
+        if self.quantization not in QUANTIZATIONS:
+            raise ManifestError(f"manifest.quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                                f"got {self.quantization!r}: this engine needs a newer Kiln")
         if self.rank >= self.world_size:
             raise ManifestError(f"manifest: rank {self.rank} is not below world_size {self.world_size}")
         logits = self.tensors.get(self.logits) if self.outputs else None

@@ -11,9 +11,12 @@ from safetensors import SafetensorError, safe_open
 
 from kiln.dtypes import MODEL_DTYPES, torch_dtype
 from kiln.models.config import CheckpointError, ModelConfig, parse_config, read_folder_config
+from kiln.models.fp8_checkpoint import (INPUT_SCALE, WEIGHT_SCALE, is_float8, per_channel_scale,
+                                        static_input_scale)
 from kiln.models.gemma3 import Gemma3ForCausalLM
 from kiln.models.gguf import read_gguf
 from kiln.models.kv_scales import is_kv_scale, kv_scales_from
+from kiln.models.layers import Linear
 from kiln.models.llama import LlamaForCausalLM
 
 # family -> model definition; every other family is the Llama one's
@@ -125,10 +128,17 @@ def load(checkpoint: str | Path, dtype: str = "float32", max_positions: int | No
         model = _MODELS.get(cfg.family, LlamaForCausalLM)(cfg, torch_dtype(dtype), max_positions)
     expected = dict(model.named_parameters())
     state: dict[str, torch.Tensor] = {}
+    fp8: dict[str, tuple[str, torch.Tensor]] = {}      # float8 weight -> (stored name, tensor)
+    scales: dict[str, torch.Tensor] = {}               # module -> its weight_scale
+    input_scales: dict[str, torch.Tensor] = {}         # module -> its static input_scale
     for stored, tensor in tensors:
         name = model.checkpoint_name(stored)
         if (name is None or name.endswith(_IGNORED_SUFFIXES) or is_kv_scale(stored)
                 or (cfg.tie_word_embeddings and name == "lm_head.weight")):
+            continue
+        module, _, leaf = name.rpartition(".")
+        if cfg.quantization == "fp8" and leaf in (WEIGHT_SCALE, INPUT_SCALE):
+            (scales if leaf == WEIGHT_SCALE else input_scales)[module] = tensor
             continue
         if name not in expected:
             raise CheckpointError(f"{checkpoint}: unexpected tensor {stored!r} for a {cfg.architecture} "
@@ -136,10 +146,17 @@ def load(checkpoint: str | Path, dtype: str = "float32", max_positions: int | No
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise CheckpointError(f"{checkpoint}: tensor {stored!r} has shape {tuple(tensor.shape)}, "
                                   f"config.json implies {tuple(expected[name].shape)}")
+        if is_float8(tensor):
+            if cfg.quantization != "fp8":
+                raise CheckpointError(f"{checkpoint}: tensor {stored!r} is float8 but config.json has no "
+                                      "quantization_config saying how it is scaled")
+            fp8[name] = (stored, tensor)
+            continue
         # Rounded to the model's dtype first, as transformers loads it; a norm weight is then
         # held in float32 (see models.layers.RMSNorm), where Gemma's 1 + w is exact.
         state[name] = model.from_checkpoint(name, tensor.to(torch_dtype(dtype))).to(expected[name].dtype)
-    missing = sorted(set(expected) - set(state))
+    _load_fp8(model, fp8, scales, input_scales, checkpoint)
+    missing = sorted(set(expected) - set(state) - set(fp8))
     if missing:
         raise CheckpointError(f"{checkpoint}: missing tensors {', '.join(missing[:5])}"
                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
@@ -147,3 +164,23 @@ def load(checkpoint: str | Path, dtype: str = "float32", max_positions: int | No
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval(), cfg
+
+
+def _load_fp8(model: torch.nn.Module, weights: dict[str, tuple[str, torch.Tensor]], scales: dict[str, torch.Tensor],
+              input_scales: dict[str, torch.Tensor], checkpoint: Path) -> None:
+    """Give each projection with a float8 weight that weight, as stored, its scale per output
+    feature and its static input scale when it has one (`models.fp8_checkpoint`)."""
+    for name, (stored, weight) in weights.items():
+        path = name.rpartition(".")[0]
+        module = model.get_submodule(path)
+        if not isinstance(module, Linear) or not name.endswith(".weight"):
+            raise CheckpointError(f"{checkpoint}: tensor {stored!r} is float8, but only projection weights "
+                                  "(Linear layers) can be: keep it in the model dtype")
+        if path not in scales:
+            raise CheckpointError(f"{checkpoint}: float8 tensor {stored!r} has no {WEIGHT_SCALE} beside it")
+        input_scale = input_scales.pop(path, None)
+        module.set_fp8(weight, per_channel_scale(scales.pop(path), weight.shape[0], f"{stored}_scale"),
+                       None if input_scale is None else static_input_scale(input_scale, f"{path}.{INPUT_SCALE}"))
+    for leaf, orphans in ((WEIGHT_SCALE, scales), (INPUT_SCALE, input_scales)):
+        if orphans:
+            raise CheckpointError(f"{checkpoint}: {sorted(orphans)[0]}.{leaf} scales a weight that is not float8")

@@ -6,9 +6,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-
-class CheckpointError(ValueError):
-    """A checkpoint folder Kiln cannot build from; the message says what is wrong and what to do."""
+from kiln.models.errors import CheckpointError
+from kiln.models.fp8_checkpoint import quantization_of, with_modelopt_file
 
 
 # architecture -> family name shown to users
@@ -51,6 +50,7 @@ class ModelConfig:
     sliding_layers: tuple[bool, ...] | None = None  # per layer: windowed; None: every layer uses sliding_window
     local_rope_theta: float | None = None           # RoPE base of the windowed layers (else rope_theta)
     final_logit_softcapping: float | None = None    # logits = cap * tanh(logits / cap)
+    quantization: str = "none"                      # "fp8": a pre-quantized checkpoint (models/fp8_checkpoint.py)
 
     @property
     def family(self) -> str:
@@ -126,6 +126,7 @@ def parse_config(raw: dict, source: str = "config.json") -> ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos])),
             dtype=_checkpoint_dtype(raw),
+            quantization=quantization_of(raw, source),
         )
     except KeyError as e:
         raise CheckpointError(f"{source}: missing required key {e.args[0]!r}") from None
@@ -240,6 +241,7 @@ def parse_gemma3(raw: dict, source: str) -> ModelConfig:
             sliding_layers=_gemma3_layers(text, layers, source),
             local_rope_theta=local_theta,
             final_logit_softcapping=float(cap) if cap is not None else None,
+            quantization=quantization_of(raw, source),
         )
     except KeyError as e:
         raise CheckpointError(f"{source}: missing required key {e.args[0]!r}") from None
@@ -262,4 +264,4 @@ def read_folder_config(checkpoint_dir: str | Path) -> ModelConfig:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
-    return parse_config(raw, str(path))
+    return parse_config(with_modelopt_file(raw, checkpoint_dir), str(path))

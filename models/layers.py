@@ -13,18 +13,31 @@ from kiln.plugins import op
 
 class Linear(nn.Module):
     """y = x W^T (+ b). `parallel` ("column", "row" or "none") and `heads` tell the sharding
-    pass how to split the weight for tensor parallelism."""
+    pass how to split the weight for tensor parallelism. A pre-quantized FP8 checkpoint's
+    projection has a float8_e4m3fn weight and its float32 `weight_scale` [out_features], and may
+    have a static activation scale `input_scale` [1] (`set_fp8`); otherwise both are None."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  parallel: str = "none", heads: int = 0, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.register_parameter("weight_scale", None)
+        self.register_parameter("input_scale", None)
         self.parallel = parallel
         self.heads = heads
 
+    def set_fp8(self, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None = None) -> None:
+        """Hold a float8 weight [out, in], its float32 scale per output feature and, when the
+        checkpoint has one, the static float32 scale [1] of its input."""
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        if input_scale is not None:
+            self.input_scale = nn.Parameter(input_scale, requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return op("linear")(x, self.weight, self.bias, self.parallel, self.heads, False)
+        return op("linear")(x, self.weight, self.bias, self.parallel, self.heads, False, self.weight_scale,
+                            self.input_scale)
 
 
 class RMSNorm(nn.Module):

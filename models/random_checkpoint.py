@@ -44,6 +44,7 @@ import click
 
 from kiln.atomic import atomic_folder
 from kiln.dtypes import MODEL_DTYPES
+from kiln.models.fp8_checkpoint_writer import FP8_FORMATS, FP8_STRATEGIES, quantize_checkpoint
 from kiln.models.random_families import FAMILIES, family_config
 
 if TYPE_CHECKING:
@@ -211,6 +212,8 @@ def write_random_checkpoint(
     tie_word_embeddings: bool | None = None,
     overwrite: bool = False,
     device: str = "cpu",
+    fp8_format: str | None = None,
+    fp8_strategy: str = "channel",
 ) -> Path:
     """Write a random `family` checkpoint plus tokenizer to `output_dir`.
 
@@ -220,7 +223,10 @@ def write_random_checkpoint(
     `max_shard_size` (e.g. "20KB") splits the weights over several files.
     `device` is where the model is built and randomized: "cpu" (the default) gives the
     same bytes for a seed as always; "cuda" builds it on the GPU directly in `dtype`, which
-    is what big shapes need (see `_random_model`). Returns the resolved output path.
+    is what big shapes need (see `_random_model`). `fp8_format` ("compressed-tensors" or
+    "modelopt") writes the decoder projections pre-quantized to FP8 in that format, with
+    `fp8_strategy` "channel" or "tensor" scales (`models.fp8_checkpoint_writer`). Returns the
+    resolved output path.
     """
     import torch
     from transformers.utils import logging as hf_logging
@@ -267,6 +273,8 @@ def write_random_checkpoint(
                 if was_enabled:
                     hf_logging.enable_progress_bar()
             _save_tokenizer(tokenizer, staging, max_position_embeddings, family)
+            if fp8_format is not None:
+                quantize_checkpoint(staging, fp8_format, fp8_strategy)
             _check_target(output_dir, overwrite)  # again: the folder may have filled meanwhile
     finally:
         del model
@@ -366,11 +374,17 @@ def _count_parameters(directory: Path) -> int:
               help='Where to build and randomize the model: "cuda" builds it there directly in '
                    '--dtype (what a Llama-3-8B shape needs); "cpu" gives the same bytes for a '
                    'seed as always.')
+@click.option("--fp8-format", type=click.Choice(FP8_FORMATS), default=None,
+              help="Write the decoder projections pre-quantized to FP8 (e4m3, plugins/fp8.py) in this "
+                   "checkpoint format, as published FP8 models are; build-engine loads it as it is.")
+@click.option("--fp8-strategy", type=click.Choice(FP8_STRATEGIES), default="channel", show_default=True,
+              help="With --fp8-format: one scale per output channel (what build-engine --quantization fp8 "
+                   "makes) or one per tensor.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it is not empty.")
 def main(family: str, output: Path, dtype: str, hidden_size: int, layers: int, heads: int,
          kv_heads: int, intermediate_size: int, vocab_size: int, max_position_embeddings: int,
          seed: int, max_shard_size: str | None, tie_word_embeddings: bool | None,
-         device: str, force: bool) -> None:
+         device: str, fp8_format: str | None, fp8_strategy: str, force: bool) -> None:
     """Write a small Hugging Face checkpoint with random weights.
 
     For demos and tests only: the weights are random, the byte-level BPE
@@ -386,7 +400,7 @@ def main(family: str, output: Path, dtype: str, hidden_size: int, layers: int, h
             num_kv_heads=kv_heads, intermediate_size=intermediate_size, vocab_size=vocab_size,
             max_position_embeddings=max_position_embeddings, dtype=dtype, seed=seed,
             max_shard_size=max_shard_size, tie_word_embeddings=tie_word_embeddings,
-            overwrite=force, device=device)
+            overwrite=force, device=device, fp8_format=fp8_format, fp8_strategy=fp8_strategy)
     except (ValueError, FileExistsError) as exc:
         raise click.UsageError(str(exc)) from exc
     click.echo(f"{family}: {_count_parameters(path):,} parameters, {dtype} -> {path}")

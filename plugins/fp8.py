@@ -4,7 +4,9 @@ is checked against (CPU references and GPU kernels alike).
 - Weights: float8_e4m3fn [N, K] and one float32 scale per output feature, w ~ wq * scale[:, None];
   the scale maps the row's largest magnitude onto e4m3's largest finite value (448).
 - Activations: quantized per token (row) when they are made, x ~ xq * scale[:, None], with the
-  same rule per row. A row of zeros gets the smallest scale, so nothing divides by zero.
+  same rule per row. A row of zeros gets the smallest scale, so nothing divides by zero. Or,
+  static: one float32 scale for the whole tensor, fixed at build time from a calibration run
+  (the largest magnitude seen, over 448); a larger value at run time saturates at +-448.
 - GEMM: the products of e4m3 values are exact in float32, so y = (xq @ wq^T in float32)
   * x_scale[:, None] * w_scale[None, :], then cast to the activation dtype.
 
@@ -42,9 +44,14 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
     return (q.float() * scale.float()[:, None]).to(dtype)
 
 
-def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """y = x W^T with W8A8 numerics: x quantized per token here, accumulated in float32; returns
-    x's dtype."""
-    xq, x_scale = quantize_rows(x)
+def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+               x_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T with W8A8 numerics: x quantized per token here, or with the static per-tensor
+    `x_scale` ([1]) when given; accumulated in float32; returns x's dtype."""
+    if x_scale is None:
+        xq, x_scale = quantize_rows(x)
+    else:
+        x_scale = x_scale.float().reshape(1).expand(x.shape[0])
+        xq = to_e4m3(x, x_scale[:, None])
     acc = xq.float() @ wq.float().t()
     return (acc * x_scale[:, None] * w_scale.float()[None, :]).to(x.dtype)

@@ -38,8 +38,11 @@ BUILTIN = ("add", "attention", "attention_o_proj", "embedding", "gelu", "gelu_mu
 class PluginSpec:
     """What the builder and runtime need to know about one op.
 
-    `inputs` are tensor arguments in call order; a trailing "?" marks an optional one (None
-    allowed). `attrs` are the non-tensor arguments that follow them, with their Python types.
+    `inputs` are the tensor arguments; a trailing "?" marks an optional one (None allowed).
+    `attrs` are the non-tensor arguments that follow them, with their Python types. An optional
+    input added to an op later (the FP8 weight scales) comes last in `inputs` and, in the
+    reference's signature, after the attrs with the default None, so calls written before it
+    (model code, engines built before it) stay valid; the reference is called by name.
     `shape` maps input shapes (None for absent inputs) and attrs to the output shape, in
     symbolic dims. `dtype` is the output dtype rule: the name of an input whose dtype the
     output takes, or a fixed dtype name. `package` is the plugin's folder as a module name

@@ -157,6 +157,29 @@ def test_second_run_reuses_checkpoint_and_engine(tiny_run):
     assert data["offline"] == data["latency"] == [] and "eager baseline skipped (--no-baseline)" in data["notes"]
 
 
+def test_fp8_engine_is_measured_beside_the_bf16_one_in_the_same_run(tiny_run):
+    root, _, _ = tiny_run
+    result = invoke(*TINY, "--dtype", "bfloat16", "--only", "decode,offline", "--batch-sizes", "1,2", "--offline", "8/8",
+                    "--offline-requests", "2", "--quantization", "fp8", "--work-dir", root / "work",
+                    "--json", root / "fp8.json")
+    assert result.exit_code == 0, result.output
+    data = json.loads((root / "fp8.json").read_text())
+    for section in ("decode", "offline"):
+        plain = [f for f in data[section] if "quantization" not in f]
+        fp8 = [f for f in data[section] if f.get("quantization") == "fp8"]
+        assert len(plain) == len(fp8) > 0
+        for base, f in zip(plain, fp8):
+            assert f["name"] == f"fp8 {base['name']}" and f["bf16"] == base["value"]
+            assert f["ratio_to_bf16"] == pytest.approx(f["value"] / base["value"])
+    assert data["quantized_engine"].endswith("-fp8-" + data["quantized_engine"].rsplit("-", 1)[1])
+    assert "vs bf16" in result.output and "fp8 decode b=1" in result.output
+
+
+def test_fp8_comparison_needs_a_checkpoint_not_an_engine(tmp_path):
+    result = invoke("--engine", tmp_path, "--device", "cpu", "--quantization", "fp8", "--json", tmp_path / "x.json")
+    assert result.exit_code == 2 and "not --engine" in result.output
+
+
 def test_plain_loop_is_measured_with_no_overlap(tiny_run):
     root, _, _ = tiny_run
     result = invoke(*TINY, "--only", "decode", "--batch-sizes", "1", "--no-baseline", "--no-overlap",

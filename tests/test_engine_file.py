@@ -122,7 +122,7 @@ def test_layout_and_index(engine):
     # The manifest's JSON is the documented layout (engines/README.md), and reads back equal.
     raw = json.loads(engine.read_bytes()[m_off:m_off + m_len])
     assert set(raw) == {"kiln_version", "model", "dtype", "targets", "rank", "world_size", "limits", "kv_cache",
-                        "tokenizer", "chat_template", "inputs", "outputs", "tensors", "plan", "all_reduce_kernels",
+                        "tokenizer", "chat_template", "quantization", "inputs", "outputs", "tensors", "plan", "all_reduce_kernels",
                         "memory_plan", "weights", "kernels", "sections"}
     assert Manifest.from_json(raw) == ef.manifest
 

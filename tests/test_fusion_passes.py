@@ -323,7 +323,8 @@ def test_fuse_linear_residual_both_operand_orders(residual_first):
     down = f.producer("layers.0.add.2")
     assert down.op == "linear_residual"
     assert down.inputs == {"x": "layers.0.mlp.silu_mul", "weight": "layers.0.mlp.down_proj.weight", "bias": None,
-                           "residual": "layers.0.add"}
+                           "residual": "layers.0.add", "weight_scale": None,
+                           "weight_input_scale": None}
     assert down.attrs == {"parallel": "row", "heads": 0, "all_reduce": False}
     envs_ref, _ = run_steps(g)
     envs, _ = run_steps(f)

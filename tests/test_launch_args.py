@@ -311,7 +311,7 @@ def variants(op: str, engine, entry: dict, args: list, attrs: dict, out: torch.T
         yield op, {**shapes, "norm_weight": True, "bias": True, "qk_norm": True}, \
             [x, randn(x.shape[1]), w_qkv, randn(w_qkv.shape[0]), norm_randn(d), norm_randn(d), *rest], attrs, out
     elif op == "attention_o_proj":
-        q, _, _, *cache, w_o, _, residual, kv_scales = args
+        q, _, _, *cache, w_o, _, residual, kv_scales = args[:12]  # the FP8 scale inputs (None here) follow
         kv = attrs["num_kv_heads"] * attrs["head_dim"]
         k, v = randn(q.shape[0], kv), randn(q.shape[0], kv)
         yield op, {**shapes, "bias": True}, [q, k, v, *cache, w_o, randn(w_o.shape[0]), residual, kv_scales], \

@@ -191,7 +191,8 @@ def test_trace_records_plugin_ops():
     assert g.tensors["input_ids"] == TensorInfo(("T",), "int32", "input")
     assert g.tensors[KV_CACHE] == TensorInfo((1, 2, "N", "block_size", NKV, HD), "float32", "state")
     lin_q = g.nodes[2]
-    assert lin_q.inputs == {"x": g.nodes[1].output, "weight": "wq", "bias": None}
+    assert lin_q.inputs == {"x": g.nodes[1].output, "weight": "wq", "bias": None, "weight_scale": None,
+                           "weight_input_scale": None}
     assert lin_q.attrs == {"parallel": "column", "heads": NH, "all_reduce": False}
     attn = g.nodes[7]
     assert attn.inputs["q"] == g.nodes[3].output and attn.inputs["k"] == g.nodes[5].output

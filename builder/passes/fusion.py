@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kiln.builder.ir import Graph, Node
+from kiln.builder.passes.quantize import input_scale_name
 
 
 def _weight_prefix(names: list[str]) -> str:
@@ -29,6 +30,24 @@ def _concat(graph: Graph, names: list[str | None], rows: list[int], name: str) -
     ref = next(graph.weights[n] for n in names if n is not None)
     parts = [graph.weights[n] if n else torch.zeros(r, *ref.shape[1:], dtype=ref.dtype) for n, r in zip(names, rows)]
     return graph.add_weight(name, torch.cat(parts, dim=0))
+
+
+def _scales(graph: Graph, lins: list[Node], rows: list[int], name: str) -> tuple[bool, str | None, str | None]:
+    """(whether the projections can share one weight, their concatenated FP8 weight scales, the
+    static scale of their shared input): all float8 with scales, or none; all with a static input
+    scale, or none. The shared input's scale is the largest, so no projection's input saturates
+    sooner than it did."""
+    scales = [lin.inputs.get("weight_scale") for lin in lins]
+    inputs = [lin.inputs.get("weight_input_scale") for lin in lins]
+    if all(s is None for s in scales):
+        return True, None, None
+    if any(s is None for s in scales) or len({s is None for s in inputs}) > 1:
+        return False, None, None
+    input_scale = None
+    if inputs[0] is not None:
+        input_scale = graph.add_weight(input_scale_name(name.removesuffix("_scale")),
+                                       torch.stack([graph.weights[s] for s in inputs]).amax(dim=0))
+    return True, _concat(graph, scales, rows, name), input_scale
 
 
 def _plain(node: Node | None, op: str) -> bool:
@@ -74,6 +93,9 @@ def fuse_norm_qkv_rope(graph: Graph) -> Graph:
         rows = [a["num_heads"] * a["head_dim"], a["num_kv_heads"] * a["head_dim"], a["num_kv_heads"] * a["head_dim"]]
         lins = [lq, lk, lv]
         prefix = _weight_prefix([lin.inputs["weight"] for lin in lins])
+        same, w_qkv_scale, w_qkv_input_scale = _scales(g, lins, rows, f"{prefix}.qkv_proj.weight_scale")
+        if not same:
+            continue
         w_qkv = _concat(g, [lin.inputs["weight"] for lin in lins], rows, f"{prefix}.qkv_proj.weight")
         b_qkv = _concat(g, [lin.inputs["bias"] for lin in lins], rows, f"{prefix}.qkv_proj.bias")
         fused = Node("norm_qkv_rope", {
@@ -81,6 +103,7 @@ def fuse_norm_qkv_rope(graph: Graph) -> Graph:
             "q_norm": nq.inputs["weight"] if qk_norm else None, "k_norm": nk.inputs["weight"] if qk_norm else None,
             "positions": rq.inputs["positions"], "rope_cache": rq.inputs["rope_cache"],
             "kv_cache": attn.inputs["kv_cache"], "slot_mapping": attn.inputs["slot_mapping"],
+            "w_qkv_scale": w_qkv_scale, "w_qkv_input_scale": w_qkv_input_scale,
         }, {"eps": norm.attrs["eps"], "layer": a["layer"], "num_heads": a["num_heads"],
             "num_kv_heads": a["num_kv_heads"], "head_dim": a["head_dim"]}, rq.output, lq.source.rsplit(".", 1)[0])
         attn.inputs["k"] = attn.inputs["v"] = None
@@ -102,7 +125,8 @@ def fuse_attention_o_proj(graph: Graph) -> Graph:
         if residual == lo.output:
             continue
         fused = Node("attention_o_proj", {**attn.inputs, "w_o": lo.inputs["weight"], "b_o": lo.inputs["bias"],
-                                          "residual": residual},
+                                          "residual": residual, "w_o_scale": lo.inputs.get("weight_scale"),
+                                          "w_o_input_scale": lo.inputs.get("weight_input_scale")},
                      {**attn.attrs, "all_reduce": False}, add.output, attn.source)
         g.replace([attn, lo, add], fused)
     return g
@@ -131,8 +155,13 @@ def fuse_norm_swiglu(graph: Graph) -> Graph:
             continue
         inter = g.tensors[lg.output].shape[1]
         names = [lg.inputs["weight"], lu.inputs["weight"]]
+        same, w_gu_scale, w_gu_input_scale = _scales(g, [lg, lu], [inter, inter],
+                                                     f"{_weight_prefix(names)}.gate_up_proj.weight_scale")
+        if not same:
+            continue
         w_gu = _concat(g, names, [inter, inter], f"{_weight_prefix(names)}.gate_up_proj.weight")
-        fused = Node("norm_swiglu", {"x": norm.inputs["x"], "norm_weight": norm.inputs["weight"], "w_gu": w_gu},
+        fused = Node("norm_swiglu", {"x": norm.inputs["x"], "norm_weight": norm.inputs["weight"], "w_gu": w_gu,
+                                     "w_gu_scale": w_gu_scale, "w_gu_input_scale": w_gu_input_scale},
                      {"eps": norm.attrs["eps"], "block": 0, "activation": GATED_ACTIVATIONS[mul.op]},
                      mul.output, mul.source)
         g.replace([norm, lg, lu, mul], fused)

@@ -1,6 +1,8 @@
 """Fused plugin `attention_o_proj`: attention -> o_proj -> + residual, giving [T, H].
 Under tensor parallelism each rank keeps its heads and their columns of w_o (row parallel),
-sums its partial result over the ranks, and only rank 0 adds b_o and the residual."""
+sums its partial result over the ranks, and only rank 0 adds b_o and the residual. `w_o_scale`
+(float32 [hidden]) makes the projection W8A8 (`plugins.fp8`); every rank keeps it whole, as it does `w_o_input_scale`
+(float32 [1], a static activation scale from calibration)."""
 from kiln.plugins import attention
 from kiln.plugins.attention_o_proj.reference import attention_o_proj
 from kiln.plugins.registry import PluginSpec, register
@@ -10,7 +12,8 @@ from kiln.plugins.sharding import Shard, input_split
 def compile_shapes(shapes: dict, attrs: dict, block_size: int) -> dict:
     """attention's shapes, plus the o_proj GEMM's output width and whether it adds a bias."""
     return {**attention.compile_shapes(shapes, attrs, block_size), "hidden": shapes["w_o"][0],
-            "bias": shapes["b_o"] is not None}
+            "bias": shapes["b_o"] is not None, "fp8": shapes.get("w_o_scale") is not None,
+            "fp8_static": shapes.get("w_o_input_scale") is not None}
 
 
 def shard(shapes: dict, attrs: dict, rank: int, world: int, source: str) -> Shard:
@@ -22,7 +25,7 @@ def shard(shapes: dict, attrs: dict, rank: int, world: int, source: str) -> Shar
 
 SPEC = register(PluginSpec(
     name="attention_o_proj", version=1, package=__name__,
-    inputs=("q", "k?", "v?") + attention.CACHE_INPUTS + ("w_o", "b_o?", "residual", attention.KV_SCALES),
+    inputs=("q", "k?", "v?") + attention.CACHE_INPUTS + ("w_o", "b_o?", "residual", attention.KV_SCALES, "w_o_scale?", "w_o_input_scale?"),
     attrs={**attention.ATTRS, "all_reduce": bool},
     shape=lambda s, a: s["residual"],
     dtype="residual", reference=attention_o_proj, mutates=("kv_cache",), fused=True,

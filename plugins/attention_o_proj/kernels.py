@@ -17,8 +17,8 @@ from kiln.plugins.linear_residual import kernels as linear_residual
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     """inputs: the first 8 of `attention` (q, k?, v?, kv_cache, slot_mapping, block_tables,
     query_lens, context_lens), then w_o [hidden, heads*head_dim], b_o? [hidden], residual, and
-    attention's kv_scales? last."""
-    q, w_o, b_o, residual, kv_scales = inputs[0], *attention.padded(inputs[8:], 4)
+    attention's kv_scales?, then the FP8 scale inputs (the FP8 kernels' business)."""
+    q, w_o, b_o, residual, kv_scales = inputs[0], *attention.padded(inputs[8:], 4)[:4]
     attn = torch.empty_like(q)
     attention.run(list(inputs[:8]) + [kv_scales], attrs, attn)
     linear_residual.run([attn, w_o, b_o, residual],

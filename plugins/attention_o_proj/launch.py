@@ -23,8 +23,8 @@ def scratch_bytes(attrs: dict, limits: dict[str, int]) -> dict[str, int]:
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
            dims: dict[str, int], stream: int, scratch: dict[str, torch.Tensor]) -> None:
     """inputs: the first 8 of `attention`, then w_o [hidden, heads*head_dim], b_o? [hidden],
-    residual, and attention's kv_scales? last."""
-    q, w_o, b_o, residual, kv_scales = inputs[0], *padded(inputs[8:], 4)
+    residual, attention's kv_scales? and then the FP8 scale inputs (the FP8 kernels' business)."""
+    q, w_o, b_o, residual, kv_scales = inputs[0], *padded(inputs[8:], 4)[:4]
     attn = scratch["attention_o_proj_attn"][:q.numel() * q.element_size()].view(q.dtype).view(q.shape)
     attention_idx = [i for i, m in enumerate(metas) if "role" in m]
     gemm_idx = [i for i, m in enumerate(metas) if "bucket" in m]

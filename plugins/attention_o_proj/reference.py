@@ -13,7 +13,9 @@ def attention_o_proj(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[tor
                      query_lens: torch.Tensor, context_lens: torch.Tensor, w_o: torch.Tensor,
                      b_o: Optional[torch.Tensor], residual: torch.Tensor, layer: int, num_heads: int,
                      num_kv_heads: int, head_dim: int, scale: float, window: int,
-                     all_reduce: bool, kv_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     all_reduce: bool, kv_scales: Optional[torch.Tensor] = None,
+                     w_o_scale: Optional[torch.Tensor] = None,
+                     w_o_input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     a = attention(q, k, v, kv_cache, slot_mapping, block_tables, query_lens, context_lens,
                   layer, num_heads, num_kv_heads, head_dim, scale, window, kv_scales)
-    return residual + linear(a, w_o, b_o, "row", 0, all_reduce)
+    return residual + linear(a, w_o, b_o, "row", 0, all_reduce, w_o_scale, w_o_input_scale)

@@ -4,6 +4,12 @@ Attributes say how it shards: `parallel` is "column" (split output features), "r
 input features, then all-reduce) or "none" (replicate); `heads` > 0 says the output features
 are that many heads, so a column split keeps heads whole. A row-parallel op's bias is added
 once, after the sum.
+
+`weight_scale` (float32 [N]) makes it W8A8: the weight is float8_e4m3fn and x is quantized per
+token (`plugins.fp8`). It splits with the output features and is whole on every rank of a
+row-parallel split, where each rank's rows keep their full-row scale. `weight_input_scale`
+(float32 [1], only with `weight_scale`) is a static per-tensor scale for x from a calibration run,
+used instead of the per-token one; whole on every rank.
 """
 from kiln.plugins.linear.reference import linear
 from kiln.plugins.registry import PluginSpec, register
@@ -11,8 +17,10 @@ from kiln.plugins.sharding import Shard, heads, input_split, output_split, split
 
 
 def compile_shapes(shapes: dict, attrs: dict, block_size: int) -> dict:
-    """What `kernels.aot_kernels` needs: the GEMM's K and N, and whether it adds a bias."""
-    return {"K": shapes["weight"][1], "N": shapes["weight"][0], "bias": shapes["bias"] is not None}
+    """What `kernels.aot_kernels` needs: the GEMM's K and N, whether it adds a bias, whether it
+    is W8A8 (fp8) and whether its activation scale is static (fp8_static)."""
+    return {"K": shapes["weight"][1], "N": shapes["weight"][0], "bias": shapes["bias"] is not None,
+            "fp8": shapes.get("weight_scale") is not None, "fp8_static": shapes.get("weight_input_scale") is not None}
 
 
 def shard(shapes: dict, attrs: dict, rank: int, world: int, source: str) -> Shard:
@@ -26,7 +34,8 @@ def shard(shapes: dict, attrs: dict, rank: int, world: int, source: str) -> Shar
             start, count = first * head_dim, count * head_dim
         else:
             start, count = split_even(out_features, rank, world, f"output features of {source}")
-        return Shard(weights={"weight": output_split(start, count), "bias": output_split(start, count)})
+        split = output_split(start, count)
+        return Shard(weights={"weight": split, "bias": split, "weight_scale": split})
     if attrs["parallel"] == "row":
         start, count = split_even(in_features, rank, world, f"input features of {source}")
         return Shard(attrs={"all_reduce": True}, weights={"weight": input_split(start, count)})
@@ -35,7 +44,7 @@ def shard(shapes: dict, attrs: dict, rank: int, world: int, source: str) -> Shar
 
 SPEC = register(PluginSpec(
     name="linear", version=1, package=__name__,
-    inputs=("x", "weight", "bias?"), attrs={"parallel": str, "heads": int, "all_reduce": bool},
+    inputs=("x", "weight", "bias?", "weight_scale?", "weight_input_scale?"), attrs={"parallel": str, "heads": int, "all_reduce": bool},
     shape=lambda s, a: (s["x"][0], s["weight"][0]),
     dtype="x", reference=linear,
     compile_shapes=compile_shapes, shard=shard, added_once=("bias",),

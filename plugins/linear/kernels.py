@@ -327,7 +327,7 @@ def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool) -
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     """inputs: x [T, K], weight [N, K], bias [N] or None. `all_reduce` is left to the caller
     (see the module docstring); `parallel` and `heads` only matter to the shard pass."""
-    x, weight, bias = inputs
+    x, weight, bias = inputs[:3]
     launch_linear(x, weight, bias, None, out)
 
 

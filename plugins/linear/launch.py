@@ -60,5 +60,5 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
            dims: dict[str, int], stream: int, scratch: dict[str, torch.Tensor]) -> None:
     """inputs: x [T, K], weight [N, K], bias [N] or None. Summing partials over ranks
     (`all_reduce`) is the executor's business."""
-    x, weight, bias = inputs
+    x, weight, bias = inputs[:3]
     launch_gemm(kernels, metas, x, weight, bias, None, out, stream, scratch)

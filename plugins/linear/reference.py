@@ -1,8 +1,39 @@
-"""PyTorch reference for `linear`: y = x W^T (+ b), optionally all-reduced across TP ranks."""
-from typing import Optional
+"""PyTorch reference for `linear`: y = x W^T (+ b), optionally all-reduced across TP ranks; and
+`project`, the one GEMM every projection's reference runs: in the model dtype, or W8A8 with
+`plugins.fp8`'s numerics when the weight is float8_e4m3fn with its per-output-feature scale."""
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+
+from kiln.plugins.fp8 import fp8_linear
+
+
+# Calibration (builder/calibrate.py) watches what every GEMM multiplies, through this one function.
+_GEMM_INPUT_OBSERVERS: list[Callable[[torch.Tensor], None]] = []
+
+
+@contextmanager
+def observing_gemm_inputs(observe: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """Call `observe(x)` with the input of every projection a reference runs, while inside."""
+    _GEMM_INPUT_OBSERVERS.append(observe)
+    try:
+        yield
+    finally:
+        _GEMM_INPUT_OBSERVERS.remove(observe)
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.Tensor],
+            bias: Optional[torch.Tensor] = None, input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x W^T (+ b). With `weight_scale` the weight is e4m3 and x is quantized per token, or with
+    the static per-tensor `input_scale` when given."""
+    for observe in _GEMM_INPUT_OBSERVERS:
+        observe(x)
+    if weight_scale is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    y = fp8_linear(x, weight, weight_scale, input_scale)
+    return y + bias if bias is not None else y
 
 
 def all_reduce_if(y: torch.Tensor, all_reduce: bool) -> torch.Tensor:
@@ -13,7 +44,8 @@ def all_reduce_if(y: torch.Tensor, all_reduce: bool) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-           parallel: str, heads: int, all_reduce: bool) -> torch.Tensor:
-    y = all_reduce_if(torch.nn.functional.linear(x, weight), all_reduce)
+           parallel: str, heads: int, all_reduce: bool, weight_scale: Optional[torch.Tensor] = None,
+           weight_input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    y = all_reduce_if(project(x, weight, weight_scale, input_scale=weight_input_scale), all_reduce)
     # The bias goes after the reduction so that it is added once, not once per rank.
     return y + bias if bias is not None else y

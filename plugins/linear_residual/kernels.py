@@ -15,7 +15,7 @@ from kiln.plugins.linear.kernels import launch_linear, linear_aot_kernels
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     """inputs: x [T, K], weight [N, K], bias [N] or None, residual [T, N]."""
-    x, weight, bias, residual = inputs
+    x, weight, bias, residual = inputs[:4]
     launch_linear(x, weight, bias, residual, out)
 
 

@@ -10,5 +10,5 @@ from kiln.plugins.linear.launch import launch_gemm
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
            dims: dict[str, int], stream: int, scratch: dict[str, torch.Tensor]) -> None:
     """inputs: x [T, K], weight [N, K], bias [N] or None, residual [T, N]."""
-    x, weight, bias, residual = inputs
+    x, weight, bias, residual = inputs[:4]
     launch_gemm(kernels, metas, x, weight, bias, residual, out, stream, scratch)

@@ -8,5 +8,7 @@ from kiln.plugins.linear.reference import linear
 
 
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                    residual: torch.Tensor, parallel: str, heads: int, all_reduce: bool) -> torch.Tensor:
-    return residual + linear(x, weight, bias, parallel, heads, all_reduce)
+                    residual: torch.Tensor, parallel: str, heads: int, all_reduce: bool,
+                    weight_scale: Optional[torch.Tensor] = None,
+                    weight_input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return residual + linear(x, weight, bias, parallel, heads, all_reduce, weight_scale, weight_input_scale)

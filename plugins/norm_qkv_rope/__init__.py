@@ -2,7 +2,10 @@
 (in e4m3, value / scale, when `kv_scales` is given: see plugins/attention/reference.py).
 
 [T, H] -> q [T, heads*head_dim]; k and v are written into the paged KV cache. Under tensor
-parallelism each rank keeps whole q heads and the kv heads they use.
+parallelism each rank keeps whole q heads and the kv heads they use. `w_qkv_scale` (float32
+[rows of w_qkv]) makes the projection W8A8 (`plugins.fp8`): w_qkv is float8_e4m3fn and the
+normalized rows are quantized per token (or with the static per-tensor `w_qkv_input_scale`,
+float32 [1], from calibration); the weight scale splits with w_qkv's rows.
 """
 import torch
 
@@ -18,7 +21,8 @@ def compile_shapes(shapes: dict, attrs: dict, block_size: int) -> dict:
     return {"K": shapes["w_qkv"][1], "num_heads": attrs["num_heads"], "num_kv_heads": attrs["num_kv_heads"],
             "head_dim": attrs["head_dim"], "bias": shapes["b_qkv"] is not None,
             "qk_norm": shapes["q_norm"] is not None, "norm_weight": shapes["norm_weight"] is not None,
-            "fp8_kv": shapes.get("kv_scales") is not None}
+            "fp8_kv": shapes.get("kv_scales") is not None, "fp8": shapes.get("w_qkv_scale") is not None,
+            "fp8_static": shapes.get("w_qkv_input_scale") is not None}
 
 
 def shard(shapes: dict, attrs: dict, rank: int, world: int, source: str) -> Shard:
@@ -33,13 +37,14 @@ def shard(shapes: dict, attrs: dict, rank: int, world: int, source: str) -> Shar
         return torch.cat([rows(q, q0 * hd, qn * hd), rows(k, k0 * hd, kn * hd), rows(v, k0 * hd, kn * hd)])
     split = Split(f"qkv {rank}/{world}", take)
     return Shard(attrs={"num_heads": qn, "num_kv_heads": kn},
-                 weights={"w_qkv": split, "b_qkv": split, "kv_scales": kv_scales_split(k0, kn)})
+                 weights={"w_qkv": split, "b_qkv": split, "w_qkv_scale": split, "kv_scales": kv_scales_split(k0, kn)})
 
 
 SPEC = register(PluginSpec(
     name="norm_qkv_rope", version=1, package=__name__,
     inputs=("x", "norm_weight?", "w_qkv", "b_qkv?", "q_norm?", "k_norm?", "positions",
-            "rope_cache", "kv_cache", "slot_mapping", KV_SCALES),
+            "rope_cache", "kv_cache", "slot_mapping", KV_SCALES, "w_qkv_scale?",
+            "w_qkv_input_scale?"),
     attrs={"eps": float, "layer": int, "num_heads": int, "num_kv_heads": int, "head_dim": int},
     shape=lambda s, a: (s["x"][0], a["num_heads"] * a["head_dim"]),
     dtype="x", reference=norm_qkv_rope, mutates=("kv_cache",), fused=True,

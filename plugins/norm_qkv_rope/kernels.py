@@ -161,10 +161,10 @@ def head_split(tile: Tile, head_dim: int, qk_norm: bool) -> int:
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     """inputs in the spec's order: x, norm_weight?, w_qkv, b_qkv?, q_norm?, k_norm?, positions,
-    rope_cache, kv_cache (written in place), slot_mapping, kv_scales? (an e4m3 cache's). q/k
+    rope_cache, kv_cache (written in place), slot_mapping, kv_scales? (an e4m3 cache's), then the FP8 weight scales (the FP8 kernels' business). q/k
     norm applies when both are given, as in the reference."""
     x, norm_weight, w_qkv, b_qkv, q_norm, k_norm, positions, rope_cache, kv_cache, slot_mapping, kv_scales = \
-        padded(inputs, 11)
+        padded(inputs, 11)[:11]
     if q_norm is None or k_norm is None:
         q_norm = k_norm = None
     if not kv_cache.is_contiguous():

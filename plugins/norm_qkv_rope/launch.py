@@ -20,7 +20,7 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
     [layers, 2, kv heads]). The kernels take the optional
     pointers only when they were built with them (absent ones are constexpr None)."""
     x, norm_weight, w_qkv, b_qkv, q_norm, k_norm, positions, rope_cache, kv_cache, slot_mapping, kv_scales = \
-        padded(inputs, 11)
+        padded(inputs, 11)[:11]
     if (q_norm is None) != (k_norm is None):
         # The kernel was built for both or neither; one alone has no kernel to match it.
         raise ValueError("norm_qkv_rope needs both q_norm and k_norm, or neither")

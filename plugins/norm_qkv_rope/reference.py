@@ -2,7 +2,8 @@
 
 One projection against the concatenated [Wq; Wk; Wv] (norm weight folded in once the fold
 pass has run), bias, optional per-head q/k norm, RoPE on q and k; k and v go straight into
-their KV cache slots and only q is returned.
+their KV cache slots and only q is returned. With `w_qkv_scale` the projection is W8A8
+(`linear.reference.project`): the normalized rows are quantized per token.
 """
 from typing import Optional
 
@@ -10,6 +11,7 @@ import torch
 
 from kiln.plugins.attention.reference import write_kv
 from kiln.plugins.head_rms_norm.reference import head_rms_norm
+from kiln.plugins.linear.reference import project
 from kiln.plugins.rms_norm.reference import rms_norm
 from kiln.plugins.rope.reference import apply_rope
 
@@ -19,8 +21,10 @@ def norm_qkv_rope(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: t
                   k_norm: Optional[torch.Tensor], positions: torch.Tensor, rope_cache: torch.Tensor,
                   kv_cache: torch.Tensor, slot_mapping: torch.Tensor, eps: float, layer: int,
                   num_heads: int, num_kv_heads: int, head_dim: int,
-                  kv_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
-    qkv = torch.nn.functional.linear(rms_norm(x, norm_weight, eps), w_qkv, b_qkv)
+                  kv_scales: Optional[torch.Tensor] = None,
+                  w_qkv_scale: Optional[torch.Tensor] = None,
+                  w_qkv_input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    qkv = project(rms_norm(x, norm_weight, eps), w_qkv, w_qkv_scale, b_qkv, w_qkv_input_scale)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
     if q_norm is not None and k_norm is not None:
         q, k = head_rms_norm(q, q_norm, eps, head_dim), head_rms_norm(k, k_norm, eps, head_dim)

@@ -1,6 +1,8 @@
 """Fused plugin `norm_swiglu`: RMSNorm + gate/up projection + gated activation, [T, H] -> [T, I].
 `activation` picks the gate's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma). Under tensor parallelism each rank keeps an equal slice of the intermediate features, of both
-the gate and the up half of w_gu."""
+the gate and the up half of w_gu. `w_gu_scale` (float32 [2I], in w_gu's row order) makes the
+projection W8A8 (`plugins.fp8`); it splits and interleaves with w_gu's rows. `w_gu_input_scale`
+(float32 [1]) is a static per-tensor activation scale from calibration."""
 import torch
 
 from kiln.plugins.norm_swiglu.reference import norm_swiglu
@@ -12,7 +14,8 @@ def compile_shapes(shapes: dict, attrs: dict, block_size: int) -> dict:
     """What `kernels.aot_kernels` needs: K, I, the gate/up interleave block, the norm weight and
     the activation."""
     return {"K": shapes["w_gu"][1], "I": shapes["w_gu"][0] // 2, "block": attrs["block"],
-            "norm_weight": shapes["norm_weight"] is not None, "activation": attrs["activation"]}
+            "norm_weight": shapes["norm_weight"] is not None, "activation": attrs["activation"],
+            "fp8": shapes.get("w_gu_scale") is not None, "fp8_static": shapes.get("w_gu_input_scale") is not None}
 
 
 def shard(shapes: dict, attrs: dict, rank: int, world: int, source: str) -> Shard:
@@ -21,12 +24,13 @@ def shard(shapes: dict, attrs: dict, rank: int, world: int, source: str) -> Shar
 
     def take(w: torch.Tensor) -> torch.Tensor:
         return torch.cat([rows(w, start, count), rows(w, inter + start, count)])
-    return Shard(weights={"w_gu": Split(f"gate_up {start}+{count}", take)})
+    split = Split(f"gate_up {start}+{count}", take)
+    return Shard(weights={"w_gu": split, "w_gu_scale": split})
 
 
 SPEC = register(PluginSpec(
     name="norm_swiglu", version=2, package=__name__,
-    inputs=("x", "norm_weight?", "w_gu"), attrs={"eps": float, "block": int, "activation": str},
+    inputs=("x", "norm_weight?", "w_gu", "w_gu_scale?", "w_gu_input_scale?"), attrs={"eps": float, "block": int, "activation": str},
     shape=lambda s, a: (s["x"][0], s["w_gu"][0] // 2),
     dtype="x", reference=norm_swiglu, fused=True,
     compile_shapes=compile_shapes, shard=shard,

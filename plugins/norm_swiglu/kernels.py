@@ -131,7 +131,7 @@ def tma_aot(dtype: str, shapes: dict, tile) -> AotKernel:
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     """inputs: x [T, K], norm_weight [K] or None (folded), w_gu [2I, K]; attrs eps, block, activation."""
-    x, norm_weight, w_gu = inputs
+    x, norm_weight, w_gu = inputs[:3]
     x, w_gu = x.contiguous(), w_gu.contiguous()
     t, k = x.shape
     inter = w_gu.shape[0] // 2

@@ -15,7 +15,7 @@ def scratch_bytes(attrs: dict, limits: dict[str, int]) -> dict[str, int]:
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
            dims: dict[str, int], stream: int, scratch: dict[str, torch.Tensor]) -> None:
     """inputs: x [T, K], norm_weight [K] or None (folded: not a kernel parameter), w_gu [2I, K]."""
-    x, norm_weight, w_gu = inputs
+    x, norm_weight, w_gu = inputs[:3]
     rows = x.shape[0]
     i = pick_bucket(metas, rows)
     check_aligned(metas[i], x, norm_weight, w_gu, out)

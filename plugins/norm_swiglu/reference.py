@@ -2,13 +2,15 @@
 gate/up weights, act(gate) * up with act silu (SwiGLU) or tanh-approximated GELU (GeGLU).
 
 `w_gu` holds gate and up rows interleaved in blocks of `block` rows ([g0 u0 g1 u1 ...]) so a
-kernel tile sees matching gate and up columns; `block` = 0 means plain [W_gate; W_up].
+kernel tile sees matching gate and up columns; `block` = 0 means plain [W_gate; W_up]. With
+`w_gu_scale` the projection is W8A8 (`linear.reference.project`).
 """
 from typing import Optional
 
 import torch
 
 from kiln.plugins.gelu_mul.reference import gelu_mul
+from kiln.plugins.linear.reference import project
 from kiln.plugins.rms_norm.reference import rms_norm
 from kiln.plugins.silu_mul.reference import silu_mul
 
@@ -25,8 +27,10 @@ def split_gate_up(y: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def norm_swiglu(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_gu: torch.Tensor,
-                eps: float, block: int, activation: str = "silu") -> torch.Tensor:
+                eps: float, block: int, activation: str = "silu",
+                w_gu_scale: Optional[torch.Tensor] = None,
+                w_gu_input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     if activation not in ACTIVATIONS:
         raise ValueError(f"norm_swiglu: unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
-    gate, up = split_gate_up(torch.nn.functional.linear(rms_norm(x, norm_weight, eps), w_gu), block)
+    gate, up = split_gate_up(project(rms_norm(x, norm_weight, eps), w_gu, w_gu_scale, input_scale=w_gu_input_scale), block)
     return ACTIVATIONS[activation](gate, up)

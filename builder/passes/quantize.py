@@ -1,0 +1,78 @@
+"""FP8 weight quantization (`--quantization fp8`): each GEMM weight of the decoder layers (and the
+LM head's, with `--quantize-lm-head`) becomes float8_e4m3fn [N, K] with one float32 scale per
+output feature (`plugins.fp8.quantize_rows`), given to its op as the `<weight>_scale` input. The
+plugins then run the GEMM as W8A8: their input quantized per token, products summed in float32.
+
+Runs on the fused graph of the whole model, before sharding and folding. A per-output-feature
+scale is unchanged by what comes after: concatenating, interleaving or splitting rows moves
+whole rows with their scales, and a row-parallel split keeps each row's full-row scale on every
+rank. Folding a norm weight into an FP8 weight would need a second rounding, so the fold pass
+leaves the norm weight of an FP8 projection to the norm. A weight that is already float8 (a
+pre-quantized checkpoint, `models.fp8_checkpoint`) keeps its own scale, so both ways to an FP8
+engine give the same bytes. With a calibration run's figures (`builder/calibrate.py`) each FP8
+op also gets a static activation scale, `<weight>_input_scale` (float32 [1]).
+"""
+from __future__ import annotations
+
+import torch
+
+from kiln.builder.ir import Graph, Node, in_spec_order, layer_of
+from kiln.plugins.fp8 import E4M3_MAX, FP8, MIN_SCALE, quantize_rows
+
+# op -> its GEMM weight input; the scale input is that name + "_scale"
+GEMM_WEIGHTS = {"linear": "weight", "linear_residual": "weight", "norm_qkv_rope": "w_qkv",
+                "attention_o_proj": "w_o", "norm_swiglu": "w_gu"}
+
+
+def scale_input(op: str) -> str | None:
+    """The name of an op's FP8 weight-scale input; None for an op without a GEMM weight."""
+    weight = GEMM_WEIGHTS.get(op)
+    return f"{weight}_scale" if weight else None
+
+
+def input_scale_name(weight: str) -> str:
+    """The static activation scale's tensor name beside its weight's, as checkpoints name it:
+    "...o_proj.weight" -> "...o_proj.input_scale"."""
+    return f"{weight.removesuffix('.weight')}.input_scale" if weight.endswith(".weight") else f"{weight}.input_scale"
+
+
+def is_fp8(graph: Graph) -> bool:
+    """Whether any op of the graph runs its GEMM in FP8."""
+    return any(node.inputs.get(scale_input(node.op) or "") for node in graph.nodes)
+
+
+def quantize_fp8(graph: Graph, lm_head: bool = False, input_amax: dict[str, float] | None = None) -> Graph:
+    """Quantize the decoder layers' GEMM weights (and the LM head's when `lm_head`). With
+    `input_amax` (node output -> the largest magnitude its GEMM input reached, from
+    `builder.calibrate`), every FP8 op without an activation scale gets a static one."""
+    g = graph.copy()
+    done: dict[str, tuple[str, str]] = {}  # weight -> (quantized weight, its scale)
+    for node in g.nodes:
+        key = GEMM_WEIGHTS.get(node.op)
+        if key is None:
+            continue
+        if node.inputs.get(f"{key}_scale") is None:
+            if layer_of(node.source) is None and not lm_head:
+                continue
+            _quantize_weight(g, node, key, done)
+        if input_amax and node.output in input_amax and node.inputs.get(f"{key}_input_scale") is None:
+            scale = torch.tensor([max(input_amax[node.output] / E4M3_MAX, MIN_SCALE)], dtype=torch.float32)
+            node.inputs[f"{key}_input_scale"] = g.add_weight(input_scale_name(node.inputs[key]), scale)
+        node.inputs = in_spec_order(node.op, node.inputs)
+    g.prune()
+    return g
+
+
+def _quantize_weight(g: Graph, node: Node, key: str, done: dict[str, tuple[str, str]]) -> None:
+    """Give `node` the e4m3 form of its weight input `key` and the scales, made once per weight."""
+    name = node.inputs[key]
+    if g.weights[name].dtype == FP8:
+        raise ValueError(f"{node.source}: weight {name} is float8 without a scale: the checkpoint lost its "
+                         "weight_scale")
+    if name not in done:
+        wq, scale = quantize_rows(g.weights[name])
+        # A weight that another op reads as it is (a tied embedding) keeps its name for it.
+        shared = any(n.op not in GEMM_WEIGHTS for n in g.users(name))
+        qname = f"{name}.fp8" if shared else name
+        done[name] = (g.add_weight(qname, wq), g.add_weight(f"{qname}_scale", scale))
+    node.inputs[key], node.inputs[f"{key}_scale"] = done[name]

@@ -1,0 +1,89 @@
+"""Issue 14's accuracy check on trained weights, shared by tests/test_fp8_accuracy.py (CPU) and
+scripts/fp8_accuracy_gpu.py: SmolLM2-135M-Instruct's GGUF built as a bf16 engine and as an FP8
+one (--quantization fp8), over 32 chat prompts x 64 greedy tokens of the bf16 engine: the share
+of positions where the FP8 engine's greedy token, given the same context, is the bf16 engine's
+(teacher-forced, bar 0.90); and the perplexity of a fixed English paragraph, teacher-forced,
+within 2% of the bf16 engine's.
+
+Measured on the CPU (bf16 engines): agreement 0.934; perplexity 35.85 -> 37.85 (ratio 1.056), of
+which the weights' e4m3 rounding alone gives 37.89 (the activations' per-token quantization adds
+nothing measurable); o, gate/up and down projections each add 1-3%. The 2% bar is not met on this
+30-layer 135M model."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from parity_tools import (argmax_agreement, cached_engine, free_gpu, kiln_generate, kiln_teacher_forced,
+                          open_executor)
+from real_models import CHAT_QUESTIONS, cached, chat_prompts
+
+MODEL = "smollm2-135m"
+NUM_PROMPTS, MAX_TOKENS = 32, 64
+AGREEMENT, PERPLEXITY_RATIO = 0.90, 1.02
+BUILD = dict(max_seq_len=192, max_num_tokens=256, max_batch_size=64, kv_block_size=16)
+TEXT = ("The river runs past the old mill and under the stone bridge before it reaches the town. In spring "
+        "the water rises with the melting snow from the hills, and the farmers watch the fields along its "
+        "banks with care. Children walk to school over the bridge each morning, and in the evening the "
+        "fishermen sit on the wall with their lines in the water. The mill has not ground grain for many "
+        "years, but the town keeps its wheel turning because visitors like to see it. A small museum inside "
+        "tells the story of the families who worked there, the floods they survived, and the bread they sold "
+        "at the market every Saturday.")
+
+
+@dataclass(frozen=True)
+class Engines:
+    bf16: Path
+    fp8: Path
+
+
+def engines(workdir: Path, targets: list[str]) -> Engines | None:
+    """The model's bf16 and FP8 engines, built once; None when its GGUF is not in this machine's cache."""
+    files = cached(MODEL)
+    if files is None:
+        return None
+    return Engines(cached_engine(workdir, files.gguf, targets, "bfloat16", **BUILD),
+                   cached_engine(workdir, files.gguf, targets, "bfloat16", **BUILD, extra=("--quantization", "fp8")))
+
+
+def _run(engine: Path, device: str, work):
+    free_gpu()
+    executor = open_executor(engine, device)
+    try:
+        return work(executor)
+    finally:
+        executor.close()
+
+
+def greedy_agreement(e: Engines, device: str) -> float:
+    """The share of the bf16 engine's greedy tokens (32 chat prompts x 64) that the FP8 engine
+    also picks from the same context."""
+    prompts = chat_prompts(e.bf16, CHAT_QUESTIONS[:NUM_PROMPTS])
+    tokens = kiln_generate(e.bf16, device, prompts, MAX_TOKENS)
+    forced = _run(e.fp8, device, lambda ex: [kiln_teacher_forced(ex, p, t) for p, t in zip(prompts, tokens)])
+    return argmax_agreement(tokens, forced)[0]
+
+
+def perplexities(e: Engines, device: str) -> tuple[float, float, int]:
+    """(bf16 perplexity, FP8 perplexity, tokens) of TEXT, teacher-forced."""
+    from tokenizers import Tokenizer
+    ids = Tokenizer.from_file(str(e.bf16 / "tokenizer.json")).encode(TEXT).ids
+
+    def perplexity(executor) -> float:
+        logits = kiln_teacher_forced(executor, ids[:1], ids[1:])
+        return math.exp(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).item())
+    return _run(e.bf16, device, perplexity), _run(e.fp8, device, perplexity), len(ids)
+
+
+def report(agreement: float, ppl: tuple[float, float, int], targets: list[str]) -> str:
+    bf16, fp8, n = ppl
+    return (f"{MODEL} fp8 engine vs bf16 engine ({', '.join(targets)}): teacher-forced greedy agreement over "
+            f"{NUM_PROMPTS} chat prompts x {MAX_TOKENS} tokens {agreement:.4f} (bar {AGREEMENT}); perplexity of a "
+            f"{n}-token paragraph bf16 {bf16:.3f}, fp8 {fp8:.3f} (ratio {fp8 / bf16:.4f}, bar {PERPLEXITY_RATIO})")
+
+
+def passed(agreement: float, ppl: tuple[float, float, int]) -> bool:
+    return agreement >= AGREEMENT and ppl[1] <= ppl[0] * PERPLEXITY_RATIO
