@@ -118,3 +118,23 @@ def test_casts_to_e4m3_round_once(compiled, name):
     for r in compiled[f"{name} sm_89"]:
         if r["quantize"] or r["fp8"] == "in_kernel":
             assert r["cvt"] == ["cvt.rn.satfinite.e4m3x2.f16x2"] and r["magic"], r
+
+
+FLOAT32_SCRIPT = """
+from kiln.plugins.aot import compile_kernel
+from kiln.plugins.linear_residual.kernels import aot_kernels
+tma = [k for k in aot_kernels("float32", {"K": 256, "N": 512, "fp8": True}) if k.meta.get("tma")]
+print(len(tma), max(compile_kernel(k, "sm_90").metadata.shared for k in tma))
+"""
+
+
+def test_a_float32_engines_fp8_tma_gemm_fits_sm90_shared_memory():
+    """A float32 engine with e4m3 weights (what the GPU parity test builds) keeps its TMA GEMMs
+    within sm_90's shared memory, the residual epilogue's float32 tile included: at 256 weight
+    rows it needed 278,552 bytes and the H200 refused to load it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", FLOAT32_SCRIPT], capture_output=True, text=True, env=env,
+                            cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr
+    count, shared = map(int, result.stdout.split())
+    assert count and shared <= SMEM_LIMIT["sm_90"], shared

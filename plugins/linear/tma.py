@@ -48,9 +48,11 @@ ROW_SCALE_WARPS = 8
 
 def tile_shape(dtype: str, fp8: bool = False) -> tuple[int, int, int]:
     """(block_m, block_n, block_k) of the TMA GEMM for an engine dtype; e4m3 operands (`fp8`)
-    take K tiles of 128 elements, the same 128 bytes per row as bf16's 64."""
+    take K tiles of 128 elements, the same 128 bytes per row as bf16's 64. A float32 engine's
+    FP8 tiles keep 128 weight rows: its float32 epilogue with a residual took 278,552 bytes of
+    shared memory at 256 (sm_90 has 232,448), and the H200 refused to load it."""
     if fp8:
-        return BLOCK_M, 256, 128
+        return BLOCK_M, 256 if dtype != "float32" else 128, 128
     return (BLOCK_M, 256, 64) if dtype != "float32" else (BLOCK_M, 128, 32)
 
 
