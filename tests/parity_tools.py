@@ -182,6 +182,21 @@ def free_gpu() -> None:
         torch.cuda.empty_cache()
 
 
+def gpu_and_cpu_runs(engine_dir, prompts: list[list[int]]) -> tuple[dict, dict]:
+    """An engine built for the CPU and this GPU, run on both: each device's greedy tokens, and
+    each executor's logits teacher-forced on the CPU's tokens (so both see the same inputs)."""
+    tokens = {device: kiln_generate(engine_dir, device, prompts) for device in ("cpu", "cuda")}
+    logits = {}
+    for device in ("cpu", "cuda"):
+        executor = open_executor(engine_dir, device)
+        try:
+            logits[device] = [kiln_teacher_forced(executor, p, t) for p, t in zip(prompts, tokens["cpu"])]
+        finally:
+            executor.close()
+    free_gpu()
+    return tokens, logits
+
+
 # -- GPU: bf16 engine against transformers ------------------------------------------------------
 
 @dataclass(frozen=True)

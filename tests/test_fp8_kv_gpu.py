@@ -11,8 +11,8 @@ from statistics import median
 
 import pytest
 
-from parity_tools import (argmax_agreement, cached_checkpoint, cached_engine, free_gpu, kiln_generate,
-                          kiln_teacher_forced, make_prompts, open_executor, publish, relative_errors, report)
+from parity_tools import (argmax_agreement, cached_checkpoint, cached_engine, gpu_and_cpu_runs, make_prompts,
+                          publish, relative_errors, report)
 from test_gpu_parity import BUILD, SMALL, arch, gpu_workdir  # noqa: F401 (fixtures)
 
 FP8_KV_REL_ERR, FP8_KV_AGREEMENT = 1e-2, 0.98
@@ -25,15 +25,7 @@ def test_fp8_kv_gpu_engine_matches_its_cpu_reference(family, gpu_workdir, arch, 
     engine = cached_engine(gpu_workdir, checkpoint, ["cpu", arch], "float32", **BUILD,
                            extra=("--kv-cache-dtype", "fp8"))
     prompts = make_prompts(SMALL["vocab_size"])
-    tokens = {device: kiln_generate(engine, device, prompts) for device in ("cpu", "cuda")}
-    logits = {}
-    for device in ("cpu", "cuda"):
-        executor = open_executor(engine, device)
-        try:
-            logits[device] = [kiln_teacher_forced(executor, p, t) for p, t in zip(prompts, tokens["cpu"])]
-        finally:
-            executor.close()
-    free_gpu()
+    tokens, logits = gpu_and_cpu_runs(engine, prompts)
     errors = relative_errors(logits["cuda"], logits["cpu"])
     # Position by position on the same (CPU's) tokens: a free-running GPU sequence that took the
     # other side of one near-tie would count every later position as a disagreement (qwen3 on an

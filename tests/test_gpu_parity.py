@@ -44,9 +44,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from parity_tools import (NUM_PROMPTS, PROMPT_LENS, argmax_agreement, cached_checkpoint, cached_engine, free_gpu,
-                          hf_teacher_forced, kiln_generate, kiln_teacher_forced, make_prompts,
-                          measure_bf16_parity, open_executor, publish, relative_errors, report,
-                          teacher_forced_tokens)
+                          gpu_and_cpu_runs, hf_teacher_forced, kiln_generate, kiln_teacher_forced, make_prompts,
+                          measure_bf16_parity, open_executor, publish, relative_errors, report, teacher_forced_tokens)
 from kiln.runtime import Session
 from kiln.runtime.engine import EngineLoadError, load_engine
 
@@ -123,16 +122,7 @@ def test_float32_gpu_engine_matches_cpu_engine(family, gpu_workdir, arch, record
     checkpoint = cached_checkpoint(gpu_workdir, family, **SMALL)
     engine = cached_engine(gpu_workdir, checkpoint, ["cpu", arch], "float32", **BUILD)
     prompts = make_prompts(SMALL["vocab_size"])
-    tokens = {device: kiln_generate(engine, device, prompts) for device in ("cpu", "cuda")}
-    logits = {}
-    for device in ("cpu", "cuda"):
-        executor = open_executor(engine, device)
-        try:
-            # Both teacher-forced on the CPU's tokens, so they see the same inputs.
-            logits[device] = [kiln_teacher_forced(executor, p, t) for p, t in zip(prompts, tokens["cpu"])]
-        finally:
-            executor.close()
-    free_gpu()
+    tokens, logits = gpu_and_cpu_runs(engine, prompts)
 
     errors = relative_errors(logits["cuda"], logits["cpu"])
     line = report(f"{family} small float32, cuda vs cpu", tokens["cuda"], argmax_agreement(tokens["cuda"], logits["cpu"]),
