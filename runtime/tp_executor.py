@@ -113,7 +113,6 @@ class TensorParallelExecutor:
         shared_fd, shared = _shared_buffer(SLOTS * slot_bytes(inputs.nbytes))
         self.slots = input_slots(shared, inputs.nbytes)
         self.sent = self.answered = 0          # steps sent to the ranks, and answered by all of them
-        self.settle_sent = 0                   # steps up to which the ranks were told to answer
         self.replies: dict[int, tuple] = {}    # step -> rank 0's reply, kept until its RankTokens waits
         self.conns, self.pings, self.procs = [], [], []
         try:
@@ -218,9 +217,8 @@ class TensorParallelExecutor:
         for the last step sent when nothing after it will; keep rank 0's picks."""
         while self.answered < number:
             step = self.answered + 1
-            if step == self.sent and self.settle_sent < step:
+            if step == self.sent:  # nothing sent after it will make the ranks answer
                 self._send_all("settle", [None] * len(self.conns), "settling a step")
-                self.settle_sent = step
             reply = self._gather(self.step_timeout, "running a step")[0]
             if reply is not None:
                 self.replies[step] = reply
