@@ -26,8 +26,11 @@ from kiln.engines.manifest import KernelEntry, Manifest, Section, WeightEntry
 # 2: the typed manifest (limits stored once, no memory_plan.bounds, no duplicate build keys).
 # 3: `quantization` and the FP8 scale inputs of the GEMM ops, which a Kiln that reads only 2
 #    would run as plain projections; version 2 files still load (as quantization "none").
-FORMAT_VERSION: int = 3
-READS_VERSIONS: tuple[int, ...] = (2, 3)
+# 4: every FP8 GEMM reads the rows of its quantize pre-pass. Version 3's FP8 decode kernels
+#    quantized x themselves and take other arguments, so a version 3 FP8 engine is refused;
+#    version 3 files without FP8 weights still load.
+FORMAT_VERSION: int = 4
+READS_VERSIONS: tuple[int, ...] = (2, 3, 4)
 MAGIC: bytes = b"KILNENG\x00"
 
 HEADER_SIZE = 64
@@ -222,7 +225,7 @@ def read_engine_file(path: str | Path, rank: int | None = None, world_size: int 
             raise CorruptEngineError(f"{path}: header points the manifest outside the file; {rebuild}")
         mm = mmap.mmap(f.fileno(), total, access=mmap.ACCESS_COPY)
     try:
-        return _load(path, mm, m_off, m_len, m_crc, total, rank, world_size, verify, rebuild)
+        return _load(path, mm, version, m_off, m_len, m_crc, total, rank, world_size, verify, rebuild)
     except BaseException:
         try:
             mm.close()
@@ -231,7 +234,7 @@ def read_engine_file(path: str | Path, rank: int | None = None, world_size: int 
         raise
 
 
-def _load(path: Path, mm: mmap.mmap, m_off: int, m_len: int, m_crc: int, total: int,
+def _load(path: Path, mm: mmap.mmap, version: int, m_off: int, m_len: int, m_crc: int, total: int,
           rank: int | None, world_size: int | None, verify: bool, rebuild: str) -> EngineFile:
     raw = mm[m_off:m_off + m_len]
     if zlib.crc32(raw) != m_crc:
@@ -241,6 +244,10 @@ def _load(path: Path, mm: mmap.mmap, m_off: int, m_len: int, m_crc: int, total: 
         manifest = Manifest.from_json(json.loads(raw.decode("utf-8")))
     except (UnicodeDecodeError, ValueError) as e:  # ManifestError is a ValueError
         raise CorruptEngineError(f"{path}: manifest is unreadable ({e}); {rebuild}") from None
+    if version == 3 and manifest.quantization != "none":
+        raise UnsupportedVersionError(
+            f"{path}: this {manifest.quantization} engine (format version 3) holds FP8 decode kernels of an "
+            f"older Kiln, which this one cannot launch: rebuild the engine with this Kiln's build-engine")
 
     # Before the section checksums: no point hashing gigabytes of the wrong rank.
     f_rank, f_world = manifest.rank, manifest.world_size

@@ -34,7 +34,10 @@ def to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def row_scales(x: torch.Tensor) -> torch.Tensor:
     """One float32 scale per row of a 2-D tensor: its largest magnitude over 448."""
-    return (x.float().abs().amax(dim=-1) / E4M3_MAX).clamp(min=MIN_SCALE)
+    amax = x.float().abs().amax(dim=-1)
+    # Divided by a tensor, not the number: on a GPU torch divides by a Python scalar as a product
+    # with its reciprocal, a float32 ulp off at times (the kernels divide exactly).
+    return (amax / torch.full_like(amax, E4M3_MAX)).clamp(min=MIN_SCALE)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

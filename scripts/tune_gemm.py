@@ -11,7 +11,9 @@ reach, beside the device copy rate measured in the same run; ALL.txt gets every 
 time.
 
 Shapes: Llama-3-8B's projections (qkv, o, gate/up, down) at T = 1 and 64, or one rank's of
-a TP engine with KILN_TUNE_TP=2 (or 4). Kernels: the split-K
+a TP engine with KILN_TUNE_TP=2 (or 4). KILN_TUNE_FP8=1 sweeps the W8A8 kernels instead (e4m3
+weights and e4m3 rows of x as the quantize pre-pass leaves them, with their scales; checked
+against the dequantized product; the norm_qkv_rope sweep is left out). Kernels: the split-K
 GEMM `linear_kernel` at tilings and K splits, `norm_swiglu_kernel` at its tiles, and
 `norm_qkv_rope_kernel` (checked against its plugin's reference) at programs per head, K tiles,
 K splits and depths. NAME compiles only the configurations of that shape or kernel.
@@ -37,6 +39,10 @@ L2_ROTATION = 200_000_000  # bytes of weight copies cycled through, 4x the H200'
 TP = int(os.environ.get("KILN_TUNE_TP", "1"))
 SHAPES = {"qkv": (6144 // TP, 4096), "o_proj": (4096, 4096 // TP), "gate_up": (28672 // TP, 4096),
           "down": (4096, 14336 // TP)}
+FP8 = os.environ.get("KILN_TUNE_FP8", "0") == "1"
+# The GEMM operands' pointer type, and the scales' (absent unless FP8).
+OPERAND, SCALE = ("*fp8e4nv", "*fp32") if FP8 else ("*bf16", "constexpr")
+WEIGHT_BYTES = 1 if FP8 else 2
 
 
 def configs() -> list[tuple[str, dict, AotKernel]]:
@@ -48,15 +54,16 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
         bm = 16 if t == 1 else 64
         space = (([32, 64, 128], [128, 256], [1, 2, 4, 8], [3, 4, 6]) if t == 1 else
                  ([32, 64], [64, 128], [1, 2, 4], [3, 4]))
+        if FP8:   # K tiles of the same bytes and more: e4m3 elements are half as wide
+            space = (space[0], [2 * bk for bk in space[1]] + [1024] * (t == 1), *space[2:])
         for bn, bk, split, stages in itertools.product(*space):
             if (k // split) % bk or (name == "gate_up" and split > 2):
                 continue
-            signature = {"x_ptr": "*bf16", "x_scale_ptr": "constexpr", "w_ptr": "*bf16", "w_scale_ptr": "constexpr",
+            signature = {"x_ptr": OPERAND, "x_scale_ptr": SCALE, "w_ptr": OPERAND, "w_scale_ptr": SCALE,
                          "bias_ptr": "constexpr", "residual_ptr": "constexpr",
                          "out_ptr": "*bf16", **split_signature(split), "T": "i32", "N": "constexpr",
                          "K": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-                         "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr",
-                         "ROUND_E4M3": "constexpr"}
+                         "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr"}
             constexprs = {"N": n, "K": k, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST_DOT": False,
                           "SPLIT_K": split}
             grid = (triton.cdiv(t, bm), n // bn, split)
@@ -68,14 +75,15 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
             inter = n // 2
             space = (([32, 64], [128], [3, 4, 6], [4, 8]) if t == 1 else
                      ([64, 128, 256], [64, 128], [3, 4], [4, 8]))
+            if FP8:
+                space = (space[0], [2 * bk for bk in space[1]], *space[2:])
             for bn, bk, stages, warps in itertools.product(*space):
-                signature = {"x_ptr": "*bf16", "x_scale_ptr": "constexpr", "norm_ptr": "constexpr", "w_ptr": "*bf16",
-                             "w_scale_ptr": "constexpr", "out_ptr": "*bf16",
+                signature = {"x_ptr": OPERAND, "x_scale_ptr": SCALE, "norm_ptr": "constexpr", "w_ptr": OPERAND,
+                             "w_scale_ptr": SCALE, "out_ptr": "*bf16",
                              "part_ptr": "constexpr", "count_ptr": "constexpr", "T": "i32", "eps": "fp32",
                              "I": "constexpr", "K": "constexpr", "GU_BLOCK": "constexpr",
                              "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-                             "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr", "GELU_TANH": "constexpr",
-                             "ROUND_E4M3": "constexpr"}
+                             "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr", "GELU_TANH": "constexpr"}
                 constexprs = {"I": inter, "K": k, "GU_BLOCK": inter, "BLOCK_M": bm, "BLOCK_N": bn // 2,
                               "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": 1, "GELU_TANH": False}
                 grid = (triton.cdiv(t, bm), inter // (bn // 2), 1)
@@ -83,8 +91,7 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
                                             "label": f"norm_swiglu bm{bm} bn{bn} bk{bk} s{stages} w{warps}"},
                             AotKernel(norm_swiglu_kernel, signature, absent_as_none(signature, constexprs),
                                       num_warps=warps, num_stages=stages, aligned=pointer_params(signature))))
-    out += _norm_qkv_rope_configs()
-    return out
+    return out if FP8 else out + _norm_qkv_rope_configs()
 
 
 QKV_HEADS = (32 // TP, 8 // TP, 128)  # Llama-3-8B: query heads, KV heads, head_dim
@@ -111,7 +118,7 @@ def _norm_qkv_rope_configs() -> list[tuple[str, dict, AotKernel]]:
                          "T": "i32", "num_slots": "i32", "layer": "i32", "eps": "fp32", "K": "constexpr",
                          "H": "constexpr", "KVH": "constexpr", "D": "constexpr", "HEAD_SPLIT": "constexpr",
                          "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "UPCAST_DOT": "constexpr",
-                         "SPLIT_K": "constexpr", "ROUND_E4M3": "constexpr"}
+                         "SPLIT_K": "constexpr"}
             constexprs = {"K": k, "H": heads, "KVH": kv_heads, "D": d, "HEAD_SPLIT": head_split, "BLOCK_M": bm,
                           "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": split}
             grid = (triton.cdiv(t, bm), (heads + 2 * kv_heads) * head_split, split)
@@ -143,6 +150,7 @@ def compile_all(path: str, only: str | None = None) -> None:
 def run_all(path: str, every: str | None = None) -> None:
     import torch
 
+    from kiln.plugins.fp8 import dequantize_rows, quantize_rows
     from kiln.runtime.cuda_driver import CudaError, load_kernel
 
     with open(path, "rb") as f:
@@ -165,19 +173,28 @@ def run_all(path: str, every: str | None = None) -> None:
         if key not in data:
             x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-            ref = x.float() @ w.float().T
+            scales = []
+            if FP8:   # the operands as the pre-pass and the build leave them; the reference dequantized
+                if name == "norm_swiglu":   # the pre-pass quantizes the RMSNorm'd row
+                    x = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+                (x, x_scale), (w, w_scale) = quantize_rows(x), quantize_rows(w)
+                scales = [x_scale, w_scale]
+                ref = dequantize_rows(x, x_scale) @ dequantize_rows(w, w_scale).T
+            else:
+                ref = x.float() @ w.float().T
             if name == "norm_qkv_rope":
                 ref = _qkv_reference(x, w, t)
             if name == "norm_swiglu":
-                ref = ref * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+                if not FP8:
+                    ref = ref * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
                 g, u = ref.chunk(2, dim=-1)
                 ref = torch.nn.functional.silu(g) * u
             # Copies enough that the launches of one graph stream 200 MB of weights between two
             # reads of the same copy: a weight under the L2's 50 MB would otherwise be timed
             # from the L2 (the first sweep overstated o_proj and qkv so).
             copies = [w] + [w.clone() for _ in range(-(-L2_ROTATION // w.nbytes) - 1)]
-            data[key] = (x, copies, ref)
-        x, copies, ref = data[key]
+            data[key] = (x, copies, ref, scales)
+        x, copies, ref, scales = data[key]
         out = torch.empty_like(ref, dtype=torch.bfloat16)
         try:
             fn = load_kernel(cubin.binary, cubin.name, [signature[p] for p in signature if signature[p] != "constexpr"],
@@ -186,7 +203,12 @@ def run_all(path: str, every: str | None = None) -> None:
             print(f"  {name} T={info['t']} {info['label']}: does not load ({e})")
             continue
         workspace = [part.data_ptr(), count.data_ptr()] if info.get("split", 1) > 1 else []
-        if info["kind"] == "splitk":
+        if FP8:   # x, x_scale, w, w_scale lead the arguments of both swept kernels
+            x_scale, w_scale = (s.data_ptr() for s in scales)
+            arg_lists = [[x.data_ptr(), x_scale, w.data_ptr(), w_scale, out.data_ptr(),
+                          *(workspace if info["kind"] == "splitk" else []), t]
+                         + ([1e-5] if info["kind"] == "norm_swiglu" else []) for w in copies]
+        elif info["kind"] == "splitk":
             arg_lists = [[x.data_ptr(), w.data_ptr(), out.data_ptr(), *workspace, t] for w in copies]
         elif info["kind"] == "norm_qkv_rope":
             q_ctx = _qkv_context(t)
@@ -208,9 +230,10 @@ def run_all(path: str, every: str | None = None) -> None:
     for (name, t), rows in results.items():
         n, k = {"norm_swiglu": SHAPES["gate_up"], "norm_qkv_rope": SHAPES["qkv"]}.get(name) or SHAPES[name]
         rows.sort()
-        print(f"{name} N={n} K={k} T={t}: weights {n * k * 2 / 1e6:.0f} MB")
+        nbytes = n * k * WEIGHT_BYTES
+        print(f"{name} N={n} K={k} T={t}: weights {nbytes / 1e6:.0f} MB")
         for us, label, err in rows[:8]:
-            print(f"  {us:7.1f} us  {n * k * 2 / us / 1e6:5.2f} TB/s ({n * k * 2 / us / 1e6 / copy_tbs:4.0%} of copy)"
+            print(f"  {us:7.1f} us  {nbytes / us / 1e6:5.2f} TB/s ({nbytes / us / 1e6 / copy_tbs:4.0%} of copy)"
                   f"  rel err {err:.1e}  {label}")
         if every:
             with open(every, "a") as f:

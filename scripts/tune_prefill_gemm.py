@@ -53,8 +53,7 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
                      "bias_ptr": "constexpr", "residual_ptr": "constexpr",
                      "out_ptr": "*bf16", "part_ptr": "constexpr", "count_ptr": "constexpr", "T": "i32",
                      "N": "constexpr", "K": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-                     "BLOCK_K": "constexpr", "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr",
-                     "ROUND_E4M3": "constexpr"}
+                     "BLOCK_K": "constexpr", "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr"}
         constexprs = {"N": n, "K": k, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": 1}
         out.append((name, {"kind": "pointer", "n": n, "k": k, "bm": bm, "bn": bn,
                            "label": f"pointer bm{bm} bn{bn} bk{bk} w{warps} s{stages}"},

@@ -81,19 +81,19 @@ def test_sm80_gets_no_fp8_kernels(compiled):
 def test_every_bucket_and_the_pre_pass_compile(compiled, name, target):
     rows = compiled[f"{name} {target}"]
     assert [r["bucket"] for r in rows if r["bucket"]] == ["decode", "small", "medium", "prefill"]
-    assert [r["fp8"] for r in rows if r["bucket"]] == ["in_kernel", "prequantized", "prequantized", "prequantized"]
+    assert [r["fp8"] for r in rows if r["bucket"]] == [True] * 4
     assert [r["fn"] for r in rows if r["quantize"]] == ["quantize_rows_kernel"]
     assert len(rows) == 5
     # The prefill bucket runs the persistent TMA GEMM on sm_90 and later (with the norm weight
-    # folded into the projection); its descriptors live in global scratch, and it never rounds
-    # to e4m3 itself (it reads the pre-pass's rows).
+    # folded into the projection); its descriptors live in global scratch. Only the pre-pass
+    # rounds to e4m3: every GEMM reads its rows.
     prefill = next(r for r in rows if r["bucket"] == "prefill")
     assert prefill["fn"].startswith("tma_") == (target != "sm_89" and name != "norm_qkv_rope_all"), prefill
     for r in rows:
         tma = r["fn"].startswith("tma_")
         assert r["params"] and r["elf"] and (r["scratch"] > 0) == tma, r
         assert r["shared"] <= SMEM_LIMIT[target], r
-        assert r["round"] == (None if tma else target == "sm_89"), r
+        assert r["round"] == (target == "sm_89" if r["quantize"] else None), r
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -108,16 +108,18 @@ def test_dots_are_e4m3_tensor_core_ops(compiled, name):
 
 @pytest.mark.parametrize("name", GEMM_INPUT_CASTS)
 def test_casts_to_e4m3_round_once(compiled, name):
-    """Where x is quantized in the kernel (decode bucket, pre-pass): sm_90 and sm_100 cast float32
-    directly; sm_89 casts through float16 and so rounds in float32 first (the magic constant of
-    `linear.fp8._round_grid` survives compilation)."""
+    """Where x is quantized (the pre-pass): sm_90 and sm_100 cast float32 directly; sm_89 casts
+    through float16 and so rounds in float32 first (the magic constant of
+    `linear.fp8._round_grid` survives compilation). The GEMMs never cast to e4m3."""
     for target in ("sm_90", "sm_100"):
         for r in compiled[f"{name} {target}"]:
-            if r["quantize"] or r["fp8"] == "in_kernel":
+            if r["quantize"]:
                 assert r["cvt"] == ["cvt.rn.satfinite.e4m3x2.f32"] and not r["magic"], (target, r)
     for r in compiled[f"{name} sm_89"]:
-        if r["quantize"] or r["fp8"] == "in_kernel":
+        if r["quantize"]:
             assert r["cvt"] == ["cvt.rn.satfinite.e4m3x2.f16x2"] and r["magic"], r
+    for target in ("sm_89", "sm_90", "sm_100"):
+        assert all(r["cvt"] == [] for r in compiled[f"{name} {target}"] if not r["quantize"]), target
 
 
 FLOAT32_SCRIPT = """

@@ -216,6 +216,21 @@ def test_unsupported_version(engine, version):
     assert "rebuild" in msg and "upgrade Kiln" in msg
 
 
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_a_version_3_engine_loads_unless_it_holds_fp8_kernels(tmp_path, quantization):
+    """Version 3's FP8 decode kernels quantized x themselves, with other launch arguments."""
+    path = tmp_path / "rank0.engine"
+    write_engine_file(path, dataclasses.replace(_manifest(plan=PLAN), quantization=quantization), _weights(), KERNELS)
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<I", data, 8, 3)
+    path.write_bytes(bytes(data))
+    if quantization == "none":
+        assert read_engine_file(path).manifest.quantization == "none"
+        return
+    with pytest.raises(UnsupportedVersionError, match="fp8 engine \\(format version 3\\).*rebuild the engine"):
+        read_engine_file(path)
+
+
 def test_version_checked_before_truncation(engine):
     data = bytearray(engine.read_bytes())
     struct.pack_into("<I", data, 8, FORMAT_VERSION + 1)

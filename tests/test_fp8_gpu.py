@@ -1,12 +1,20 @@
 """FP8 weights (W8A8) on the GPU (`pytest -m gpu -rP`): a small float32 engine built with
---quantization fp8 (and once more with the FP8 KV cache too) for the CPU and this GPU, 16
-prompts x 64 greedy tokens in flight on each, then both executors teacher-forced on the CPU's
-tokens, their argmax compared position by position. The CPU executor runs the plugins' W8A8
-references (`plugins/fp8.py`); the GPU kernels quantize the same GEMM inputs per token but sum
-RMSNorm's squares and the products in another order, so a value next to an e4m3 rounding
-boundary can land one step away: the logits are compared within 1e-2 and the argmax must agree
-on 98% of the positions, as for the FP8 KV cache (test_fp8_kv_gpu). The figures are printed
-(and appended to KILN_GPU_RESULTS)."""
+--quantization fp8 (and once more with the FP8 KV cache too) for the CPU and this GPU, and the
+same checkpoint built unquantized for the CPU, the exact model. 16 prompts x 64 greedy tokens
+on the FP8 engine's CPU reference, then each executor teacher-forced on those tokens.
+
+The GPU's FP8 logits are not compared with the CPU reference's directly: W8A8 is chaotic in
+the small. The GPU quantizes the same GEMM inputs per token but sums RMSNorm's squares and the
+products in another order, so now and then a value next to an e4m3 rounding boundary lands one
+step (up to 6%) away, that difference moves more values across boundaries in the next GEMM,
+and a few layers later the two runs differ by the whole quantization noise. (On the CPU alone,
+scaling the embedding table by 1 + 1e-6 noise moves this engine's logits by a median 6% and its
+argmax on 9% of the positions, where the unquantized engine's move by 3e-6.) What a kernel bug
+would change is the distance to the exact model, so that is what is compared: the GPU's FP8
+logits must be about as close to the exact model's as the CPU reference's are (median error
+within 1.25x, argmax agreement with the exact model within 0.03 of the reference's). The
+kernels themselves are checked against the reference op by op, on the same inputs, by
+`scripts/bench_fp8_gemm.py` on the GPU and `test_kernels_fp8` in the interpreter."""
 from __future__ import annotations
 
 from statistics import median
@@ -14,31 +22,39 @@ from statistics import median
 import pytest
 
 from kiln.plugins.fp8 import FP8_TARGETS
-from parity_tools import (argmax_agreement, cached_checkpoint, cached_engine, gpu_and_cpu_runs, make_prompts,
-                          publish, relative_errors, report)
+from parity_tools import (argmax_agreement, cached_checkpoint, cached_engine, gpu_and_cpu_runs, kiln_teacher_forced,
+                          make_prompts, open_executor, publish, relative_errors)
 from test_gpu_parity import BUILD, SMALL, arch, gpu_workdir  # noqa: F401 (fixtures)
 
-FP8_REL_ERR, FP8_AGREEMENT = 1e-2, 0.98
+ERROR_RATIO, AGREEMENT_SLACK = 1.25, 0.03
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_cache", ["auto", "fp8"])
 @pytest.mark.parametrize("family", ["llama3", "qwen2"])
-def test_fp8_gpu_engine_matches_its_cpu_reference(family, kv_cache, gpu_workdir, arch, record_property):  # noqa: F811
+def test_fp8_gpu_engine_is_as_close_to_the_exact_model_as_its_cpu_reference(family, kv_cache, gpu_workdir, arch,
+                                                                            record_property):  # noqa: F811
     if arch not in FP8_TARGETS:
         pytest.skip(f"{arch} has no FP8 tensor cores (FP8 engines are built for {', '.join(FP8_TARGETS)})")
     checkpoint = cached_checkpoint(gpu_workdir, family, **SMALL)
     engine = cached_engine(gpu_workdir, checkpoint, ["cpu", arch], "float32", **BUILD,
                            extra=("--quantization", "fp8", "--kv-cache-dtype", kv_cache))
+    exact_engine = cached_engine(gpu_workdir, checkpoint, ["cpu"], "float32", **BUILD)
     prompts = make_prompts(SMALL["vocab_size"])
     tokens, logits = gpu_and_cpu_runs(engine, prompts)
-    errors = relative_errors(logits["cuda"], logits["cpu"])
-    # On the same (CPU's) tokens: a free-running GPU sequence that took the other side of one
-    # near-tie would count every later position as a disagreement (see test_fp8_kv_gpu).
-    gpu_argmax = [step_logits.argmax(dim=1).tolist() for step_logits in logits["cuda"]]
-    agreement = argmax_agreement(gpu_argmax, logits["cpu"])
-    line = report(f"{family} small float32, fp8 weights, {kv_cache} KV cache, cuda vs cpu", tokens["cuda"],
-                  agreement, errors)
+    executor = open_executor(exact_engine, "cpu")
+    try:
+        exact = [kiln_teacher_forced(executor, p, t) for p, t in zip(prompts, tokens["cpu"])]
+    finally:
+        executor.close()
+    figures = {}
+    for device in ("cpu", "cuda"):
+        argmax = [step_logits.argmax(dim=1).tolist() for step_logits in logits[device]]
+        figures[device] = (argmax_agreement(argmax, exact)[0], median(relative_errors(logits[device], exact)))
+    between = median(relative_errors(logits["cuda"], logits["cpu"]))
+    line = (f"{family} small float32, fp8 weights, {kv_cache} KV cache, against the exact model: "
+            f"cuda agreement {figures['cuda'][0]:.4f} median rel err {figures['cuda'][1]:.2e}; "
+            f"cpu reference {figures['cpu'][0]:.4f} / {figures['cpu'][1]:.2e} (cuda vs cpu: {between:.2e})")
     publish(line, record_property)
-    assert agreement[0] >= FP8_AGREEMENT, line
-    assert median(errors) <= FP8_REL_ERR, line
+    assert figures["cuda"][1] <= ERROR_RATIO * figures["cpu"][1], line
+    assert figures["cuda"][0] >= figures["cpu"][0] - AGREEMENT_SLACK, line

@@ -1,9 +1,9 @@
 """The FP8 GEMM plugins' driver launchers, given their AOT kernels for sm_89 and for sm_90,
-launch what each bucket needs with arguments that compute the W8A8 reference: at decode size the
-GEMM alone (it quantizes x itself), from the small bucket on the quantize pre-pass into the
-executor's scratch buffers (sized from the kernels' metadata as the CUDA executor sizes them),
-then the GEMM reading its e4m3 rows: on sm_90 in the prefill bucket the persistent TMA GEMM. Each loaded kernel is a stand-in that runs the AOT kernel's
-function in the interpreter (`interpreted_launch`)."""
+launch what each bucket needs with arguments that compute the W8A8 reference: in every bucket the
+quantize pre-pass into the executor's scratch buffers (sized from the kernels' metadata as the
+CUDA executor sizes them), then the GEMM reading its e4m3 rows: on sm_90 in the prefill bucket
+the persistent TMA GEMM. Each loaded kernel is a stand-in that runs the AOT kernel's function in
+the interpreter (`interpreted_launch`)."""
 import dataclasses
 import importlib
 import os
@@ -77,10 +77,8 @@ STEPS = (3, 100, 300)    # decode, medium and prefill buckets
 
 
 def expected(t: int, target: str, gemm: str, tma_gemm: str) -> list[str]:
-    """The launches of a step of t rows: the GEMM alone at decode size, else the pre-pass, then
-    the pointer GEMM, or on sm_90 in the prefill bucket the persistent TMA GEMM."""
-    if t <= 16:
-        return [gemm]
+    """The launches of a step of t rows: the pre-pass, then the pointer GEMM, or on sm_90 in the
+    prefill bucket the persistent TMA GEMM."""
     return ["quantize_rows_kernel", tma_gemm if t > 256 and target == "sm_90" else gemm]
 
 

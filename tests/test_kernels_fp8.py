@@ -2,8 +2,8 @@
 quantize pre-pass gives the reference's e4m3 values and scales bit for bit, the e4m3 rounding
 that sm_89 and the interpreter do in float32 is torch's cast, and every GEMM plugin's FP8
 kernels (`kernels.run`, which takes the bucket the engine takes for T rows) match the plugin's
-reference (its W8A8 path, called on the same inputs in the spec's order), in every bucket (decode quantizes in the
-kernel, the others read the pre-pass's rows), with T and N not multiples of the tiles, and so
+reference (its W8A8 path, called on the same inputs in the spec's order), in every bucket (each reads the
+pre-pass's rows), with T and N not multiples of the tiles, and so
 do the persistent TMA kernels that sm_90 and later run instead in the TMA buckets."""
 import os
 
@@ -35,7 +35,7 @@ pytestmark = [
 ]
 EPS = 1e-5
 LINEAR_ATTRS = {"parallel": "none", "heads": 0, "all_reduce": False}
-# One T per bucket: decode (in-kernel quantization), small, medium, prefill (pre-pass rows).
+# One T per bucket: decode, small, medium, prefill.
 BUCKET_ROWS = {"decode": 3, "small": 40, "medium": 100, "prefill": 300}
 
 

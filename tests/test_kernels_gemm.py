@@ -186,7 +186,7 @@ def test_parity_split_k_workspace_is_reusable(request):
             out = torch.full((t, n), float("nan"))
             linear_kernels.linear_kernel[(1, columns, split)](
                 x, None, w, None, None, None, out, part, count, t, N=n, K=k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                BLOCK_K=bk, UPCAST_DOT=False, SPLIT_K=split, ROUND_E4M3=False)
+                BLOCK_K=bk, UPCAST_DOT=False, SPLIT_K=split)
             assert_matches(out, x @ w.T)
             assert not count.any(), f"launch {seed} left arrival counts {count.tolist()}"
     in_mode(request, True, body)

@@ -5,15 +5,14 @@ in float32, then acc * x_scale[row] * w_scale[col].
 
 The GEMM input is the exact activation the bf16 kernels multiply: x for `linear`, the RMSNorm'd
 row rounded to the activation dtype (times an unfolded norm weight) for the norm plugins. A
-row's scale needs the whole row before the first product, so it comes from one of two places:
-
-- the decode bucket (T <= 16) walks its rows once before the K loop (`row_stats`) and quantizes
-  each x tile in registers: at a handful of rows that pre-loop costs less than a launch;
-- the larger buckets, where every program re-reading whole rows would multiply x's traffic,
-  take the rows already quantized by `quantize_rows_kernel` (one program per row: x read once,
-  e4m3 rows and their scales written to scratch), so their K loop loads e4m3 x, half the bytes
-  of bf16. The persistent TMA GEMMs need this anyway: a TMA tile reaches the tensor cores from
-  shared memory without passing through registers, so it must already be e4m3 in memory.
+row's scale needs the whole row before the first product, so every FP8 GEMM launch is two
+kernels: `quantize_rows_kernel` (one program per row: x read once, RMSNorm'd where the plugin
+has a norm, e4m3 rows and their scales written to scratch), then the GEMM, whose K loop loads
+e4m3 x, half the bytes of bf16. The persistent TMA GEMMs need this anyway: a TMA tile reaches
+the tensor cores from shared memory without passing through registers, so it must already be
+e4m3 in memory. (Quantizing inside the GEMM instead, each program walking its rows before its K
+loop, made the decode GEMMs 3-4x slower than bf16 on an H200: every program repeats the
+quantization of all its tile's rows. BENCHMARKS.md, 2026-11-30.)
 
 Quantizing divides each element by its row's scale with a correctly rounded division, as
 `plugins.fp8.to_e4m3` does: multiplying by the reciprocal is off by a float32 ulp at times, and
@@ -29,12 +28,10 @@ well, and the dot takes float32 tiles: products of e4m3 values are exact in floa
 The dots are e4m3 tensor-core MMAs (mma.sync on sm_89, wgmma on sm_90 from the small bucket
 on); for the 16-row decode tiles Triton 3.6 on sm_90 converts both tiles to float16 and uses
 float16 mma.sync, which is exact too. In the TMA buckets sm_90 and sm_100 run the persistent TMA
-GEMM of `linear.tma` on the pre-pass's rows. sm_80 has no FP8 tensor cores: FP8 kernels are built
+GEMM of `linear.tma`. sm_80 has no FP8 tensor cores: FP8 kernels are built
 for FP8_TARGETS only (the builder refuses an FP8 engine for sm_80).
 """
 from __future__ import annotations
-
-import dataclasses
 
 import triton
 import triton.language as tl
@@ -44,10 +41,8 @@ from kiln.plugins.fp8 import E4M3_MAX, FP8_TARGETS, MIN_SCALE
 
 # Where a bucket runs the TMA GEMM on TMA targets, sm_89 keeps the pointer kernel.
 POINTER_ONLY = ("sm_89",)
-# (targets, ROUND_E4M3): sm_89's float32 -> e4m3 cast rounds twice (see above).
+# (targets, ROUND_E4M3) of the quantize pre-pass: sm_89's float32 -> e4m3 cast rounds twice.
 TARGET_GROUPS = ((("sm_89",), True), (("sm_90", "sm_100"), False))
-# The decode bucket quantizes in registers; larger buckets read the pre-pass's e4m3 rows.
-IN_KERNEL_MAX_ROWS = 16
 QUANTIZE_WARPS = 8
 
 _MAX = tl.constexpr(E4M3_MAX)
@@ -133,23 +128,16 @@ def row_stats(x_ptr, norm_ptr, offs_m, mask_m, eps, K: tl.constexpr, BLOCK_M: tl
 
 
 @triton.jit
-def fp8_gemm_tile(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, offs_m, mask_m, rows, mask_n, eps,
-                  K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  NORM: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr, ROUND_E4M3: tl.constexpr):
-    """`linear.kernels.gemm_tile` with e4m3 weights: x[offs_m] against the weight rows `rows`,
-    returning the [BLOCK_M, BLOCK_N] float32 tile already scaled by x_scale[row] * w_scale[col]
-    (the norm's row scale included), over part program_id(2) of K when SPLIT_K > 1.
-
-    x_scale_ptr None: x is the activation (x's dtype), quantized here (see the module
-    docstring); given: x holds `quantize_rows_kernel`'s e4m3 rows and x_scale_ptr their scales."""
+def fp8_gemm_tile(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, offs_m, mask_m, rows, mask_n, K: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                  SPLIT_K: tl.constexpr):
+    """`linear.kernels.gemm_tile` in e4m3: the pre-pass's rows offs_m of x (scales at
+    x_scale_ptr) against the weight rows `rows`, returning the [BLOCK_M, BLOCK_N] float32 tile
+    already scaled by x_scale[row] * w_scale[col], over part program_id(2) of K when SPLIT_K > 1."""
     K_PART: tl.constexpr = K // SPLIT_K
     k_lo = 0
     if SPLIT_K > 1:
         k_lo = tl.program_id(2) * K_PART
-    if x_scale_ptr is None:
-        x_scale, rstd = row_stats(x_ptr, norm_ptr, offs_m, mask_m, eps, K, BLOCK_M, BLOCK_K, NORM, UPCAST_DOT)
-    else:
-        x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * K + k_lo + offs_k[None, :]
     w_ptrs = w_ptr + rows.to(tl.int64)[None, :] * K + k_lo + offs_k[:, None]
@@ -157,9 +145,6 @@ def fp8_gemm_tile(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, offs_m, mask
     for k0 in range(0, K_PART, BLOCK_K):
         mask_k = offs_k < K_PART - k0
         x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        if x_scale_ptr is None:
-            x = normalized(x, rstd, norm_ptr, k_lo + k0 + offs_k, mask_k, NORM, UPCAST_DOT)
-            x = to_e4m3(x, x_scale, ROUND_E4M3)
         w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if UPCAST_DOT:
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
@@ -167,6 +152,7 @@ def fp8_gemm_tile(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, offs_m, mask
             acc = tl.dot(x, w, acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
     w_scale = tl.load(w_scale_ptr + rows, mask=mask_n, other=0.0)
     return acc * x_scale[:, None] * w_scale[None, :]
 
@@ -194,17 +180,9 @@ def quantize_block_k(k: int) -> int:
     return min(triton.next_power_of_2(k), 4096)
 
 
-def for_targets(kernel: AotKernel, only: tuple[str, ...] = FP8_TARGETS) -> list[AotKernel]:
-    """An FP8 kernel once per group of TARGET_GROUPS (of the targets in `only`), with that
-    group's ROUND_E4M3."""
-    groups = [(tuple(t for t in targets if t in only), round_first) for targets, round_first in TARGET_GROUPS]
-    return [dataclasses.replace(kernel, constexprs={**kernel.constexprs, "ROUND_E4M3": round_first}, targets=targets)
-            for targets, round_first in groups if targets]
-
-
 def quantize_aot(dtype: str, k: int, norm: bool, norm_weight: bool) -> list[AotKernel]:
-    """The quantizing pre-pass of an FP8 plugin's larger buckets, per target group (meta
-    "quantize": no bucket)."""
+    """The quantizing pre-pass of an FP8 plugin's GEMMs, once per group of TARGET_GROUPS with that
+    group's ROUND_E4M3 (meta "quantize": no bucket)."""
     ptr = POINTER_TYPES[dtype]
     signature = {"x_ptr": ptr, "norm_ptr": ptr if norm_weight else "constexpr", "xq_ptr": FP8_POINTER,
                  "scale_ptr": "*fp32", "T": "i32", "eps": "fp32", "K": "constexpr", "BLOCK_K": "constexpr",
@@ -212,7 +190,8 @@ def quantize_aot(dtype: str, k: int, norm: bool, norm_weight: bool) -> list[AotK
     constexprs = {"K": k, "BLOCK_K": quantize_block_k(k), "NORM": norm, "EMULATE": False}
     if not norm_weight:
         constexprs["norm_ptr"] = None
-    return for_targets(AotKernel(quantize_rows_kernel, signature, constexprs, num_warps=QUANTIZE_WARPS, num_stages=1,
-                                 aligned=pointer_params(signature),
-                                 meta={"quantize": True, "grid": "(T, 1, 1)", "pointer_alignment": 16,
-                                       "scratch_per_row": {"fp8_x": k, "fp8_x_scale": 4}}))
+    meta = {"quantize": True, "grid": "(T, 1, 1)", "pointer_alignment": 16,
+            "scratch_per_row": {"fp8_x": k, "fp8_x_scale": 4}}
+    return [AotKernel(quantize_rows_kernel, signature, {**constexprs, "ROUND_E4M3": round_first}, targets=targets,
+                      num_warps=QUANTIZE_WARPS, num_stages=1, aligned=pointer_params(signature), meta=meta)
+            for targets, round_first in TARGET_GROUPS]

@@ -146,12 +146,6 @@ def upcast_dot(x: torch.Tensor, fp8_weight: bool = False) -> bool:
     return interpreting() and (fp8_weight or x.dtype == torch.bfloat16)
 
 
-def round_e4m3(w_scale: torch.Tensor | None) -> bool:
-    """ROUND_E4M3 of a JIT launch: set for an FP8 kernel in the interpreter, whose float32 ->
-    e4m3 cast is wrong (see `linear.fp8`)."""
-    return interpreting() and w_scale is not None
-
-
 def split_signature(split: int) -> dict[str, str]:
     """The split-K workspace parameters: pointers when split, else constexpr None."""
     kind = "*fp32" if split > 1 else "constexpr"
@@ -263,17 +257,16 @@ def split_halves(acc, BLOCK_M: tl.constexpr, HALF: tl.constexpr):
 @triton.jit
 def linear_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, residual_ptr, out_ptr, part_ptr, count_ptr, T,
                   N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr,
-                  ROUND_E4M3: tl.constexpr):
-    """w_scale_ptr given: W8A8 (`linear.fp8.fp8_gemm_tile`, whose x_scale_ptr says whether x is
-    already quantized); None: x and W in the activation dtype."""
+                  BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr):
+    """w_scale_ptr given: W8A8 (`linear.fp8.fp8_gemm_tile`: x holds the quantize pre-pass's e4m3
+    rows, x_scale_ptr their scales); None: x and W in the activation dtype."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < T
     mask_n = offs_n < N
     if w_scale_ptr is not None:
-        acc = fp8.fp8_gemm_tile(x_ptr, x_scale_ptr, None, w_ptr, w_scale_ptr, offs_m, mask_m, offs_n, mask_n, 0.0,
-                                K, BLOCK_M, BLOCK_N, BLOCK_K, False, UPCAST_DOT, SPLIT_K, ROUND_E4M3)
+        acc = fp8.fp8_gemm_tile(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, offs_m, mask_m, offs_n, mask_n,
+                                K, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT, SPLIT_K)
         sumsq = tl.zeros((BLOCK_M,), tl.float32)
     else:
         acc, sumsq = gemm_tile(x_ptr, None, w_ptr, offs_m, mask_m, offs_n, mask_n,
@@ -301,13 +294,6 @@ def split_buffers(rows: int, block_m: int, width: int, column_tiles: int, split:
             torch.zeros(sizes["gemm_split_count"] // 4, dtype=torch.int32, device=device))
 
 
-def fp8_input(tile: Tile) -> str:
-    """How an FP8 bucket gets its quantized GEMM input (`linear.fp8`): "in_kernel" for the decode
-    bucket, else "prequantized" by the quantize pre-pass."""
-    small = tile.max_rows is not None and tile.max_rows <= fp8.IN_KERNEL_MAX_ROWS
-    return "in_kernel" if small else "prequantized"
-
-
 def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None, norm: bool,
                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The quantize pre-pass through Triton's JIT: x's GEMM input rows in e4m3 and their scales."""
@@ -320,10 +306,10 @@ def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None, norm: bool,
     return xq, scales
 
 
-def gemm_input(tile: Tile, x: torch.Tensor, w_scale: torch.Tensor | None, norm_weight: torch.Tensor | None = None,
+def gemm_input(x: torch.Tensor, w_scale: torch.Tensor | None, norm_weight: torch.Tensor | None = None,
                norm: bool = False, eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(x operand, x scales) of a JIT launch: x itself unless the bucket takes e4m3 rows."""
-    if w_scale is None or fp8_input(tile) == "in_kernel":
+    """(x operand, x scales) of a JIT launch: x itself, or for FP8 weights the pre-pass's e4m3 rows."""
+    if w_scale is None:
         return x, None
     return quantize_rows(x, norm_weight, norm, eps)
 
@@ -338,12 +324,11 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     bk = block_k(tile, weight.element_size())
     split, columns = split_k(tile, k, bk), triton.cdiv(n, tile.block_n)
     part, count = split_buffers(t, tile.block_m, tile.block_n, columns, split, x.device)
-    xa, x_scale = gemm_input(tile, x, w_scale)
+    xa, x_scale = gemm_input(x, w_scale)
     linear_kernel[(triton.cdiv(t, tile.block_m), columns, split)](
         xa, x_scale, weight, w_scale, bias, None if residual is None else residual.contiguous(), out, part, count,
         t, N=n, K=k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=bk,
-        UPCAST_DOT=upcast_dot(x, w_scale is not None), SPLIT_K=split, ROUND_E4M3=round_e4m3(w_scale),
-        num_warps=tile.num_warps,
+        UPCAST_DOT=upcast_dot(x, w_scale is not None), SPLIT_K=split, num_warps=tile.num_warps,
         num_stages=num_stages(tile.block_m, tile.block_n, bk, weight.element_size(), tile.stages, xa.element_size()))
 
 
@@ -351,9 +336,8 @@ def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool,
                        fp8_weight: bool = False) -> list[AotKernel]:
     """One linear_kernel per shape bucket of TILES, and for the TMA buckets the persistent TMA
     GEMM for sm_90 and later beside it (the pointer kernel then serves sm_80 and sm_89). FP8
-    (`fp8_weight`): kernels for fp8.FP8_TARGETS only (each per group of fp8.TARGET_GROUPS), the
-    TMA buckets' e4m3 TMA GEMM beside sm_89's pointer kernel, and the quantize pre-pass that the
-    buckets past decode read."""
+    (`fp8_weight`): kernels for fp8.FP8_TARGETS only, the TMA buckets' e4m3 TMA GEMM beside
+    sm_89's pointer kernel, and the quantize pre-pass whose rows they all read."""
     ptr, size = POINTER_TYPES[dtype], dtypes.element_bytes(dtype)
     kernels = []
     for tile in tiles_for(n):
@@ -361,16 +345,14 @@ def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool,
         split = split_k(tile, k, bk)
         x_ptr, x_scale, w_ptr, w_scale = ptr, "constexpr", ptr, "constexpr"
         if fp8_weight:
-            w_ptr, w_scale = fp8.FP8_POINTER, "*fp32"
-            if fp8_input(tile) == "prequantized":
-                x_ptr, x_scale = fp8.FP8_POINTER, "*fp32"
+            x_ptr, x_scale, w_ptr, w_scale = fp8.FP8_POINTER, "*fp32", fp8.FP8_POINTER, "*fp32"
         signature = {"x_ptr": x_ptr, "x_scale_ptr": x_scale, "w_ptr": w_ptr, "w_scale_ptr": w_scale,
                      "bias_ptr": ptr, "residual_ptr": ptr, "out_ptr": ptr,
                      **split_signature(split), "T": "i32", "N": "constexpr", "K": "constexpr",
                      "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-                     "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr", "ROUND_E4M3": "constexpr"}
+                     "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr"}
         constexprs = {"N": n, "K": k, "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": bk,
-                      "UPCAST_DOT": False, "SPLIT_K": split, "ROUND_E4M3": False}
+                      "UPCAST_DOT": False, "SPLIT_K": split}
         for name, present in (("bias_ptr", bias), ("residual_ptr", residual)):
             if not present:
                 signature[name] = "constexpr"
@@ -378,14 +360,12 @@ def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool,
         stages = num_stages(tile.block_m, tile.block_n, bk, size, tile.stages)
         targets = POINTER_TARGETS if tile.tma else None
         if fp8_weight:
-            meta["fp8"] = fp8_input(tile)
-            stages = num_stages(tile.block_m, tile.block_n, bk, 1, tile.stages, 1 if x_scale != "constexpr" else size)
-        kernel = AotKernel(linear_kernel, signature, absent_as_none(signature, constexprs), num_warps=tile.num_warps,
-                           aligned=pointer_params(signature), num_stages=stages, meta=meta, targets=targets)
-        if fp8_weight:
-            kernels += fp8.for_targets(kernel, fp8.POINTER_ONLY if tile.tma else fp8.FP8_TARGETS)
-        else:
-            kernels.append(kernel)
+            meta["fp8"] = True
+            stages = num_stages(tile.block_m, tile.block_n, bk, 1, tile.stages)
+            targets = fp8.POINTER_ONLY if tile.tma else fp8.FP8_TARGETS
+        kernels.append(AotKernel(linear_kernel, signature, absent_as_none(signature, constexprs),
+                                 num_warps=tile.num_warps, aligned=pointer_params(signature), num_stages=stages,
+                                 meta=meta, targets=targets))
         if tile.tma:
             kernels.append(tma_linear_aot(dtype, n, k, bias, residual, tile.name, tile.max_rows, fp8_weight))
     if fp8_weight:

@@ -65,9 +65,9 @@ def launch_quantize(kernels: list, metas: list[dict], x: torch.Tensor, norm_weig
 
 def gemm_input_args(kernels: list, metas: list[dict], i: int, x: torch.Tensor, norm_weight: torch.Tensor | None,
                     eps: float, stream: int, scratch: dict[str, torch.Tensor]) -> list[int]:
-    """The x operand pointers of GEMM bucket kernel i: x, or for an FP8 bucket that reads e4m3
-    rows, the quantize pre-pass's rows and scales (run here first)."""
-    if metas[i].get("fp8") == "prequantized":
+    """The x operand pointers of GEMM bucket kernel i: x, or for an FP8 kernel the quantize
+    pre-pass's e4m3 rows and their scales (run here first)."""
+    if metas[i].get("fp8"):
         return list(launch_quantize(kernels, metas, x, norm_weight, eps, stream, scratch))
     return [x.data_ptr()]
 

@@ -154,7 +154,7 @@ def tma_meta(bucket: str, max_rows: int | None, column_tiles: int) -> dict:
 def tma_linear_aot(dtype: str, n: int, k: int, bias: bool, residual: bool, bucket: str,
                    max_rows: int | None, fp8: bool = False) -> AotKernel:
     """The persistent TMA GEMM serving a bucket on TMA_TARGETS; `fp8`: e4m3 operands, x from
-    the quantize pre-pass (meta "fp8": "prequantized")."""
+    the quantize pre-pass (meta "fp8": True)."""
     bm, bn, bk = tile_shape(dtype, fp8)
     ptr = POINTER_TYPES[dtype]
     operand, scale = ("*fp8e4nv", "*fp32") if fp8 else (ptr, "constexpr")
@@ -167,7 +167,7 @@ def tma_linear_aot(dtype: str, n: int, k: int, bias: bool, residual: bool, bucke
                   "UPCAST_DOT": False}
     meta = tma_meta(bucket, max_rows, triton.cdiv(n, bn))
     if fp8:
-        meta["fp8"] = "prequantized"
+        meta["fp8"] = True
     return AotKernel(tma_linear_kernel, signature, absent_as_none(signature, constexprs), num_warps=WARPS,
                      num_stages=STAGES, aligned=pointer_params(signature), targets=TMA_TARGETS, meta=meta)
 

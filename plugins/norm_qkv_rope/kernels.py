@@ -26,8 +26,8 @@ from kiln.dtypes import element_bytes
 from kiln.plugins.aot import FP8_POINTER, POINTER_TYPES, AotKernel, absent_as_none, pointer_params
 from kiln.plugins.attention.kernels import padded, to_e4m3
 from kiln.plugins.linear import fp8, tma
-from kiln.plugins.linear.kernels import (TILES, Tile, block_k, fp8_input, gemm_input, gemm_tile, launch_meta,
-                                         num_stages, pick_tile, round_e4m3, split_buffers, split_halves,
+from kiln.plugins.linear.kernels import (TILES, Tile, block_k, gemm_input, gemm_tile, launch_meta,
+                                         num_stages, pick_tile, split_buffers, split_halves,
                                          split_k, split_k_sum, split_signature, upcast_dot, with_bucket)
 
 # The builder refuses FP8 plans for GPU targets not named here (`builder.kernels`).
@@ -54,8 +54,9 @@ def norm_qkv_rope_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, bias_
                          layer, eps,
                          K: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
                          HEAD_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                         UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr, ROUND_E4M3: tl.constexpr):
-    """w_scale_ptr given: W8A8 (`linear.fp8.fp8_gemm_tile`, its tile already row-scaled)."""
+                         UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr):
+    """w_scale_ptr given: W8A8 (`linear.fp8.fp8_gemm_tile` on the quantize pre-pass's rows, which
+    are RMSNorm'd already: its tile comes row-scaled)."""
     FP8: tl.constexpr = w_scale_ptr is not None
     HALF: tl.constexpr = D // 2
     CHUNK: tl.constexpr = HALF // HEAD_SPLIT
@@ -66,9 +67,8 @@ def norm_qkv_rope_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, bias_
     i = tl.arange(0, 2 * CHUNK)
     rows = h * D + (i // CHUNK) * HALF + (tl.program_id(1) % HEAD_SPLIT) * CHUNK + i % CHUNK
     if FP8:
-        acc = fp8.fp8_gemm_tile(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, offs_m, mask_m, rows,
-                                rows < (H + 2 * KVH) * D, eps, K, BLOCK_M, 2 * CHUNK, BLOCK_K, True, UPCAST_DOT,
-                                SPLIT_K, ROUND_E4M3)
+        acc = fp8.fp8_gemm_tile(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, offs_m, mask_m, rows,
+                                rows < (H + 2 * KVH) * D, K, BLOCK_M, 2 * CHUNK, BLOCK_K, UPCAST_DOT, SPLIT_K)
         sumsq = tl.zeros((BLOCK_M,), tl.float32)
     else:
         acc, sumsq = gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, rows < (H + 2 * KVH) * D,
@@ -197,13 +197,13 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     split = head_split(tile, d, q_norm is not None)
     ksplit, columns = split_k(tile, k, bk), (heads + 2 * kv_heads) * split
     part, count = split_buffers(t, tile.block_m, d // split, columns, ksplit, x.device)
-    xa, x_scale = gemm_input(tile, x, w_scale, norm_weight, True, attrs["eps"])
+    xa, x_scale = gemm_input(x, w_scale, norm_weight, True, attrs["eps"])
     norm_qkv_rope_kernel[(triton.cdiv(t, tile.block_m), columns, ksplit)](
         xa, x_scale, None if x_scale is not None else norm_weight, w_qkv, w_scale, b_qkv, q_norm, k_norm,
         positions.contiguous(), rope_cache.contiguous(), kv_cache, slot_mapping.contiguous(), kv_scales, out, part,
         count, t, kv_cache.shape[2] * kv_cache.shape[3], attrs["layer"], attrs["eps"], K=k, H=heads, KVH=kv_heads,
         D=d, HEAD_SPLIT=split, BLOCK_M=tile.block_m, BLOCK_K=bk, UPCAST_DOT=upcast_dot(x, w_scale is not None),
-        SPLIT_K=ksplit, ROUND_E4M3=round_e4m3(w_scale), num_warps=tile.num_warps,
+        SPLIT_K=ksplit, num_warps=tile.num_warps,
         num_stages=num_stages(tile.block_m, d // split, bk, w_qkv.element_size(), tile.stages, xa.element_size()))
 
 
@@ -246,7 +246,7 @@ def tma_aot(dtype: str, shapes: dict, tile: Tile, optional: dict[str, bool]) -> 
                   "HEADS": heads_per_tile(heads, kv_heads, shapes["head_dim"], dtype)}
     meta = tma.tma_meta(tile.name, tile.max_rows, (heads + 2 * kv_heads) // constexprs["HEADS"])
     if fp8_weight:
-        meta["fp8"] = "prequantized"
+        meta["fp8"] = True
     return AotKernel(tma_norm_qkv_rope_kernel, signature, absent_as_none(signature, constexprs),
                      num_warps=tma.WARPS, num_stages=tma.STAGES, aligned=pointer_params(signature),
                      targets=tma.TMA_TARGETS, meta=meta)
@@ -260,7 +260,7 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     num_slots (KV-cache blocks * block size), layer and eps are runtime arguments, positions and
     slot_mapping int32, rope_cache and the q/k norm weights fp32 (as models hold norm weights).
     FP8: pointer kernels for fp8.FP8_TARGETS in every bucket, and the quantize pre-pass (RMSNorm
-    included) that the larger buckets read."""
+    included) whose rows they read."""
     ptr, size = POINTER_TYPES[dtype], element_bytes(dtype)
     k, heads, kv_heads, d = shapes["K"], shapes["num_heads"], shapes["num_kv_heads"], shapes["head_dim"]
     qk_norm, fp8_weight = shapes.get("qk_norm", False), shapes.get("fp8", False)
@@ -270,20 +270,19 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     for tile in QKV_TILES:
         bk, split = block_k(tile, 1 if fp8_weight else size), head_split(tile, d, qk_norm)
         ksplit = split_k(tile, k, bk)
-        prequantized = fp8_weight and fp8_input(tile) == "prequantized"
-        signature = {"x_ptr": FP8_POINTER if prequantized else ptr, "x_scale_ptr": "*fp32", "norm_ptr": ptr,
+        signature = {"x_ptr": FP8_POINTER if fp8_weight else ptr, "x_scale_ptr": "*fp32", "norm_ptr": ptr,
                      "w_ptr": FP8_POINTER if fp8_weight else ptr, "w_scale_ptr": "*fp32", "bias_ptr": ptr,
                      "q_norm_ptr": "*fp32", "k_norm_ptr": "*fp32", "pos_ptr": "*i32", "rope_ptr": "*fp32",
                      "kv_ptr": kv_pointer(dtype, shapes), "slot_ptr": "*i32", "kv_scale_ptr": "*fp32", "out_ptr": ptr,
                      **split_signature(ksplit), "T": "i32", "num_slots": "i32", "layer": "i32", "eps": "fp32",
                      "K": "constexpr", "H": "constexpr", "KVH": "constexpr", "D": "constexpr",
                      "HEAD_SPLIT": "constexpr", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
-                     "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr", "ROUND_E4M3": "constexpr"}
+                     "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr"}
         constexprs = {"K": k, "H": heads, "KVH": kv_heads, "D": d, "HEAD_SPLIT": split, "BLOCK_M": tile.block_m,
-                      "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": ksplit, "ROUND_E4M3": False}
-        # The pre-pass applies the norm weight for the buckets that read e4m3 rows.
-        present = {**optional, "norm_ptr": optional["norm_ptr"] and not prequantized,
-                   "x_scale_ptr": prequantized, "w_scale_ptr": fp8_weight}
+                      "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": ksplit}
+        # With FP8 weights the pre-pass applies the norm weight.
+        present = {**optional, "norm_ptr": optional["norm_ptr"] and not fp8_weight,
+                   "x_scale_ptr": fp8_weight, "w_scale_ptr": fp8_weight}
         for name, given in present.items():
             if not given:
                 signature[name] = "constexpr"
@@ -291,15 +290,12 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
         stages = num_stages(tile.block_m, d // split, bk, size, tile.stages)
         targets = tma.POINTER_TARGETS if uses_tma(tile, shapes) else None
         if fp8_weight:
-            meta["fp8"] = fp8_input(tile)
-            stages = num_stages(tile.block_m, d // split, bk, 1, tile.stages, 1 if prequantized else size)
-        kernel = AotKernel(norm_qkv_rope_kernel, signature, absent_as_none(signature, constexprs),
-                           num_warps=tile.num_warps, aligned=pointer_params(signature), num_stages=stages, meta=meta,
-                           targets=targets)
-        if fp8_weight:
-            kernels += fp8.for_targets(kernel, fp8.POINTER_ONLY if uses_tma(tile, shapes) else fp8.FP8_TARGETS)
-        else:
-            kernels.append(kernel)
+            meta["fp8"] = True
+            stages = num_stages(tile.block_m, d // split, bk, 1, tile.stages)
+            targets = fp8.POINTER_ONLY if uses_tma(tile, shapes) else fp8.FP8_TARGETS
+        kernels.append(AotKernel(norm_qkv_rope_kernel, signature, absent_as_none(signature, constexprs),
+                                 num_warps=tile.num_warps, aligned=pointer_params(signature), num_stages=stages,
+                                 meta=meta, targets=targets))
         if uses_tma(tile, shapes):
             kernels.append(tma_aot(dtype, shapes, tile, optional))
     if fp8_weight:

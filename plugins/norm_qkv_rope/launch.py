@@ -38,7 +38,7 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
         args = [x.data_ptr(), launch_row_scale(kernels, metas, x, attrs["eps"], stream, scratch)]
     else:
         args = gemm_input_args(kernels, metas, i, x, norm_weight, attrs["eps"], stream, scratch)
-        if norm_weight is not None and metas[i].get("fp8") != "prequantized":
+        if norm_weight is not None and not metas[i].get("fp8"):
             args.append(norm_weight.data_ptr())
     args += [t.data_ptr() for t in (w_qkv, w_scale, b_qkv, q_norm, k_norm) if t is not None]
     args += [positions.data_ptr(), rope_cache.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr()]

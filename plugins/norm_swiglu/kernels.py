@@ -29,8 +29,8 @@ import triton.language as tl
 from kiln.dtypes import element_bytes
 from kiln.plugins.aot import POINTER_TYPES, AotKernel, absent_as_none, pointer_params
 from kiln.plugins.linear import fp8, tma
-from kiln.plugins.linear.kernels import (WIDE_N, block_k, fp8_input, gemm_input, gemm_tile, launch_meta,
-                                         num_stages, pick_tile, round_e4m3, split_buffers, split_halves,
+from kiln.plugins.linear.kernels import (WIDE_N, block_k, gemm_input, gemm_tile, launch_meta,
+                                         num_stages, pick_tile, split_buffers, split_halves,
                                          split_k, split_k_sum, split_signature, tiles_for, upcast_dot,
                                          with_bucket)
 
@@ -64,9 +64,9 @@ def _gate(g, GELU_TANH: tl.constexpr):
 def norm_swiglu_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, count_ptr, T, eps,
                        I: tl.constexpr, K: tl.constexpr, GU_BLOCK: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr, GELU_TANH: tl.constexpr,
-                       ROUND_E4M3: tl.constexpr):
-    """w_scale_ptr given: W8A8 (`linear.fp8.fp8_gemm_tile`, its tile already row-scaled)."""
+                       UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr, GELU_TANH: tl.constexpr):
+    """w_scale_ptr given: W8A8 (`linear.fp8.fp8_gemm_tile` on the quantize pre-pass's rows, which
+    are RMSNorm'd already: its tile comes row-scaled)."""
     FP8: tl.constexpr = w_scale_ptr is not None
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -76,8 +76,8 @@ def norm_swiglu_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, out_ptr
     cols = tl.program_id(1) * BLOCK_N + i % BLOCK_N
     rows = (cols // GU_BLOCK) * (2 * GU_BLOCK) + cols % GU_BLOCK + (i // BLOCK_N) * GU_BLOCK
     if FP8:
-        acc = fp8.fp8_gemm_tile(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, offs_m, mask_m, rows, cols < I,
-                                eps, K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, True, UPCAST_DOT, SPLIT_K, ROUND_E4M3)
+        acc = fp8.fp8_gemm_tile(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, offs_m, mask_m, rows, cols < I,
+                                K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, UPCAST_DOT, SPLIT_K)
         sumsq = tl.zeros((BLOCK_M,), tl.float32)
     else:
         acc, sumsq = gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, cols < I,
@@ -146,7 +146,7 @@ def tma_aot(dtype: str, shapes: dict, tile) -> AotKernel:
                   "GELU_TANH": GELU_TANH[shapes.get("activation", "silu")]}
     meta = tma.tma_meta(tile.name, tile.max_rows, triton.cdiv(shapes["I"], bn // 2))
     if fp8_weight:
-        meta["fp8"] = "prequantized"
+        meta["fp8"] = True
     return AotKernel(tma_norm_swiglu_kernel, signature, absent_as_none(signature, constexprs), num_warps=tma.WARPS,
                      num_stages=tma.STAGES, aligned=pointer_params(signature), targets=tma.TMA_TARGETS, meta=meta)
 
@@ -164,12 +164,12 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     bn = tile.block_n // 2
     split, columns = split_k(tile, k, bk), triton.cdiv(inter, bn)
     part, count = split_buffers(t, tile.block_m, 2 * bn, columns, split, x.device)
-    xa, x_scale = gemm_input(tile, x, w_scale, norm_weight, True, attrs["eps"])
+    xa, x_scale = gemm_input(x, w_scale, norm_weight, True, attrs["eps"])
     norm_swiglu_kernel[(triton.cdiv(t, tile.block_m), columns, split)](
         xa, x_scale, None if x_scale is not None else norm_weight, w_gu, w_scale, out, part, count, t, attrs["eps"],
         I=inter, K=k, GU_BLOCK=attrs["block"] or inter, BLOCK_M=tile.block_m, BLOCK_N=bn, BLOCK_K=bk,
         UPCAST_DOT=upcast_dot(x, w_scale is not None), SPLIT_K=split, GELU_TANH=GELU_TANH[attrs["activation"]],
-        ROUND_E4M3=round_e4m3(w_scale), num_warps=tile.num_warps,
+        num_warps=tile.num_warps,
         num_stages=num_stages(tile.block_m, tile.block_n, bk, w_gu.element_size(), tile.stages, xa.element_size()))
 
 
@@ -178,7 +178,7 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     interleave block (0: not interleaved), "norm_weight": bool (default False: folded),
     "activation": "silu" (default) or "gelu_tanh", "fp8": bool (default False)}. One kernel
     per shape bucket; eps is a runtime argument. FP8: pointer kernels for fp8.FP8_TARGETS in
-    every bucket, and the quantize pre-pass (RMSNorm included) that the larger buckets read."""
+    every bucket, and the quantize pre-pass (RMSNorm included) whose rows they read."""
     ptr, size = POINTER_TYPES[dtype], element_bytes(dtype)
     k, inter, norm = shapes["K"], shapes["I"], shapes.get("norm_weight", False)
     fp8_weight = shapes.get("fp8", False)
@@ -188,31 +188,26 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
         bk, bn = block_k(tile, 1 if fp8_weight else size), tile.block_n // 2
         split = split_k(tile, k, bk)
         x_ptr, x_scale, w_ptr, w_scale, norm_ptr = ptr, "constexpr", ptr, "constexpr", ptr if norm else "constexpr"
-        if fp8_weight:
-            w_ptr, w_scale = fp8.FP8_POINTER, "*fp32"
-            if fp8_input(tile) == "prequantized":   # the pre-pass applies the norm weight
-                x_ptr, x_scale, norm_ptr = fp8.FP8_POINTER, "*fp32", "constexpr"
+        if fp8_weight:   # the pre-pass applies the norm weight
+            x_ptr, x_scale, norm_ptr, w_ptr, w_scale = fp8.FP8_POINTER, "*fp32", "constexpr", fp8.FP8_POINTER, "*fp32"
         signature = {"x_ptr": x_ptr, "x_scale_ptr": x_scale, "norm_ptr": norm_ptr, "w_ptr": w_ptr,
                      "w_scale_ptr": w_scale, "out_ptr": ptr, **split_signature(split), "T": "i32", "eps": "fp32",
                      "I": "constexpr", "K": "constexpr", "GU_BLOCK": "constexpr", "BLOCK_M": "constexpr",
                      "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "UPCAST_DOT": "constexpr",
-                     "SPLIT_K": "constexpr", "GELU_TANH": "constexpr", "ROUND_E4M3": "constexpr"}
+                     "SPLIT_K": "constexpr", "GELU_TANH": "constexpr"}
         constexprs = {"I": inter, "K": k, "GU_BLOCK": shapes["block"] or inter, "BLOCK_M": tile.block_m,
                       "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": split,
-                      "GELU_TANH": GELU_TANH[shapes.get("activation", "silu")], "ROUND_E4M3": False}
+                      "GELU_TANH": GELU_TANH[shapes.get("activation", "silu")]}
         meta = launch_meta(tile, triton.cdiv(inter, bn), split, 2 * bn)
         stages = num_stages(tile.block_m, tile.block_n, bk, size, tile.stages)
         targets = tma.POINTER_TARGETS if uses_tma(tile, shapes, dtype) else None
         if fp8_weight:
-            meta["fp8"] = fp8_input(tile)
-            stages = num_stages(tile.block_m, tile.block_n, bk, 1, tile.stages, 1 if x_scale != "constexpr" else size)
-        kernel = AotKernel(norm_swiglu_kernel, signature, absent_as_none(signature, constexprs),
-                           num_warps=tile.num_warps, aligned=pointer_params(signature), num_stages=stages, meta=meta,
-                           targets=targets)
-        if fp8_weight:
-            kernels += fp8.for_targets(kernel, fp8.POINTER_ONLY if uses_tma(tile, shapes, dtype) else fp8.FP8_TARGETS)
-        else:
-            kernels.append(kernel)
+            meta["fp8"] = True
+            stages = num_stages(tile.block_m, tile.block_n, bk, 1, tile.stages)
+            targets = fp8.POINTER_ONLY if uses_tma(tile, shapes, dtype) else fp8.FP8_TARGETS
+        kernels.append(AotKernel(norm_swiglu_kernel, signature, absent_as_none(signature, constexprs),
+                                 num_warps=tile.num_warps, aligned=pointer_params(signature), num_stages=stages,
+                                 meta=meta, targets=targets))
         if uses_tma(tile, shapes, dtype):
             kernels.append(tma_aot(dtype, shapes, tile))
     if fp8_weight:

@@ -33,7 +33,7 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
         kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)
         return
     args = gemm_input_args(kernels, metas, i, x, norm_weight, attrs["eps"], stream, scratch)
-    if norm_weight is not None and metas[i].get("fp8") != "prequantized":
+    if norm_weight is not None and not metas[i].get("fp8"):
         args.append(norm_weight.data_ptr())
     args += [t.data_ptr() for t in (w_gu, w_scale) if t is not None]
     args += [out.data_ptr(), *split_args(metas[i], scratch), rows, attrs["eps"]]
