@@ -95,19 +95,23 @@ def test_float32_rounding_to_e4m3_is_torchs_cast():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("norm", ["none", "folded", "unfolded"])
-@pytest.mark.parametrize("k", [100, 512])
+@pytest.mark.parametrize("k", [100, 512, 5000])
 def test_quantize_rows_gives_the_reference_rows(k, norm, dtype):
     """The pre-pass's e4m3 rows and scales are those of `plugins.fp8.quantize_rows` applied to
-    the GEMM input (x, or the RMSNorm'd row in x's dtype), exactly; a zero row gets the smallest
-    scale, and a row with one huge value saturates nothing. A float32 RMSNorm'd row is not
-    rounded to a coarser dtype, so there the order of the kernel's sum of squares shows: scales
-    within float32 rounding, and an e4m3 value a step away where it sat on a rounding tie."""
+    the GEMM input (x, or the RMSNorm'd row in x's dtype), exactly, whether a row is read once
+    (k up to fp8.ONE_READ_MAX_K) or walked in blocks twice (k = 5000 with that limit lowered);
+    a zero row gets the smallest scale, and a row with one huge value saturates nothing. A
+    float32 RMSNorm'd row is not rounded to a coarser dtype, so there the order of the kernel's
+    sum of squares shows: scales within float32 rounding, and an e4m3 value a step away where it
+    sat on a rounding tie."""
     torch.manual_seed(k)
     x = rand(7, k, dtype=dtype, scale=3.0)
     x[2] = 0
     x[4, 5] = 200.0
     g = (1 + 0.5 * torch.randn(k)).to(dtype) if norm == "unfolded" else None
-    xq, scales = linear_kernels.quantize_rows(x, g, norm != "none", EPS)
+    with mock.patch.object(fp8, "ONE_READ_MAX_K", 4096 if k > 4096 else fp8.ONE_READ_MAX_K):
+        assert (fp8.quantize_block_k(k) >= k) == (k <= 4096)
+        xq, scales = linear_kernels.quantize_rows(x, g, norm != "none", EPS)
     expected_q, expected_scales = quantize_rows(x if norm == "none" else rms_norm(x, g, EPS))
     if dtype == torch.float32 and norm != "none":
         torch.testing.assert_close(scales, expected_scales, rtol=1e-6, atol=0)

@@ -161,23 +161,47 @@ def fp8_gemm_tile(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, offs_m, mask_m, rows, 
 def quantize_rows_kernel(x_ptr, norm_ptr, xq_ptr, scale_ptr, T, eps, K: tl.constexpr, BLOCK_K: tl.constexpr,
                          NORM: tl.constexpr, EMULATE: tl.constexpr, ROUND_E4M3: tl.constexpr):
     """Row program_id(0) of x [T, K] (RMSNorm'd with NORM) quantized: e4m3 values to xq [T, K],
-    the row's scale to scale[T]."""
+    the row's scale to scale[T]. A row that fits one block is read once and kept in registers;
+    a longer one is walked twice (`row_stats`, then the quantization)."""
     row = tl.program_id(0) + tl.zeros((1,), tl.int32)
     mask_m = row < T
-    x_scale, rstd = row_stats(x_ptr, norm_ptr, row, mask_m, eps, K, 1, BLOCK_K, NORM, EMULATE)
     offs_k = tl.arange(0, BLOCK_K)
     offs = row.to(tl.int64)[:, None] * K + offs_k[None, :]
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = offs_k < K - k0
+    if BLOCK_K >= K:
+        mask_k = offs_k < K
         mask = mask_m[:, None] & mask_k[None, :]
-        x = tl.load(x_ptr + offs + k0, mask=mask, other=0.0)
-        q = to_e4m3(normalized(x, rstd, norm_ptr, k0 + offs_k, mask_k, NORM, EMULATE), x_scale, ROUND_E4M3)
-        tl.store(xq_ptr + offs + k0, q, mask=mask)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        rstd = tl.full((1,), 1.0, tl.float32)
+        if NORM:
+            wide = x.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(wide * wide, axis=1) / K + eps)
+        xn = normalized(x, rstd, norm_ptr, offs_k, mask_k, NORM, EMULATE).to(tl.float32)
+        x_scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(xn), axis=1), _MAX), _MIN_SCALE)
+        tl.store(xq_ptr + offs, to_e4m3(xn, x_scale, ROUND_E4M3), mask=mask)
+    else:
+        x_scale, rstd = row_stats(x_ptr, norm_ptr, row, mask_m, eps, K, 1, BLOCK_K, NORM, EMULATE)
+        for k0 in range(0, K, BLOCK_K):
+            mask_k = offs_k < K - k0
+            mask = mask_m[:, None] & mask_k[None, :]
+            x = tl.load(x_ptr + offs + k0, mask=mask, other=0.0)
+            q = to_e4m3(normalized(x, rstd, norm_ptr, k0 + offs_k, mask_k, NORM, EMULATE), x_scale, ROUND_E4M3)
+            tl.store(xq_ptr + offs + k0, q, mask=mask)
     tl.store(scale_ptr + row, x_scale, mask=mask_m)
 
 
+# Rows up to this long are quantized from registers in one read, with QUANTIZE_WARPS warps up to
+# 4,096 elements and twice as many beyond (32 float32 values a thread, no spills on sm_90). On an
+# H200 the two-pass walk of a 14,336-element row (Llama-3-8B's down projection, 4 blocks of
+# 4,096) took about 13 us at T = 1, a third of the GEMM it feeds.
+ONE_READ_MAX_K = 16384
+
+
 def quantize_block_k(k: int) -> int:
-    return min(triton.next_power_of_2(k), 4096)
+    return triton.next_power_of_2(k) if k <= ONE_READ_MAX_K else 4096
+
+
+def quantize_warps(k: int) -> int:
+    return QUANTIZE_WARPS * (2 if quantize_block_k(k) > 4096 else 1)
 
 
 def quantize_aot(dtype: str, k: int, norm: bool, norm_weight: bool) -> list[AotKernel]:
@@ -193,5 +217,5 @@ def quantize_aot(dtype: str, k: int, norm: bool, norm_weight: bool) -> list[AotK
     meta = {"quantize": True, "grid": "(T, 1, 1)", "pointer_alignment": 16,
             "scratch_per_row": {"fp8_x": k, "fp8_x_scale": 4}}
     return [AotKernel(quantize_rows_kernel, signature, {**constexprs, "ROUND_E4M3": round_first}, targets=targets,
-                      num_warps=QUANTIZE_WARPS, num_stages=1, aligned=pointer_params(signature), meta=meta)
+                      num_warps=quantize_warps(k), num_stages=1, aligned=pointer_params(signature), meta=meta)
             for targets, round_first in TARGET_GROUPS]

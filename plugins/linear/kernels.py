@@ -302,7 +302,7 @@ def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None, norm: bool,
     scales = torch.empty(t, dtype=torch.float32, device=x.device)
     fp8.quantize_rows_kernel[(t,)](x, norm_weight, xq, scales, t, eps, K=k, BLOCK_K=fp8.quantize_block_k(k),
                                    NORM=norm, EMULATE=interpreting(), ROUND_E4M3=interpreting(),
-                                   num_warps=fp8.QUANTIZE_WARPS)
+                                   num_warps=fp8.quantize_warps(k))
     return xq, scales
 
 
