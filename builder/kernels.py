@@ -9,7 +9,8 @@ by their content hash, so rebuilding is quick. An op that has no GPU kernel (no
 `compile_shapes`) is a build error naming it and the module it came from: nothing falls back
 silently: an FP8 op (compile shape `fp8`) needs a kernels module whose `FP8_TARGETS` names every
 GPU target of the build, and one with a static activation scale (`fp8_static`) one that says
-`SUPPORTS_FP8_STATIC = True`.
+`SUPPORTS_FP8_STATIC = True`. A cubin that needs more shared memory than its target gives a
+block is a build error too: it would compile, and then fail to load on that GPU.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import Callable
 from kiln.atomic import write_bytes
 from kiln.builder.ir import Graph
 from kiln.plugins import get_plugin
-from kiln.plugins.aot import AotKernel, Cubin, compile_cubin
+from kiln.plugins.aot import MAX_SHARED_BYTES, AotKernel, Cubin, compile_cubin
 
 
 class KernelError(ValueError):
@@ -152,6 +153,7 @@ def _add(blobs: dict[str, tuple[bytes, dict]], kernel: AotKernel, target: str, p
     if key not in blobs:
         progress(f"{plugin} for {target}")
         cubin = _compile_cached(kernel, target, key)
+        check_shared_memory(cubin, target, plugin)
         blobs[key] = (cubin.binary, {
             "plugin": plugin, "target": target, "entry": cubin.name,
             "signature": [t for t in kernel.signature.values() if t != "constexpr"],
@@ -159,3 +161,13 @@ def _add(blobs: dict[str, tuple[bytes, dict]], kernel: AotKernel, target: str, p
             "launch": kernel.meta,
             **({"global_scratch": cubin.global_scratch} if cubin.global_scratch else {})})
     return key
+
+
+def check_shared_memory(cubin: Cubin, target: str, plugin: str) -> None:
+    """Refuse a cubin that asks for more shared memory per block than `target` has."""
+    limit = MAX_SHARED_BYTES[target]
+    if cubin.shared_bytes > limit:
+        raise KernelError(f"plugin {plugin!r}'s kernel {cubin.name} needs {cubin.shared_bytes:,} bytes of shared "
+                          f"memory per block, more than {target} gives ({limit:,}): the engine would not load "
+                          f"there. Its tiles are too large for this dtype and target (a bug in the plugin's "
+                          f"tiling); build for the other targets, or shrink the plugin's tiles")

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 TARGET_CC = {"sm_80": 80, "sm_89": 89, "sm_90": 90, "sm_100": 100}
+# The most shared memory one block may ask for on each target (the opt-in limit, CUDA's
+# sharedMemPerBlockOptin): a cubin that needs more compiles but does not load there.
+MAX_SHARED_BYTES = {"sm_80": 166_912, "sm_89": 101_376, "sm_90": 232_448, "sm_100": 232_448}
 # Triton's pointer type in a signature for each engine dtype.
 POINTER_TYPES = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}
 # Triton's pointer to e4m3 (torch.float8_e4m3fn) values, such as an FP8 KV cache's.
