@@ -40,6 +40,16 @@ FP8_TARGETS = fp8.FP8_TARGETS
 # the L2): 23.6 us, the sweep's best; the engine's batch-64 profile took 43.7 us with the
 # shared small tile (32 rows, 128-wide K, split in 2).
 QKV_TILES = with_bucket(TILES, "small", block_n=64, block_k=64, stages=3, split_k=4)
+# With e4m3 weights and rows (H200, 2026-11-30, `KILN_TUNE_FP8=1 scripts/tune_gemm.py`, Llama-3-8B's
+# qkv, weights cycled beyond the L2): at T = 64 the unsplit 128-deep tile takes 10.8 us against
+# 14.4 for QKV_TILES' (its split-K partials cost more than e4m3's halved weight bytes save); at
+# T = 1 K tiles of 128 e4m3 values and 4 stages take 10.6 against 11.2.
+QKV_FP8_TILES = with_bucket(with_bucket(QKV_TILES, "decode", block_k=64, stages=4), "small", block_k=128, stages=4,
+                            split_k=1)
+
+
+def qkv_tiles(fp8_weight: bool) -> tuple[Tile, ...]:
+    return QKV_FP8_TILES if fp8_weight else QKV_TILES
 
 
 @triton.jit
@@ -192,7 +202,7 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     x, w_qkv = x.contiguous(), w_qkv.contiguous()
     t, k = x.shape
     heads, kv_heads, d = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
-    tile = pick_tile(t, tiles=QKV_TILES)
+    tile = pick_tile(t, tiles=qkv_tiles(w_scale is not None))
     bk = block_k(tile, w_qkv.element_size())
     split = head_split(tile, d, q_norm is not None)
     ksplit, columns = split_k(tile, k, bk), (heads + 2 * kv_heads) * split
@@ -267,7 +277,7 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     optional = {"norm_ptr": shapes.get("norm_weight", False), "bias_ptr": shapes.get("bias", False),
                 "q_norm_ptr": qk_norm, "k_norm_ptr": qk_norm, "kv_scale_ptr": shapes.get("fp8_kv", False)}
     kernels = []
-    for tile in QKV_TILES:
+    for tile in qkv_tiles(fp8_weight):
         bk, split = block_k(tile, 1 if fp8_weight else size), head_split(tile, d, qk_norm)
         ksplit = split_k(tile, k, bk)
         signature = {"x_ptr": FP8_POINTER if fp8_weight else ptr, "x_scale_ptr": "*fp32", "norm_ptr": ptr,
@@ -300,6 +310,6 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
             kernels.append(tma_aot(dtype, shapes, tile, optional))
     if fp8_weight:
         kernels += fp8.quantize_aot(dtype, k, norm=True, norm_weight=optional["norm_ptr"])
-    elif any(uses_tma(tile, shapes) for tile in QKV_TILES):
+    elif any(uses_tma(tile, shapes) for tile in qkv_tiles(fp8_weight)):
         kernels.append(tma.row_scale_aot(dtype, k))
     return kernels
