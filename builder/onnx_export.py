@@ -250,7 +250,8 @@ def _model_props(m: Manifest, source: str) -> dict[str, str]:
     form = ("dense prefill: input_ids and positions [tokens]; query_lens [sequences], the prompts packed in order, "
             "each attending to itself under a causal mask; logits_indices [logit_rows], the rows whose logits are "
             "returned. The paged KV cache is a runtime structure: the outputs named *.cache_k and *.cache_v are a "
-            "layer's keys and values, which its attention reads. kiln.all_reduce sums over the tensor-parallel ranks.")
+            "layer's keys and values, which its attention reads. kiln.all_reduce sums over the tensor-parallel ranks; "
+            "kiln.all_gather puts their slices of the logits side by side.")
     return {
         "kiln.engine": source,
         "kiln.form": form,

@@ -14,8 +14,9 @@ the layer's keys and values, which the paged cache holds at run time: an op that
 cache lists them among its outputs, and one that reads it among its inputs, and the exporter
 connects the two. Attributes are the op's own, referenced as `@name`. The exporter keeps a
 fused op as one node of the `kiln` domain calling this function and inlines a primitive op's
-body into standard ops. `kiln.all_reduce` (the sum over tensor-parallel ranks) is the one
-`kiln` op with no function: ONNX has no collective.
+body into standard ops. `kiln.all_reduce` (the sum over tensor-parallel ranks) and
+`kiln.all_gather` (the ranks' column slices side by side: the LM head's logits) are the `kiln`
+ops with no function: ONNX has no collective.
 
 The helpers below write lines that bodies repeat. The ops' own pieces (`rms_norm`, `rope`,
 `linear`, `attention`, ... in their `onnx.py`) take a prefix for the names they define, so a
@@ -30,6 +31,7 @@ DOMAIN = "kiln"
 OPSET = 24  # the standard ops' version: RMSNormalization, RotaryEmbedding, Attention and Swish
 DOMAIN_VERSION = 1
 ALL_REDUCE = "all_reduce"
+ALL_GATHER = "all_gather"
 CACHE_K, CACHE_V = "cache_k", "cache_v"
 
 
@@ -82,3 +84,8 @@ def shape(out: str, dims: list[int | str]) -> list[str]:
 def all_reduce(x: str, out: str) -> str:
     """out = the sum of x over the tensor-parallel ranks."""
     return f"{out} = {DOMAIN}.{ALL_REDUCE}({x})"
+
+
+def all_gather(x: str, out: str) -> str:
+    """out = every tensor-parallel rank's x [rows, N], side by side: [rows, ranks * N]."""
+    return f"{out} = {DOMAIN}.{ALL_GATHER}({x})"

@@ -24,6 +24,7 @@ import torch
 from kiln.dtypes import element_bytes
 from kiln.plugins import PluginSpec
 from kiln.plugins.driver_launch import sm_count
+from kiln.plugins.linear.reference import all_gather_columns
 from kiln.runtime.all_reduce import AllReduce
 from kiln.runtime.cuda_driver import CudaKernel, device_arch, load_kernel
 from kiln.runtime.decode_graphs import decode_batch_limit, graph_batch_sizes, is_pure_decode, pad_decode, padding_step
@@ -49,6 +50,12 @@ class _CudaOp:
     def reduces(self) -> bool:
         """A row-parallel op: its rank's partial output is summed over the ranks."""
         return bool(self.attrs.get("all_reduce"))
+
+    @property
+    def gathers(self) -> bool:
+        """The vocabulary-parallel LM head: its rank's slice of the output columns is gathered
+        from every rank."""
+        return self.attrs.get("all_gather", 0) > 1
 
 
 def _launcher(spec: PluginSpec) -> ModuleType:
@@ -116,13 +123,14 @@ class CudaExecutor(ArenaExecutor):
         super().__init__(engine, num_kv_blocks + 1, self.device,
                          {**{f"weight:{n}": w.nbytes for n, w in engine.weights.items()},
                           **{f"scratch:{n}": b for n, b in scratch.items()}, "logits": logits,
-                          "zeros": self._zeros_bytes(engine)})
+                          "zeros": self._zeros_bytes(engine), "gathered": self._gathered_bytes(engine)})
         self.pad_block = num_kv_blocks
         self.weights = {n: self.memory.view(f"weight:{n}", w.dtype, w.shape).copy_(w)
                         for n, w in engine.weights.items()}
         self.scratch = {n: self.memory.bytes(f"scratch:{n}") for n in scratch}
         self.logits = self.memory.bytes("logits").view(torch.float32)
         self.zeros = self.memory.bytes("zeros")  # never written: the arena starts zeroed
+        self.gathered = self.memory.bytes("gathered")
         self.ops = self._load_ops(launchers)
         self.staging = torch.empty(self.inputs.nbytes, dtype=torch.uint8, pin_memory=True)
         self.staged = torch.cuda.Event()
@@ -167,10 +175,19 @@ class CudaExecutor(ArenaExecutor):
         return max((engine.weights[t].nbytes if t in engine.weights else planned[t].nbytes
                     for t in tensors if t is not None), default=0)
 
+    @staticmethod
+    def _gathered_bytes(engine: Engine) -> int:
+        """Room for the ranks' slices of the output of an op that gathers it (the LM head)."""
+        return max((engine.manifest.slots[op.output].nbytes for op in engine.plan
+                    if op.attrs.get("all_gather", 0) > 1), default=0)
+
     def _launch(self, dims: dict[str, int], values: dict[str, torch.Tensor]) -> None:
         """Launch every op of the plan on torch's current stream (captured when it is capturing).
         A row-parallel op's output is summed over the ranks right after it, on the same stream
-        (`runtime.all_reduce`: the custom kernel or NCCL), so graphs capture the collectives too."""
+        (`runtime.all_reduce`: the custom kernel or NCCL), so graphs capture the collectives too.
+        The LM head of a tensor-parallel engine writes its slice of the logits' columns into the
+        start of its output, and NCCL gathers the slices over it (`all_gather_columns`), also on
+        that stream."""
         stream = torch.cuda.current_stream(self.device).cuda_stream
         tensor_parallel = self.engine.manifest.world_size > 1
         for op in self.ops:
@@ -181,10 +198,19 @@ class CudaExecutor(ArenaExecutor):
                 args = [self._zeros_like(a) if name in op.added_once and a is not None else a
                         for name, a in zip(op.names, args)]
             out = self._view(op.output, dims)
-            op.launcher.launch(op.kernels, op.metas, args, op.attrs, out, dims, stream, self.scratch)
+            part = self._column_slice(out, op.attrs["all_gather"]) if op.gathers else out
+            op.launcher.launch(op.kernels, op.metas, args, op.attrs, part, dims, stream, self.scratch)
             if tensor_parallel and op.reduces:
                 self.all_reduce(out)
+            if op.gathers:
+                all_gather_columns(part, self.gathered[:out.nbytes].view(out.dtype).view(-1, part.shape[1]), out)
             values[op.output] = out
+
+    @staticmethod
+    def _column_slice(out: torch.Tensor, ranks: int) -> torch.Tensor:
+        """A contiguous [rows, columns / ranks] view at the start of `out`: one rank's slice."""
+        rows, columns = out.shape
+        return out.view(-1)[:out.numel() // ranks].view(rows, columns // ranks)
 
     def _zeros_like(self, t: torch.Tensor) -> torch.Tensor:
         return self.zeros[:t.numel() * t.element_size()].view(t.dtype).view(t.shape)
@@ -233,5 +259,5 @@ class CudaExecutor(ArenaExecutor):
         super().close()
         # Every view of the arena goes: one left behind keeps the whole allocation (the bench
         # ran out of memory opening an engine after closing one that still held `zeros`).
-        self.weights = self.scratch = self.staging = self.logits = self.zeros = None
+        self.weights = self.scratch = self.staging = self.logits = self.zeros = self.gathered = None
         self.graphs = {}

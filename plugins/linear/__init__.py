@@ -5,6 +5,13 @@ input features, then all-reduce) or "none" (replicate); `heads` > 0 says the out
 are that many heads, so a column split keeps heads whole. A row-parallel op's bias is added
 once, after the sum.
 
+`all_gather` (the number of ranks) marks the LM head of a tensor-parallel engine: the shard pass
+sets it, with "column", on the linear that computes the logits (`builder.passes.shard`), so each
+rank computes its slice of the vocabulary and every rank ends with the whole output, gathered
+after the GEMM (`reference.all_gather_columns`, which the CUDA executor calls too). Models do not
+pass it and single-rank graphs do not carry it, so it is not among the spec's `attrs`; absent
+means 0, no gather.
+
 `weight_scale` (float32 [N]) makes it W8A8: the weight is float8_e4m3fn and x is quantized per
 token (`plugins.fp8`). It splits with the output features and is whole on every rank of a
 row-parallel split, where each rank's rows keep their full-row scale. `weight_input_scale`
@@ -45,7 +52,7 @@ def shard(shapes: dict, attrs: dict, rank: int, world: int, source: str) -> Shar
 SPEC = register(PluginSpec(
     name="linear", version=1, package=__name__,
     inputs=("x", "weight", "bias?", "weight_scale?", "weight_input_scale?"), attrs={"parallel": str, "heads": int, "all_reduce": bool},
-    shape=lambda s, a: (s["x"][0], s["weight"][0]),
+    shape=lambda s, a: (s["x"][0], s["weight"][0] * max(a.get("all_gather", 0), 1)),
     dtype="x", reference=linear,
     compile_shapes=compile_shapes, shard=shard, added_once=("bias",),
 ))

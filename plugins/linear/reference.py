@@ -1,6 +1,8 @@
-"""PyTorch reference for `linear`: y = x W^T (+ b), optionally all-reduced across TP ranks; and
-`project`, the one GEMM every projection's reference runs: in the model dtype, or W8A8 with
-`plugins.fp8`'s numerics when the weight is float8_e4m3fn with its per-output-feature scale."""
+"""PyTorch reference for `linear`: y = x W^T (+ b), optionally all-reduced across TP ranks (row
+parallel) or gathered from them (the vocabulary-parallel LM head: `all_gather_columns`, which the
+CUDA executor calls too); and `project`, the one GEMM every projection's reference runs: in the
+model dtype, or W8A8 with `plugins.fp8`'s numerics when the weight is float8_e4m3fn with its
+per-output-feature scale."""
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
@@ -43,9 +45,31 @@ def all_reduce_if(y: torch.Tensor, all_reduce: bool) -> torch.Tensor:
     return y
 
 
+def all_gather_columns(part: torch.Tensor, gathered: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Every rank's column slice `part` [T, N], side by side in rank order in `out` [T, ranks * N]:
+    gathered rank after rank into `gathered` [ranks * T, N] (the layout every backend gathers
+    into without a copy), then put in place by one transposing copy. Returns `out`."""
+    rows, width = part.shape
+    ranks = out.shape[1] // width
+    # torch 2.13 renamed all_gather_into_tensor (deprecating the old name); older torch has only that.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(gathered, part)
+    out.view(rows, ranks, width).copy_(gathered.view(ranks, rows, width).transpose(0, 1))
+    return out
+
+
+def all_gather_if(y: torch.Tensor, ranks: int) -> torch.Tensor:
+    """The whole output of a vocabulary-parallel projection (`ranks` > 1): every rank's slice."""
+    if ranks <= 1:
+        return y
+    rows, width = y.shape
+    return all_gather_columns(y, y.new_empty(ranks * rows, width), y.new_empty(rows, ranks * width))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
            parallel: str, heads: int, all_reduce: bool, weight_scale: Optional[torch.Tensor] = None,
-           weight_input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+           weight_input_scale: Optional[torch.Tensor] = None, all_gather: int = 0) -> torch.Tensor:
     y = all_reduce_if(project(x, weight, weight_scale, input_scale=weight_input_scale), all_reduce)
     # The bias goes after the reduction so that it is added once, not once per rank.
-    return y + bias if bias is not None else y
+    y = y + bias if bias is not None else y
+    return all_gather_if(y, all_gather)
