@@ -21,7 +21,7 @@ from kiln.builder.calibrate import calibrate, read_prompts
 from kiln.builder.config import BuildConfig
 from kiln.builder.ir import Graph, layer_of
 from kiln.builder.kernels import compile_all_reduce, compile_kernels
-from kiln.builder.passes import FUSIONS, fold_weights, plan_memory, quantize_kv_cache, shard
+from kiln.builder.passes import FUSIONS, fold_weights, plan_memory, quantize_kv_cache, shard, vocab_parallel
 from kiln.builder.passes.kv_cache import KV_SCALES, granularity
 from kiln.builder.passes import FUSIONS, fold_weights, plan_memory, shard
 from kiln.builder.passes.quantize import is_fp8, quantize_fp8
@@ -175,10 +175,14 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
                 raise BuildError("the model holds FP8 weights (a pre-quantized checkpoint): build it with "
                                  "--quantization fp8")
             layers, fusions = _fusions_per_layer(graph)
-            weight_bytes, arena_bytes, kernel_counts = [], [], []
+            weight_bytes, arena_bytes, kernel_counts, notes = [], [], [], []
             for rank in range(cfg.tp_size):
                 bar.set_postfix_str(f"rank {rank}: shard, fold, plan memory")
                 g, memory = lower_rank(graph, cfg, rank)
+                if rank == 0 and cfg.tp_size > 1 and not vocab_parallel(g):
+                    notes.append(f"the LM head runs whole on every rank: its vocabulary "
+                                 f"({g.tensors[g.outputs[0]].shape[-1]}) does not split evenly over --tp-size "
+                                 f"{cfg.tp_size}")
                 bar.update()
 
                 def compiling(what: str, r: int = rank) -> None:
@@ -203,7 +207,7 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
     finally:
         bar.close()
     return BuildSummary(output, layers, fusions, graph.count_ops(), weight_bytes, arena_bytes,
-                        list(cfg.targets), kernel_counts, cfg.quantization, time.time() - start)
+                        list(cfg.targets), kernel_counts, cfg.quantization, time.time() - start, notes)
 
 
 def build_engine(checkpoint: str | Path, output: str | Path, cfg: BuildConfig, progress: bool = False) -> BuildSummary:

@@ -106,13 +106,15 @@ def mlp_block(b: GraphBuilder, h: str, layer: int, inter: int = INTER, gated: st
 
 
 def make_llama(*, layers: int = 1, bias: bool = False, qk_norm: bool = False, inter: int = INTER,
-               num_heads: int = NH, num_kv_heads: int = NKV, seed: int = 0, gated: str = "silu_mul") -> Graph:
+               num_heads: int = NH, num_kv_heads: int = NKV, seed: int = 0, gated: str = "silu_mul",
+               vocab: int = VOCAB, tied: bool = False, softcap: float | None = None) -> Graph:
     """embedding -> decoder layers (attention + SwiGLU MLP with residual adds) -> take_rows ->
-    final norm -> lm_head, the shape of what the tracer produces for a Llama-family model."""
+    final norm -> lm_head (reading the embedding's weight when `tied`) -> soft cap (when
+    `softcap`), the shape of what the tracer produces for a Llama-family model (or Gemma 3)."""
     b = GraphBuilder(seed, num_layers=layers, num_kv_heads=num_kv_heads)
     b.g.add_weight("rope_cache", rope_cache())
-    h = b.node("embedding", "embed_tokens.embedding", input_ids="input_ids",
-               weight=b.weight("embed_tokens.weight", VOCAB, H, scale=1.0), scale=1.0)
+    embed = b.weight("embed_tokens.weight", vocab, H, scale=1.0)
+    h = b.node("embedding", "embed_tokens.embedding", input_ids="input_ids", weight=embed, scale=1.0)
     for layer in range(layers):
         a = attention_block(b, h, layer, bias=bias, qk_norm=qk_norm, num_heads=num_heads, num_kv_heads=num_kv_heads)
         o = linear(b, a, b.weight(f"layers.{layer}.self_attn.o_proj.weight", H, num_heads * HD),
@@ -122,7 +124,10 @@ def make_llama(*, layers: int = 1, bias: bool = False, qk_norm: bool = False, in
         h = b.node("add", f"layers.{layer}.add.2", a=h, b=d)
     h = b.node("take_rows", "take_rows", x=h, indices="logits_indices")
     h = b.node("rms_norm", "norm.rms_norm", x=h, weight=b.weight("norm.weight", H, scale=0.2, offset=1.0), eps=EPS)
-    b.g.outputs.append(linear(b, h, b.weight("lm_head.weight", VOCAB, H), "lm_head.linear", "none"))
+    logits = linear(b, h, embed if tied else b.weight("lm_head.weight", vocab, H), "lm_head.linear", "none")
+    if softcap is not None:
+        logits = b.node("softcap", "softcap", x=logits, cap=softcap)
+    b.g.outputs.append(logits)
     return b.g
 
 
@@ -178,27 +183,37 @@ def run_steps(g: Graph, steps=None) -> tuple[list[dict], torch.Tensor]:
     return envs, cache
 
 
+# attr -> the reference's collective it switches on, and how the ranks' outputs combine.
+COLLECTIVES = {"all_reduce": ("all_reduce_if", lambda parts: torch.stack(parts).sum(0)),
+               "all_gather": ("all_gather_if", lambda parts: torch.cat(parts, dim=1))}
+
+
 def run_tensor_parallel(graphs: list[Graph], step, caches: list[torch.Tensor]) -> list[dict]:
-    """Run one graph per rank in lockstep; the all-reduce of a row-parallel projection is
-    simulated by summing the ranks' partial products (captured from `all_reduce_if`)."""
+    """Run one graph per rank in lockstep; the collectives of `linear`'s reference are
+    simulated: a row-parallel projection's all-reduce sums the ranks' partial products, the LM
+    head's all-gather puts their slices side by side (each captured from the reference's
+    `all_reduce_if` or `all_gather_if`)."""
     envs = [{**g.weights, **step.as_dict(), KV_CACHE: c} for g, c in zip(graphs, caches)]
-    real = linear_reference.all_reduce_if
+    real = {name: getattr(linear_reference, name) for name, _ in COLLECTIVES.values()}
     try:
         for nodes in zip(*(g.nodes for g in graphs)):
             assert len({n.op for n in nodes}) == 1
-            if nodes[0].attrs.get("all_reduce"):
-                partials: list[torch.Tensor] = []
-                linear_reference.all_reduce_if = lambda y, ar: partials.append(y.clone()) or y
-                for node, env in zip(nodes, envs):
-                    get_plugin(node.op).call_reference(_node_args(node, env), node.attrs)
-                total = torch.stack(partials).sum(0)
-                linear_reference.all_reduce_if = lambda y, ar: total.clone()
+            for attr, (name, combine) in COLLECTIVES.items():
+                if nodes[0].attrs.get(attr):
+                    parts: list[torch.Tensor] = []
+                    setattr(linear_reference, name, lambda y, _: parts.append(y.clone()) or y)
+                    for node, env in zip(nodes, envs):
+                        get_plugin(node.op).call_reference(_node_args(node, env), node.attrs)
+                    whole = combine(parts)
+                    setattr(linear_reference, name, lambda y, _: whole.clone())
             for g, node, env in zip(graphs, nodes, envs):
                 env[node.output] = get_plugin(node.op).call_reference(_node_args(node, env), node.attrs)
                 _check_shape(g, node.output, env[node.output], step)
-            linear_reference.all_reduce_if = real
+            for name, fn in real.items():
+                setattr(linear_reference, name, fn)
     finally:
-        linear_reference.all_reduce_if = real
+        for name, fn in real.items():
+            setattr(linear_reference, name, fn)
     return envs
 
 

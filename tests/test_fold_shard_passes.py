@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from kiln.builder.ir import Graph
-from kiln.builder.passes import (ShardError, fold_weights, shard)
+from kiln.builder.passes import (ShardError, fold_weights, shard, vocab_parallel)
+from kiln.builder.passes.quantize import quantize_fp8
+from kiln.builder.passes.shard import lm_head
 from kiln.plugins.step_inputs import KV_CACHE
 from pass_graphs import *  # noqa: F401,F403
 
@@ -108,10 +110,14 @@ def test_shard_world_2_fused_graph():
         w_d = g.weights["layers.0.mlp.down_proj.weight"]
         assert torch.equal(s.weights[down.inputs["weight"]], w_d[:, r * half:(r + 1) * half])
 
-        # replicated: embedding, norms, lm head, rope table
-        for name in ("embed_tokens.weight", "norm.weight", "lm_head.weight", "rope_cache",
-                     "layers.0.input_layernorm.weight"):
+        # replicated: embedding, norms, rope table
+        for name in ("embed_tokens.weight", "norm.weight", "rope_cache", "layers.0.input_layernorm.weight"):
             assert torch.equal(s.weights[name], fused.weights[name])
+        # vocabulary parallel: the LM head's rows of this rank, its output gathered whole
+        head = s.producer(s.outputs[0])
+        assert head.attrs == {"parallel": "column", "heads": 0, "all_reduce": False, "all_gather": 2}
+        assert torch.equal(s.weights["lm_head.weight"], g.weights["lm_head.weight"][r * VOCAB // 2:(r + 1) * VOCAB // 2])
+        assert s.tensors[s.outputs[0]].shape == ("L", VOCAB)
         assert s.tensors[KV_CACHE].shape == (1, 2, "N", "block_size", 1, HD)
         assert_valid_order(s)
 
@@ -170,10 +176,13 @@ def test_shard_row_parallel_partials_sum_to_unsharded():
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("fused", [False, True])
-def test_shard_end_to_end_matches_unsharded(world, fused):
+@pytest.mark.parametrize("head", [dict(), dict(tied=True, softcap=5.0), dict(vocab=34)],
+                         ids=["untied", "tied-softcap", "uneven-vocab"])
+def test_shard_end_to_end_matches_unsharded(world, fused, head):
     """Each rank runs its graph (folded after sharding, as the build does); with the all-reduce
-    simulated, the logits and each rank's slice of the KV cache match the single-rank run."""
-    g = make_llama(bias=True, qk_norm=True)
+    and the LM head's all-gather simulated, the logits and each rank's slice of the KV cache
+    match the single-rank run."""
+    g = make_llama(bias=True, qk_norm=True, **head)
     base = fuse_all(g) if fused else g
     ranks = [fold_weights(shard(base, r, world)) if fused else shard(base, r, world) for r in range(world)]
     envs_ref, cache_ref = run_steps(g)
@@ -192,6 +201,52 @@ def test_shard_world_1_is_a_copy():
     g = fuse_all(make_llama())
     s = shard(g, 0, 1)
     assert s is not g and s.nodes == g.nodes and s.weights.keys() == g.weights.keys()
+    assert "all_gather" not in s.producer(s.outputs[0]).attrs and not vocab_parallel(s)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("tied,softcap", [(False, None), (True, None), (True, 5.0)])
+def test_shard_lm_head_keeps_a_slice_of_the_vocabulary(world, tied, softcap):
+    """Each rank's head holds its [vocab / world, hidden] rows, found behind the soft cap; a
+    tied embedding keeps reading the whole weight, the head its own cut copy."""
+    g = fuse_all(make_llama(tied=tied, softcap=softcap))
+    full = g.weights["embed_tokens.weight" if tied else "lm_head.weight"]
+    per = VOCAB // world
+    for r in range(world):
+        s = shard(g, r, world)
+        head = lm_head(s)
+        assert head is s.producer("lm_head.linear") and vocab_parallel(s)
+        assert head.attrs["all_gather"] == world and head.attrs["parallel"] == "column"
+        assert s.weights[head.inputs["weight"]].shape == (per, H)
+        assert torch.equal(s.weights[head.inputs["weight"]], full[r * per:(r + 1) * per])
+        assert s.tensors["lm_head.linear"].shape == s.tensors[s.outputs[0]].shape == ("L", VOCAB)
+        (embed,) = nodes_of(s, "embedding")
+        assert torch.equal(s.weights[embed.inputs["weight"]], g.weights["embed_tokens.weight"])
+        assert (head.inputs["weight"] == "embed_tokens.weight.lm_head") == tied
+
+
+def test_shard_lm_head_of_an_uneven_vocabulary_stays_whole():
+    g = fuse_all(make_llama(vocab=33))
+    for r in range(2):
+        s = shard(g, r, 2)
+        assert not vocab_parallel(s) and lm_head(s).attrs["parallel"] == "none"
+        assert torch.equal(s.weights["lm_head.weight"], g.weights["lm_head.weight"])
+        assert s.tensors[s.outputs[0]].shape == ("L", 33)
+
+
+def test_shard_fp8_lm_head_cuts_its_scales_with_its_rows():
+    g = quantize_fp8(fuse_all(make_llama(tied=True)), lm_head=True)
+    head = lm_head(g)
+    weight, scale = (g.weights[head.inputs[k]] for k in ("weight", "weight_scale"))
+    assert weight.dtype == torch.float8_e4m3fn and scale.shape == (VOCAB,)
+    for r in range(2):
+        s = shard(g, r, 2)
+        cut = lm_head(s)
+        rows = slice(r * VOCAB // 2, (r + 1) * VOCAB // 2)
+        assert torch.equal(s.weights[cut.inputs["weight"]].view(torch.uint8), weight[rows].view(torch.uint8))
+        assert torch.equal(s.weights[cut.inputs["weight_scale"]], scale[rows])
+        (embed,) = nodes_of(s, "embedding")
+        assert torch.equal(s.weights[embed.inputs["weight"]], g.weights["embed_tokens.weight"])
 
 
 def test_shard_error_heads_not_divisible():

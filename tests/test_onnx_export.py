@@ -171,11 +171,14 @@ def test_tp2_engine_exports_one_checked_graph_per_rank(factory, tmp_path):
         bodies = {f.name: [n.op_type for n in f.node if n.domain == "kiln"] for f in model.functions}
         # The row-parallel projections (o and down) sum over the ranks inside their fused ops.
         assert bodies["attention_o_proj"] == ["all_reduce"] and bodies["linear_residual"] == ["all_reduce"]
+        # The LM head (a primitive linear, inlined) gathers its slices of the logits.
+        assert [n for n in kiln_nodes(model) if n.startswith("all_")] == ["all_gather"]
         assert json.loads({p.key: p.value for p in model.metadata_props}["kiln.model"])["architecture"]
 
     exports = exported(factory.engine(ckpt, dtype="float32", tp_size=2, fuse=False), tmp_path / "unfused.onnx")
     for e in exports:
-        assert kiln_nodes(onnx.load(e.path)) == ["all_reduce"] * 4  # o_proj and down_proj of 2 layers
+        # o_proj and down_proj of 2 layers, then the LM head
+        assert kiln_nodes(onnx.load(e.path)) == ["all_reduce"] * 4 + ["all_gather"]
 
 
 def test_external_data_above_the_threshold_runs_in_onnxruntime(factory, tmp_path, monkeypatch):

@@ -4,7 +4,9 @@ processes, give the same logits as the --tp-size 1 engine (relative 1e-5), step 
 The scenario (tests/tp_worker.py): one step with two prefills of different lengths (one asking
 for all its logits), then 8 greedy decode steps of both sequences. qwen2 with 8 heads and 2 kv
 heads has q/k/v biases and, at tp 4, kv heads replicated over ranks; llama3 with 4 heads and 4
-kv heads at tp 2 splits its kv heads.
+kv heads at tp 2 splits its kv heads. The LM head is vocabulary parallel (each rank keeps its
+rows, the logits are gathered) with untied and tied embeddings; a vocabulary that does not
+divide over the ranks keeps it whole.
 """
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ class Family:
     num_kv_heads: int
     tp_sizes: tuple[int, ...]
     hidden: int = 64
+    vocab: int = 512
+    tie: bool | None = None  # the family's choice of tied embeddings unless set
 
     @property
     def head_dim(self) -> int:
@@ -54,6 +58,10 @@ FAMILIES = {
     # Gemma 3: a post-norm after each row-parallel projection (normed after the sum), q/k norm,
     # GeGLU, windowed and global layers, soft-capped logits.
     "gemma3": Family("gemma3", num_heads=4, num_kv_heads=2, tp_sizes=(2,)),
+    # The LM head's weight is the embedding's (qwen2 above is untied).
+    "qwen2-tied": Family("qwen2", num_heads=8, num_kv_heads=2, tp_sizes=(2,), tie=True),
+    # 513 rows do not split over 2 ranks: the head runs whole on each.
+    "llama3-uneven-vocab": Family("llama3", num_heads=4, num_kv_heads=4, tp_sizes=(2,), vocab=513),
 }
 CASES = [(name, tp) for name, fam in FAMILIES.items() for tp in fam.tp_sizes]
 parametrize_cases = pytest.mark.parametrize("family,tp", CASES, ids=[f"{f}-tp{t}" for f, t in CASES])
@@ -64,6 +72,7 @@ class Built:
     family: Family
     engines: dict[int, Path]
     reference: dict
+    notes: dict[int, list[str]]  # each build summary's notes
 
 
 def _build_config(tp: int) -> BuildConfig:
@@ -81,15 +90,16 @@ def builds(tmp_path_factory):
         if name not in cache:
             fam = FAMILIES[name]
             root = tmp_path_factory.mktemp(f"tp-{name}")
-            ckpt = write_random_checkpoint(root / "ckpt", name, hidden_size=fam.hidden, num_layers=2,
+            ckpt = write_random_checkpoint(root / "ckpt", fam.name, hidden_size=fam.hidden, num_layers=2,
                                            num_heads=fam.num_heads, num_kv_heads=fam.num_kv_heads,
-                                           intermediate_size=128, dtype="float32", seed=0)
-            engines = {}
+                                           intermediate_size=128, vocab_size=fam.vocab, dtype="float32", seed=0,
+                                           tie_word_embeddings=fam.tie)
+            engines, notes = {}, {}
             for tp in (1, *fam.tp_sizes):
                 engines[tp] = root / f"engine-tp{tp}"
-                build_engine(ckpt, engines[tp], _build_config(tp))
+                notes[tp] = build_engine(ckpt, engines[tp], _build_config(tp)).notes
             assert not dist.is_initialized()
-            cache[name] = Built(fam, engines, tp_worker.run_scenario(load_engine(engines[1], 0)))
+            cache[name] = Built(fam, engines, tp_worker.run_scenario(load_engine(engines[1], 0)), notes)
         return cache[name]
 
     return get
@@ -160,7 +170,7 @@ def test_tp_logits_match_tp1(builds, family, tp, tmp_path):
         diff = _rel_diff(got, want)
         assert diff <= TOL, f"{family} tp {tp}, step {step}: max |diff| / max |ref| = {diff:.3g}"
     assert rank0["tokens"] == ref["tokens"]
-    # Every rank computes the full logits (the LM head is replicated after the all-reduces).
+    # Every rank holds the full logits (gathered from the ranks' slices of the vocabulary).
     for r, res in enumerate(results[1:], start=1):
         assert res["tokens"] == rank0["tokens"], f"rank {r}"
         for step, (got, want) in enumerate(zip(res["logits"], rank0["logits"])):
@@ -206,3 +216,71 @@ def test_qkv_weights_are_sharded(builds, family, tp):
                               v[k0 * hd:(k0 + kn) * hd]])
             assert torch.equal(shards[rank][dim], want), f"rank {rank} qkv dim {dim}"
     assert not torch.equal(shards[0][2], shards[1][2])
+
+
+def _lm_head(engine):
+    """The plan's LM head (the linear whose source is the model's lm_head) and its weight."""
+    (head,) = [op for op in engine.manifest.plan if op.op == "linear" and op.source == "lm_head"]
+    return head, engine.weights[head.inputs["weight"]]
+
+
+@parametrize_cases
+def test_lm_head_keeps_this_ranks_rows_of_the_vocabulary(builds, family, tp):
+    """Each rank's LM head weight is its [vocab / tp, hidden] rows of the tp 1 head (a tied
+    embedding stays whole beside it) and the logits are whole; an uneven vocabulary keeps the
+    head whole, and the build summary says so."""
+    built = builds(family)
+    fam = built.family
+    _, whole = _lm_head(load_engine(built.engines[1], 0))
+    assert whole.shape == (fam.vocab, fam.hidden) and built.notes[1] == []
+    even = fam.vocab % tp == 0
+    per = fam.vocab // tp if even else fam.vocab
+    for rank in range(tp):
+        engine = load_engine(built.engines[tp], rank)
+        head, weight = _lm_head(engine)
+        assert head.attrs.get("all_gather", 0) == (tp if even else 0)
+        rows = slice(rank * per, (rank + 1) * per) if even else slice(None)
+        assert torch.equal(weight, whole[rows])
+        embed = next(op for op in engine.plan if op.spec.name == "embedding")
+        assert engine.weights[embed.inputs["weight"]].shape == (fam.vocab, fam.hidden)
+        assert engine.manifest.tensors[engine.manifest.logits].shape == ("L", fam.vocab)
+    if even:
+        assert built.notes[tp] == []
+    else:
+        assert built.notes[tp] == [f"the LM head runs whole on every rank: its vocabulary ({fam.vocab}) does not "
+                                   f"split evenly over --tp-size {tp}"]
+
+
+def test_fp8_lm_head_is_cut_with_its_scales(tmp_path):
+    """--quantization fp8 --quantize-lm-head at tp 2, embeddings tied: each rank's e4m3 head
+    holds its rows of the tp 1 head with their scales, the embedding stays whole, and the
+    logits and tokens are tp 1's. Calibrated (static) activation scales quantize each element
+    alike whether a row-parallel projection sees all of a token or its rank's slice."""
+    ckpt = write_random_checkpoint(tmp_path / "ckpt", "qwen2", hidden_size=64, num_layers=2, num_heads=8,
+                                   num_kv_heads=2, intermediate_size=128, dtype="float32", seed=0,
+                                   tie_word_embeddings=True)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the quick brown fox\njumps over the lazy dog\n")
+    engines = {}
+    for tp in (1, 2):
+        engines[tp] = tmp_path / f"engine-tp{tp}"
+        cfg = BuildConfig(max_batch_size=8, max_seq_len=64, max_num_tokens=64, kv_block_size=4, tp_size=tp,
+                          quantization="fp8", quantize_lm_head=True, calibration_prompts=str(prompts))
+        build_engine(ckpt, engines[tp], cfg)
+    whole_engine = load_engine(engines[1], 0)
+    whole_head, whole = _lm_head(whole_engine)
+    whole_scale = whole_engine.weights[whole_head.inputs["weight_scale"]]
+    assert whole.dtype == torch.float8_e4m3fn and whole.shape == (512, 64)
+    for rank in range(2):
+        engine = load_engine(engines[2], rank)
+        head, weight = _lm_head(engine)
+        rows = slice(rank * 256, (rank + 1) * 256)
+        assert torch.equal(weight.view(torch.uint8), whole[rows].view(torch.uint8))
+        assert torch.equal(engine.weights[head.inputs["weight_scale"]], whole_scale[rows])
+        embed = next(op for op in engine.manifest.plan if op.op == "embedding")
+        assert engine.weights[embed.inputs["weight"]].shape == (512, 64)
+    want = tp_worker.run_scenario(whole_engine)
+    got = run_tp(engines[2], 2, tmp_path)[0]
+    for step, (a, b) in enumerate(zip(got["logits"], want["logits"])):
+        assert _rel_diff(a, b) <= TOL, f"step {step}: max |diff| / max |ref| = {_rel_diff(a, b):.3g}"
+    assert got["tokens"] == want["tokens"]

@@ -1,14 +1,16 @@
 """Tensor parallelism on GPUs (GPU only: `pytest -m gpu`): a TP 2 engine, one NCCL rank per
-GPU with its collectives inside the decode graphs, generates what the TP 1 engine generates
-(greedy, and seeded samples drawn on rank 0's GPU), summing with the custom all-reduce for
-decode-sized messages (the default) and with NCCL alone (KILN_ALL_REDUCE=nccl); and an engine
-with more ranks than the machine has GPUs is refused by name."""
+GPU with its collectives inside the decode graphs (the all-reduces, and the all-gather of the
+vocabulary-parallel LM head's logits), generates what the TP 1 engine generates (greedy, and
+seeded samples drawn on rank 0's GPU), summing with the custom all-reduce for decode-sized
+messages (the default) and with NCCL alone (KILN_ALL_REDUCE=nccl); and an engine with more
+ranks than the machine has GPUs is refused by name."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from gpu_build import build_cli
+from kiln.engines.format import read_engine_file
 from kiln.runtime import SamplingParams, Session
 from kiln.runtime.engine import EngineLoadError
 
@@ -37,7 +39,11 @@ def test_tp2_on_two_gpus_generates_what_tp1_generates(factory, tmp_path, monkeyp
     monkeypatch.setenv("KILN_ALL_REDUCE", all_reduce)
     outputs = {}
     for tp in (1, 2):
-        with Session(_build(factory, tmp_path, tp), device="cuda") as session:
+        engine = _build(factory, tmp_path, tp)
+        heads = [op.attrs.get("all_gather", 0) for op in read_engine_file(engine / "rank0.engine").manifest.plan
+                 if op.source == "lm_head"]
+        assert heads == [0 if tp == 1 else 2]  # the TP 2 head keeps half the vocabulary and gathers the logits
+        with Session(engine, device="cuda") as session:
             if tp == 2:
                 assert session._core.executor.custom_all_reduce == (all_reduce == "auto")
             outputs[tp] = [[c.token_ids for c in o.outputs]
