@@ -9,8 +9,8 @@ rate is kept beside it, so run-to-run noise shows; its limit is the cost model's
 exactly the steps of that window. Beside the step time, the device time of the step's CUDA-graph
 replay (CUDA events around each replay, no host work) and the host's share of the step: what
 the engine loop costs beyond the GPU's work. There is no graph replay on the CPU (None).
-On a tensor-parallel engine, the share of a step spent in all-reduces: an estimate, from
-all-reduces of the step's messages timed apart from it (`runtime.collectives`), over the
+On a tensor-parallel engine, the share of a step spent in collectives: an estimate, from the
+step's all-reduces and all-gather timed apart from it (`runtime.collectives`), over the
 measured step time; None on one rank.
 """
 from __future__ import annotations
@@ -76,8 +76,8 @@ def measure_decode(run: EngineRun, batch: int, context: int, steps: int, seed: i
     finally:
         for rid in ids:
             core.cancel(rid)
-    all_reduce_seconds = getattr(core.executor, "all_reduce_seconds", None)  # tensor-parallel executors only
-    collective_s = all_reduce_seconds(batch) if all_reduce_seconds else None
+    collective_seconds = getattr(core.executor, "collective_seconds", None)  # tensor-parallel executors only
+    collective_s = collective_seconds(batch) if collective_seconds else None
     rates = [sum(s.num_tokens for s in shapes) / seconds for seconds, shapes, _ in windows]
     seconds, shapes, replay_s = windows[sorted(range(REPEATS), key=rates.__getitem__)[REPEATS // 2]]
     tokens = sum(s.num_tokens for s in shapes)

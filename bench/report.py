@@ -79,15 +79,15 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 def _step_times(figures: list[Figure]) -> list[str]:
     """Each decode batch's step time beside its CUDA-graph replay's device time: the rest is
     the host's share of a step ("-" where no graph replayed: the CPU, tensor parallelism). On a
-    tensor-parallel engine, the share of a step its all-reduces take, estimated from
-    all-reduces of the step's messages timed apart from it."""
+    tensor-parallel engine, the share of a step its collectives take, estimated from the
+    step's all-reduces and all-gather timed apart from it."""
     decode = [f for f in figures if f.section == "decode" and f.value is not None]
     if not decode:
         return []
     collectives = any(f.params.get("collective_share") is not None for f in decode)
     header = ("decode step", "end to end (ms)", "graph replay (ms)", "host share")
     if collectives:
-        header += ("all-reduces (ms, timed apart)", "all-reduce share")
+        header += ("collectives (ms, timed apart)", "collective share")
     rows = [header]
     for f in decode:
         replay, share = f.params["replay_ms_per_step"], f.params["host_share"]
@@ -99,8 +99,8 @@ def _step_times(figures: list[Figure]) -> list[str]:
         rows.append(row)
     lines = [""] + _table(rows)
     if collectives:
-        lines.append("all-reduces: one step's all-reduces timed apart from it (each message all-reduced alone, "
-                     "captured in a CUDA graph on the GPU), an estimate, over the measured step time")
+        lines.append("collectives: one step's all-reduces and the LM head's all-gather timed apart from it (each "
+                     "alone, captured in a CUDA graph on the GPU), an estimate, over the measured step time")
     return lines
 
 

@@ -229,12 +229,12 @@ class TensorParallelExecutor:
         self._collect(number)
         return self.replies.pop(number)
 
-    def all_reduce_seconds(self, tokens: int) -> float:
-        """Rank 0's estimate of the seconds a step of `tokens` tokens spends in all-reduces,
-        timed apart from any step (`runtime.collectives`)."""
+    def collective_seconds(self, tokens: int) -> float:
+        """Rank 0's estimate of the seconds a decode step of `tokens` tokens spends in
+        collectives, timed apart from any step (`runtime.collectives`)."""
         self._collect(self.sent)
-        self._send_all("all_reduce_seconds", [tokens] * len(self.conns), "timing all-reduces")
-        return self._gather(self.step_timeout, "timing all-reduces")[0]
+        self._send_all("collective_seconds", [tokens] * len(self.conns), "timing collectives")
+        return self._gather(self.step_timeout, "timing collectives")[0]
 
     def close(self) -> None:
         """Stop every worker; ones stuck in a collective with a dead peer are killed."""

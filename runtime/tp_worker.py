@@ -11,12 +11,13 @@ rank's engine file, answers with where its arena holds the step inputs and wheth
 with the custom all-reduce, and then serves calls from the Session's process: `step` (the
 slot of the shared buffer holding the step's inputs, its sizes, the copy-on-write copies, the
 rows to feed from the previous step's sampled ids and the `Picks`), `settle` (answer for the
-step launched last), `all_reduce_seconds` (bench-engine's estimate of a step's collective time,
+step launched last), `collective_seconds` (bench-engine's estimate of a step's collective time,
 `runtime.collectives`) and `stop`. Every rank runs every step; row-parallel ops all-reduce
 (inside their reference implementations on the CPU, after their kernels on the GPU:
-`runtime.all_reduce`), so every rank ends with the same full logits and picks the same tokens
-from them on its device (same sampler state, same seeds), which it feeds to its next step.
-A rank answers for step N once it has launched step N+1 (or is told to settle): rank 0 with the
+`runtime.all_reduce`) and the vocabulary-parallel LM head gathers its slices of the logits
+the same way (`plugins.linear.reference.all_gather_columns`), so every rank ends with the same
+full logits and picks the same tokens from them on its device (same sampler state, same
+seeds), which it feeds to its next step. A rank answers for step N once it has launched step N+1 (or is told to settle): rank 0 with the
 ids and logprobs entries, the others with None.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from kiln.runtime.all_reduce import AllReduce, gloo_gather, open_all_reduce
-from kiln.runtime.collectives import step_all_reduce_seconds
+from kiln.runtime.collectives import step_collective_seconds
 from kiln.runtime.executor import ArenaExecutor
 from kiln.runtime.step import Feed, SampledIds
 from kiln.runtime.tp_executor import input_slots
@@ -113,9 +114,9 @@ def worker_main(engine_dir: str, rank: int, world_size: int, port: int, num_kv_b
             elif call == "settle":
                 _answer(conn, rank, pending)
                 pending = None
-            elif call == "all_reduce_seconds":
+            elif call == "collective_seconds":
                 try:
-                    conn.send(("ok", step_all_reduce_seconds(executor.engine, args, executor.kv_cache.device, summing)))
+                    conn.send(("ok", step_collective_seconds(executor.engine, args, executor.kv_cache.device, summing)))
                 except Exception:
                     conn.send(("error", traceback.format_exc()))
     except (EOFError, KeyboardInterrupt):

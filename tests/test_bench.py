@@ -99,12 +99,12 @@ def test_decode_step_time_beside_graph_replay(tiny_run):
     for f in data["decode"]:
         assert f["ms_per_step"] == pytest.approx(1e3 * f["seconds"] / f["steps"])
         # No CUDA graphs on the CPU: the replay time and the host's share are absent, not 0;
-        # one rank has no all-reduces.
+        # one rank has no collectives.
         assert f["replay_ms_per_step"] is None and f["host_share"] is None
         assert f["collective_ms_per_step"] is None and f["collective_share"] is None
     table = result.stdout[result.stdout.index("decode step"):].splitlines()
     assert table[0].split()[:2] == ["decode", "step"] and "graph replay (ms)" in table[0]
-    assert "all-reduce" not in result.stdout
+    assert "collective" not in result.stdout
     assert table[2].startswith("decode b=1") and table[2].split()[-2:] == ["-", "-"]
 
 
@@ -301,14 +301,14 @@ def test_tensor_parallel_engine_folder_needs_no_flags(factory, tmp_path):
     data = json.loads((tmp_path / "tp.json").read_text())
     assert data["world_size"] == 2 and data["decode"][0]["value"] > 0
     assert any("no eager baseline" in n for n in data["notes"])
-    # The share of a step its all-reduces take, estimated from all-reduces timed apart. Not
+    # The share of a step its collectives take, estimated from collectives timed apart. Not
     # compared with the step time: both are timings, and on a loaded CPU the estimate taken
     # apart can exceed a step's (it failed so once in a full run on a busy 2-core machine).
     f = data["decode"][0]
     assert f["collective_ms_per_step"] > 0 and f["ms_per_step"] > 0
     assert f["collective_share"] == pytest.approx(f["collective_ms_per_step"] / f["ms_per_step"])
     table = result.stdout[result.stdout.index("decode step"):].splitlines()
-    assert "all-reduce share" in table[0] and table[2].split()[-1].endswith("%")
+    assert "collective share" in table[0] and table[2].split()[-1].endswith("%")
     assert "timed apart" in result.stdout
 
 
