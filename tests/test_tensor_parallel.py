@@ -241,7 +241,7 @@ def test_lm_head_keeps_this_ranks_rows_of_the_vocabulary(builds, family, tp):
         assert head.attrs.get("all_gather", 0) == (tp if even else 0)
         rows = slice(rank * per, (rank + 1) * per) if even else slice(None)
         assert torch.equal(weight, whole[rows])
-        embed = next(op for op in engine.plan if op.spec.name == "embedding")
+        embed = next(op for op in engine.manifest.plan if op.op == "embedding")
         assert engine.weights[embed.inputs["weight"]].shape == (fam.vocab, fam.hidden)
         assert engine.manifest.tensors[engine.manifest.logits].shape == ("L", fam.vocab)
     if even:
