@@ -23,7 +23,6 @@ from kiln.builder.ir import Graph, layer_of
 from kiln.builder.kernels import compile_all_reduce, compile_kernels
 from kiln.builder.passes import FUSIONS, fold_weights, plan_memory, quantize_kv_cache, shard, vocab_parallel
 from kiln.builder.passes.kv_cache import KV_SCALES, granularity
-from kiln.builder.passes import FUSIONS, fold_weights, plan_memory, shard
 from kiln.builder.passes.quantize import is_fp8, quantize_fp8
 from kiln.builder.passes.memory import MemoryPlan
 from kiln.builder.trace import trace
