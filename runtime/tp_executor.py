@@ -237,18 +237,22 @@ class TensorParallelExecutor:
         return self._gather(self.step_timeout, "timing collectives")[0]
 
     def close(self) -> None:
-        """Stop every worker; ones stuck in a collective with a dead peer are killed."""
-        for conn in self.conns:
-            try:
-                conn.send(("stop", None))
-            except (BrokenPipeError, OSError):
-                pass
-        for proc in self.procs:
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        """Stop every worker: the other ranks first, then rank 0, which hosts the process group's
+        store (a rank that outlives the store has NCCL's monitor log its loss every second until
+        it exits). Ones stuck in a collective with a dead peer are killed."""
+        workers = list(zip(self.conns, self.procs))
+        for group in (workers[1:], workers[:1]):
+            for conn, _ in group:
+                try:
+                    conn.send(("stop", None))
+                except (BrokenPipeError, OSError):
+                    pass
+            for _, proc in group:
+                try:
+                    proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
         for conn in self.conns + self.pings:
             conn.close()
         self.conns, self.pings, self.procs = [], [], []
