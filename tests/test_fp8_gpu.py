@@ -8,8 +8,9 @@ the small. The GPU quantizes the same GEMM inputs per token but sums RMSNorm's s
 products in another order, so now and then a value next to an e4m3 rounding boundary lands one
 step (up to 6%) away, that difference moves more values across boundaries in the next GEMM,
 and a few layers later the two runs differ by the whole quantization noise. (On the CPU alone,
-scaling the embedding table by 1 + 1e-6 noise moves this engine's logits by a median 6% and its
-argmax on 9% of the positions, where the unquantized engine's move by 3e-6.) What a kernel bug
+scaling the embedding table by 1 + 1e-6 noise moves this engine's logits by a median 5% and its
+argmax on 9% of the positions, where the unquantized engine's move by 3e-6:
+`scripts/fp8_sensitivity.py`.) What a kernel bug
 would change is the distance to the exact model, so that is what is compared: the GPU's FP8
 logits must be about as close to the exact model's as the CPU reference's are (median error
 within 1.25x, argmax agreement with the exact model within 0.03 of the reference's). The
