@@ -1,7 +1,8 @@
-"""The W8A8 (FP8) GEMM core that every GEMM plugin's FP8 kernels share, with `plugins.fp8`'s
-numerics: e4m3 weights [N, K] with a float32 scale per weight row, the GEMM input quantized per
-token (its largest magnitude over 448, round to nearest even, saturating), e4m3 products summed
-in float32, then acc * x_scale[row] * w_scale[col].
+"""The W8A8 (FP8) numerics of every GEMM plugin's FP8 kernels, on the GPU (`plugins.fp8`'s; their
+GEMM core is `linear.kernels.fp8_gemm_tile`): e4m3 weights [N, K] with a float32 scale per weight
+row, the GEMM input quantized per token (its largest magnitude over 448, round to nearest even,
+saturating) by `quantize_rows_kernel`, e4m3 products summed in float32, then
+acc * x_scale[row] * w_scale[col].
 
 The GEMM input is the exact activation the bf16 kernels multiply: x for `linear`, the RMSNorm'd
 row rounded to the activation dtype (times an unfolded norm weight) for the norm plugins. A
@@ -125,36 +126,6 @@ def row_stats(x_ptr, norm_ptr, offs_m, mask_m, eps, K: tl.constexpr, BLOCK_M: tl
                 xn = normalized(x, rstd, norm_ptr, k0 + offs_k, mask_k, NORM, EMULATE).to(tl.float32)
                 amax = tl.maximum(amax, tl.max(tl.abs(xn), axis=1))
     return tl.maximum(tl.math.div_rn(amax, _MAX), _MIN_SCALE), rstd
-
-
-@triton.jit
-def fp8_gemm_tile(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, offs_m, mask_m, rows, mask_n, K: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                  SPLIT_K: tl.constexpr):
-    """`linear.kernels.gemm_tile` in e4m3: the pre-pass's rows offs_m of x (scales at
-    x_scale_ptr) against the weight rows `rows`, returning the [BLOCK_M, BLOCK_N] float32 tile
-    already scaled by x_scale[row] * w_scale[col], over part program_id(2) of K when SPLIT_K > 1."""
-    K_PART: tl.constexpr = K // SPLIT_K
-    k_lo = 0
-    if SPLIT_K > 1:
-        k_lo = tl.program_id(2) * K_PART
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * K + k_lo + offs_k[None, :]
-    w_ptrs = w_ptr + rows.to(tl.int64)[None, :] * K + k_lo + offs_k[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K_PART, BLOCK_K):
-        mask_k = offs_k < K_PART - k0
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if UPCAST_DOT:
-            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
-    w_scale = tl.load(w_scale_ptr + rows, mask=mask_n, other=0.0)
-    return acc * x_scale[:, None] * w_scale[None, :]
 
 
 @triton.jit

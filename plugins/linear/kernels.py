@@ -216,6 +216,20 @@ def gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, mask_n,
 
 
 @triton.jit
+def fp8_gemm_tile(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, offs_m, mask_m, rows, mask_n, K: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                  SPLIT_K: tl.constexpr):
+    """`gemm_tile` in e4m3 (`linear.fp8`): the quantize pre-pass's rows offs_m of x (their scales
+    at x_scale_ptr) against the weight rows `rows`, the [BLOCK_M, BLOCK_N] float32 tile returned
+    already scaled by x_scale[row] * w_scale[col]."""
+    acc, _ = gemm_tile(x_ptr, None, w_ptr, offs_m, mask_m, rows, mask_n, K, BLOCK_M, BLOCK_N, BLOCK_K, False,
+                       UPCAST_DOT, SPLIT_K)
+    x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
+    w_scale = tl.load(w_scale_ptr + rows, mask=mask_n, other=0.0)
+    return acc * x_scale[:, None] * w_scale[None, :]
+
+
+@triton.jit
 def split_k_sum(acc, sumsq, part_ptr, count_ptr, mask_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 SPLIT_K: tl.constexpr, ROW_SCALE: tl.constexpr):
     """Adds the SPLIT_K partial results of this program's output tile (grid axis 2): each
@@ -258,14 +272,14 @@ def split_halves(acc, BLOCK_M: tl.constexpr, HALF: tl.constexpr):
 def linear_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, residual_ptr, out_ptr, part_ptr, count_ptr, T,
                   N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr):
-    """w_scale_ptr given: W8A8 (`linear.fp8.fp8_gemm_tile`: x holds the quantize pre-pass's e4m3
+    """w_scale_ptr given: W8A8 (`fp8_gemm_tile`: x holds the quantize pre-pass's e4m3
     rows, x_scale_ptr their scales); None: x and W in the activation dtype."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < T
     mask_n = offs_n < N
     if w_scale_ptr is not None:
-        acc = fp8.fp8_gemm_tile(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, offs_m, mask_m, offs_n, mask_n,
+        acc = fp8_gemm_tile(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, offs_m, mask_m, offs_n, mask_n,
                                 K, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT, SPLIT_K)
         sumsq = tl.zeros((BLOCK_M,), tl.float32)
     else:

@@ -26,8 +26,8 @@ from kiln.dtypes import element_bytes
 from kiln.plugins.aot import FP8_POINTER, POINTER_TYPES, AotKernel, absent_as_none, pointer_params
 from kiln.plugins.attention.kernels import padded, to_e4m3
 from kiln.plugins.linear import fp8, tma
-from kiln.plugins.linear.kernels import (TILES, Tile, block_k, gemm_input, gemm_tile, launch_meta,
-                                         num_stages, pick_tile, split_buffers, split_halves,
+from kiln.plugins.linear.kernels import (TILES, Tile, block_k, fp8_gemm_tile, gemm_input, gemm_tile,
+                                         launch_meta, num_stages, pick_tile, split_buffers, split_halves,
                                          split_k, split_k_sum, split_signature, upcast_dot, with_bucket)
 
 # The builder refuses FP8 plans for GPU targets not named here (`builder.kernels`).
@@ -65,7 +65,7 @@ def norm_qkv_rope_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, bias_
                          K: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
                          HEAD_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                          UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr):
-    """w_scale_ptr given: W8A8 (`linear.fp8.fp8_gemm_tile` on the quantize pre-pass's rows, which
+    """w_scale_ptr given: W8A8 (`linear.kernels.fp8_gemm_tile` on the quantize pre-pass's rows, which
     are RMSNorm'd already: its tile comes row-scaled)."""
     FP8: tl.constexpr = w_scale_ptr is not None
     HALF: tl.constexpr = D // 2
@@ -77,7 +77,7 @@ def norm_qkv_rope_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, bias_
     i = tl.arange(0, 2 * CHUNK)
     rows = h * D + (i // CHUNK) * HALF + (tl.program_id(1) % HEAD_SPLIT) * CHUNK + i % CHUNK
     if FP8:
-        acc = fp8.fp8_gemm_tile(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, offs_m, mask_m, rows,
+        acc = fp8_gemm_tile(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, offs_m, mask_m, rows,
                                 rows < (H + 2 * KVH) * D, K, BLOCK_M, 2 * CHUNK, BLOCK_K, UPCAST_DOT, SPLIT_K)
         sumsq = tl.zeros((BLOCK_M,), tl.float32)
     else:

@@ -29,7 +29,7 @@ import triton.language as tl
 from kiln.dtypes import element_bytes
 from kiln.plugins.aot import POINTER_TYPES, AotKernel, absent_as_none, pointer_params
 from kiln.plugins.linear import fp8, tma
-from kiln.plugins.linear.kernels import (WIDE_N, block_k, gemm_input, gemm_tile, launch_meta,
+from kiln.plugins.linear.kernels import (WIDE_N, block_k, fp8_gemm_tile, gemm_input, gemm_tile, launch_meta,
                                          num_stages, pick_tile, split_buffers, split_halves,
                                          split_k, split_k_sum, split_signature, tiles_for, upcast_dot,
                                          with_bucket)
@@ -70,7 +70,7 @@ def norm_swiglu_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, out_ptr
                        I: tl.constexpr, K: tl.constexpr, GU_BLOCK: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr, GELU_TANH: tl.constexpr):
-    """w_scale_ptr given: W8A8 (`linear.fp8.fp8_gemm_tile` on the quantize pre-pass's rows, which
+    """w_scale_ptr given: W8A8 (`linear.kernels.fp8_gemm_tile` on the quantize pre-pass's rows, which
     are RMSNorm'd already: its tile comes row-scaled)."""
     FP8: tl.constexpr = w_scale_ptr is not None
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -81,7 +81,7 @@ def norm_swiglu_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, out_ptr
     cols = tl.program_id(1) * BLOCK_N + i % BLOCK_N
     rows = (cols // GU_BLOCK) * (2 * GU_BLOCK) + cols % GU_BLOCK + (i // BLOCK_N) * GU_BLOCK
     if FP8:
-        acc = fp8.fp8_gemm_tile(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, offs_m, mask_m, rows, cols < I,
+        acc = fp8_gemm_tile(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, offs_m, mask_m, rows, cols < I,
                                 K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, UPCAST_DOT, SPLIT_K)
         sumsq = tl.zeros((BLOCK_M,), tl.float32)
     else:
