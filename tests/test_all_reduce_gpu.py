@@ -7,7 +7,6 @@ NCCL's is printed for decode sizes. tests/all_reduce_rank.py is what each rank r
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from gpu_build import compiler_env
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
@@ -28,7 +29,7 @@ def test_custom_all_reduce_sums_as_nccl_does_eagerly_and_in_graphs(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # Compiling the kernel needs Triton out of interpreter mode (kernel test modules set it here).
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = compiler_env()
     outs = [tmp_path / f"rank{r}.json" for r in range(WORLD)]
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "all_reduce_rank.py"), str(r), str(WORLD),
                                str(port), str(outs[r])], cwd=ROOT, env=env, stdout=subprocess.PIPE,

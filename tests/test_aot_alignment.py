@@ -2,15 +2,9 @@
 their PTX: the decode attention and the GEMMs stream their tiles with 16-byte asynchronous
 copies. Compiled without that promise, the same attention kernel reads K and V with 2-byte
 scalar loads (as engines built before it did): the difference this test guards."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from gpu_build import compiled_json
 
 SCRIPT = """
 import dataclasses, json, re, sys
@@ -37,12 +31,7 @@ sys.stdout.write(json.dumps({
 
 @pytest.fixture(scope="module")
 def ptx_loads() -> dict:
-    # Compiled without TRITON_INTERPRET, which would make the kernels interpreter stand-ins.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout)
+    return compiled_json(SCRIPT)
 
 
 def test_decode_attention_streams_kv_with_16_byte_copies(ptx_loads):

@@ -5,16 +5,11 @@ the quantize pre-pass, and the PTX shows what the design relies on: the dots are
 (mma.sync on sm_89, wgmma from the small bucket on sm_90), sm_90 casts float32 to e4m3 in one
 rounding, and sm_89, whose cast rounds through float16, rounds in float32 first (ROUND_E4M3).
 On sm_90 and sm_100 the TMA buckets run the persistent TMA GEMM with e4m3 operands."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SMEM_LIMIT = {"sm_89": 99 * 1024, "sm_90": 227 * 1024, "sm_100": 227 * 1024}
+from gpu_build import compiled_json
+from kiln.plugins.aot import MAX_SHARED_BYTES
+from kiln.plugins.fp8 import FP8_TARGETS
 
 SCRIPT = """
 import importlib, json, re, sys
@@ -59,12 +54,7 @@ sys.stdout.write(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    # Compiled without TRITON_INTERPRET, which would make the kernels interpreter stand-ins.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=1500)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout)
+    return compiled_json(SCRIPT, timeout=1500)
 
 
 NAMES = ["linear", "linear_residual", "norm_swiglu", "norm_qkv_rope", "norm_qkv_rope_all", "norm_qkv_rope_kv"]
@@ -76,7 +66,7 @@ def test_sm80_gets_no_fp8_kernels(compiled):
     assert all(compiled[f"{name} sm_80"] == [] for name in NAMES)
 
 
-@pytest.mark.parametrize("target", list(SMEM_LIMIT))
+@pytest.mark.parametrize("target", FP8_TARGETS)
 @pytest.mark.parametrize("name", NAMES)
 def test_every_bucket_and_the_pre_pass_compile(compiled, name, target):
     rows = compiled[f"{name} {target}"]
@@ -92,7 +82,7 @@ def test_every_bucket_and_the_pre_pass_compile(compiled, name, target):
     for r in rows:
         tma = r["fn"].startswith("tma_")
         assert r["params"] and r["elf"] and (r["scratch"] > 0) == tma, r
-        assert r["shared"] <= SMEM_LIMIT[target], r
+        assert r["shared"] <= MAX_SHARED_BYTES[target], r
         assert r["round"] == (target == "sm_89" if r["quantize"] else None), r
 
 
@@ -126,7 +116,7 @@ FLOAT32_SCRIPT = """
 from kiln.plugins.aot import compile_kernel
 from kiln.plugins.linear_residual.kernels import aot_kernels
 tma = [k for k in aot_kernels("float32", {"K": 256, "N": 512, "fp8": True}) if k.meta.get("tma")]
-print(len(tma), max(compile_kernel(k, "sm_90").metadata.shared for k in tma))
+print([len(tma), max(compile_kernel(k, "sm_90").metadata.shared for k in tma)])
 """
 
 
@@ -134,9 +124,5 @@ def test_a_float32_engines_fp8_tma_gemm_fits_sm90_shared_memory():
     """A float32 engine with e4m3 weights (what the GPU parity test builds) keeps its TMA GEMMs
     within sm_90's shared memory, the residual epilogue's float32 tile included: at 256 weight
     rows it needed 278,552 bytes and the H200 refused to load it."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", FLOAT32_SCRIPT], capture_output=True, text=True, env=env,
-                            cwd=ROOT, timeout=600)
-    assert result.returncode == 0, result.stderr
-    count, shared = map(int, result.stdout.split())
-    assert count and shared <= SMEM_LIMIT["sm_90"], shared
+    count, shared = compiled_json(FLOAT32_SCRIPT)
+    assert count and shared <= MAX_SHARED_BYTES["sm_90"], shared

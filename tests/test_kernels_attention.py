@@ -15,12 +15,14 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+from gpu_build import compiled_json  # noqa: E402
 from kiln.plugins.add import SPEC as ADD  # noqa: E402
 from kiln.plugins.add import kernels as add_kernels  # noqa: E402
 from kiln.plugins.attention import SPEC as ATTENTION  # noqa: E402
 from kiln.plugins.attention import kernels as attention_kernels  # noqa: E402
 from kiln.plugins.attention.reference import write_kv  # noqa: E402
 from kiln.plugins.attention_o_proj import SPEC as ATTENTION_O_PROJ  # noqa: E402
+from kiln.plugins.aot import MAX_SHARED_BYTES  # noqa: E402
 from kiln.plugins.attention_o_proj import kernels as attention_o_proj_kernels  # noqa: E402
 from kiln.plugins.embedding import SPEC as EMBEDDING  # noqa: E402
 from kiln.plugins.embedding import kernels as embedding_kernels  # noqa: E402
@@ -276,11 +278,7 @@ PLUGINS = ["add", "attention", "attention_o_proj", "embedding", "rms_norm", "sof
 def cubins() -> dict:
     """Compiled in a child without TRITON_INTERPRET: compilation needs @triton.jit kernels
     built for the GPU, which the interpreter's stand-ins in this process are not."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, json.dumps(LLAMA3_8B), *PLUGINS],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout)
+    return compiled_json(COMPILE_SCRIPT, json.dumps(LLAMA3_8B), *PLUGINS)
 
 
 @pytest.mark.parametrize("plugin", PLUGINS)
@@ -290,11 +288,10 @@ def test_every_kernel_compiles_for_every_target(cubins, plugin):
     failed = [r for r in results if not isinstance(r[3], int) or r[3] == 0]
     assert not failed, failed
     # Each kernel fits the shared memory of the targets it is built for (sm_89's 99 KiB the least).
-    limit = {"sm_80": 163 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024, "sm_100": 227 * 1024}
-    too_big = [r for r in results if r[4] > limit[r[2]]]
+    too_big = [r for r in results if r[4] > MAX_SHARED_BYTES[r[2]]]
     assert not too_big, too_big
     # Every target gets one kernel per attention role.
-    for target in limit:
+    for target in MAX_SHARED_BYTES:
         roles = [r[1] for r in results if r[2] == target and r[1]]
         assert len(roles) == len(set(roles)), (target, roles)
 

@@ -8,21 +8,21 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import json  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+from gpu_build import compiled_json  # noqa: E402
 from kiln.builder.config import BuildConfig, BuildConfigError  # noqa: E402
 from kiln.plugins import get_plugin  # noqa: E402
+from kiln.plugins.aot import MAX_SHARED_BYTES  # noqa: E402
 from kiln.plugins.attention import kernels as attention_kernels  # noqa: E402
 from kiln.plugins.attention_o_proj import kernels as attention_o_proj_kernels  # noqa: E402
-from kiln.plugins.fp8 import FP8, to_e4m3  # noqa: E402
+from kiln.plugins.fp8 import FP8, FP8_TARGETS, to_e4m3  # noqa: E402
 from kiln.plugins.norm_qkv_rope import kernels as norm_qkv_rope_kernels  # noqa: E402
 
-from test_kernels_attention import (DECODE_STEP, LLAMA3_8B, MIXED_STEP, ROOT, SMALL_TILES, attention_attrs,  # noqa: E402
+from test_kernels_attention import (DECODE_STEP, LLAMA3_8B, MIXED_STEP, SMALL_TILES, attention_attrs,  # noqa: E402
                                     close, make_step)
 
 INTERPRETED = all(isinstance(k, InterpretedFunction) for k in (
@@ -157,16 +157,11 @@ sys.stdout.write(json.dumps(result))
 def test_fp8_kv_kernels_compile_for_the_fp8_targets():
     """Compiled in a child without TRITON_INTERPRET (compilation needs the GPU @triton.jit
     kernels), for Llama-3-8B's shapes."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, json.dumps(LLAMA3_8B)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    results = json.loads(done.stdout)
+    results = compiled_json(COMPILE_SCRIPT, json.dumps(LLAMA3_8B), timeout=900)
     failed = [r for r in results if not isinstance(r[3], int) or r[3] == 0]
     assert not failed, failed
-    limit = {"sm_89": 99 * 1024, "sm_90": 227 * 1024, "sm_100": 227 * 1024}
-    assert not [r for r in results if r[4] > limit[r[2]]]
-    for target in limit:
+    assert not [r for r in results if r[4] > MAX_SHARED_BYTES[r[2]]]
+    for target in FP8_TARGETS:
         assert {r[1] for r in results if r[2] == target} >= {"_write_kv_kernel", "_attention_kernel",
                                                              "norm_qkv_rope_kernel"}
 

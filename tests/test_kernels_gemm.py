@@ -24,6 +24,7 @@ import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import kiln.plugins.linear.kernels as linear_kernels  # noqa: E402
+from kiln.plugins.aot import MAX_SHARED_BYTES  # noqa: E402
 import kiln.plugins.linear.tma as tma  # noqa: E402
 import kiln.plugins.linear_residual.kernels as linear_residual_kernels  # noqa: E402
 import kiln.plugins.norm_qkv_rope.kernels as norm_qkv_rope_kernels  # noqa: E402
@@ -53,7 +54,6 @@ ALL_OPTIONAL = {"linear": {"K": 4096, "N": 1024, "bias": True},
                 "norm_qkv_rope": {"K": 2048, "num_heads": 16, "num_kv_heads": 2, "head_dim": 128, "bias": True,
                                   "qk_norm": True, "norm_weight": True}}
 # Shared memory per block on each target (sm_89's 99 KiB is the tightest).
-SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024, "sm_100": 227 * 1024}
 
 
 @functools.cache
@@ -285,14 +285,14 @@ def check_cubins(name: str, shapes: dict, targets) -> None:
                 assert len(kernel.meta["grid"]) == 3 and kernel.meta["grid"][2] == str(kernel.meta["split_k"])
             cubin = compile_cubin(kernel, target)
             assert cubin.binary.startswith(b"\x7fELF") and cubin.name == kernel.fn.__name__
-            assert cubin.shared_bytes <= SMEM_LIMIT[target], (kernel.meta, target, cubin.shared_bytes)
+            assert cubin.shared_bytes <= MAX_SHARED_BYTES[target], (kernel.meta, target, cubin.shared_bytes)
             # Device-made TMA descriptors live in global scratch; nothing else asks for any.
             assert (cubin.global_scratch > 0) == bool(kernel.meta.get("tma")), (kernel.meta, target)
 
 
 @pytest.mark.parametrize("name", list(LLAMA))
 def test_aot_llama_shapes(request, name):
-    in_mode(request, False, lambda: check_cubins(name, LLAMA[name], list(SMEM_LIMIT)))
+    in_mode(request, False, lambda: check_cubins(name, LLAMA[name], list(MAX_SHARED_BYTES)))
 
 
 @pytest.mark.parametrize("name", list(ALL_OPTIONAL))
