@@ -4,12 +4,26 @@ the launcher passed. Pointers are mapped back to the tensors they are the addres
 as the signature's type), scalars are passed as they are, and the constexprs are the cubin's."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kiln.plugins.aot import AotKernel
 
 POINTER_DTYPES = {"*fp32": torch.float32, "*bf16": torch.bfloat16, "*fp16": torch.float16, "*i32": torch.int32,
                   "*fp8e4nv": torch.float8_e4m3fn}
+
+
+def interpreted_only() -> list:
+    """`pytestmark` of a module whose kernels run in Triton's interpreter: skipped where they
+    were built for a GPU (conftest.py sets the interpreter when torch sees none)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from kiln.plugins.linear.kernels import linear_kernel
+
+    return [pytest.mark.skipif(not isinstance(linear_kernel, InterpretedFunction),
+                               reason="runs the kernels in Triton's interpreter (set when torch sees no GPU)"),
+            # The interpreter converts 1-element scalar arrays with int(), which numpy deprecates.
+            pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")]
 
 
 class Running:

@@ -13,9 +13,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from interpreted_launch import Running, targeted  # noqa: E402
+from interpreted_launch import Running, interpreted_only, targeted  # noqa: E402
 from kiln.plugins.aot import AotKernel  # noqa: E402
 from kiln.plugins.fp8 import FP8, quantize_rows  # noqa: E402
 from kiln.plugins.registry import get_plugin  # noqa: E402
@@ -25,11 +24,7 @@ PLUGINS = ("linear", "linear_residual", "norm_swiglu", "norm_qkv_rope", "attenti
 KERNELS = {name: importlib.import_module(f"kiln.plugins.{name}.kernels") for name in PLUGINS}
 LAUNCHERS = {name: importlib.import_module(f"kiln.plugins.{name}.launch") for name in PLUGINS}
 
-pytestmark = [
-    pytest.mark.skipif(not isinstance(KERNELS["linear"].linear_kernel, InterpretedFunction),
-                       reason="runs the kernels in Triton's interpreter (set when torch sees no GPU)"),
-    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
-]
+pytestmark = interpreted_only()
 EPS = 1e-5
 MAX_ROWS = 320          # the engine's T bound: the executor sizes per-row scratch for it
 SMS = 3                 # fewer programs than tiles: each persistent TMA program walks several

@@ -15,7 +15,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import kiln.plugins.linear.kernels as linear_kernels  # noqa: E402
 from kiln.plugins.attention import kernels as attention_kernels  # noqa: E402
@@ -27,12 +26,9 @@ from kiln.plugins.norm_qkv_rope import kernels as norm_qkv_rope_kernels  # noqa:
 from kiln.plugins.norm_swiglu import kernels as norm_swiglu_kernels  # noqa: E402
 from kiln.plugins.registry import get_plugin  # noqa: E402
 from kiln.plugins.rms_norm.reference import rms_norm  # noqa: E402
+from interpreted_launch import interpreted_only  # noqa: E402
 
-pytestmark = [
-    pytest.mark.skipif(not isinstance(linear_kernels.linear_kernel, InterpretedFunction),
-                       reason="runs the kernels in Triton's interpreter (set when torch sees no GPU)"),
-    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
-]
+pytestmark = interpreted_only()
 EPS = 1e-5
 LINEAR_ATTRS = {"parallel": "none", "heads": 0, "all_reduce": False}
 # One T per bucket: decode, small, medium, prefill.

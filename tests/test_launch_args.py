@@ -46,6 +46,7 @@ LAUNCHERS = {op: importlib.import_module(f"kiln.plugins.{op}.launch") for op in 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import kiln.builder.kernels as builder_kernels  # noqa: E402
+from interpreted_launch import interpreted_only  # noqa: E402
 from kiln.builder.build import build_engine  # noqa: E402
 from kiln.builder.config import BuildConfig  # noqa: E402
 from kiln.engines.manifest import PlanEntry  # noqa: E402
@@ -56,12 +57,7 @@ from kiln.runtime.engine import Engine, load_engine  # noqa: E402
 from kiln.runtime.executor import CpuExecutor  # noqa: E402
 from kiln.runtime.step import SequenceChunk, pack_step  # noqa: E402
 
-pytestmark = [
-    pytest.mark.skipif(not isinstance(KERNELS["linear"].linear_kernel, InterpretedFunction),
-                       reason="runs the kernels in Triton's interpreter (set when torch sees no GPU)"),
-    # The interpreter converts 1-element scalar arrays with int(), which numpy deprecates.
-    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
-]
+pytestmark = interpreted_only()
 
 # sm_89: the targets' launchers are the same, and sm_89 runs the kernels run() does; the ones
 # only sm_90 and later get (TMA GEMMs, 128-row prefill attention) are run by test_tma_launch.py.

@@ -18,9 +18,8 @@ from unittest import mock  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from interpreted_launch import Running, targeted  # noqa: E402
+from interpreted_launch import Running, interpreted_only, targeted  # noqa: E402
 from kiln.builder.passes.fold import _interleave  # noqa: E402
 from kiln.plugins import get_plugin  # noqa: E402
 
@@ -28,11 +27,7 @@ GEMM_PLUGINS = ("linear", "linear_residual", "norm_swiglu", "norm_qkv_rope", "at
 KERNELS = {name: importlib.import_module(f"kiln.plugins.{name}.kernels") for name in GEMM_PLUGINS}
 LAUNCHERS = {name: importlib.import_module(f"kiln.plugins.{name}.launch") for name in GEMM_PLUGINS}
 
-pytestmark = [
-    pytest.mark.skipif(not isinstance(KERNELS["linear"].linear_kernel, InterpretedFunction),
-                       reason="runs the kernels in Triton's interpreter (set when torch sees no GPU)"),
-    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
-]
+pytestmark = interpreted_only()
 SMS = 3          # fewer programs than tiles: each program walks several
 T = 300          # the prefill bucket (more than 256 rows), not a multiple of the 128-row tile
 EPS = 1e-5
