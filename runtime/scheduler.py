@@ -99,7 +99,9 @@ class Scheduler:
         # Decode tokens first: a long prompt's remaining chunks must never stall decoding.
         decoding_first = sorted(self.running, key=lambda s: (s.num_uncached > 1, s.sort_key))
         for seq in decoding_first:
-            if seq not in self.running or seq.out_of_tokens:
+            # Status, not membership of `running`: a list scan per sequence made scheduling
+            # quadratic (15 ms a step at 1,024 sequences).
+            if seq.status is not Status.RUNNING or seq.out_of_tokens:
                 continue  # preempted while making room for an earlier sequence, or done once its token lands
             if len(batch) == self.max_batch_size or budget == 0:
                 break
@@ -110,7 +112,7 @@ class Scheduler:
                 self._preempt(victim)
                 if victim is seq:
                     break
-            if seq not in self.running:
+            if seq.status is not Status.RUNNING:
                 continue
             copies += self.blocks.append(seq.seq_id, seq.token_ids, seq.num_cached + n)
             batch.append(ScheduledChunk(seq, n))

@@ -27,13 +27,13 @@ from concurrent.futures import ProcessPoolExecutor
 
 from kiln.plugins.aot import AotKernel, pointer_params
 from kiln.plugins.attention.kernels import (MAX_SPLITS, SEQ_CHUNK, _attention_kernel, _combine_splits_kernel,
-                                            _head_block, choose_num_splits)
+                                            _head_block, choose_num_splits, decode_blocks)
 from scripts.gpu_timing import graph_us
 from scripts.sweep import try_compile
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 MAX_KEYS = 4352            # the bench engine's max_seq_len: the launcher's split rule reads it
-CASES = ((1, 128), (1, 2048), (8, 1024), (64, 128), (64, 1024), (256, 128), (256, 1024))
+CASES = ((1, 128), (1, 2048), (8, 1024), (64, 128), (64, 1024), (256, 128), (256, 1024), (1024, 256))
 L2_ROTATION = 200_000_000  # bytes of KV cycled through, 4x the H200's L2
 
 
@@ -48,16 +48,22 @@ def configs(kind: str = "decode") -> list[tuple[dict, AotKernel]]:
         "context_lens_ptr": "*i32", "num_seqs": "i32", "q_stride": "i32", "out_stride": "i32",
         "table_stride": "i32", "scale": "fp32", "window": "i32",
         **{name: "constexpr" for name in ("NUM_HEADS", "NUM_KV_HEADS", "HEAD_DIM", "BLOCK_SIZE", "BLOCK_M",
-                                          "BLOCK_N", "BLOCK_D", "SEQ_CHUNK", "SPLIT", "INTERPRETER")}}
+                                          "BLOCK_N", "BLOCK_D", "SEQ_CHUNK", "SPLIT", "PURE_DECODE",
+                                          "INTERPRETER")}}
     out = []
-    space = (((False, True), (16,), (32, 64, 128), (2, 4, 8), (1, 2, 3)) if kind == "decode" else
-             ((False,), (64, 128), (32, 64, 128), (4, 8), (1, 2, 3)))
-    for split, block_m, block_n, warps, stages in itertools.product(*space):
+    # Decode: the engine's search-free decode kernels (PURE_DECODE) at every tiling, and the
+    # general kernel (programs find their sequence by a prefix sum) at the engine's tiling.
+    space = (((False, True), (16,), (32, 64, 128), (2, 4, 8), (1, 2, 3), (True,)) if kind == "decode" else
+             ((False,), (64, 128), (32, 64, 128), (4, 8), (1, 2, 3), (False,)))
+    extra = [(False, 16, 64, 4, 2, False), (True, 16, 64, 4, 2, False)] if kind == "decode" else []
+    for split, block_m, block_n, warps, stages, pure in [*itertools.product(*space), *extra]:
         constexprs = {"NUM_HEADS": HEADS, "NUM_KV_HEADS": KV_HEADS, "HEAD_DIM": HEAD_DIM, "BLOCK_SIZE": BLOCK_SIZE,
                       "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": _head_block(HEAD_DIM),
-                      "SEQ_CHUNK": SEQ_CHUNK, "SPLIT": split, "INTERPRETER": False}
+                      "SEQ_CHUNK": SEQ_CHUNK, "SPLIT": split, "PURE_DECODE": pure, "INTERPRETER": False}
         label = f"bn{block_n} w{warps} s{stages}" if kind == "decode" else f"bm{block_m} bn{block_n} w{warps} s{stages}"
-        out.append(({"split": split, "block_m": block_m, "label": label},
+        if kind == "decode" and not pure:
+            label += " prefix-sum"
+        out.append(({"split": split, "block_m": block_m, "pure": pure, "label": label},
                     AotKernel(_attention_kernel, signature, constexprs, num_warps=warps, num_stages=stages,
                               aligned=pointer_params(signature))))
     combine = {"part_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": "*bf16", "out_stride": "i32", "num_splits": "i32",
@@ -121,7 +127,6 @@ def run_all(path: str, kind: str = "decode") -> None:
     for seqs, context in CASES:
         case = _case(seqs, context, gen)
         splits = choose_num_splits(seqs, seqs, KV_HEADS, MAX_KEYS)
-        grid = (seqs * (HEADS // KV_HEADS) // 16 + seqs, KV_HEADS, splits)
         q, out = case["q"], torch.empty_like(case["q"])
         ref_cache = case["caches"][0].float().cpu()[None]
         check = min(seqs, 4)
@@ -133,6 +138,8 @@ def run_all(path: str, kind: str = "decode") -> None:
             if info.get("combine") or info["split"] != (splits > 1):
                 continue
             turn = itertools.count()
+            programs = seqs * decode_blocks(HEADS, KV_HEADS, 16) if info["pure"] else seqs * (HEADS // KV_HEADS) // 16 + seqs
+            grid = (programs, KV_HEADS, splits)
 
             def call(cache=None):
                 kv = cache if cache is not None else case["caches"][next(turn) % len(case["caches"])]
@@ -154,9 +161,10 @@ def run_all(path: str, kind: str = "decode") -> None:
         print(f"batch {seqs}, context {context}: {splits} split(s), KV {case['kv_bytes'] / 1e6:.1f} MB")
         for us, label, err in rows[:6]:
             print(f"  {us:7.1f} us  {case['kv_bytes'] / us / 1e6:5.2f} TB/s of KV  rel err {err:.1e}  {label}")
-        current = [r for r in rows if r[1] == "bn64 w4 s2"]
-        if current:
-            print(f"  engine's tile now: {current[0][0]:.1f} us")
+        for label in ("bn64 w4 s2", "bn64 w4 s2 prefix-sum"):
+            current = [r for r in rows if r[1] == label]
+            if current:
+                print(f"  {label}: {current[0][0]:.1f} us")
         for us, label, err in rows:
             if not err < 2e-2:
                 print(f"  WRONG: {label} rel err {err:.2e}")

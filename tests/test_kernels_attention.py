@@ -161,6 +161,23 @@ def test_attention_decode_step_split_kv(dtype):
         assert close(out, ref), f"num_splits={splits}"
 
 
+@needs_interpreter
+@pytest.mark.parametrize("splits", [1, 3])
+def test_attention_decode_groups_wider_than_a_query_block(splits):
+    """20 query heads per kv head: a decode step gives each sequence two 16-row programs per kv
+    head, the second with 4 rows, found without the prefix sum over query lengths."""
+    heads = 20 * KV_HEADS
+    data = make_step(DECODE_STEP, heads, torch.float32, seed=5)
+    attrs = attention_attrs(heads, 0)
+    ref, _ = reference_attention(data, attrs, with_kv=False)
+    cache = prepared_cache(data, attrs, with_kv=False)
+    s = data["step"]
+    out = torch.empty_like(ref)
+    attention_kernels.paged_attention(data["q"], cache, s.block_tables, s.query_lens, s.context_lens,
+                                      out, attrs, splits, SMALL_TILES)
+    assert close(out, ref)
+
+
 def test_num_splits_only_for_decode_steps_that_leave_the_gpu_idle():
     assert attention_kernels.choose_num_splits(40, 4, 8, 8192) == 1       # prefill in the step
     assert attention_kernels.choose_num_splits(1, 1, 8, 8192) == attention_kernels.MAX_SPLITS

@@ -4,7 +4,8 @@ Programs map to work straight from the step inputs, with no derived buffers: alo
 sequence s owns the program ids from `cu[s] * G // BLOCK_M + s` on (cu = packed start of its
 queries, G = query heads per kv head), which leaves room for its `ceil(n * G / BLOCK_M)` query
 blocks; each program finds its sequence by a prefix sum over `query_lens` (O(S) int loads).
-A block's rows are (query token, head of the group) pairs in that order, so every program
+The decode kernels (`PURE_DECODE`: T == S, one query per sequence) skip that search: sequence
+s owns the `decode_blocks` program ids from s * decode_blocks on. A block's rows are (query token, head of the group) pairs in that order, so every program
 shares one kv head's K/V tiles across its whole GQA group. Grid axis 1 is the kv head; axis 2
 splits the key range of each block (split-KV, for decode steps with few sequences), the parts
 being merged by `_combine_splits_kernel`.
@@ -140,14 +141,24 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_
                       NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr, SEQ_CHUNK: tl.constexpr, SPLIT: tl.constexpr,
-                      INTERPRETER: tl.constexpr):
+                      PURE_DECODE: tl.constexpr, INTERPRETER: tl.constexpr):
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
     kv_head = tl.program_id(1)
-    seq, q_start, q_len = _find_sequence(query_lens_ptr, num_seqs, tl.program_id(0), GROUP,
-                                         BLOCK_M, SEQ_CHUNK)
-    block = tl.program_id(0) - (q_start * GROUP // BLOCK_M + seq)
-    if block * BLOCK_M >= q_len * GROUP:
-        return  # spare program: the grid is sized for the worst packing
+    if PURE_DECODE:
+        # A pure decode step (T == S): sequence s has one query, packed at row s, and owns
+        # DECODE_BLOCKS programs in a row. No prefix sum over the query lengths: at 1,024
+        # sequences that search cost every program more than its keys did.
+        DECODE_BLOCKS: tl.constexpr = (GROUP + BLOCK_M - 1) // BLOCK_M
+        seq = tl.program_id(0) // DECODE_BLOCKS
+        block = tl.program_id(0) % DECODE_BLOCKS
+        q_start = seq
+        q_len = 1
+    else:
+        seq, q_start, q_len = _find_sequence(query_lens_ptr, num_seqs, tl.program_id(0), GROUP,
+                                             BLOCK_M, SEQ_CHUNK)
+        block = tl.program_id(0) - (q_start * GROUP // BLOCK_M + seq)
+        if block * BLOCK_M >= q_len * GROUP:
+            return  # spare program: the grid is sized for the worst packing
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = rows // GROUP
     head = kv_head * GROUP + rows % GROUP
@@ -258,6 +269,11 @@ def _layer_scales(kv_scales: torch.Tensor | None, layer: int) -> torch.Tensor | 
     return None if kv_scales is None else kv_scales[layer].contiguous()
 
 
+def decode_blocks(heads: int, kv_heads: int, block_m: int) -> int:
+    """Programs per sequence (and kv head) of a pure decode step: its query heads in blocks of block_m rows."""
+    return triton.cdiv(heads // kv_heads, block_m)
+
+
 def choose_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, max_keys: int) -> int:
     """How many parts to split each block's keys into: only for pure decode steps (one token
     per sequence, known from shapes alone), when too few programs would otherwise run."""
@@ -281,7 +297,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     tokens, seqs = q.shape[0], query_lens.shape[0]
     cfg = config or (DECODE if tokens == seqs else PREFILL)
     block_m, group = cfg["BLOCK_M"], heads // kv_heads
-    grid = (tokens * group // block_m + seqs, kv_heads, num_splits)
+    decode = tokens == seqs
+    grid = (seqs * decode_blocks(heads, kv_heads, block_m) if decode else tokens * group // block_m + seqs, kv_heads,
+            num_splits)
     split = num_splits > 1
     part = stats = None
     if split:
@@ -294,7 +312,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         seqs, q.stride(0), out.stride(0), block_tables.stride(0), attrs["scale"], attrs["window"],
         NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[3],
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=_head_block(head_dim), SEQ_CHUNK=SEQ_CHUNK,
-        SPLIT=split, INTERPRETER=isinstance(_attention_kernel, InterpretedFunction),
+        SPLIT=split, PURE_DECODE=decode, INTERPRETER=isinstance(_attention_kernel, InterpretedFunction),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split:
         _combine_splits_kernel[(tokens, heads)](
@@ -353,7 +371,7 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
         "out_stride": "i32", "table_stride": "i32", "scale": "fp32", "window": "i32",
         **{name: "constexpr" for name in ("NUM_HEADS", "NUM_KV_HEADS", "HEAD_DIM", "BLOCK_SIZE",
                                           "BLOCK_M", "BLOCK_N", "BLOCK_D", "SEQ_CHUNK", "SPLIT",
-                                          "INTERPRETER")}}
+                                          "PURE_DECODE", "INTERPRETER")}}
     # A layer's scales start 2 * kv_heads floats apart: not always 16-byte aligned.
     aligned = tuple(p for p in pointer_params(attention_sig) if p != "scale_ptr")
     kernels = [write]
@@ -363,15 +381,17 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
             ("prefill", PREFILL_SM90, False, "T > S", SM90_TARGETS),
             ("decode", DECODE, False, "T == S and choose_num_splits(...) == 1", None),
             ("decode_split", DECODE, True, "T == S and num_splits = choose_num_splits(...) > 1", None)):
+        decode = role != "prefill"
+        rows = f"S * {decode_blocks(heads, kv_heads, cfg['BLOCK_M'])}" if decode else f"T * {group} // {cfg['BLOCK_M']} + S"
         kernels.append(AotKernel(
             _attention_kernel, attention_sig,
             {**common, "BLOCK_SIZE": shapes["block_size"], "BLOCK_M": cfg["BLOCK_M"],
-             "BLOCK_N": cfg["BLOCK_N"], "SEQ_CHUNK": SEQ_CHUNK, "SPLIT": split, "INTERPRETER": False,
-             **scale_const},
+             "BLOCK_N": cfg["BLOCK_N"], "SEQ_CHUNK": SEQ_CHUNK, "SPLIT": split, "PURE_DECODE": decode,
+             "INTERPRETER": False, **scale_const},
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], aligned=aligned,
             targets=targets,
             meta={"role": role, "when": when, "pointer_alignment": 16,
-                  "grid": f"(T * {group} // {cfg['BLOCK_M']} + S, {kv_heads}, {'num_splits' if split else 1})"}))
+                  "grid": f"({rows}, {kv_heads}, {'num_splits' if split else 1})"}))
     kernels.append(AotKernel(
         _combine_splits_kernel,
         {"part_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": ptr, "out_stride": "i32",
