@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kiln.runtime.arguments import ArgumentError, require_int, require_number
 from kiln.runtime.backend import kv_pool, open_engine, open_executor, open_tokenizer
+from kiln.runtime.collector import freeze_loaded, thaw
 from kiln.runtime.overlap import InFlight, Launched
 from kiln.runtime.sampler import Picks
 from kiln.runtime.sampling_params import SamplingParams
@@ -65,6 +66,7 @@ class EngineCore:
         self.peak_blocks = 0
         self.finished: list[int] = []  # sequences whose sampling state the next picks drop
         self.in_flight = InFlight(overlap, self._append)
+        freeze_loaded()
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -129,6 +131,7 @@ class EngineCore:
     def close(self) -> None:
         self.in_flight.step = None  # its sampled ids may be a view of the executor's memory
         self.executor.close()
+        thaw()
 
     # -- one step ------------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from kiln.runtime.all_reduce import AllReduce, gloo_gather, open_all_reduce
+from kiln.runtime.collector import freeze_loaded
 from kiln.runtime.collectives import step_collective_seconds
 from kiln.runtime.executor import ArenaExecutor
 from kiln.runtime.step import Feed, SampledIds
@@ -89,6 +90,7 @@ def worker_main(engine_dir: str, rank: int, world_size: int, port: int, num_kv_b
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
+    freeze_loaded()
     slots = input_slots(shared, executor.inputs.nbytes)
     pending: SampledIds | None = None  # the step launched last, not answered yet
     try:
