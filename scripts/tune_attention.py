@@ -12,6 +12,9 @@ plugin's reference for a few sequences, and times each in a CUDA graph of 20 lau
 cycle through enough KV caches that none is read from the L2. Printed per batch and
 context: the best tilings with the KV bytes they stream per second.
 
+With KILN_TUNE_FP8_KV=1 (at compile and at run) the decode kernels read an e4m3 cache (unit
+scales), as an engine built with --kv-cache-dtype fp8 does, and KV bytes count one per element.
+
 Prefill (`compile ... prefill`, `run ... prefill`): the same kernel at prefill tilings over whole
 causal prompts of 2k and 8k tokens (one sequence, and four of 2k), each checked against and timed
 beside `torch.nn.functional.scaled_dot_product_attention` on the flash backend in the same run,
@@ -37,15 +40,18 @@ CASES = ((1, 128), (1, 2048), (8, 1024), (64, 128), (64, 1024), (256, 128), (256
 L2_ROTATION = 200_000_000  # bytes of KV cycled through, 4x the H200's L2
 
 
+FP8_KV = os.environ.get("KILN_TUNE_FP8_KV") == "1"
+
 PREFILL_CASES = ((1, 2048), (1, 8192), (4, 2048))
 PREFILL_MAX_KEYS = 8192
 
 
 def configs(kind: str = "decode") -> list[tuple[dict, AotKernel]]:
+    cache = "*fp8e4nv" if FP8_KV and kind == "decode" else "*bf16"
     signature = {
-        "q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
+        "q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": "*bf16",
         "part_ptr": "*fp32", "stats_ptr": "*fp32", "block_tables_ptr": "*i32", "query_lens_ptr": "*i32",
-        "context_lens_ptr": "*i32", "num_seqs": "i32", "q_stride": "i32", "out_stride": "i32",
+        "context_lens_ptr": "*i32", **({"scale_ptr": "*fp32"} if cache == "*fp8e4nv" else {}), "num_seqs": "i32", "q_stride": "i32", "out_stride": "i32",
         "table_stride": "i32", "scale": "fp32", "window": "i32",
         **{name: "constexpr" for name in ("NUM_HEADS", "NUM_KV_HEADS", "HEAD_DIM", "BLOCK_SIZE", "BLOCK_M",
                                           "BLOCK_N", "BLOCK_D", "SEQ_CHUNK", "SPLIT", "PURE_DECODE",
@@ -100,8 +106,9 @@ def _case(seqs: int, context: int, gen):
     table_cols = -(-MAX_KEYS // BLOCK_SIZE)
     padded = torch.zeros(seqs, table_cols, dtype=torch.int32)
     padded[:, :per_seq] = tables
-    one = blocks * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 2 * 2  # k and v, bf16
-    caches = [torch.randn(2, blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen).to("cuda", torch.bfloat16)
+    dtype = torch.float8_e4m3fn if FP8_KV else torch.bfloat16
+    one = blocks * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 2 * dtype.itemsize  # k and v
+    caches = [torch.randn(2, blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen).to("cuda", dtype)
               for _ in range(max(1, -(-L2_ROTATION // one)))]
     return {"q": torch.randn(seqs, HEADS * HEAD_DIM, generator=gen).to("cuda", torch.bfloat16),
             "tables": padded.cuda(), "query_lens": torch.ones(seqs, dtype=torch.int32, device="cuda"),
@@ -124,6 +131,8 @@ def run_all(path: str, kind: str = "decode") -> None:
     part = torch.empty(256 * HEADS * MAX_SPLITS * HEAD_DIM, dtype=torch.float32, device="cuda")
     stats = torch.empty(256 * HEADS * MAX_SPLITS * 2, dtype=torch.float32, device="cuda")
     scale = HEAD_DIM ** -0.5
+    unit_scales = torch.ones(2 * KV_HEADS, dtype=torch.float32, device="cuda")  # kept alive: its address is passed
+    kv_scales = [unit_scales.data_ptr()] if FP8_KV else []
     for seqs, context in CASES:
         case = _case(seqs, context, gen)
         splits = choose_num_splits(seqs, seqs, KV_HEADS, MAX_KEYS)
@@ -146,7 +155,7 @@ def run_all(path: str, kind: str = "decode") -> None:
                 stream = torch.cuda.current_stream().cuda_stream
                 fn.launch(grid, [q.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(), out.data_ptr(), part.data_ptr(),
                                  stats.data_ptr(), case["tables"].data_ptr(), case["query_lens"].data_ptr(),
-                                 case["context_lens"].data_ptr(), seqs, q.stride(0), out.stride(0),
+                                 case["context_lens"].data_ptr(), *kv_scales, seqs, q.stride(0), out.stride(0),
                                  case["tables"].stride(0), scale, 0], stream)
                 if splits > 1:
                     combine.launch((seqs, HEADS, 1), [part.data_ptr(), stats.data_ptr(), out.data_ptr(),
