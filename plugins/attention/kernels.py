@@ -30,6 +30,10 @@ PREFILL = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 PREFILL_SM90 = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
 SM90_TARGETS = ("sm_90", "sm_100")
 DECODE = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+# An e4m3 cache's decode is bound by converting K and V, not by their bytes: on an H200
+# (scripts/tune_attention.py with KILN_TUNE_FP8_KV=1, 2026-11-30) 2 warps took 53.6 us at 64 x 1,024
+# keys, 196.6 at 256 x 1,024 and 231.3 at 1,024 x 256, against 78.9, 237.4 and 254.1 with DECODE.
+DECODE_FP8_KV = {**DECODE, "num_warps": 2}
 E4M3_MAX = tl.constexpr(448.0)  # plugins/fp8.py's
 
 
@@ -178,6 +182,11 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_
     q_rows = q_start + tok
     q = tl.load(q_ptr + q_rows[:, None] * q_stride + head[:, None] * HEAD_DIM + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if scale_ptr is not None and q.dtype == tl.bfloat16:
+        # The dots take their operands in q's dtype. An e4m3 value converts to fp16 in one
+        # instruction per pair and to bf16 through fp16 in two; e4m3 and bf16 q values (within
+        # fp16's range) are exact in fp16, and p gains precision.
+        q = q.to(tl.float16)
     # A finite floor keeps rows whose keys are all masked so far free of inf - inf.
     m = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -295,7 +304,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         raise ValueError(f"num_splits must be within 1..{MAX_SPLITS}, got {num_splits}")
     _check_layout(kv_cache, q, out)
     tokens, seqs = q.shape[0], query_lens.shape[0]
-    cfg = config or (DECODE if tokens == seqs else PREFILL)
+    cfg = config or (PREFILL if tokens > seqs else DECODE_FP8_KV if kv_scales is not None else DECODE)
     block_m, group = cfg["BLOCK_M"], heads // kv_heads
     decode = tokens == seqs
     grid = (seqs * decode_blocks(heads, kv_heads, block_m) if decode else tokens * group // block_m + seqs, kv_heads,
@@ -379,8 +388,9 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     for role, cfg, split, when, targets in (
             ("prefill", PREFILL, False, "T > S", tuple(t for t in TARGET_CC if t not in SM90_TARGETS)),
             ("prefill", PREFILL_SM90, False, "T > S", SM90_TARGETS),
-            ("decode", DECODE, False, "T == S and choose_num_splits(...) == 1", None),
-            ("decode_split", DECODE, True, "T == S and num_splits = choose_num_splits(...) > 1", None)):
+            ("decode", DECODE_FP8_KV if fp8_kv else DECODE, False, "T == S and choose_num_splits(...) == 1", None),
+            ("decode_split", DECODE_FP8_KV if fp8_kv else DECODE, True,
+             "T == S and num_splits = choose_num_splits(...) > 1", None)):
         decode = role != "prefill"
         rows = f"S * {decode_blocks(heads, kv_heads, cfg['BLOCK_M'])}" if decode else f"T * {group} // {cfg['BLOCK_M']} + S"
         kernels.append(AotKernel(
