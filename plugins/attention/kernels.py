@@ -1,12 +1,14 @@
-"""Triton kernels for `attention`: KV-cache write, paged flash attention, split-KV combine.
+"""Triton kernels for `attention`: paged flash attention and the split-KV combine (the KV-cache
+write is `cache_write`'s).
 
 Programs map to work straight from the step inputs, with no derived buffers: along grid axis 0,
 sequence s owns the program ids from `cu[s] * G // BLOCK_M + s` on (cu = packed start of its
 queries, G = query heads per kv head), which leaves room for its `ceil(n * G / BLOCK_M)` query
 blocks; each program finds its sequence by a prefix sum over `query_lens` (O(S) int loads).
 The decode kernels (`PURE_DECODE`: T == S, one query per sequence) skip that search: sequence
-s owns the `decode_blocks` program ids from s * decode_blocks on. A block's rows are (query token, head of the group) pairs in that order, so every program
-shares one kv head's K/V tiles across its whole GQA group. Grid axis 1 is the kv head; axis 2
+s owns the `decode_blocks` program ids from s * decode_blocks on. A block's rows are (query
+token, head of the group) pairs in that order, so every program shares one kv head's K/V tiles
+across its whole GQA group. Grid axis 1 is the kv head; axis 2
 splits the key range of each block (split-KV, for decode steps with few sequences), the parts
 being merged by `_combine_splits_kernel`.
 """
@@ -18,6 +20,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from kiln.plugins.aot import FP8_POINTER, POINTER_TYPES, TARGET_CC, AotKernel, pointer_params
+from kiln.plugins.attention.cache_write import check_layout, layer_scales, write_kv, write_kv_aot
 
 MAX_SPLITS = 32             # S=1, 8192 keys on an H200: 16 splits give 1.7 TB/s, 32 give 2.1
 SPLIT_MIN_KEYS = 256        # fewer keys per split than this cost more to merge than they save
@@ -34,40 +37,6 @@ DECODE = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 # (scripts/tune_attention.py with KILN_TUNE_FP8_KV=1, 2026-11-30) 2 warps took 53.6 us at 64 x 1,024
 # keys, 196.6 at 256 x 1,024 and 231.3 at 1,024 x 256, against 78.9, 237.4 and 254.1 with DECODE.
 DECODE_FP8_KV = {**DECODE, "num_warps": 2}
-E4M3_MAX = tl.constexpr(448.0)  # plugins/fp8.py's
-
-
-@triton.jit
-def to_e4m3(x, scale):
-    """x / scale saturated to +-448 and rounded to the nearest e4m3 value (ties to even), in
-    float32: plugins/fp8.py's `to_e4m3`, whose cast to float8e4nv is then exact. The rounding is
-    done here rather than left to the cast because Triton's interpreter truncates e4m3
-    subnormals (and sm_80 has no e4m3 conversion instruction): adding and subtracting
-    1.5 * 2**23 units of the value's e4m3 spacing rounds it there with float32's own rounding."""
-    y = tl.clamp(x.to(tl.float32) / scale, -E4M3_MAX, E4M3_MAX)
-    exponent = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # subnormals: -6
-    # 2**(exponent - 3) is the spacing of e4m3's 3-bit mantissa; the biased exponent of that times 2**23.
-    magic = ((exponent + 147) << 23).to(tl.float32, bitcast=True) * 1.5
-    return (y + magic) - magic
-
-
-@triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, scale_ptr, k_stride, v_stride,
-                     ROW: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """scale_ptr: this layer's [2, kv heads] scales of an e4m3 cache, or None."""
-    tok = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < ROW
-    # int64: a large cache pool has more than 2**31 elements.
-    dst = tl.load(slot_mapping_ptr + tok).to(tl.int64) * ROW + cols
-    k = tl.load(k_ptr + tok * k_stride + cols, mask=ok)
-    v = tl.load(v_ptr + tok * v_stride + cols, mask=ok)
-    if scale_ptr is not None:
-        head = cols // HEAD_DIM
-        k = to_e4m3(k, tl.load(scale_ptr + head, mask=ok, other=1.0))
-        v = to_e4m3(v, tl.load(scale_ptr + ROW // HEAD_DIM + head, mask=ok, other=1.0))
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -247,35 +216,8 @@ def _combine_splits_kernel(part_ptr, stats_ptr, out_ptr, out_stride, num_splits,
     tl.store(out_ptr + tok * out_stride + head * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def _row_block(width: int) -> int:
-    return min(triton.next_power_of_2(width), 1024)
-
-
 def _head_block(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs 16 or more
-
-
-def _check_layout(kv_cache: torch.Tensor, *rows: torch.Tensor) -> None:
-    # The kernels compute cache offsets from its shape and step along rows by one element.
-    if not kv_cache.is_contiguous() or any(t.stride(-1) != 1 for t in rows):
-        raise ValueError("attention needs a contiguous kv_cache and q, k, v, out rows with "
-                         "contiguous columns")
-
-
-def write_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
-    """Copy each token's k and v rows [T, kv_heads*head_dim] into its cache slot (in e4m3,
-    value / scale, with `kv_scales` [layers, 2, kv_heads])."""
-    _check_layout(kv_cache, k, v)
-    row = kv_cache.shape[-2] * kv_cache.shape[-1]
-    block = _row_block(row)
-    _write_kv_kernel[(k.shape[0], triton.cdiv(row, block))](
-        k, v, kv_cache[layer, 0], kv_cache[layer, 1], slot_mapping, _layer_scales(kv_scales, layer),
-        k.stride(0), v.stride(0), ROW=row, BLOCK=block, HEAD_DIM=kv_cache.shape[-1])
-
-
-def _layer_scales(kv_scales: torch.Tensor | None, layer: int) -> torch.Tensor | None:
-    return None if kv_scales is None else kv_scales[layer].contiguous()
 
 
 def decode_blocks(heads: int, kv_heads: int, block_m: int) -> int:
@@ -302,7 +244,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     heads, kv_heads, head_dim = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be within 1..{MAX_SPLITS}, got {num_splits}")
-    _check_layout(kv_cache, q, out)
+    check_layout(kv_cache, q, out)
     tokens, seqs = q.shape[0], query_lens.shape[0]
     cfg = config or (PREFILL if tokens > seqs else DECODE_FP8_KV if kv_scales is not None else DECODE)
     block_m, group = cfg["BLOCK_M"], heads // kv_heads
@@ -317,7 +259,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     layer = attrs["layer"]
     _attention_kernel[grid](
         q, kv_cache[layer, 0], kv_cache[layer, 1], out, part, stats,
-        block_tables, query_lens, context_lens, _layer_scales(kv_scales, attrs["layer"]),
+        block_tables, query_lens, context_lens, layer_scales(kv_scales, attrs["layer"]),
         seqs, q.stride(0), out.stride(0), block_tables.stride(0), attrs["scale"], attrs["window"],
         NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[3],
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=_head_block(head_dim), SEQ_CHUNK=SEQ_CHUNK,
@@ -362,17 +304,8 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     scales = {"scale_ptr": "*fp32" if fp8_kv else "constexpr"}
     scale_const = {} if fp8_kv else {"scale_ptr": None}
     heads, kv_heads, head_dim = shapes["heads"], shapes["kv_heads"], shapes["head_dim"]
-    row = kv_heads * head_dim
     common = {"NUM_HEADS": heads, "NUM_KV_HEADS": kv_heads, "HEAD_DIM": head_dim,
               "BLOCK_D": _head_block(head_dim)}
-    write_sig = {"k_ptr": ptr, "v_ptr": ptr, "k_cache_ptr": cache, "v_cache_ptr": cache, "slot_mapping_ptr": "*i32",
-                 **scales, "k_stride": "i32", "v_stride": "i32", "ROW": "constexpr", "BLOCK": "constexpr",
-                 "HEAD_DIM": "constexpr"}
-    write = AotKernel(
-        _write_kv_kernel, write_sig, {"ROW": row, "BLOCK": _row_block(row), "HEAD_DIM": head_dim, **scale_const},
-        aligned=("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr"),
-        meta={"role": "write_kv", "grid": f"(T, {triton.cdiv(row, _row_block(row))}, 1)", "pointer_alignment": 16,
-              "when": "k and v are given; before the attention kernel"})
     attention_sig = {
         "q_ptr": ptr, "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": ptr,
         "part_ptr": "*fp32", "stats_ptr": "*fp32", "block_tables_ptr": "*i32",
@@ -383,7 +316,7 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
                                           "PURE_DECODE", "INTERPRETER")}}
     # A layer's scales start 2 * kv_heads floats apart: not always 16-byte aligned.
     aligned = tuple(p for p in pointer_params(attention_sig) if p != "scale_ptr")
-    kernels = [write]
+    kernels = [write_kv_aot(ptr, cache, fp8_kv, kv_heads * head_dim, head_dim)]
     group = heads // kv_heads
     for role, cfg, split, when, targets in (
             ("prefill", PREFILL, False, "T > S", tuple(t for t in TARGET_CC if t not in SM90_TARGETS)),

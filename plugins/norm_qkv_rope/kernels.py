@@ -24,7 +24,8 @@ import triton.language as tl
 
 from kiln.dtypes import element_bytes
 from kiln.plugins.aot import FP8_POINTER, POINTER_TYPES, AotKernel, absent_as_none, pointer_params
-from kiln.plugins.attention.kernels import padded, to_e4m3
+from kiln.plugins.attention.cache_write import to_e4m3
+from kiln.plugins.attention.kernels import padded
 from kiln.plugins.linear import fp8, tma
 from kiln.plugins.linear.kernels import (TILES, Tile, block_k, fp8_gemm_tile, gemm_input, gemm_tile,
                                          launch_meta, num_stages, pick_tile, split_buffers, split_halves,
