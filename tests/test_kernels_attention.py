@@ -128,12 +128,17 @@ def test_attention_matches_reference(dtype, window, with_kv):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("splits", [1, 2])
-def test_attention_query_blocks_split_tokens(splits):
-    """6 heads over 2 kv heads: a group of 3 rows per token, so 16-row query blocks end in the
-    middle of a token's heads."""
-    data = make_step(MIXED_STEP, 6, torch.float32, seed=1)
-    attrs = attention_attrs(6, 5)
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("spec,heads,window,seed", [
+    # 6 heads over 2 kv heads: a group of 3 rows per token, so 16-row query blocks end in the
+    # middle of a token's heads.
+    (MIXED_STEP, 6, 5, 1),
+    # 20 query heads per kv head: a decode step gives each sequence two 16-row programs per kv
+    # head, the second with 4 rows, found without the prefix sum over query lengths.
+    (DECODE_STEP, 20 * KV_HEADS, 0, 5)], ids=["mixed-group-of-3", "decode-group-of-20"])
+def test_attention_query_blocks_that_do_not_match_the_groups(splits, spec, heads, window, seed):
+    data = make_step(spec, heads, torch.float32, seed=seed)
+    attrs = attention_attrs(heads, window)
     ref, _ = reference_attention(data, attrs, with_kv=False)
     cache = prepared_cache(data, attrs, with_kv=False)
     s = data["step"]
@@ -159,23 +164,6 @@ def test_attention_decode_step_split_kv(dtype):
         attention_kernels.paged_attention(data["q"], cache, s.block_tables, s.query_lens, s.context_lens,
                                           out, attrs, splits, SMALL_TILES)
         assert close(out, ref), f"num_splits={splits}"
-
-
-@needs_interpreter
-@pytest.mark.parametrize("splits", [1, 3])
-def test_attention_decode_groups_wider_than_a_query_block(splits):
-    """20 query heads per kv head: a decode step gives each sequence two 16-row programs per kv
-    head, the second with 4 rows, found without the prefix sum over query lengths."""
-    heads = 20 * KV_HEADS
-    data = make_step(DECODE_STEP, heads, torch.float32, seed=5)
-    attrs = attention_attrs(heads, 0)
-    ref, _ = reference_attention(data, attrs, with_kv=False)
-    cache = prepared_cache(data, attrs, with_kv=False)
-    s = data["step"]
-    out = torch.empty_like(ref)
-    attention_kernels.paged_attention(data["q"], cache, s.block_tables, s.query_lens, s.context_lens,
-                                      out, attrs, splits, SMALL_TILES)
-    assert close(out, ref)
 
 
 def test_num_splits_only_for_decode_steps_that_leave_the_gpu_idle():
