@@ -50,12 +50,25 @@ class Detokenizer:
         # know before its decoder runs; dropping them before they enter a window is the same and
         # keeps windows short, e.g. for a random model whose vocabulary outgrows its tokenizer.
         self._special = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+        # len(decode([t])) by token: a window that emitted one token (most steps of most
+        # sequences) starts the next with it as context, whose text length would otherwise
+        # cost a second decode per sequence per step.
+        self._lengths: dict[int, int] = {}
 
     def skips(self, token: int) -> bool:
         return token in self._special or self.tokenizer.id_to_token(token) is None
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
+
+    def text_length(self, ids: list[int]) -> int:
+        """len(decode(ids)), remembered for single tokens."""
+        if len(ids) != 1:
+            return len(self.decode(ids))
+        length = self._lengths.get(ids[0])
+        if length is None:
+            length = self._lengths[ids[0]] = len(self.decode(ids))
+        return length
 
     def stream(self) -> DecodeStream:
         return DecodeStream(self)
@@ -134,7 +147,7 @@ class DecodeStream:
         # at a token's neighbour, and they end where the text ended in whole characters.
         del self._ids[:self._context]
         self._context = len(self._ids)
-        self._prefix_len = len(self._detok.decode(self._ids))
+        self._prefix_len = self._detok.text_length(self._ids)
         return new
 
 

@@ -133,9 +133,19 @@ class BlockManager:
         Returns the (src, dst) block copies the executor must do before writing. Atomic: on
         OutOfBlocks nothing changes.
         """
-        cost, cow = self._append_cost(seq_id, new_num_tokens)
-        if cost > self.num_free:
+        copies = self.try_append(seq_id, token_ids, new_num_tokens)
+        if copies is None:
+            cost = self._append_cost(seq_id, new_num_tokens)[0]
             raise OutOfBlocks(f"sequence {seq_id} needs {cost} more blocks, {self.num_free} free")
+        return copies
+
+    def try_append(self, seq_id: int, token_ids: list[int], new_num_tokens: int) -> list[tuple[int, int]] | None:
+        """`append`, or None (and nothing changes) when the free blocks do not cover it: the
+        check and the append in one pass, as the scheduler makes them for every sequence of
+        every step."""
+        cost, cow = self._append_cost(seq_id, new_num_tokens)
+        if cost and cost > self.num_free:
+            return None
         table = self._tables[seq_id]
         copies: list[tuple[int, int]] = []
         if cow:
@@ -146,7 +156,8 @@ class BlockManager:
             table[-1] = dst
             copies.append((src, dst))
         extra = self.blocks_needed(new_num_tokens) - len(table)
-        table.extend(self._take() for _ in range(extra))
+        if extra:  # one step in block_size of a decoding sequence
+            table.extend(self._take() for _ in range(extra))
         self._num_tokens[seq_id] = new_num_tokens
         self._seal(seq_id, token_ids, scheduled=True)
         return copies
@@ -230,8 +241,11 @@ class BlockManager:
         already scheduled, or being scheduled) and have no key yet."""
         if self._cache is None:
             return
-        keys, table, size = self._keys[seq_id], self._tables[seq_id], self.block_size
+        keys, size = self._keys[seq_id], self.block_size
         full = min(self._num_tokens[seq_id], len(token_ids)) // size
+        if full <= len(keys):
+            return  # no block filled since the last call: most calls, at most steps
+        table = self._tables[seq_id]
         key = keys[-1] if keys else ROOT_KEY
         for i in range(len(keys), full):
             key = block_key(key, token_ids[i * size:(i + 1) * size])

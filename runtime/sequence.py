@@ -42,10 +42,14 @@ class Sequence:
     # The detokenizer's state for this sequence (a runtime.detokenizer.DecodeStream), owned and
     # typed there: the import runs one way, detokenizer -> sequence.
     decode_stream: object | None = field(default=None, repr=False)
+    # Fixed for the sequence's life, and read for every sequence in every step: kept, not derived.
+    num_prompt: int = field(init=False, repr=False)
+    # Scheduling order: higher priority first, then first come first served.
+    sort_key: tuple = field(init=False, repr=False)
 
-    @property
-    def num_prompt(self) -> int:
-        return len(self.request.prompt_ids)
+    def __post_init__(self) -> None:
+        self.num_prompt = len(self.request.prompt_ids)
+        self.sort_key = (-self.request.priority, self.request.arrival, self.index)
 
     @property
     def num_tokens(self) -> int:
@@ -69,11 +73,6 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt:]
-
-    @property
-    def sort_key(self) -> tuple:
-        """Scheduling order: higher priority first, then first come first served."""
-        return (-self.request.priority, self.request.arrival, self.index)
 
 
 @dataclass(eq=False)

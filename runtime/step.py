@@ -110,9 +110,13 @@ def pack_step(chunks: list[SequenceChunk], block_size: int, blocks_per_seq: int)
             raise ValueError(f"sequence {s}: {len(table)} blocks cannot hold {end} tokens")
         first = len(ids)
         ids += c.token_ids
-        new_positions = range(c.start, end)
-        positions += new_positions
-        slots += [table[pos // block_size] * block_size + pos % block_size for pos in new_positions]
+        if n == 1:  # a decode row, the common case: no comprehension to set up
+            positions.append(c.start)
+            slots.append(table[c.start // block_size] * block_size + c.start % block_size)
+        else:
+            new_positions = range(c.start, end)
+            positions += new_positions
+            slots += [table[pos // block_size] * block_size + pos % block_size for pos in new_positions]
         tables[s, :len(table)] = table
         lens.append(n)
         ctx.append(end)
