@@ -38,8 +38,8 @@ def main() -> None:
     vocab = core.engine.manifest.vocab_size
     rng = random.Random(0)
     # Enough tokens that no sequence finishes while the first ones wait for the last prefill.
-    params = SamplingParams(max_tokens=args.steps + args.batch * args.prompt_len // core.engine.manifest.max_num_tokens + 10,
-                            temperature=0.0, ignore_eos=True)
+    prefill_steps = args.batch * args.prompt_len // core.engine.manifest.max_num_tokens
+    params = SamplingParams(max_tokens=args.steps + prefill_steps + 10, temperature=0.0, ignore_eos=True)
     requests = [core.add_request(f"r{i}", [rng.randrange(vocab) for _ in range(args.prompt_len)], params)
                 for i in range(args.batch)]
 

@@ -325,7 +325,8 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
             ("decode_split", DECODE_FP8_KV if fp8_kv else DECODE, True,
              "T == S and num_splits = choose_num_splits(...) > 1", None)):
         decode = role != "prefill"
-        rows = f"S * {decode_blocks(heads, kv_heads, cfg['BLOCK_M'])}" if decode else f"T * {group} // {cfg['BLOCK_M']} + S"
+        rows = (f"S * {decode_blocks(heads, kv_heads, cfg['BLOCK_M'])}" if decode
+                else f"T * {group} // {cfg['BLOCK_M']} + S")
         kernels.append(AotKernel(
             _attention_kernel, attention_sig,
             {**common, "BLOCK_SIZE": shapes["block_size"], "BLOCK_M": cfg["BLOCK_M"],
