@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from kiln import SamplingParams, Session
 from kiln.engines.format import read_engine_file
 from kiln.models import CheckpointError, read_chat_template
-from kiln.models.random_checkpoint import chat_template
+from kiln.models.random_tokenizer import chat_template
 from kiln.runtime.chat_template import ChatTemplateError
 from kiln.runtime.cli import run_engine
 

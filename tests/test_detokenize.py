@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, normalizers, trainers
 from tokenizers import models as tokenizer_models
 
-from kiln.models.random_checkpoint import _CORPUS, EOS_TOKEN, SPECIAL_TOKENS, train_tokenizer
+from kiln.models.random_tokenizer import CORPUS, EOS_TOKEN, SPECIAL_TOKENS, train_tokenizer
 from kiln.runtime.detokenizer import Detokenizer, find_stop, stop_prefix_len
 from kiln.runtime.engine_core import EngineCore
 from kiln.runtime.sampling_params import SamplingParams
@@ -46,7 +46,7 @@ def sentencepiece_tokenizer() -> Tokenizer:
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
-    tok.train_from_iterator(_CORPUS.split("\n\n"), trainer=trainer)
+    tok.train_from_iterator(CORPUS.split("\n\n"), trainer=trainer)
     spec = json.loads(tok.to_str())
     vocab = spec["model"]["vocab"]
     for b in range(256):

@@ -12,12 +12,8 @@ transformers = pytest.importorskip("transformers")
 
 from click.testing import CliRunner  # noqa: E402
 
-from kiln.models.random_checkpoint import (  # noqa: E402
-    FAMILIES,
-    main,
-    train_tokenizer,
-    write_random_checkpoint,
-)
+from kiln.models.random_checkpoint import FAMILIES, main, write_random_checkpoint  # noqa: E402
+from kiln.models.random_tokenizer import train_tokenizer  # noqa: E402
 
 ROUND_TRIP_TEXT = "Hello world, café 日本 123"
 
