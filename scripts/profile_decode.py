@@ -4,13 +4,15 @@
 
 For each batch size: one prefill puts `context` tokens of every sequence in the cache, then
 the whole decode step is timed as the executor runs it (graph replay), and each plan op is
-timed alone with CUDA events around its eager launch. Each op's weight bytes over its time
+timed alone with CUDA events around its eager launch. Then one eager (graph-less) step of the
+decode rows plus a new prompt, with the host's time to launch it beside its device time. Each op's weight bytes over its time
 give the bandwidth it reaches; the sum over ops shows the launch gaps the graph removes.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 
@@ -51,6 +53,7 @@ def profile(ex: CudaExecutor, batch: int, context: int) -> None:
     weights = sum(w.nbytes for name, w in ex.weights.items() if "embed" not in name)
     print(f"batch {batch}, context {context}: step {total:.3f} ms ({batch / total * 1e3:.0f} tok/s), "
           f"{weights / total / 1e6:.0f} GB/s of non-embedding weights")
+    eager_mixed_step(ex, tables, context, g)
     kinds: dict[str, list] = {}
     for op in ex.ops:
         kinds.setdefault(op.launcher.__name__.split(".")[-2], []).append(op)
@@ -84,6 +87,32 @@ def profile(ex: CudaExecutor, batch: int, context: int) -> None:
               f"{nbytes / ms / 1e6 if 'embed' not in kind else 0:7.0f} GB/s of weights")
 
 
+def eager_mixed_step(ex: CudaExecutor, tables: list[list[int]], context: int, g: torch.Generator) -> None:
+    """A step that runs without a graph: the batch's decode rows and one new sequence's prompt
+    of `context` tokens (as a request arriving mid-stream makes). Printed: the host's time to
+    enqueue it (the launches from Python) beside the device's time to run it; a step whose
+    launches take longer than its kernels leaves the GPU waiting on the host."""
+    engine = ex.engine
+    bs, nb = engine.manifest.kv.block_size, engine.manifest.blocks_per_sequence
+    free = max(b for t in tables for b in t) + 1
+    fresh = list(range(free, free + -(-context // bs)))
+    if fresh[-1] >= ex.pad_block or len(tables) + 1 > engine.manifest.max_batch_size:
+        return
+    chunks = [SequenceChunk([7], context, t) for t in tables]
+    chunks.append(SequenceChunk(torch.randint(0, 1000, (context,), generator=g).tolist(), 0, fresh))
+    step = pack_step(chunks, bs, nb)
+    device_ms = time_ms(lambda: ex.run(step))
+    torch.cuda.synchronize()
+    host = []
+    for _ in range(10):
+        start = time.perf_counter()
+        ex.run(step)
+        host.append((time.perf_counter() - start) * 1e3)
+        torch.cuda.synchronize()
+    print(f"  eager step of {len(tables)} decode rows + a {context}-token prompt: device {device_ms:.3f} ms, "
+          f"host enqueue {statistics.median(host):.3f} ms ({len(ex.ops)} plan ops)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("engine")
@@ -94,7 +123,8 @@ def main() -> None:
                          verify=False)
     batches = args.batch or [1, 64]
     bs = engine.manifest.kv.block_size
-    ex = CudaExecutor(engine, max(batches) * -(-(args.context + 1) // bs))
+    # One sequence more than the largest batch: the eager step adds a new prompt.
+    ex = CudaExecutor(engine, (max(batches) + 1) * -(-(args.context + 1) // bs))
     for batch in batches:
         profile(ex, batch, args.context)
 
