@@ -280,7 +280,7 @@ def linear_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, residual_ptr
     mask_n = offs_n < N
     if w_scale_ptr is not None:
         acc = fp8_gemm_tile(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, offs_m, mask_m, offs_n, mask_n,
-                                K, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT, SPLIT_K)
+                            K, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT, SPLIT_K)
         sumsq = tl.zeros((BLOCK_M,), tl.float32)
     else:
         acc, sumsq = gemm_tile(x_ptr, None, w_ptr, offs_m, mask_m, offs_n, mask_n,

@@ -79,7 +79,7 @@ def norm_qkv_rope_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, bias_
     rows = h * D + (i // CHUNK) * HALF + (tl.program_id(1) % HEAD_SPLIT) * CHUNK + i % CHUNK
     if FP8:
         acc = fp8_gemm_tile(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, offs_m, mask_m, rows,
-                                rows < (H + 2 * KVH) * D, K, BLOCK_M, 2 * CHUNK, BLOCK_K, UPCAST_DOT, SPLIT_K)
+                            rows < (H + 2 * KVH) * D, K, BLOCK_M, 2 * CHUNK, BLOCK_K, UPCAST_DOT, SPLIT_K)
         sumsq = tl.zeros((BLOCK_M,), tl.float32)
     else:
         acc, sumsq = gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, rows < (H + 2 * KVH) * D,

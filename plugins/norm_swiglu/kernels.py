@@ -82,7 +82,7 @@ def norm_swiglu_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, out_ptr
     rows = (cols // GU_BLOCK) * (2 * GU_BLOCK) + cols % GU_BLOCK + (i // BLOCK_N) * GU_BLOCK
     if FP8:
         acc = fp8_gemm_tile(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, offs_m, mask_m, rows, cols < I,
-                                K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, UPCAST_DOT, SPLIT_K)
+                            K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, UPCAST_DOT, SPLIT_K)
         sumsq = tl.zeros((BLOCK_M,), tl.float32)
     else:
         acc, sumsq = gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, cols < I,
