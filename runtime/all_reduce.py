@@ -1,7 +1,8 @@
 """How a tensor-parallel rank on a GPU sums a row-parallel op's output over the ranks.
 
 Messages that the custom all-reduce takes (`plugins/all_reduce`: up to 512 KiB, a decode
-step's hidden states) go through it: one kernel that reads every peer's buffer over NVLink.
+step's hidden states) go through it: one kernel that pushes this rank's partial into every
+peer's buffer over NVLink and sums what the peers pushed into its own.
 Larger ones (prefill chunks) go to NCCL, whose bandwidth wins there. The choice is made per
 launch from the tensor's size and dtype, which are the same on every rank, so the ranks never
 disagree; both run on torch's current stream, so a CUDA graph captures either.
@@ -107,6 +108,9 @@ def open_all_reduce(engine: Engine, mode: str, gather: Gather) -> AllReduce:
     if not keys:
         problem = (f"the engine holds no custom all-reduce kernel for {arch} (built with an older Kiln, or for "
                    f"more than {custom.MAX_WORLD} ranks)")
+    elif m.kernels[keys[0]].launch.get("protocol") != custom.PROTOCOL:
+        problem = ("the engine's custom all-reduce kernel is an older one that this Kiln does not launch: "
+                   "rebuild the engine to use it")
     else:
         info = m.kernels[keys[0]]
         try:

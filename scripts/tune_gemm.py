@@ -73,22 +73,22 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
                                   aligned=pointer_params(signature))))
         if name == "gate_up":
             inter = n // 2
-            space = (([32, 64], [128], [3, 4, 6], [4, 8]) if t == 1 else
-                     ([64, 128, 256], [64, 128], [3, 4], [4, 8]))
+            space = (([32, 64], [128], [3, 4, 6], [4, 8], [1]) if t == 1 else
+                     ([64, 128, 256], [64, 128], [3, 4], [4, 8], [1, 2]))
             if FP8:
                 space = (space[0], [2 * bk for bk in space[1]], *space[2:])
-            for bn, bk, stages, warps in itertools.product(*space):
+            for bn, bk, stages, warps, split in itertools.product(*space):
                 signature = {"x_ptr": OPERAND, "x_scale_ptr": SCALE, "norm_ptr": "constexpr", "w_ptr": OPERAND,
-                             "w_scale_ptr": SCALE, "out_ptr": "*bf16",
-                             "part_ptr": "constexpr", "count_ptr": "constexpr", "T": "i32", "eps": "fp32",
+                             "w_scale_ptr": SCALE, "out_ptr": "*bf16", **split_signature(split), "T": "i32", "eps": "fp32",
                              "I": "constexpr", "K": "constexpr", "GU_BLOCK": "constexpr",
                              "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                              "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr", "GELU_TANH": "constexpr"}
                 constexprs = {"I": inter, "K": k, "GU_BLOCK": inter, "BLOCK_M": bm, "BLOCK_N": bn // 2,
-                              "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": 1, "GELU_TANH": False}
-                grid = (triton.cdiv(t, bm), inter // (bn // 2), 1)
-                out.append(("norm_swiglu", {"kind": "norm_swiglu", "n": n, "k": k, "t": t, "grid": grid,
-                                            "label": f"norm_swiglu bm{bm} bn{bn} bk{bk} s{stages} w{warps}"},
+                              "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": split, "GELU_TANH": False}
+                grid = (triton.cdiv(t, bm), inter // (bn // 2), split)
+                out.append(("norm_swiglu", {"kind": "norm_swiglu", "n": n, "k": k, "t": t, "grid": grid, "split": split,
+                                            "label": f"norm_swiglu bm{bm} bn{bn} bk{bk} split{split} s{stages} "
+                                                     f"w{warps}"},
                             AotKernel(norm_swiglu_kernel, signature, absent_as_none(signature, constexprs),
                                       num_warps=warps, num_stages=stages, aligned=pointer_params(signature))))
     return out + _norm_qkv_rope_configs()
@@ -216,7 +216,7 @@ def run_all(path: str, every: str | None = None) -> None:
         elif info["kind"] == "splitk":
             arg_lists = [[*ops, out.data_ptr(), *workspace, t] for ops in operands]
         else:
-            arg_lists = [[*ops, out.data_ptr(), t, 1e-5] for ops in operands]
+            arg_lists = [[*ops, out.data_ptr(), *workspace, t, 1e-5] for ops in operands]
         turn = itertools.count()
 
         def call():

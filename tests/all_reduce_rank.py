@@ -85,7 +85,7 @@ def _graph(custom: CustomAllReduce, dtype: torch.dtype, world: int) -> list[str]
     wrong = []
     rank = dist.get_rank()
     # Every replay runs on every rank whatever it finds: a rank that stopped early would leave
-    # its peers waiting for its flags.
+    # its peers waiting for its data.
     for replay in range(REPLAYS):
         for i, w in enumerate(work):
             w.copy_(_data(replay * 100 + i * 10 + rank, w.numel(), dtype))

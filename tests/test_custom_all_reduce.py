@@ -1,13 +1,13 @@
-"""The custom all-reduce on the CPU: its kernel's sum and flag protocol under Triton's
+"""The custom all-reduce on the CPU: its kernel's sum and push protocol under Triton's
 interpreter, with every rank's buffer in this one process; the launcher's arguments; the size
 switch between it and NCCL; the mode read from KILN_ALL_REDUCE; the buffer exchange's verdicts
 (one over real gloo between two processes); and its cubin in tensor-parallel engines.
 
-The kernel spins until every peer has published the call's epoch, so one rank's call can run
-here alone only after its peers' part is in place: their partial in the right half of their
-buffer and their flags in this rank's table, as their own calls would leave them. The ranks
-then run one after another, each finding the earlier ones' flags. The GPU tests
-(tests/test_all_reduce_gpu.py) run it for real between processes.
+The kernel spins until every peer's partial has arrived in its own buffer, so one rank's call
+can run here alone only after its peers' part is in place: their partials in their slots of
+this rank's buffer, as their own calls would push them. The ranks then run one after another,
+each finding the earlier ones' pushes. The GPU tests (tests/test_all_reduce_gpu.py) run it for
+real between processes.
 """
 import os
 
@@ -38,8 +38,12 @@ interpreted = pytest.mark.skipif(not isinstance(kernels.all_reduce_kernel, Inter
 # The interpreter passes scalar arguments as 1-element arrays and converts them with int().
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
-# More blocks than programs, and a partial last block: program p handles blocks p and p + PROGRAMS.
-ELEMENTS = (PROGRAMS + 3) * kernels.BLOCK + 48
+
+
+def _elements(dtype: torch.dtype) -> int:
+    """A partial last block and, where the capacity allows it (bf16), more blocks than programs:
+    program p then handles blocks p and p + PROGRAMS."""
+    return min((PROGRAMS + 3) * kernels.BLOCK, CAPACITY_BYTES // dtype.itemsize - kernels.BLOCK) + 48
 
 
 class Ranks:
@@ -51,71 +55,82 @@ class Ranks:
         self.dtype = dtype
 
     def counters(self, rank: int) -> torch.Tensor:
-        return kernels._regions(self.buffers[rank], self.layout, self.dtype)[0]
+        return kernels.regions(self.buffers[rank], self.layout, self.dtype)[0]
 
-    def flags(self, rank: int) -> torch.Tensor:
-        """Rank `rank`'s flag table, [writer, program]."""
-        return kernels._regions(self.buffers[rank], self.layout, self.dtype)[1].view(-1, PROGRAMS)
+    def slot(self, rank: int, call: int, writer: int) -> torch.Tensor:
+        """What `writer` pushed into `rank`'s buffer in call `call`, as the message's dtype."""
+        data = kernels.regions(self.buffers[rank], self.layout, self.dtype)[1]
+        return data[call % 2, writer, :_elements(self.dtype)].view(self.dtype)
 
-    def half(self, rank: int, epoch: int, n: int) -> torch.Tensor:
-        data = kernels._regions(self.buffers[rank], self.layout, self.dtype)[2]
-        start = (epoch % 2) * (CAPACITY_BYTES // self.dtype.itemsize)
-        return data[start:start + n]
+    def copy_bits(self, rank: int, call: int) -> torch.Tensor:
+        return kernels.regions(self.buffers[rank], self.layout, self.dtype)[1][call % 2]
 
-    def published(self, rank: int, epoch: int, partial: torch.Tensor) -> None:
-        """What rank `rank`'s call `epoch` leaves before it waits: its partial in its buffer and
-        its flags in every rank's table."""
-        self.half(rank, epoch, partial.numel()).copy_(partial)
-        for table in range(len(self.buffers)):
-            self.flags(table)[rank] = epoch
+    def pushed(self, writer: int, call: int, partial: torch.Tensor, into: int) -> None:
+        """What `writer`'s call `call` stores into rank `into`'s buffer: its partial, +0.0 as -0.0."""
+        self.slot(into, call, writer).copy_(torch.where(partial == 0, -0.0, partial))
 
 
 def _partials(world: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(ELEMENTS, generator=gen).to(dtype) for _ in range(world)]
+    partials = [torch.randn(_elements(dtype), generator=gen).to(dtype) for _ in range(world)]
+    partials[0][:64] = 0.0   # zeros must not look unarrived: alone, and where every rank's is zero
+    for partial in partials[1:]:
+        partial[32:64] = 0.0
+    return partials
+
+
+def _is_negative_zero(t: torch.Tensor) -> torch.Tensor:
+    return (t == 0) & torch.signbit(t)
 
 
 @interpreted
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_rank_gets_the_same_sum_and_the_halves_alternate(world, dtype):
+def test_every_rank_gets_the_same_sum_and_the_copies_alternate(world, dtype):
     ranks = Ranks(world, dtype)
-    for epoch in (1, 2, 3):
-        partials = _partials(world, dtype, seed=epoch)
-        for peer in range(1, world):
-            ranks.published(peer, epoch, partials[peer])
-        earlier = ranks.half(0, epoch - 1, ELEMENTS).clone()
+    for call in (0, 1, 2):
+        partials = _partials(world, dtype, seed=call)
         results = []
         for rank in range(world):
+            for later in range(rank + 1, world):  # their pushes precede this rank's reads
+                ranks.pushed(later, call, partials[later], into=rank)
             out = partials[rank].clone()
             kernels.run(out, ranks.buffers, rank, ranks.layout)
             results.append(out)
-            assert torch.equal(ranks.counters(rank), torch.full((PROGRAMS,), epoch))
-            # Checked before the next rank runs: without these flags it would wait forever.
-            assert all(torch.equal(ranks.flags(t)[rank], torch.full((PROGRAMS,), epoch)) for t in range(world))
+            assert torch.equal(ranks.counters(rank), torch.full((PROGRAMS,), call + 1))
+            # Its partial went to every rank whose call had not run yet, zeros as -0.0.
+            for later in range(rank + 1, world):
+                assert torch.equal(ranks.slot(later, call, rank), partials[rank])
+                assert bool(_is_negative_zero(ranks.slot(later, call, rank)[:64]).all()) == (rank == 0)
         for result in results[1:]:
             assert torch.equal(result, results[0])  # bit for bit on every rank
         if dtype == torch.float32:
             assert torch.equal(results[0], reference(partials))
         else:  # the interpreter rounds float32 to bfloat16 toward zero, the GPU to nearest
             torch.testing.assert_close(results[0], reference(partials), rtol=2 ** -7, atol=0)
-        # Rank 0 wrote its partial into this epoch's half; the other half, which a slow peer may
-        # still read, kept the previous call's data.
-        assert torch.equal(ranks.half(0, epoch, ELEMENTS), partials[0])
-        assert torch.equal(ranks.half(0, epoch - 1, ELEMENTS), earlier)
+        for rank in range(world):
+            # Each rank zeroed what it read; what is left are the pushes of the ranks that ran
+            # after it, which in a real call arrive before it reads. The other copy is untouched.
+            copy = ranks.copy_bits(rank, call)
+            for writer in range(world):
+                assert bool((copy[writer] == 0).all()) == (writer <= rank)
+            copy.zero_()
+            assert not ranks.copy_bits(rank, call + 1).any()
 
 
 @interpreted
-def test_a_peer_ahead_by_one_call_does_not_stall_the_sum():
-    """A peer that has finished call e and published e + 1 has overwritten its flag for e; the
-    kernel waits for "at least e", and call e's data is still in the other half."""
+def test_a_peer_ahead_by_one_call_does_not_disturb_the_sum():
+    """A peer that has finished call c has pushed call c + 1 into the other copy already; this
+    rank's call c sums its copy alone and leaves the peer's next push in place."""
     ranks = Ranks(2, torch.float32)
-    partials = _partials(2, torch.float32, seed=7)
-    ranks.published(1, 1, partials[1])
-    ranks.flags(0)[1] = 2  # rank 1 already in its next call
-    out = partials[0].clone()
+    now, ahead = _partials(2, torch.float32, seed=7), _partials(2, torch.float32, seed=8)
+    ranks.pushed(1, 0, now[1], into=0)
+    ranks.pushed(1, 1, ahead[1], into=0)
+    out = now[0].clone()
     kernels.run(out, ranks.buffers, 0, ranks.layout)
-    assert torch.equal(out, reference(partials))
+    assert torch.equal(out, reference(now))
+    assert torch.equal(ranks.slot(0, 1, 1), ahead[1])
+    assert not ranks.copy_bits(0, 0).any()
 
 
 def test_launch_passes_the_kernel_what_run_passes():
@@ -133,15 +148,15 @@ def test_launch_passes_the_kernel_what_run_passes():
     (aot,) = kernels.aot_kernels("bfloat16", world)
     launch(Recorder(), aot.meta, tensor, [b.data_ptr() for b in ranks.buffers], rank, ranks.layout, stream=7)
     ((grid, args, stream),) = calls
-    regions = [kernels._regions(b, ranks.layout, torch.bfloat16) for b in ranks.buffers]
-    counters, flags, data = ([r[i].data_ptr() for r in regions] for i in range(3))
+    own = ranks.buffers[rank].data_ptr()
+    data = [b.data_ptr() + ranks.layout.data_offset for b in ranks.buffers]
     unused = [0] * (MAX_WORLD - world)
     assert grid == (PROGRAMS, 1, 1) and stream == 7
-    assert args == [tensor.data_ptr(), tensor.data_ptr(), counters[rank], data[rank], flags[rank],
-                    *data, *unused, *flags, *unused, tensor.numel(), rank]
+    assert args == [tensor.data_ptr(), tensor.data_ptr(), own, data[rank], *data, *unused, tensor.numel(), rank]
+    assert kernels.regions(ranks.buffers[rank], ranks.layout, torch.bfloat16)[0].data_ptr() == own
     assert len(args) == len([t for t in aot.signature.values() if t != "constexpr"])
     assert aot.constexprs == {"WORLD": world, "CAPACITY": CAPACITY_BYTES // 2, "PROGRAMS": PROGRAMS,
-                              "BLOCK": kernels.BLOCK}
+                              "BLOCK": kernels.BLOCK, "SIGN": -2 ** 15}
     with pytest.raises(ValueError, match="does not take"):
         launch(Recorder(), aot.meta, torch.zeros(CAPACITY_BYTES, dtype=torch.bfloat16), [0] * world, rank,
                ranks.layout, stream=0)
