@@ -11,6 +11,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -293,6 +294,28 @@ def check_cubins(name: str, shapes: dict, targets) -> None:
 @pytest.mark.parametrize("name", list(LLAMA))
 def test_aot_llama_shapes(request, name):
     in_mode(request, False, lambda: check_cubins(name, LLAMA[name], list(MAX_SHARED_BYTES)))
+
+
+def test_aot_tp2_gate_up_gets_the_deep_pipeline_on_sm_90(request):
+    """TP 2's gate/up (7,168 intermediate rows a rank) up to 64 rows: 128-deep K tiles of 128
+    weight rows, 48 KiB a stage, get 2 stages on sm_80/sm_89 and 3 on sm_90/sm_100
+    (`linear.kernels.pipelined`), and every cubin fits its target's shared memory."""
+    shapes = {"K": 4096, "I": 7168, "block": 64}
+
+    def body():
+        check_cubins("norm_swiglu", shapes, list(MAX_SHARED_BYTES))
+        small = [k for k in norm_swiglu_kernels.aot_kernels("bfloat16", shapes) if k.meta.get("bucket") == "small"]
+        assert [(k.targets, k.num_stages) for k in small] == [(("sm_80", "sm_89"), 2), (("sm_90", "sm_100"), 3)]
+    in_mode(request, False, body)
+
+
+def test_pipelined_splits_a_kernel_only_where_the_depths_differ():
+    kernel = norm_swiglu_kernels.aot_kernels("bfloat16", LLAMA["norm_swiglu"])[0]
+    (one,) = linear_kernels.pipelined(kernel, 16, 64, 128, 2, cap=3)      # 20 KiB a stage: 3 everywhere
+    assert one.targets == kernel.targets and one.num_stages == 3
+    fp8_only = dataclasses.replace(kernel, targets=("sm_89",))
+    (shallow,) = linear_kernels.pipelined(fp8_only, 64, 128, 128, 2, cap=3)
+    assert shallow.targets == ("sm_89",) and shallow.num_stages == 2
 
 
 @pytest.mark.parametrize("name", list(ALL_OPTIONAL))

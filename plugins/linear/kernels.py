@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kiln import dtypes
-from kiln.plugins.aot import POINTER_TYPES, AotKernel, absent_as_none, pointer_params
+from kiln.plugins.aot import POINTER_TYPES, TARGET_CC, AotKernel, absent_as_none, pointer_params
 from kiln.plugins.linear import fp8
 from kiln.plugins.linear.tma import POINTER_TARGETS, tma_linear_aot
 
@@ -35,8 +35,12 @@ from kiln.plugins.linear.tma import POINTER_TARGETS, tma_linear_aot
 FP8_TARGETS = fp8.FP8_TARGETS
 
 # Shared memory for the software pipeline's x and W buffers: sm_89 has 99 KiB per block, the
-# smallest of the targets; the rest is left for the epilogue's layout conversions.
+# smallest of the targets; the rest is left for the epilogue's layout conversions. sm_90 and
+# sm_100 have 227 KiB (DEEP_PIPELINE_SMEM), and their kernels get the deeper pipeline it allows
+# (`pipelined`): tune_gemm's sweeps time stage counts that only fit there.
 PIPELINE_SMEM = 80 * 1024
+DEEP_PIPELINE_SMEM = 160 * 1024
+DEEP_PIPELINE_TARGETS = ("sm_90", "sm_100")
 
 
 @dataclass(frozen=True)
@@ -126,12 +130,29 @@ def split_workspace(rows: int, block_m: int, width: int, column_tiles: int, spli
 
 
 def num_stages(block_m: int, weight_rows: int, bk: int, element_bytes: int, cap: int = 4,
-               x_bytes: int | None = None) -> int:
+               x_bytes: int | None = None, deep: bool = False) -> int:
     """Pipeline depth, at most `cap`, that keeps the x and W buffers within PIPELINE_SMEM on
-    sm_80/sm_89, where Triton keeps num_stages - 1 of them (sm_90+ keeps num_stages, with
-    room to spare). `x_bytes`: x's element size where it differs from W's (FP8 weights)."""
+    sm_80/sm_89, where Triton keeps num_stages - 1 of them, or with `deep` within
+    DEEP_PIPELINE_SMEM on sm_90/sm_100, where it keeps num_stages. `x_bytes`: x's element size
+    where it differs from W's (FP8 weights)."""
     per_stage = (block_m * (x_bytes or element_bytes) + weight_rows * element_bytes) * bk
+    if deep:
+        return max(2, min(cap, DEEP_PIPELINE_SMEM // per_stage))
     return max(2, min(cap, 1 + PIPELINE_SMEM // per_stage))
+
+
+def pipelined(kernel: AotKernel, block_m: int, weight_rows: int, bk: int, element_bytes: int, cap: int,
+              x_bytes: int | None = None) -> list[AotKernel]:
+    """`kernel` with the deepest pipeline (`num_stages`) each of its targets has room for: one
+    kernel, or one for sm_80/sm_89 and one for sm_90/sm_100 (same launch meta) where the depths
+    differ."""
+    depth = {deep: num_stages(block_m, weight_rows, bk, element_bytes, cap, x_bytes, deep) for deep in (False, True)}
+    if depth[False] == depth[True]:
+        return [dataclasses.replace(kernel, num_stages=depth[False])]
+    targets = kernel.targets or tuple(TARGET_CC)
+    groups = {deep: tuple(t for t in targets if (t in DEEP_PIPELINE_TARGETS) == deep) for deep in (False, True)}
+    return [dataclasses.replace(kernel, num_stages=depth[deep], targets=groups[deep]) for deep in (False, True)
+            if groups[deep]]
 
 
 def interpreting() -> bool:
@@ -371,15 +392,13 @@ def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool,
             if not present:
                 signature[name] = "constexpr"
         meta = launch_meta(tile, triton.cdiv(n, tile.block_n), split)
-        stages = num_stages(tile.block_m, tile.block_n, bk, size, tile.stages)
         targets = POINTER_TARGETS if tile.tma else None
         if fp8_weight:
             meta["fp8"] = True
-            stages = num_stages(tile.block_m, tile.block_n, bk, 1, tile.stages)
             targets = fp8.POINTER_ONLY if tile.tma else fp8.FP8_TARGETS
-        kernels.append(AotKernel(linear_kernel, signature, absent_as_none(signature, constexprs),
-                                 num_warps=tile.num_warps, aligned=pointer_params(signature), num_stages=stages,
-                                 meta=meta, targets=targets))
+        kernel = AotKernel(linear_kernel, signature, absent_as_none(signature, constexprs), num_warps=tile.num_warps,
+                           aligned=pointer_params(signature), meta=meta, targets=targets)
+        kernels += pipelined(kernel, tile.block_m, tile.block_n, bk, 1 if fp8_weight else size, tile.stages)
         if tile.tma:
             kernels.append(tma_linear_aot(dtype, n, k, bias, residual, tile.name, tile.max_rows, fp8_weight))
     if fp8_weight:

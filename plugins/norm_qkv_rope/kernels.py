@@ -28,7 +28,7 @@ from kiln.plugins.attention.cache_write import to_e4m3
 from kiln.plugins.attention.kernels import padded
 from kiln.plugins.linear import fp8, tma
 from kiln.plugins.linear.kernels import (TILES, Tile, block_k, fp8_gemm_tile, gemm_input, gemm_tile,
-                                         launch_meta, num_stages, pick_tile, split_buffers, split_halves,
+                                         launch_meta, num_stages, pick_tile, pipelined, split_buffers, split_halves,
                                          split_k, split_k_sum, split_signature, upcast_dot, with_bucket)
 
 # The builder refuses FP8 plans for GPU targets not named here (`builder.kernels`).
@@ -298,15 +298,13 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
             if not given:
                 signature[name] = "constexpr"
         meta = launch_meta(tile, (heads + 2 * kv_heads) * split, ksplit, d // split)
-        stages = num_stages(tile.block_m, d // split, bk, size, tile.stages)
         targets = tma.POINTER_TARGETS if uses_tma(tile, shapes) else None
         if fp8_weight:
             meta["fp8"] = True
-            stages = num_stages(tile.block_m, d // split, bk, 1, tile.stages)
             targets = fp8.POINTER_ONLY if uses_tma(tile, shapes) else fp8.FP8_TARGETS
-        kernels.append(AotKernel(norm_qkv_rope_kernel, signature, absent_as_none(signature, constexprs),
-                                 num_warps=tile.num_warps, aligned=pointer_params(signature), num_stages=stages,
-                                 meta=meta, targets=targets))
+        kernel = AotKernel(norm_qkv_rope_kernel, signature, absent_as_none(signature, constexprs),
+                           num_warps=tile.num_warps, aligned=pointer_params(signature), meta=meta, targets=targets)
+        kernels += pipelined(kernel, tile.block_m, d // split, bk, 1 if fp8_weight else size, tile.stages)
         if uses_tma(tile, shapes):
             kernels.append(tma_aot(dtype, shapes, tile, optional))
     if fp8_weight:

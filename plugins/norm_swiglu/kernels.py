@@ -30,7 +30,7 @@ from kiln.dtypes import element_bytes
 from kiln.plugins.aot import POINTER_TYPES, AotKernel, absent_as_none, pointer_params
 from kiln.plugins.linear import fp8, tma
 from kiln.plugins.linear.kernels import (WIDE_N, block_k, fp8_gemm_tile, gemm_input, gemm_tile, launch_meta,
-                                         num_stages, pick_tile, split_buffers, split_halves,
+                                         num_stages, pick_tile, pipelined, split_buffers, split_halves,
                                          split_k, split_k_sum, split_signature, tiles_for, upcast_dot,
                                          with_bucket)
 
@@ -39,18 +39,21 @@ FP8_TARGETS = fp8.FP8_TARGETS
 
 
 def swiglu_tiles(weight_rows: int, fp8_weight: bool = False) -> tuple:
-    """The GEMM buckets for gate/up, with 128 weight rows (64 of gate, 64 of up) and 128-wide K
-    tiles for up to 64 rows: each program reads its rows of x twice (the dot and the norm's row
-    sum), and wider programs cut that traffic. Measured on an H200 with scripts/tune_gemm.py
-    (2026-11-30, Llama-3-8B's gate/up, T = 64, weights cycled beyond the L2): 68.2 us, against
-    72.0 with the shared wide tile (64 rows, 64-wide K). FP8 reads no x for a norm (the
+    """The GEMM buckets for gate/up; for up to 64 rows, tiles of 128 weight rows (64 of gate,
+    64 of up): each program reads its rows of x twice (the dot and the norm's row sum), and
+    wider programs cut that traffic. Measured on an H200 with scripts/tune_gemm.py (2026-12-01,
+    T = 64, the engine's interleaved W_gu, weights cycled beyond the L2): TP 1's 28,672 rows (224
+    programs, two resident per SM) take 65.1 us with 64-deep K tiles and 3 stages; TP 2's 14,336
+    rows (112 programs, one per SM) take 34.6 us with 128-deep K tiles and 3 stages, which only
+    sm_90's shared memory holds (`pipelined`). The engine had run 128-deep tiles in 2 stages
+    there: 82.8 and 53.3 us a layer in replayed decode graphs. FP8 reads no x for a norm (the
     pre-pass applied it) and x is e4m3: there 64 rows and K tiles of 128 e4m3 values take 31.9 us
-    against 34.9 (`KILN_TUNE_FP8=1`, same day)."""
+    against 34.9 (`KILN_TUNE_FP8=1`, 2026-11-30)."""
     if weight_rows < WIDE_N:
         return tiles_for(weight_rows)
     if fp8_weight:
         return with_bucket(tiles_for(weight_rows), "small", block_n=64, block_k=64, stages=3)
-    return with_bucket(tiles_for(weight_rows), "small", block_n=128, block_k=128)
+    return with_bucket(tiles_for(weight_rows), "small", block_n=128, block_k=128 if weight_rows < 2 * WIDE_N else 64)
 
 
 # constexpr GELU_TANH of each activation attr
@@ -204,15 +207,13 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
                       "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": split,
                       "GELU_TANH": GELU_TANH[shapes.get("activation", "silu")]}
         meta = launch_meta(tile, triton.cdiv(inter, bn), split, 2 * bn)
-        stages = num_stages(tile.block_m, tile.block_n, bk, size, tile.stages)
         targets = tma.POINTER_TARGETS if uses_tma(tile, shapes, dtype) else None
         if fp8_weight:
             meta["fp8"] = True
-            stages = num_stages(tile.block_m, tile.block_n, bk, 1, tile.stages)
             targets = fp8.POINTER_ONLY if uses_tma(tile, shapes, dtype) else fp8.FP8_TARGETS
-        kernels.append(AotKernel(norm_swiglu_kernel, signature, absent_as_none(signature, constexprs),
-                                 num_warps=tile.num_warps, aligned=pointer_params(signature), num_stages=stages,
-                                 meta=meta, targets=targets))
+        kernel = AotKernel(norm_swiglu_kernel, signature, absent_as_none(signature, constexprs),
+                           num_warps=tile.num_warps, aligned=pointer_params(signature), meta=meta, targets=targets)
+        kernels += pipelined(kernel, tile.block_m, tile.block_n, bk, 1 if fp8_weight else size, tile.stages)
         if uses_tma(tile, shapes, dtype):
             kernels.append(tma_aot(dtype, shapes, tile))
     if fp8_weight:
