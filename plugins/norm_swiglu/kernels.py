@@ -44,16 +44,18 @@ def swiglu_tiles(weight_rows: int, fp8_weight: bool = False) -> tuple:
     wider programs cut that traffic. Measured on an H200 with scripts/tune_gemm.py (2026-12-01,
     T = 64, the engine's interleaved W_gu, weights cycled beyond the L2): TP 1's 28,672 rows (224
     programs, two resident per SM) take 65.1 us with 64-deep K tiles and 3 stages; TP 2's 14,336
-    rows (112 programs, one per SM) take 34.6 us with 128-deep K tiles and 3 stages, which only
-    sm_90's shared memory holds (`pipelined`). The engine had run 128-deep tiles in 2 stages
-    there: 82.8 and 53.3 us a layer in replayed decode graphs. FP8 reads no x for a norm (the
+    rows (112 programs, one per SM) take 35.8 us with 128-deep K tiles, 3 stages (which only
+    sm_90's shared memory holds, `pipelined`) and 8 warps (4 warps: over 38.7). The engine had
+    run 128-deep tiles in 2 stages with 4 warps: 82.8 and 53.3 us a layer in replayed graphs. FP8 reads no x for a norm (the
     pre-pass applied it) and x is e4m3: there 64 rows and K tiles of 128 e4m3 values take 31.9 us
     against 34.9 (`KILN_TUNE_FP8=1`, 2026-11-30)."""
     if weight_rows < WIDE_N:
         return tiles_for(weight_rows)
     if fp8_weight:
         return with_bucket(tiles_for(weight_rows), "small", block_n=64, block_k=64, stages=3)
-    return with_bucket(tiles_for(weight_rows), "small", block_n=128, block_k=128 if weight_rows < 2 * WIDE_N else 64)
+    if weight_rows < 2 * WIDE_N:
+        return with_bucket(tiles_for(weight_rows), "small", block_n=128, block_k=128, num_warps=8)
+    return with_bucket(tiles_for(weight_rows), "small", block_n=128, block_k=64)
 
 
 # constexpr GELU_TANH of each activation attr
