@@ -104,15 +104,15 @@ def open_all_reduce(engine: Engine, mode: str, gather: Gather) -> AllReduce:
     m = engine.manifest
     arch = device_arch()
     keys = m.all_reduce_kernels.get(arch, ())
-    kernel = info = problem = None
-    if not keys:
+    info = m.kernels[keys[0]] if keys else None
+    kernel = problem = None
+    if info is None:
         problem = (f"the engine holds no custom all-reduce kernel for {arch} (built with an older Kiln, or for "
                    f"more than {custom.MAX_WORLD} ranks)")
-    elif m.kernels[keys[0]].launch.get("protocol") != custom.PROTOCOL:
+    elif info.launch.get("protocol") != custom.PROTOCOL:
         problem = ("the engine's custom all-reduce kernel is an older one that this Kiln does not launch: "
                    "rebuild the engine to use it")
     else:
-        info = m.kernels[keys[0]]
         try:
             kernel = load_kernel(engine.kernels[keys[0]], info.entry, list(info.signature), info.num_warps,
                                  info.shared_bytes)

@@ -14,7 +14,8 @@ Shapes: Llama-3-8B's projections (qkv, o, gate/up, down) at T = 1 and 64, or one
 a TP engine with KILN_TUNE_TP=2 (or 4). KILN_TUNE_FP8=1 sweeps the W8A8 kernels instead (e4m3
 weights and e4m3 rows of x as the quantize pre-pass leaves them, with their scales; checked
 against the dequantized product). Kernels: the split-K
-GEMM `linear_kernel` at tilings and K splits, `norm_swiglu_kernel` at its tiles, and
+GEMM `linear_kernel` at tilings and K splits, `norm_swiglu_kernel` at its tiles (and K splits
+at T = 64) on W_gu both plain and interleaved as the engine holds it, and
 `norm_qkv_rope_kernel` (checked against its plugin's reference) at programs per head, K tiles,
 K splits and depths. NAME compiles only the configurations of that shape or kernel.
 """
@@ -28,7 +29,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import triton
 
-from kiln.builder.passes.fold import GATE_UP_BLOCK, _interleave
+from kiln.builder.passes.fold import GATE_UP_BLOCK, interleave
 from kiln.plugins.aot import AotKernel, absent_as_none, pointer_params
 from kiln.plugins.linear.kernels import linear_kernel, split_signature
 from scripts.gpu_timing import graph_us
@@ -80,7 +81,8 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
                 space = (space[0], [2 * bk for bk in space[1]], *space[2:])
             for bn, bk, stages, warps, split, gu in itertools.product(*space, [GATE_UP_BLOCK, inter]):
                 signature = {"x_ptr": OPERAND, "x_scale_ptr": SCALE, "norm_ptr": "constexpr", "w_ptr": OPERAND,
-                             "w_scale_ptr": SCALE, "out_ptr": "*bf16", **split_signature(split), "T": "i32", "eps": "fp32",
+                             "w_scale_ptr": SCALE, "out_ptr": "*bf16", **split_signature(split),
+                             "T": "i32", "eps": "fp32",
                              "I": "constexpr", "K": "constexpr", "GU_BLOCK": "constexpr",
                              "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                              "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr", "GELU_TANH": "constexpr"}
@@ -198,7 +200,7 @@ def run_all(path: str, every: str | None = None) -> None:
             # reads of the same copy: a weight under the L2's 50 MB would otherwise be timed
             # from the L2 (the first sweep overstated o_proj and qkv so).
             if info.get("gu_block", n // 2) != n // 2:   # the engine's layout (`builder.passes.fold`)
-                w = _interleave(w, info["gu_block"])
+                w = interleave(w, info["gu_block"])
             copies = [w] + [w.clone() for _ in range(-(-L2_ROTATION // w.nbytes) - 1)]
             data[key] = (x, copies, ref, scales)
         x, copies, ref, scales = data[key]

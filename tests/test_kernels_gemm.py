@@ -313,8 +313,8 @@ def test_pipelined_splits_a_kernel_only_where_the_depths_differ():
     kernel = norm_swiglu_kernels.aot_kernels("bfloat16", LLAMA["norm_swiglu"])[0]
     (one,) = linear_kernels.pipelined(kernel, 16, 64, 128, 2, cap=3)      # 20 KiB a stage: 3 everywhere
     assert one.targets == kernel.targets and one.num_stages == 3
-    fp8_only = dataclasses.replace(kernel, targets=("sm_89",))
-    (shallow,) = linear_kernels.pipelined(fp8_only, 64, 128, 128, 2, cap=3)
+    ada_only = dataclasses.replace(kernel, targets=("sm_89",))
+    (shallow,) = linear_kernels.pipelined(ada_only, 64, 128, 128, 2, cap=3)
     assert shallow.targets == ("sm_89",) and shallow.num_stages == 2
 
 

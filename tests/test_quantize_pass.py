@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kiln.builder.passes import fold_weights, shard
-from kiln.builder.passes.fold import _interleave
+from kiln.builder.passes.fold import interleave
 from kiln.builder.passes.quantize import quantize_fp8, scale_input
 from kiln.plugins import get_plugin
 from kiln.plugins.fp8 import FP8, dequantize_rows, fp8_linear, quantize_rows
@@ -73,7 +73,7 @@ def test_fold_keeps_the_norm_of_an_fp8_projection_and_interleaves_its_scales():
     # Each row moved with its own scale.
     before = dequantize_rows(quantized.weights[swi0.inputs["w_gu"]], quantized.weights[swi0.inputs["w_gu_scale"]])
     after = dequantize_rows(q.weights[swi.inputs["w_gu"]], q.weights[swi.inputs["w_gu_scale"]])
-    assert torch.equal(after, _interleave(before, swi.attrs["block"]))
+    assert torch.equal(after, interleave(before, swi.attrs["block"]))
 
 
 def test_shard_splits_column_scales_and_keeps_row_parallel_ones_whole():

@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from interpreted_launch import Running, interpreted_only, targeted  # noqa: E402
-from kiln.builder.passes.fold import _interleave  # noqa: E402
+from kiln.builder.passes.fold import interleave  # noqa: E402
 from kiln.plugins import get_plugin  # noqa: E402
 
 GEMM_PLUGINS = ("linear", "linear_residual", "norm_swiglu", "norm_qkv_rope", "attention")
@@ -71,7 +71,7 @@ def test_norm_swiglu_launches_row_scales_then_the_tma_gemm(activation):
     torch.manual_seed(1)
     k, inter, block = 64, 128, 32
     w_gu = torch.randn(2 * inter, k) / 8
-    inputs = [torch.randn(T, k) * 3, None, _interleave(w_gu, block)]
+    inputs = [torch.randn(T, k) * 3, None, interleave(w_gu, block)]
     attrs = {"eps": EPS, "block": block, "activation": activation}
     out = torch.full((T, inter), float("nan"))
     log = launch("norm_swiglu", {"K": k, "I": inter, "block": block, "activation": activation}, inputs, attrs, out)

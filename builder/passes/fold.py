@@ -26,7 +26,8 @@ def _fold_norm(graph: Graph, weight: str, norm: str) -> str:
     return graph.add_weight(f"{weight}.folded", folded)
 
 
-def _interleave(w: torch.Tensor, block: int) -> torch.Tensor:
+def interleave(w: torch.Tensor, block: int) -> torch.Tensor:
+    """[W_gate; W_up] as [g0 u0 g1 u1 ...] in blocks of `block` rows, the layout norm_swiglu reads."""
     two_i, k = w.shape
     gate, up = w[: two_i // 2], w[two_i // 2:]
     return torch.stack([gate.reshape(-1, block, k), up.reshape(-1, block, k)], dim=1).reshape(two_i, k)
@@ -47,10 +48,10 @@ def fold_weights(graph: Graph) -> Graph:
                 inter = g.weights[node.inputs["w_gu"]].shape[0] // 2
                 block = math.gcd(inter, GATE_UP_BLOCK)
                 name = f"{node.inputs['w_gu']}.interleaved"
-                node.inputs["w_gu"] = g.add_weight(name, _interleave(g.weights[node.inputs["w_gu"]], block))
+                node.inputs["w_gu"] = g.add_weight(name, interleave(g.weights[node.inputs["w_gu"]], block))
                 if scale:
                     node.inputs["w_gu_scale"] = g.add_weight(
-                        f"{scale}.interleaved", _interleave(g.weights[scale][:, None], block)[:, 0])
+                        f"{scale}.interleaved", interleave(g.weights[scale][:, None], block)[:, 0])
                 node.attrs["block"] = block
     g.prune()
     return g

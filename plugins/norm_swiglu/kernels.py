@@ -46,9 +46,9 @@ def swiglu_tiles(weight_rows: int, fp8_weight: bool = False) -> tuple:
     programs, two resident per SM) take 65.1 us with 64-deep K tiles and 3 stages; TP 2's 14,336
     rows (112 programs, one per SM) take 35.8 us with 128-deep K tiles, 3 stages (which only
     sm_90's shared memory holds, `pipelined`) and 8 warps (4 warps: over 38.7). The engine had
-    run 128-deep tiles in 2 stages with 4 warps: 82.8 and 53.3 us a layer in replayed graphs. FP8 reads no x for a norm (the
-    pre-pass applied it) and x is e4m3: there 64 rows and K tiles of 128 e4m3 values take 31.9 us
-    against 34.9 (`KILN_TUNE_FP8=1`, 2026-11-30)."""
+    run 128-deep tiles in 2 stages with 4 warps: 82.8 and 53.3 us a layer in replayed graphs.
+    FP8 reads no x for a norm (the pre-pass applied it) and x is e4m3: there 64 rows and K tiles
+    of 128 e4m3 values take 31.9 us against 34.9 (`KILN_TUNE_FP8=1`, 2026-11-30)."""
     if weight_rows < WIDE_N:
         return tiles_for(weight_rows)
     if fp8_weight:
