@@ -17,6 +17,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import kiln.plugins.linear.kernels as linear_kernels  # noqa: E402
+import kiln.plugins.linear.tiles as linear_tiles  # noqa: E402
 from kiln.plugins.attention import kernels as attention_kernels  # noqa: E402
 from kiln.plugins.attention_o_proj import kernels as attention_o_proj_kernels  # noqa: E402
 from kiln.plugins.fp8 import FP8, quantize_rows, to_e4m3  # noqa: E402
@@ -125,7 +126,7 @@ def test_quantize_rows_gives_the_reference_rows(k, norm, dtype):
 def test_parity_fp8_linear(name, bias, bucket, dtype):
     torch.manual_seed(len(bucket) + bias)
     t, k, n = BUCKET_ROWS[bucket], 96, 40
-    assert linear_kernels.pick_tile(t, n).name == bucket
+    assert linear_tiles.pick_tile(t, n).name == bucket
     wq, ws = fp8_weight(n, k)
     x, b = rand(t, k, dtype=dtype), rand(n, dtype=dtype) if bias else None
     out = torch.full((t, n), float("nan"), dtype=dtype)
@@ -143,8 +144,8 @@ def test_parity_fp8_linear(name, bias, bucket, dtype):
 def test_parity_fp8_split_k(t, k, dtype):
     """K long enough that the decode and small buckets split it (e4m3 K tiles are twice as wide)."""
     torch.manual_seed(t)
-    tile = linear_kernels.pick_tile(t)
-    assert linear_kernels.split_k(tile, k, linear_kernels.block_k(tile, 1)) > 1
+    tile = linear_tiles.pick_tile(t)
+    assert linear_tiles.split_k(tile, k, linear_tiles.block_k(tile, 1)) > 1
     wq, ws = fp8_weight(72, k)
     x = rand(t, k, dtype=dtype)
     out = torch.full((t, 72), float("nan"), dtype=dtype)
@@ -158,8 +159,8 @@ def test_parity_fp8_wide_weight_tiles(t):
     torch.manual_seed(t)
     wq, ws = fp8_weight(80, 256)
     x = rand(t, 256)
-    with mock.patch.object(linear_kernels, "WIDE_N", 32):
-        assert linear_kernels.pick_tile(t, 80) in linear_kernels.WIDE_TILES
+    with mock.patch.object(linear_tiles, "WIDE_N", 32):
+        assert linear_tiles.pick_tile(t, 80) in linear_tiles.WIDE_TILES
         out = torch.full((t, 80), float("nan"))
         linear_kernels.run([x, wq, None, ws], LINEAR_ATTRS, out)
     assert_matches(out, reference("linear", [x, wq, None, ws], LINEAR_ATTRS))

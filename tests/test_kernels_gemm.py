@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import kiln.plugins.linear.kernels as linear_kernels  # noqa: E402
+import kiln.plugins.linear.tiles as linear_tiles  # noqa: E402
 from kiln.plugins.aot import MAX_SHARED_BYTES  # noqa: E402
 import kiln.plugins.linear.tma as tma  # noqa: E402
 import kiln.plugins.linear_residual.kernels as linear_residual_kernels  # noqa: E402
@@ -157,8 +158,8 @@ def test_parity_split_k(request, name, t, k, dtype):
     """K long enough that the decode and small buckets split it (into 4 and 2 parts)."""
     def body():
         torch.manual_seed(t + k)
-        tile = linear_kernels.pick_tile(t)
-        assert linear_kernels.split_k(tile, k, linear_kernels.block_k(tile, dtype.itemsize)) > 1
+        tile = linear_tiles.pick_tile(t)
+        assert linear_tiles.split_k(tile, k, linear_tiles.block_k(tile, dtype.itemsize)) > 1
         x = rand(t, k, dtype=dtype, scale=3.0 if name == "norm_swiglu" else 1.0)
         if name == "norm_swiglu":
             _, w_gu = with_norm(rand(2 * 48, k, dtype=dtype, scale=k ** -0.5), True)
@@ -177,9 +178,9 @@ def test_parity_split_k_workspace_is_reusable(request):
     def body():
         torch.manual_seed(0)
         t, k, n = 3, 1024, 96
-        tile = linear_kernels.pick_tile(t)
-        bk = linear_kernels.block_k(tile, 4)
-        split, columns = linear_kernels.split_k(tile, k, bk), -(-n // tile.block_n)
+        tile = linear_tiles.pick_tile(t)
+        bk = linear_tiles.block_k(tile, 4)
+        split, columns = linear_tiles.split_k(tile, k, bk), -(-n // tile.block_n)
         part, count = linear_kernels.split_buffers(t, tile.block_m, tile.block_n, columns, split, "cpu")
         w = rand(n, k, dtype=torch.float32, scale=k ** -0.5)
         for seed in range(3):
@@ -200,7 +201,7 @@ def test_parity_medium_bucket(request, name, dtype):
     def body():
         torch.manual_seed(3)
         t, k = 100, 64
-        assert linear_kernels.pick_tile(t).name == "medium"
+        assert linear_tiles.pick_tile(t).name == "medium"
         if name == "linear_residual":
             check(name, [rand(t, k, dtype=dtype), rand(40, k, dtype=dtype, scale=k ** -0.5), None, rand(t, 40, dtype=dtype)],
                   {"parallel": "none", "heads": 0, "all_reduce": False}, (t, 40))
@@ -219,8 +220,8 @@ def test_parity_wide_weight_tiles(request, name, t, dtype):
     def body():
         torch.manual_seed(t)
         k = 128
-        with mock.patch.object(linear_kernels, "WIDE_N", 32):
-            assert linear_kernels.pick_tile(t, 48) in linear_kernels.WIDE_TILES
+        with mock.patch.object(linear_tiles, "WIDE_N", 32):
+            assert linear_tiles.pick_tile(t, 48) in linear_tiles.WIDE_TILES
             if name == "linear":
                 check("linear", [rand(t, k, dtype=dtype), rand(80, k, dtype=dtype, scale=k ** -0.5), None],
                       {"parallel": "none", "heads": 0, "all_reduce": False}, (t, 80))
@@ -274,7 +275,7 @@ def check_cubins(name: str, shapes: dict, targets) -> None:
     for target in targets:
         mine = [k for k in kernels if k.targets is None or target in k.targets]
         buckets = [k for k in mine if "bucket" in k.meta]
-        assert [k.meta["bucket"] for k in buckets] == [t.name for t in linear_kernels.TILES]
+        assert [k.meta["bucket"] for k in buckets] == [t.name for t in linear_tiles.TILES]
         uses_tma = any(k.meta.get("tma") for k in buckets)
         # The TMA norm GEMMs need the norm weight folded, and norm_swiglu an interleaved W_gu.
         assert uses_tma == (target in tma.TMA_TARGETS and not shapes.get("norm_weight")
@@ -299,7 +300,7 @@ def test_aot_llama_shapes(request, name):
 def test_aot_tp2_gate_up_gets_the_deep_pipeline_on_sm_90(request):
     """TP 2's gate/up (7,168 intermediate rows a rank) up to 64 rows: 128-deep K tiles of 128
     weight rows, 48 KiB a stage, get 2 stages on sm_80/sm_89 and 3 on sm_90/sm_100
-    (`linear.kernels.pipelined`), and every cubin fits its target's shared memory."""
+    (`linear.tiles.pipelined`), and every cubin fits its target's shared memory."""
     shapes = {"K": 4096, "I": 7168, "block": 64}
 
     def body():
@@ -311,10 +312,10 @@ def test_aot_tp2_gate_up_gets_the_deep_pipeline_on_sm_90(request):
 
 def test_pipelined_splits_a_kernel_only_where_the_depths_differ():
     kernel = norm_swiglu_kernels.aot_kernels("bfloat16", LLAMA["norm_swiglu"])[0]
-    (one,) = linear_kernels.pipelined(kernel, 16, 64, 128, 2, cap=3)      # 20 KiB a stage: 3 everywhere
+    (one,) = linear_tiles.pipelined(kernel, 16, 64, 128, 2, cap=3)      # 20 KiB a stage: 3 everywhere
     assert one.targets == kernel.targets and one.num_stages == 3
     ada_only = dataclasses.replace(kernel, targets=("sm_89",))
-    (shallow,) = linear_kernels.pipelined(ada_only, 64, 128, 128, 2, cap=3)
+    (shallow,) = linear_tiles.pipelined(ada_only, 64, 128, 128, 2, cap=3)
     assert shallow.targets == ("sm_89",) and shallow.num_stages == 2
 
 

@@ -11,7 +11,7 @@ from kiln.plugins.driver_launch import check_aligned, grid
 
 def pick_bucket(metas: list[dict], rows: int) -> int:
     """Index of the GEMM shape bucket serving `rows` rows: the first whose max_rows admits
-    them, as `plugins.linear.kernels.pick_tile` chooses (buckets are in TILES order)."""
+    them, as `plugins.linear.tiles.pick_tile` chooses (buckets are in TILES order)."""
     for i, meta in enumerate(metas):
         if "bucket" in meta and (meta["max_rows"] is None or rows <= meta["max_rows"]):
             return i

@@ -27,9 +27,9 @@ from kiln.plugins.aot import FP8_POINTER, POINTER_TYPES, AotKernel, absent_as_no
 from kiln.plugins.attention.cache_write import to_e4m3
 from kiln.plugins.attention.kernels import padded
 from kiln.plugins.linear import fp8, tma
-from kiln.plugins.linear.kernels import (TILES, Tile, block_k, fp8_gemm_tile, gemm_input, gemm_tile,
-                                         launch_meta, num_stages, pick_tile, pipelined, split_buffers, split_halves,
-                                         split_k, split_k_sum, split_signature, upcast_dot, with_bucket)
+from kiln.plugins.linear.kernels import (fp8_gemm_tile, gemm_input, gemm_tile, launch_meta, split_buffers,
+                                         split_halves, split_k_sum, split_signature, upcast_dot)
+from kiln.plugins.linear.tiles import TILES, Tile, block_k, num_stages, pick_tile, pipelined, split_k, with_bucket
 
 # The builder refuses FP8 plans for GPU targets not named here (`builder.kernels`).
 FP8_TARGETS = fp8.FP8_TARGETS
