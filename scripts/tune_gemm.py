@@ -17,7 +17,9 @@ against the dequantized product). Kernels: the split-K
 GEMM `linear_kernel` at tilings and K splits, `norm_swiglu_kernel` at its tiles (and K splits
 at T = 64) on W_gu both plain and interleaved as the engine holds it, and
 `norm_qkv_rope_kernel` (checked against its plugin's reference) at programs per head, K tiles,
-K splits and depths. NAME compiles only the configurations of that shape or kernel.
+K splits and depths, at T = 64 also with its row scales from the pre-pass; then the persistent
+TMA `tma_norm_swiglu_kernel` at T = 64 and the row-scale pre-pass itself. NAME (comma-separated) compiles only the configurations of those shapes
+or kernels (a label's first word: splitk, norm_swiglu, norm_qkv_rope).
 """
 from __future__ import annotations
 
@@ -54,8 +56,10 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
     out = []
     for (name, (n, k)), t in itertools.product(SHAPES.items(), (1, 64)):
         bm = 16 if t == 1 else 64
+        # At T = 64 also 128 weight rows, 8 K parts and 6 stages, which read x fewer times over
+        # (none beat 32-64 rows and 1-2 parts on an H200: BENCHMARKS.md, session 16).
         space = (([32, 64, 128], [128, 256], [1, 2, 4, 8], [3, 4, 6]) if t == 1 else
-                 ([32, 64], [64, 128], [1, 2, 4], [3, 4]))
+                 ([32, 64, 128], [64, 128], [1, 2, 4, 8], [3, 4, 6]))
         if FP8:   # K tiles of the same bytes and more: e4m3 elements are half as wide
             space = (space[0], [2 * bk for bk in space[1]] + [1024] * (t == 1), *space[2:])
         for bn, bk, split, stages in itertools.product(*space):
@@ -95,7 +99,39 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
                                                      f"w{warps} gu{gu}"},
                             AotKernel(norm_swiglu_kernel, signature, absent_as_none(signature, constexprs),
                                       num_warps=warps, num_stages=stages, aligned=pointer_params(signature))))
-    return out + _norm_qkv_rope_configs()
+    return out + _tma_norm_swiglu_configs() + _norm_qkv_rope_configs()
+
+
+def _tma_norm_swiglu_configs() -> list[tuple[str, dict, AotKernel]]:
+    """The persistent TMA norm + SwiGLU kernel at T = 64 with 64- and 128-row tiles (its row scales
+    from a pre-pass, which the run times as `row_scale`), and that pre-pass at T = 1 and 64."""
+    from kiln.plugins.linear.tma import row_scale_kernel
+    from kiln.plugins.norm_swiglu.kernels import tma_norm_swiglu_kernel
+
+    n, k = SHAPES["gate_up"]
+    inter, t = n // 2, 64
+    out = []
+    for bm, bn, bk, stages, warps in itertools.product([64, 128], [64, 128], [64, 128], [3, 4, 5], [4, 8]):
+        signature = {"x_ptr": OPERAND, "scale_ptr": "*fp32", "w_ptr": OPERAND, "w_scale_ptr": SCALE,
+                     "out_ptr": "*bf16", "T": "i32", "I": "constexpr", "K": "constexpr", "GU_BLOCK": "constexpr",
+                     "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr",
+                     "UPCAST_DOT": "constexpr", "GELU_TANH": "constexpr"}
+        constexprs = {"I": inter, "K": k, "GU_BLOCK": GATE_UP_BLOCK, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+                      "GROUP_M": 8, "UPCAST_DOT": False, "GELU_TANH": False}
+        grid = (min(inter // bn, 132), 1, 1)
+        out.append(("norm_swiglu", {"kind": "tma_norm_swiglu", "n": n, "k": k, "t": t, "grid": grid,
+                                    "gu_block": GATE_UP_BLOCK,
+                                    "label": f"tma_norm_swiglu bm{bm} bn{2 * bn} bk{bk} s{stages} w{warps}"},
+                    AotKernel(tma_norm_swiglu_kernel, signature, absent_as_none(signature, constexprs),
+                              num_warps=warps, num_stages=stages, aligned=pointer_params(signature))))
+    for t in (1, 64):
+        signature = {"x_ptr": "*bf16", "scale_ptr": "*fp32", "T": "i32", "eps": "fp32", "K": "constexpr",
+                     "BLOCK_K": "constexpr"}
+        out.append(("row_scale", {"kind": "row_scale", "n": 1, "k": k, "t": t, "grid": (t, 1, 1),
+                                  "label": "row_scale w8"},
+                    AotKernel(row_scale_kernel, signature, {"K": k, "BLOCK_K": 4096}, num_warps=8, num_stages=1,
+                              aligned=pointer_params(signature))))
+    return out
 
 
 QKV_HEADS = (32 // TP, 8 // TP, 128)  # Llama-3-8B: query heads, KV heads, head_dim
@@ -111,11 +147,12 @@ def _norm_qkv_rope_configs() -> list[tuple[str, dict, AotKernel]]:
     out = []
     for t in (1, 64):
         bm = 16 if t == 1 else 64
-        for head_split, bk, split, stages in itertools.product([1, 2, 4, 8], [64, 128, 256, 512][FP8:], [1, 2, 4],
-                                                               [3, 4, 6]):
-            if (k // split) % bk:
+        # bf16 at T = 64 also with the row scales from the pre-pass (x_scale_ptr), the row sums left out.
+        for head_split, bk, split, stages, prescaled in itertools.product(
+                [1, 2, 4, 8], [64, 128, 256, 512][FP8:], [1, 2, 4], [3, 4, 6], [False, True]):
+            if (k // split) % bk or (prescaled and (FP8 or t == 1)):
                 continue
-            signature = {"x_ptr": OPERAND, "x_scale_ptr": SCALE, "norm_ptr": "constexpr", "w_ptr": OPERAND,
+            signature = {"x_ptr": OPERAND, "x_scale_ptr": "*fp32" if prescaled else SCALE, "norm_ptr": "constexpr", "w_ptr": OPERAND,
                          "w_scale_ptr": SCALE, "bias_ptr": "constexpr",
                          "q_norm_ptr": "constexpr", "k_norm_ptr": "constexpr", "pos_ptr": "*i32", "rope_ptr": "*fp32",
                          "kv_ptr": "*bf16", "slot_ptr": "*i32", "kv_scale_ptr": "constexpr", "out_ptr": "*bf16",
@@ -129,8 +166,9 @@ def _norm_qkv_rope_configs() -> list[tuple[str, dict, AotKernel]]:
             grid = (triton.cdiv(t, bm), (heads + 2 * kv_heads) * head_split, split)
             out.append(("norm_qkv_rope", {"kind": "norm_qkv_rope", "n": (heads + 2 * kv_heads) * d, "k": k, "t": t,
                                           "grid": grid, "split": split,
+                                          "prescaled": prescaled,
                                           "label": f"norm_qkv_rope bm{bm} bn{d // head_split} bk{bk} "
-                                                   f"split{split} s{stages}"},
+                                                   f"split{split} s{stages}{' prescaled' * prescaled}"},
                         AotKernel(norm_qkv_rope_kernel, signature, absent_as_none(signature, constexprs),
                                   num_warps=4, num_stages=stages, aligned=pointer_params(signature))))
     return out
@@ -141,7 +179,9 @@ def _compile(index: int):
 
 
 def compile_all(path: str, only: str | None = None) -> None:
-    chosen = [i for i, (name, _, _) in enumerate(configs()) if only in (None, name)]
+    names = None if only is None else only.split(",")
+    chosen = [i for i, (name, info, _) in enumerate(configs())
+              if names is None or name in names or info["label"].split()[0] in names]
     count = len(chosen)
     with ProcessPoolExecutor(os.cpu_count()) as pool:
         cubins = dict(pool.map(_compile, chosen))
@@ -169,6 +209,7 @@ def run_all(path: str, every: str | None = None) -> None:
     data, results = {}, {}
     part = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     count = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
+    scratch = torch.empty(16 << 20, dtype=torch.uint8, device="cuda")   # device-made TMA descriptors
     for name, info, signature, cubin in entries:
         key = (name, info["t"], info.get("gu_block"))
         if isinstance(cubin, str):
@@ -191,6 +232,8 @@ def run_all(path: str, every: str | None = None) -> None:
                 # FP8: the reference normalizes the dequantized rows again (about 1% off).
                 ref = _qkv_reference(dequantize_rows(x, scales[0]), dequantize_rows(w, scales[1]), t) if FP8 \
                     else _qkv_reference(x, w, t)
+            if name == "row_scale":
+                ref = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-5)
             if name == "norm_swiglu":
                 if not FP8:
                     ref = ref * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
@@ -201,13 +244,14 @@ def run_all(path: str, every: str | None = None) -> None:
             # from the L2 (the first sweep overstated o_proj and qkv so).
             if info.get("gu_block", n // 2) != n // 2:   # the engine's layout (`builder.passes.fold`)
                 w = interleave(w, info["gu_block"])
-            copies = [w] + [w.clone() for _ in range(-(-L2_ROTATION // w.nbytes) - 1)]
+            copies = [w] + [w.clone() for _ in range(-(-L2_ROTATION // w.nbytes) - 1)] * (name != "row_scale")
             data[key] = (x, copies, ref, scales)
         x, copies, ref, scales = data[key]
-        out = torch.empty_like(ref, dtype=torch.bfloat16)
+        out = torch.empty_like(ref, dtype=torch.float32 if name == "row_scale" else torch.bfloat16)
         try:
             fn = load_kernel(cubin.binary, cubin.name, [signature[p] for p in signature if signature[p] != "constexpr"],
-                             cubin.num_warps, cubin.shared_bytes)
+                             cubin.num_warps, cubin.shared_bytes, cubin.global_scratch)
+            fn.scratch = (scratch.data_ptr(), scratch.numel() // max(cubin.global_scratch, 1))
         except CudaError as e:  # more shared memory than a block may have
             print(f"  {name} T={info['t']} {info['label']}: does not load ({e})")
             continue
@@ -216,9 +260,17 @@ def run_all(path: str, every: str | None = None) -> None:
         operands = [[t.data_ptr() for t in ((x, scales[0], w, scales[1]) if FP8 else (x, w))] for w in copies]
         if info["kind"] == "norm_qkv_rope":
             q_ctx = _qkv_context(t)
+            if info["prescaled"]:   # x, then its row scales, as the pre-pass leaves them
+                row_scale = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-5)
+                operands = [[ops[0], row_scale.data_ptr(), *ops[1:]] for ops in operands]
             arg_lists = [[*ops, q_ctx["pos"].data_ptr(), q_ctx["rope"].data_ptr(), q_ctx["kv"].data_ptr(),
                           q_ctx["slot"].data_ptr(), out.data_ptr(), *workspace, t,
                           q_ctx["kv"].shape[2] * q_ctx["kv"].shape[3], 0, 1e-5] for ops in operands]
+        elif info["kind"] == "tma_norm_swiglu":
+            row_scale = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-5)
+            arg_lists = [[x.data_ptr(), row_scale.data_ptr(), w.data_ptr(), out.data_ptr(), t] for w in copies]
+        elif info["kind"] == "row_scale":
+            arg_lists = [[x.data_ptr(), out.data_ptr(), t, 1e-5]]
         elif info["kind"] == "splitk":
             arg_lists = [[*ops, out.data_ptr(), *workspace, t] for ops in operands]
         else:

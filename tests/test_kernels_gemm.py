@@ -270,7 +270,8 @@ def test_parity_norm_qkv_rope(request, qk_norm, bias, folded, t, k, d, dtype):
 
 def check_cubins(name: str, shapes: dict, targets) -> None:
     """Every target gets one kernel per bucket (the TMA ones on sm_90 and later, which need
-    global scratch for their descriptors) and, with TMA norm GEMMs, the row-scale pre-pass."""
+    global scratch for their descriptors) and, with TMA norm GEMMs or a bucket that reads row
+    scales, the row-scale pre-pass."""
     kernels = KERNELS[name].aot_kernels("bfloat16", shapes)
     for target in targets:
         mine = [k for k in kernels if k.targets is None or target in k.targets]
@@ -280,7 +281,10 @@ def check_cubins(name: str, shapes: dict, targets) -> None:
         # The TMA norm GEMMs need the norm weight folded, and norm_swiglu an interleaved W_gu.
         assert uses_tma == (target in tma.TMA_TARGETS and not shapes.get("norm_weight")
                             and shapes.get("block", 1) > 0), target
-        assert len(mine) == len(buckets) + (uses_tma and name.startswith("norm_"))
+        # norm_qkv_rope's small bucket reads the row-scale pre-pass's scales on every target.
+        prescaled = any(k.meta.get("row_scale_input") for k in buckets)
+        assert prescaled == (name == "norm_qkv_rope"), target
+        assert len(mine) == len(buckets) + ((uses_tma and name.startswith("norm_")) or prescaled)
         for kernel in mine:
             assert set(kernel.signature) == set(kernel.fn.arg_names)
             if "bucket" in kernel.meta and not kernel.meta.get("tma"):

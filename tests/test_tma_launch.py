@@ -34,19 +34,19 @@ EPS = 1e-5
 
 
 def launch(plugin: str, shapes: dict, inputs: list, attrs: dict, out: torch.Tensor,
-           views: list[torch.Tensor] = ()) -> list[tuple[str, tuple]]:
-    """Run the plugin's sm_90 launcher on a step of T rows; returns its launches in order.
+           views: list[torch.Tensor] = (), rows: int = T) -> list[tuple[str, tuple]]:
+    """Run the plugin's sm_90 launcher on a step of `rows` rows; returns its launches in order.
     `views`: tensors whose addresses the launcher passes besides its inputs'."""
     launcher = LAUNCHERS[plugin]
     kernels = targeted(KERNELS[plugin].aot_kernels("float32", shapes), "sm_90")
-    limits = {"T": T, "S": 8, "B": 64, "block_size": 16, "element_bytes": 4}
+    limits = {"T": rows, "S": 8, "B": 64, "block_size": 16, "element_bytes": 4}
     scratch = {name: torch.zeros(nbytes, dtype=torch.uint8) for name, nbytes in
                (launcher.scratch_bytes(attrs, limits) if hasattr(launcher, "scratch_bytes") else {}).items()}
     tensors = [t for t in [*inputs, out, *scratch.values(), *views] if t is not None]
     log: list = []
     with mock.patch("kiln.plugins.driver_launch.sm_count", lambda: SMS):
         launcher.launch([Running(k, tensors, log) for k in kernels], [k.meta for k in kernels], inputs, attrs, out,
-                        {"T": T}, 0, scratch)
+                        {"T": rows}, 0, scratch)
     return log
 
 
@@ -97,6 +97,29 @@ def test_norm_qkv_rope_launches_row_scales_then_the_tma_gemm(qk_norm):
     out = torch.full((T, heads * d), float("nan"))
     log = launch("norm_qkv_rope", shapes, inputs, attrs, out)
     assert log == [("row_scale_kernel", (T, 1, 1)), ("tma_norm_qkv_rope_kernel", (SMS, 1, 1))]
+    close(out, ref)
+    close(kv_cache, ref_cache)
+
+
+@pytest.mark.parametrize("norm_weight", [False, True])
+def test_norm_qkv_rope_small_bucket_takes_row_scales_from_the_pre_pass(norm_weight):
+    """From 17 to 64 rows the pointer kernel reads x's row scales from the pre-pass instead of
+    summing x^2 (`PRESCALED_BUCKETS`), with the norm weight folded or passed."""
+    torch.manual_seed(3)
+    rows, k, heads, kv_heads, d, layer = 40, 64, 4, 2, 32, 0
+    angles = torch.arange(512)[:, None] * 10000.0 ** (-torch.arange(0, d, 2) / d)
+    kv_cache = torch.randn(2, 2, 4, 16, kv_heads, d)
+    inputs = [torch.randn(rows, k), 1 + 0.2 * torch.randn(k) if norm_weight else None,
+              torch.randn((heads + 2 * kv_heads) * d, k) / 8, None, None, None,
+              torch.randint(0, 512, (rows,), dtype=torch.int32), torch.cat([angles.cos(), angles.sin()], dim=1),
+              kv_cache, torch.randperm(64)[:rows].to(torch.int32)]
+    attrs = {"eps": EPS, "layer": layer, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d}
+    shapes = {"K": k, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d, "norm_weight": norm_weight}
+    ref_cache = kv_cache.clone()
+    ref = get_plugin("norm_qkv_rope").call_reference(inputs[:8] + [ref_cache] + inputs[9:], attrs)
+    out = torch.full((rows, heads * d), float("nan"))
+    log = launch("norm_qkv_rope", shapes, inputs, attrs, out, rows=rows)
+    assert log == [("row_scale_kernel", (rows, 1, 1)), ("norm_qkv_rope_kernel", (1, heads + 2 * kv_heads, 1))]
     close(out, ref)
     close(kv_cache, ref_cache)
 

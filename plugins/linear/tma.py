@@ -172,10 +172,25 @@ def tma_linear_aot(dtype: str, n: int, k: int, bias: bool, residual: bool, bucke
                      num_stages=STAGES, aligned=pointer_params(signature), targets=TMA_TARGETS, meta=meta)
 
 
-def row_scale_aot(dtype: str, k: int) -> AotKernel:
-    """The row-scale pre-pass of the fused norm GEMMs on TMA_TARGETS (meta "row_scale": no bucket)."""
+def row_scale_block(k: int) -> int:
+    return min(triton.next_power_of_2(k), 4096)
+
+
+def row_scale_aot(dtype: str, k: int, targets: tuple[str, ...] | None = TMA_TARGETS) -> AotKernel:
+    """The row-scale pre-pass of the fused norm GEMMs (meta "row_scale": no bucket), on TMA_TARGETS
+    or on `targets` (None: every target) where pointer kernels read its scales too."""
     signature = {"x_ptr": POINTER_TYPES[dtype], "scale_ptr": "*fp32", "T": "i32", "eps": "fp32",
                  "K": "constexpr", "BLOCK_K": "constexpr"}
-    return AotKernel(row_scale_kernel, signature, {"K": k, "BLOCK_K": min(triton.next_power_of_2(k), 4096)},
+    return AotKernel(row_scale_kernel, signature, {"K": k, "BLOCK_K": row_scale_block(k)},
                      num_warps=ROW_SCALE_WARPS, num_stages=1, aligned=pointer_params(signature),
-                     targets=TMA_TARGETS, meta={"row_scale": True, "grid": "(T, 1, 1)", "pointer_alignment": 16})
+                     targets=targets, meta={"row_scale": True, "grid": "(T, 1, 1)", "pointer_alignment": 16})
+
+
+def row_scales(x, eps: float):
+    """The row-scale pre-pass through Triton's JIT: x's RMSNorm row scales, float32 [T]."""
+    import torch
+
+    scales = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    row_scale_kernel[(x.shape[0],)](x, scales, x.shape[0], eps, K=x.shape[1], BLOCK_K=row_scale_block(x.shape[1]),
+                                    num_warps=ROW_SCALE_WARPS)
+    return scales

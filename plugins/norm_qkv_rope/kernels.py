@@ -1,9 +1,10 @@
 """Triton kernel for `norm_qkv_rope`: RMSNorm + q/k/v projection + bias + per-head q/k RMSNorm
 + rotate-half RoPE, q to the output and k, v straight into their paged KV-cache slots.
 
-The K loop multiplies x by W_qkv's rows and also sums x^2 per row; the epilogue applies the
-row scale rsqrt(mean(x^2) + eps) (a folded norm weight is inside W_qkv; an unfolded one
-multiplies the x tiles as they are loaded). RoPE pairs column j of a head with column
+The K loop multiplies x by W_qkv's rows and also sums x^2 per row, except in the buckets that
+read the row-scale pre-pass's scales (`PRESCALED_BUCKETS`); the epilogue applies the row scale
+rsqrt(mean(x^2) + eps) (a folded norm weight is inside W_qkv; an unfolded one multiplies the x
+tiles as they are loaded). RoPE pairs column j of a head with column
 j + D/2, so a program owns matching column chunks of both halves of one head: its weight
 tile is the chunk's rows of the first half followed by those of the second, one dot gives
 both, and the epilogue splits them and rotates elementwise. The per-head q/k norm needs the
@@ -35,12 +36,12 @@ from kiln.plugins.linear.tiles import TILES, Tile, block_k, num_stages, pick_til
 FP8_TARGETS = fp8.FP8_TARGETS
 
 # The narrow-weight tiles, but for up to 64 rows 64 weight rows (half a Llama head) per program,
-# 64-wide K tiles and K split in 4: every program re-reads its rows of x twice (the dot, and
-# the row sum of x^2 for the norm), so fewer, wider programs cut that traffic. Measured on an
-# H200 with scripts/tune_gemm.py (2026-11-30, Llama-3-8B's qkv, T = 64, weights cycled beyond
-# the L2): 23.6 us, the sweep's best; the engine's batch-64 profile took 43.7 us with the
-# shared small tile (32 rows, 128-wide K, split in 2).
-QKV_TILES = with_bucket(TILES, "small", block_n=64, block_k=64, stages=3, split_k=4)
+# 128-wide K tiles, K unsplit and a deep pipeline, with x's row scales from the row-scale
+# pre-pass (`PRESCALED_BUCKETS`). Measured on an H200 with scripts/tune_gemm.py (session 16,
+# Llama-3-8B's qkv, T = 64, weights cycled beyond the L2): 17.3 us with 6 stages (18.6 with 4,
+# 22.0 with 3), plus 1.7 for the pre-pass; the best tile that sums x^2 in its K loop (64 rows,
+# 64-wide K tiles split in 4, 3 stages) took 23.7.
+QKV_TILES = with_bucket(TILES, "small", block_n=64, block_k=128, stages=6, split_k=1)
 # With e4m3 weights and rows (H200, 2026-11-30, `KILN_TUNE_FP8=1 scripts/tune_gemm.py`, Llama-3-8B's
 # qkv, weights cycled beyond the L2): at T = 64 the unsplit 128-deep tile takes 10.8 us against
 # 14.4 for QKV_TILES' (its split-K partials cost more than e4m3's halved weight bytes save); at
@@ -51,6 +52,20 @@ QKV_FP8_TILES = with_bucket(with_bucket(QKV_TILES, "decode", block_k=64, stages=
 
 def qkv_tiles(fp8_weight: bool) -> tuple[Tile, ...]:
     return QKV_FP8_TILES if fp8_weight else QKV_TILES
+
+
+# Buckets whose bf16 pointer kernel takes x's row scales from the row-scale pre-pass instead of
+# summing x^2 in its K loop, which re-reads every program's rows of x. On an H200 (session 16,
+# scripts/tune_gemm.py, Llama-3-8B's qkv, T = 64, weights cycled beyond the L2) the fused kernel
+# took 23.5 us at its best tile against 16.3 for the plain GEMM of the same shape; the pre-pass
+# takes 1.7 us. At T = 1 the sums cost less than the extra launch.
+PRESCALED_BUCKETS = ("small",)
+
+
+def prescaled(tile: Tile, fp8_weight: bool) -> bool:
+    """Whether a bucket's pointer kernel reads the row-scale pre-pass's scales (bf16 only: FP8
+    rows come RMSNorm'd from the quantize pre-pass)."""
+    return tile.name in PRESCALED_BUCKETS and not fp8_weight
 
 
 @triton.jit
@@ -67,8 +82,10 @@ def norm_qkv_rope_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, bias_
                          HEAD_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                          UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr):
     """w_scale_ptr given: W8A8 (`linear.kernels.fp8_gemm_tile` on the quantize pre-pass's rows, which
-    are RMSNorm'd already: its tile comes row-scaled)."""
+    are RMSNorm'd already: its tile comes row-scaled). Else x_scale_ptr given: x's RMSNorm row
+    scales from the row-scale pre-pass (`PRESCALED`); neither: the K loop sums x^2 itself."""
     FP8: tl.constexpr = w_scale_ptr is not None
+    SUMS: tl.constexpr = not FP8 and x_scale_ptr is None
     HALF: tl.constexpr = D // 2
     CHUNK: tl.constexpr = HALF // HEAD_SPLIT
     h = tl.program_id(1) // HEAD_SPLIT
@@ -83,15 +100,17 @@ def norm_qkv_rope_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, bias_
         sumsq = tl.zeros((BLOCK_M,), tl.float32)
     else:
         acc, sumsq = gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, rows < (H + 2 * KVH) * D,
-                               K, BLOCK_M, 2 * CHUNK, BLOCK_K, True, UPCAST_DOT, SPLIT_K)
+                               K, BLOCK_M, 2 * CHUNK, BLOCK_K, SUMS, UPCAST_DOT, SPLIT_K)
     last = True
     if SPLIT_K > 1:
-        acc, sumsq, last = split_k_sum(acc, sumsq, part_ptr, count_ptr, mask_m, BLOCK_M, 2 * CHUNK, SPLIT_K,
-                                       not FP8)
+        acc, sumsq, last = split_k_sum(acc, sumsq, part_ptr, count_ptr, mask_m, BLOCK_M, 2 * CHUNK, SPLIT_K, SUMS)
     if last:
-        row_scale = tl.rsqrt(sumsq / K + eps)
-        if FP8:
+        if SUMS:
+            row_scale = tl.rsqrt(sumsq / K + eps)
+        elif FP8:
             row_scale = tl.full((BLOCK_M,), 1.0, tl.float32)
+        else:
+            row_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
         _epilogue(acc, row_scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr,
                   kv_scale_ptr, out_ptr, rows, offs_m, mask_m, j, h, num_slots, layer, eps, H, KVH, D, BLOCK_M, CHUNK)
 
@@ -209,8 +228,10 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     ksplit, columns = split_k(tile, k, bk), (heads + 2 * kv_heads) * split
     part, count = split_buffers(t, tile.block_m, d // split, columns, ksplit, x.device)
     xa, x_scale = gemm_input(x, w_scale, norm_weight, True, attrs["eps"])
+    if prescaled(tile, w_scale is not None):
+        x_scale = tma.row_scales(x, attrs["eps"])
     norm_qkv_rope_kernel[(triton.cdiv(t, tile.block_m), columns, ksplit)](
-        xa, x_scale, None if x_scale is not None else norm_weight, w_qkv, w_scale, b_qkv, q_norm, k_norm,
+        xa, x_scale, None if w_scale is not None else norm_weight, w_qkv, w_scale, b_qkv, q_norm, k_norm,
         positions.contiguous(), rope_cache.contiguous(), kv_cache, slot_mapping.contiguous(), kv_scales, out, part,
         count, t, kv_cache.shape[2] * kv_cache.shape[3], attrs["layer"], attrs["eps"], K=k, H=heads, KVH=kv_heads,
         D=d, HEAD_SPLIT=split, BLOCK_M=tile.block_m, BLOCK_K=bk, UPCAST_DOT=upcast_dot(x, w_scale is not None),
@@ -293,11 +314,13 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
                       "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": ksplit}
         # With FP8 weights the pre-pass applies the norm weight.
         present = {**optional, "norm_ptr": optional["norm_ptr"] and not fp8_weight,
-                   "x_scale_ptr": fp8_weight, "w_scale_ptr": fp8_weight}
+                   "x_scale_ptr": fp8_weight or prescaled(tile, fp8_weight), "w_scale_ptr": fp8_weight}
         for name, given in present.items():
             if not given:
                 signature[name] = "constexpr"
         meta = launch_meta(tile, (heads + 2 * kv_heads) * split, ksplit, d // split)
+        if prescaled(tile, fp8_weight):
+            meta["row_scale_input"] = True
         targets = tma.POINTER_TARGETS if uses_tma(tile, shapes) else None
         if fp8_weight:
             meta["fp8"] = True
@@ -309,6 +332,8 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
             kernels.append(tma_aot(dtype, shapes, tile, optional))
     if fp8_weight:
         kernels += fp8.quantize_aot(dtype, k, norm=True, norm_weight=optional["norm_ptr"])
+    elif any(prescaled(tile, fp8_weight) for tile in qkv_tiles(fp8_weight)):
+        kernels.append(tma.row_scale_aot(dtype, k, targets=None))
     elif any(uses_tma(tile, shapes) for tile in qkv_tiles(fp8_weight)):
         kernels.append(tma.row_scale_aot(dtype, k))
     return kernels
