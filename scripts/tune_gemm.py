@@ -83,8 +83,12 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
                      ([64, 128, 256], [64, 128], [3, 4], [4, 8], [1, 2]))
             if FP8:
                 space = (space[0], [2 * bk for bk in space[1]], *space[2:])
-            for bn, bk, stages, warps, split, gu in itertools.product(*space, [GATE_UP_BLOCK, inter]):
-                signature = {"x_ptr": OPERAND, "x_scale_ptr": SCALE, "norm_ptr": "constexpr", "w_ptr": OPERAND,
+            # bf16 at T = 64 also with the row scales from the pre-pass (x_scale_ptr), on the engine's W_gu.
+            for bn, bk, stages, warps, split, gu, prescaled in itertools.product(*space, [GATE_UP_BLOCK, inter],
+                                                                                 [False, True]):
+                if prescaled and (FP8 or t == 1 or gu != GATE_UP_BLOCK):
+                    continue
+                signature = {"x_ptr": OPERAND, "x_scale_ptr": "*fp32" if prescaled else SCALE, "norm_ptr": "constexpr", "w_ptr": OPERAND,
                              "w_scale_ptr": SCALE, "out_ptr": "*bf16", **split_signature(split),
                              "T": "i32", "eps": "fp32",
                              "I": "constexpr", "K": "constexpr", "GU_BLOCK": "constexpr",
@@ -94,9 +98,9 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
                               "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": split, "GELU_TANH": False}
                 grid = (triton.cdiv(t, bm), inter // (bn // 2), split)
                 out.append(("norm_swiglu", {"kind": "norm_swiglu", "n": n, "k": k, "t": t, "grid": grid, "split": split,
-                                            "gu_block": gu,
+                                            "gu_block": gu, "prescaled": prescaled,
                                             "label": f"norm_swiglu bm{bm} bn{bn} bk{bk} split{split} s{stages} "
-                                                     f"w{warps} gu{gu}"},
+                                                     f"w{warps} gu{gu}{' prescaled' * prescaled}"},
                             AotKernel(norm_swiglu_kernel, signature, absent_as_none(signature, constexprs),
                                       num_warps=warps, num_stages=stages, aligned=pointer_params(signature))))
     return out + _tma_norm_swiglu_configs() + _norm_qkv_rope_configs()
@@ -258,11 +262,11 @@ def run_all(path: str, every: str | None = None) -> None:
         workspace = [part.data_ptr(), count.data_ptr()] if info.get("split", 1) > 1 else []
         # x and w lead every kernel's arguments, each followed by its scales when FP8.
         operands = [[t.data_ptr() for t in ((x, scales[0], w, scales[1]) if FP8 else (x, w))] for w in copies]
+        if info.get("prescaled"):   # x, then its row scales, as the pre-pass leaves them
+            row_scale = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-5)
+            operands = [[ops[0], row_scale.data_ptr(), *ops[1:]] for ops in operands]
         if info["kind"] == "norm_qkv_rope":
             q_ctx = _qkv_context(t)
-            if info["prescaled"]:   # x, then its row scales, as the pre-pass leaves them
-                row_scale = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-5)
-                operands = [[ops[0], row_scale.data_ptr(), *ops[1:]] for ops in operands]
             arg_lists = [[*ops, q_ctx["pos"].data_ptr(), q_ctx["rope"].data_ptr(), q_ctx["kv"].data_ptr(),
                           q_ctx["slot"].data_ptr(), out.data_ptr(), *workspace, t,
                           q_ctx["kv"].shape[2] * q_ctx["kv"].shape[3], 0, 1e-5] for ops in operands]

@@ -24,7 +24,7 @@ gemms = linear_residual("bfloat16", {"K": 4096, "N": 4096}) + norm_swiglu("bfloa
 sys.stdout.write(json.dumps({
     "attention": loads(decode),
     "attention_unaligned": loads(dataclasses.replace(decode, aligned=())),
-    "gemms": [loads(k) for k in gemms if k.meta["bucket"] in ("decode", "small")],
+    "gemms": [loads(k) for k in gemms if k.meta.get("bucket") in ("decode", "small")],
 }))
 """
 

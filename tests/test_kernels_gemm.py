@@ -281,9 +281,9 @@ def check_cubins(name: str, shapes: dict, targets) -> None:
         # The TMA norm GEMMs need the norm weight folded, and norm_swiglu an interleaved W_gu.
         assert uses_tma == (target in tma.TMA_TARGETS and not shapes.get("norm_weight")
                             and shapes.get("block", 1) > 0), target
-        # norm_qkv_rope's small bucket reads the row-scale pre-pass's scales on every target.
+        # The fused norm GEMMs' small bucket reads the row-scale pre-pass's scales on every target.
         prescaled = any(k.meta.get("row_scale_input") for k in buckets)
-        assert prescaled == (name == "norm_qkv_rope"), target
+        assert prescaled == name.startswith("norm_"), target
         assert len(mine) == len(buckets) + ((uses_tma and name.startswith("norm_")) or prescaled)
         for kernel in mine:
             assert set(kernel.signature) == set(kernel.fn.arg_names)
@@ -303,14 +303,16 @@ def test_aot_llama_shapes(request, name):
 
 def test_aot_tp2_gate_up_gets_the_deep_pipeline_on_sm_90(request):
     """TP 2's gate/up (7,168 intermediate rows a rank) up to 64 rows: 128-deep K tiles of 128
-    weight rows, 48 KiB a stage, get 2 stages on sm_80/sm_89 and 3 on sm_90/sm_100
-    (`linear.tiles.pipelined`), and every cubin fits its target's shared memory."""
+    weight rows, 48 KiB a stage, get 2 stages on sm_80/sm_89 and 4 on sm_90/sm_100
+    (`linear.tiles.pipelined`), 8 warps and the pre-pass's row scales, and every cubin fits its
+    target's shared memory."""
     shapes = {"K": 4096, "I": 7168, "block": 64}
 
     def body():
         check_cubins("norm_swiglu", shapes, list(MAX_SHARED_BYTES))
         small = [k for k in norm_swiglu_kernels.aot_kernels("bfloat16", shapes) if k.meta.get("bucket") == "small"]
-        assert [(k.targets, k.num_stages) for k in small] == [(("sm_80", "sm_89"), 2), (("sm_90", "sm_100"), 3)]
+        assert [(k.targets, k.num_stages) for k in small] == [(("sm_80", "sm_89"), 2), (("sm_90", "sm_100"), 4)]
+        assert all(k.num_warps == 8 and k.meta["row_scale_input"] for k in small)
     in_mode(request, False, body)
 
 

@@ -124,6 +124,22 @@ def test_norm_qkv_rope_small_bucket_takes_row_scales_from_the_pre_pass(norm_weig
     close(kv_cache, ref_cache)
 
 
+@pytest.mark.parametrize("norm_weight", [False, True])
+def test_norm_swiglu_small_bucket_takes_row_scales_from_the_pre_pass(norm_weight):
+    """From 17 to 64 rows norm_swiglu's pointer kernel reads x's row scales from the pre-pass,
+    with the norm weight folded or passed."""
+    torch.manual_seed(4)
+    rows, k, inter = 40, 64, 96
+    inputs = [torch.randn(rows, k), 1 + 0.2 * torch.randn(k) if norm_weight else None, torch.randn(2 * inter, k) / 8]
+    attrs = {"eps": EPS, "block": 0, "activation": "silu"}
+    shapes = {"K": k, "I": inter, "block": 0, "norm_weight": norm_weight}
+    ref = get_plugin("norm_swiglu").call_reference(inputs, attrs)
+    out = torch.full((rows, inter), float("nan"))
+    log = launch("norm_swiglu", shapes, inputs, attrs, out, rows=rows)
+    assert [name for name, _ in log] == ["row_scale_kernel", "norm_swiglu_kernel"]
+    close(out, ref)
+
+
 def test_attention_launches_the_128_row_prefill_kernel():
     """Two sequences' prefill chunks, the second continuing 40 cached tokens, through paged
     blocks in scrambled order."""

@@ -1,6 +1,7 @@
 """The shape buckets of the GEMM kernels and their pipeline depths: which tiling serves how many
 rows for a weight of how many rows (`Tile`, `TILES`, `WIDE_TILES`), and how deep a software
-pipeline each target's shared memory holds (`num_stages`, `pipelined`). `linear.kernels` and the
+pipeline each target's shared memory holds (`num_stages`, `pipelined`), and where the fused norm
+GEMMs take their row scales from a pre-pass (`prescaled`). `linear.kernels` and the
 fused plugins that share its GEMM core (norm_swiglu, norm_qkv_rope, linear_residual) pick their
 tiles here.
 """
@@ -121,3 +122,18 @@ def pipelined(kernel: AotKernel, block_m: int, weight_rows: int, bk: int, elemen
     groups = {deep: tuple(t for t in targets if (t in DEEP_PIPELINE_TARGETS) == deep) for deep in (False, True)}
     return [dataclasses.replace(kernel, num_stages=depth[deep], targets=groups[deep]) for deep in (False, True)
             if groups[deep]]
+
+
+# Buckets in which the fused norm GEMMs' bf16 pointer kernels take x's row scales from the
+# row-scale pre-pass (`linear.tma.row_scale_kernel`) instead of summing x^2 in their K loops,
+# where every program re-reads its rows of x. On an H200 (session 16, scripts/tune_gemm.py,
+# Llama-3-8B, T = 64, weights cycled beyond the L2) the fused qkv took 23.7 us at its best tile
+# summing, 17.3 reading the scales (the plain GEMM of its shape: 16.4); the pre-pass takes 1.7.
+# At T = 1 the sums cost less than the extra launch.
+PRESCALED_BUCKETS = ("small",)
+
+
+def prescaled(tile: Tile, fp8_weight: bool) -> bool:
+    """Whether a bucket's pointer kernel reads the row-scale pre-pass's scales (bf16 only: FP8
+    rows come RMSNorm'd from the quantize pre-pass)."""
+    return tile.name in PRESCALED_BUCKETS and not fp8_weight

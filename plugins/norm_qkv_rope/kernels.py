@@ -2,7 +2,7 @@
 + rotate-half RoPE, q to the output and k, v straight into their paged KV-cache slots.
 
 The K loop multiplies x by W_qkv's rows and also sums x^2 per row, except in the buckets that
-read the row-scale pre-pass's scales (`PRESCALED_BUCKETS`); the epilogue applies the row scale
+read the row-scale pre-pass's scales (`linear.tiles.prescaled`); the epilogue applies the row scale
 rsqrt(mean(x^2) + eps) (a folded norm weight is inside W_qkv; an unfolded one multiplies the x
 tiles as they are loaded). RoPE pairs column j of a head with column
 j + D/2, so a program owns matching column chunks of both halves of one head: its weight
@@ -30,14 +30,15 @@ from kiln.plugins.attention.kernels import padded
 from kiln.plugins.linear import fp8, tma
 from kiln.plugins.linear.kernels import (fp8_gemm_tile, gemm_input, gemm_tile, launch_meta, split_buffers,
                                          split_halves, split_k_sum, split_signature, upcast_dot)
-from kiln.plugins.linear.tiles import TILES, Tile, block_k, num_stages, pick_tile, pipelined, split_k, with_bucket
+from kiln.plugins.linear.tiles import (TILES, Tile, block_k, num_stages, pick_tile, pipelined, prescaled, split_k,
+                                       with_bucket)
 
 # The builder refuses FP8 plans for GPU targets not named here (`builder.kernels`).
 FP8_TARGETS = fp8.FP8_TARGETS
 
 # The narrow-weight tiles, but for up to 64 rows 64 weight rows (half a Llama head) per program,
 # 128-wide K tiles, K unsplit and a deep pipeline, with x's row scales from the row-scale
-# pre-pass (`PRESCALED_BUCKETS`). Measured on an H200 with scripts/tune_gemm.py (session 16,
+# pre-pass (`linear.tiles.prescaled`). Measured on an H200 with scripts/tune_gemm.py (session 16,
 # Llama-3-8B's qkv, T = 64, weights cycled beyond the L2): 17.3 us with 6 stages (18.6 with 4,
 # 22.0 with 3), plus 1.7 for the pre-pass; the best tile that sums x^2 in its K loop (64 rows,
 # 64-wide K tiles split in 4, 3 stages) took 23.7.
@@ -52,20 +53,6 @@ QKV_FP8_TILES = with_bucket(with_bucket(QKV_TILES, "decode", block_k=64, stages=
 
 def qkv_tiles(fp8_weight: bool) -> tuple[Tile, ...]:
     return QKV_FP8_TILES if fp8_weight else QKV_TILES
-
-
-# Buckets whose bf16 pointer kernel takes x's row scales from the row-scale pre-pass instead of
-# summing x^2 in its K loop, which re-reads every program's rows of x. On an H200 (session 16,
-# scripts/tune_gemm.py, Llama-3-8B's qkv, T = 64, weights cycled beyond the L2) the fused kernel
-# took 23.5 us at its best tile against 16.3 for the plain GEMM of the same shape; the pre-pass
-# takes 1.7 us. At T = 1 the sums cost less than the extra launch.
-PRESCALED_BUCKETS = ("small",)
-
-
-def prescaled(tile: Tile, fp8_weight: bool) -> bool:
-    """Whether a bucket's pointer kernel reads the row-scale pre-pass's scales (bf16 only: FP8
-    rows come RMSNorm'd from the quantize pre-pass)."""
-    return tile.name in PRESCALED_BUCKETS and not fp8_weight
 
 
 @triton.jit
@@ -83,7 +70,7 @@ def norm_qkv_rope_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, bias_
                          UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr):
     """w_scale_ptr given: W8A8 (`linear.kernels.fp8_gemm_tile` on the quantize pre-pass's rows, which
     are RMSNorm'd already: its tile comes row-scaled). Else x_scale_ptr given: x's RMSNorm row
-    scales from the row-scale pre-pass (`PRESCALED`); neither: the K loop sums x^2 itself."""
+    scales from the row-scale pre-pass; neither: the K loop sums x^2 itself."""
     FP8: tl.constexpr = w_scale_ptr is not None
     SUMS: tl.constexpr = not FP8 and x_scale_ptr is None
     HALF: tl.constexpr = D // 2

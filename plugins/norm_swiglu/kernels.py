@@ -31,31 +31,28 @@ from kiln.plugins.aot import POINTER_TYPES, AotKernel, absent_as_none, pointer_p
 from kiln.plugins.linear import fp8, tma
 from kiln.plugins.linear.kernels import (fp8_gemm_tile, gemm_input, gemm_tile, launch_meta, split_buffers,
                                          split_halves, split_k_sum, split_signature, upcast_dot)
-from kiln.plugins.linear.tiles import (WIDE_N, block_k, num_stages, pick_tile, pipelined, split_k, tiles_for,
-                                       with_bucket)
+from kiln.plugins.linear.tiles import (WIDE_N, block_k, num_stages, pick_tile, pipelined, prescaled, split_k,
+                                       tiles_for, with_bucket)
 
 # The builder refuses FP8 plans for GPU targets not named here (`builder.kernels`).
 FP8_TARGETS = fp8.FP8_TARGETS
 
 
 def swiglu_tiles(weight_rows: int, fp8_weight: bool = False) -> tuple:
-    """The GEMM buckets for gate/up; for up to 64 rows, tiles of 128 weight rows (64 of gate,
-    64 of up): each program reads its rows of x twice (the dot and the norm's row sum), and
-    wider programs cut that traffic. Measured on an H200 with scripts/tune_gemm.py (2026-12-01,
-    T = 64, the engine's interleaved W_gu, weights cycled beyond the L2): TP 1's 28,672 rows (224
-    programs, two resident per SM) take 65.1 us with 64-deep K tiles and 3 stages; TP 2's 14,336
-    rows (112 programs, one per SM) take 35.8 us with 128-deep K tiles, 3 stages (which only
-    sm_90's shared memory holds, `pipelined`) and 8 warps (4 warps: over 38.7). The engine had
-    run 128-deep tiles in 2 stages with 4 warps: 82.8 and 53.3 us a layer in replayed graphs.
-    FP8 reads no x for a norm (the pre-pass applied it) and x is e4m3: there 64 rows and K tiles
-    of 128 e4m3 values take 31.9 us against 34.9 (`KILN_TUNE_FP8=1`, 2026-11-30)."""
+    """The GEMM buckets for gate/up; for up to 64 rows of a wide W_gu (bf16), tiles of 128
+    weight rows (64 of gate, 64 of up), 128-deep K tiles, 4 stages (which only sm_90's shared
+    memory holds, `pipelined`) and 8 warps, with x's row scales from the row-scale pre-pass
+    (`linear.tiles.prescaled`). Measured on an H200 with scripts/tune_gemm.py (session 16, T = 64,
+    the engine's interleaved W_gu, weights cycled beyond the L2): TP 1's 28,672 rows take 60.2 us
+    and TP 2's 14,336 take 32.2, plus 1.7 for the pre-pass, against 66.0 and 35.1 for the best
+    tiles that sum x^2 in their K loops. FP8 reads no x for a norm (the quantize pre-pass applied
+    it) and x is e4m3: there 64 rows and K tiles of 128 e4m3 values take 31.9 us against 34.9
+    (`KILN_TUNE_FP8=1`, 2026-11-30)."""
     if weight_rows < WIDE_N:
         return tiles_for(weight_rows)
     if fp8_weight:
         return with_bucket(tiles_for(weight_rows), "small", block_n=64, block_k=64, stages=3)
-    if weight_rows < 2 * WIDE_N:
-        return with_bucket(tiles_for(weight_rows), "small", block_n=128, block_k=128, num_warps=8)
-    return with_bucket(tiles_for(weight_rows), "small", block_n=128, block_k=64)
+    return with_bucket(tiles_for(weight_rows), "small", block_n=128, block_k=128, num_warps=8, stages=4)
 
 
 # constexpr GELU_TANH of each activation attr
@@ -76,8 +73,10 @@ def norm_swiglu_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, out_ptr
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr, GELU_TANH: tl.constexpr):
     """w_scale_ptr given: W8A8 (`linear.kernels.fp8_gemm_tile` on the quantize pre-pass's rows, which
-    are RMSNorm'd already: its tile comes row-scaled)."""
+    are RMSNorm'd already: its tile comes row-scaled). Else x_scale_ptr given: x's RMSNorm row
+    scales from the row-scale pre-pass; neither: the K loop sums x^2 itself."""
     FP8: tl.constexpr = w_scale_ptr is not None
+    SUMS: tl.constexpr = not FP8 and x_scale_ptr is None
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < T
@@ -91,14 +90,16 @@ def norm_swiglu_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, out_ptr
         sumsq = tl.zeros((BLOCK_M,), tl.float32)
     else:
         acc, sumsq = gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, cols < I,
-                               K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, True, UPCAST_DOT, SPLIT_K)
+                               K, BLOCK_M, 2 * BLOCK_N, BLOCK_K, SUMS, UPCAST_DOT, SPLIT_K)
     last = True
     if SPLIT_K > 1:
         acc, sumsq, last = split_k_sum(acc, sumsq, part_ptr, count_ptr, mask_m, BLOCK_M, 2 * BLOCK_N, SPLIT_K,
-                                       not FP8)
+                                       SUMS)
     if last:
-        if not FP8:
+        if SUMS:
             acc = acc * tl.rsqrt(sumsq / K + eps)[:, None]
+        elif not FP8:
+            acc = acc * tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
         gate, up = split_halves(acc, BLOCK_M, BLOCK_N)
         y = _gate(gate, GELU_TANH) * up
         mask = mask_m[:, None] & (offs_n < I)[None, :]
@@ -175,8 +176,10 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     split, columns = split_k(tile, k, bk), triton.cdiv(inter, bn)
     part, count = split_buffers(t, tile.block_m, 2 * bn, columns, split, x.device)
     xa, x_scale = gemm_input(x, w_scale, norm_weight, True, attrs["eps"])
+    if prescaled(tile, w_scale is not None):
+        x_scale = tma.row_scales(x, attrs["eps"])
     norm_swiglu_kernel[(triton.cdiv(t, tile.block_m), columns, split)](
-        xa, x_scale, None if x_scale is not None else norm_weight, w_gu, w_scale, out, part, count, t, attrs["eps"],
+        xa, x_scale, None if w_scale is not None else norm_weight, w_gu, w_scale, out, part, count, t, attrs["eps"],
         I=inter, K=k, GU_BLOCK=attrs["block"] or inter, BLOCK_M=tile.block_m, BLOCK_N=bn, BLOCK_K=bk,
         UPCAST_DOT=upcast_dot(x, w_scale is not None), SPLIT_K=split, GELU_TANH=GELU_TANH[attrs["activation"]],
         num_warps=tile.num_warps,
@@ -197,7 +200,8 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     for tile in tiles:
         bk, bn = block_k(tile, 1 if fp8_weight else size), tile.block_n // 2
         split = split_k(tile, k, bk)
-        x_ptr, x_scale, w_ptr, w_scale, norm_ptr = ptr, "constexpr", ptr, "constexpr", ptr if norm else "constexpr"
+        x_ptr, w_ptr, w_scale, norm_ptr = ptr, ptr, "constexpr", ptr if norm else "constexpr"
+        x_scale = "*fp32" if prescaled(tile, fp8_weight) else "constexpr"
         if fp8_weight:   # the pre-pass applies the norm weight
             x_ptr, x_scale, norm_ptr, w_ptr, w_scale = fp8.FP8_POINTER, "*fp32", "constexpr", fp8.FP8_POINTER, "*fp32"
         signature = {"x_ptr": x_ptr, "x_scale_ptr": x_scale, "norm_ptr": norm_ptr, "w_ptr": w_ptr,
@@ -209,6 +213,8 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
                       "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": split,
                       "GELU_TANH": GELU_TANH[shapes.get("activation", "silu")]}
         meta = launch_meta(tile, triton.cdiv(inter, bn), split, 2 * bn)
+        if prescaled(tile, fp8_weight):
+            meta["row_scale_input"] = True
         targets = tma.POINTER_TARGETS if uses_tma(tile, shapes, dtype) else None
         if fp8_weight:
             meta["fp8"] = True
@@ -220,6 +226,8 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
             kernels.append(tma_aot(dtype, shapes, tile))
     if fp8_weight:
         kernels += fp8.quantize_aot(dtype, k, norm=True, norm_weight=norm)
+    elif any(prescaled(tile, fp8_weight) for tile in tiles):
+        kernels.append(tma.row_scale_aot(dtype, k, targets=None))
     elif any(uses_tma(tile, shapes, dtype) for tile in tiles):
         kernels.append(tma.row_scale_aot(dtype, k))
     return kernels
