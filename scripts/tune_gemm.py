@@ -128,7 +128,7 @@ def _tma_norm_swiglu_configs() -> list[tuple[str, dict, AotKernel]]:
                                     "label": f"tma_norm_swiglu bm{bm} bn{2 * bn} bk{bk} s{stages} w{warps}"},
                     AotKernel(tma_norm_swiglu_kernel, signature, absent_as_none(signature, constexprs),
                               num_warps=warps, num_stages=stages, aligned=pointer_params(signature))))
-    for t in (1, 64):
+    for t in (1, 64, 256):
         signature = {"x_ptr": "*bf16", "scale_ptr": "*fp32", "T": "i32", "eps": "fp32", "K": "constexpr",
                      "BLOCK_K": "constexpr"}
         out.append(("row_scale", {"kind": "row_scale", "n": 1, "k": k, "t": t, "grid": (t, 1, 1),
@@ -149,12 +149,13 @@ def _norm_qkv_rope_configs() -> list[tuple[str, dict, AotKernel]]:
     heads, kv_heads, d = QKV_HEADS
     k = SHAPES["qkv"][1]
     out = []
-    for t in (1, 64):
+    for t in (1, 64, 256):
         bm = 16 if t == 1 else 64
-        # bf16 at T = 64 also with the row scales from the pre-pass (x_scale_ptr), the row sums left out.
+        # bf16 from T = 64 also with the row scales from the pre-pass (x_scale_ptr), the row sums
+        # left out; T = 256 (the medium bucket) at the tilings that do not split K.
         for head_split, bk, split, stages, prescaled in itertools.product(
                 [1, 2, 4, 8], [64, 128, 256, 512][FP8:], [1, 2, 4], [3, 4, 6], [False, True]):
-            if (k // split) % bk or (prescaled and (FP8 or t == 1)):
+            if (k // split) % bk or (prescaled and (FP8 or t == 1)) or (t == 256 and (split > 1 or bk > 128)):
                 continue
             signature = {"x_ptr": OPERAND, "x_scale_ptr": "*fp32" if prescaled else SCALE, "norm_ptr": "constexpr", "w_ptr": OPERAND,
                          "w_scale_ptr": SCALE, "bias_ptr": "constexpr",
@@ -317,7 +318,7 @@ def _qkv_context(t: int) -> dict:
         gen = torch.Generator(device="cuda").manual_seed(1)
         _QKV_CONTEXTS[t] = {"pos": torch.arange(t, dtype=torch.int32, device="cuda") + 100,
                             "rope": torch.randn(4096, d, device="cuda", generator=gen),
-                            "kv": torch.zeros(1, 2, 8, 16, kv_heads, d, device="cuda", dtype=torch.bfloat16),
+                            "kv": torch.zeros(1, 2, max(8, t // 16), 16, kv_heads, d, device="cuda", dtype=torch.bfloat16),
                             "slot": torch.arange(t, dtype=torch.int32, device="cuda")}
     return _QKV_CONTEXTS[t]
 

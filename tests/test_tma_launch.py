@@ -101,35 +101,38 @@ def test_norm_qkv_rope_launches_row_scales_then_the_tma_gemm(qk_norm):
     close(kv_cache, ref_cache)
 
 
+@pytest.mark.parametrize("rows", [40, 200])
 @pytest.mark.parametrize("norm_weight", [False, True])
-def test_norm_qkv_rope_small_bucket_takes_row_scales_from_the_pre_pass(norm_weight):
-    """From 17 to 64 rows the pointer kernel reads x's row scales from the pre-pass instead of
-    summing x^2 (`PRESCALED_BUCKETS`), with the norm weight folded or passed."""
+def test_norm_qkv_rope_small_and_medium_buckets_take_row_scales_from_the_pre_pass(norm_weight, rows):
+    """From 17 to 256 rows the pointer kernel reads x's row scales from the pre-pass instead of
+    summing x^2 (`linear.tiles.prescaled`), with the norm weight folded or passed."""
     torch.manual_seed(3)
-    rows, k, heads, kv_heads, d, layer = 40, 64, 4, 2, 32, 0
+    k, heads, kv_heads, d, layer = 64, 4, 2, 32, 0
     angles = torch.arange(512)[:, None] * 10000.0 ** (-torch.arange(0, d, 2) / d)
-    kv_cache = torch.randn(2, 2, 4, 16, kv_heads, d)
+    kv_cache = torch.randn(2, 2, 16, 16, kv_heads, d)
     inputs = [torch.randn(rows, k), 1 + 0.2 * torch.randn(k) if norm_weight else None,
               torch.randn((heads + 2 * kv_heads) * d, k) / 8, None, None, None,
               torch.randint(0, 512, (rows,), dtype=torch.int32), torch.cat([angles.cos(), angles.sin()], dim=1),
-              kv_cache, torch.randperm(64)[:rows].to(torch.int32)]
+              kv_cache, torch.randperm(256)[:rows].to(torch.int32)]
     attrs = {"eps": EPS, "layer": layer, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d}
     shapes = {"K": k, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d, "norm_weight": norm_weight}
     ref_cache = kv_cache.clone()
     ref = get_plugin("norm_qkv_rope").call_reference(inputs[:8] + [ref_cache] + inputs[9:], attrs)
     out = torch.full((rows, heads * d), float("nan"))
     log = launch("norm_qkv_rope", shapes, inputs, attrs, out, rows=rows)
-    assert log == [("row_scale_kernel", (rows, 1, 1)), ("norm_qkv_rope_kernel", (1, heads + 2 * kv_heads, 1))]
+    assert log == [("row_scale_kernel", (rows, 1, 1)),
+                   ("norm_qkv_rope_kernel", (-(-rows // 64), heads + 2 * kv_heads, 1))]
     close(out, ref)
     close(kv_cache, ref_cache)
 
 
+@pytest.mark.parametrize("rows", [40, 200])
 @pytest.mark.parametrize("norm_weight", [False, True])
-def test_norm_swiglu_small_bucket_takes_row_scales_from_the_pre_pass(norm_weight):
-    """From 17 to 64 rows norm_swiglu's pointer kernel reads x's row scales from the pre-pass,
+def test_norm_swiglu_small_and_medium_buckets_take_row_scales_from_the_pre_pass(norm_weight, rows):
+    """From 17 to 256 rows norm_swiglu's pointer kernel reads x's row scales from the pre-pass,
     with the norm weight folded or passed."""
     torch.manual_seed(4)
-    rows, k, inter = 40, 64, 96
+    k, inter = 64, 96
     inputs = [torch.randn(rows, k), 1 + 0.2 * torch.randn(k) if norm_weight else None, torch.randn(2 * inter, k) / 8]
     attrs = {"eps": EPS, "block": 0, "activation": "silu"}
     shapes = {"K": k, "I": inter, "block": 0, "norm_weight": norm_weight}

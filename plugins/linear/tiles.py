@@ -127,10 +127,11 @@ def pipelined(kernel: AotKernel, block_m: int, weight_rows: int, bk: int, elemen
 # Buckets in which the fused norm GEMMs' bf16 pointer kernels take x's row scales from the
 # row-scale pre-pass (`linear.tma.row_scale_kernel`) instead of summing x^2 in their K loops,
 # where every program re-reads its rows of x. On an H200 (session 16, scripts/tune_gemm.py,
-# Llama-3-8B, T = 64, weights cycled beyond the L2) the fused qkv took 23.7 us at its best tile
-# summing, 17.3 reading the scales (the plain GEMM of its shape: 16.4); the pre-pass takes 1.7.
-# At T = 1 the sums cost less than the extra launch.
-PRESCALED_BUCKETS = ("small",)
+# Llama-3-8B, weights cycled beyond the L2) the fused qkv took 23.7 us at T = 64 at its best
+# tile summing and 17.3 reading the scales (the plain GEMM of its shape: 16.4), and 52.8 against
+# 32.3 at T = 256; the pre-pass takes 1.7 and 2.1 us. At T = 1 the sums cost less than the
+# extra launch.
+PRESCALED_BUCKETS = ("small", "medium")
 
 
 def prescaled(tile: Tile, fp8_weight: bool) -> bool:
