@@ -103,7 +103,32 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
                                                      f"w{warps} gu{gu}{' prescaled' * prescaled}"},
                             AotKernel(norm_swiglu_kernel, signature, absent_as_none(signature, constexprs),
                                       num_warps=warps, num_stages=stages, aligned=pointer_params(signature))))
-    return out + _tma_norm_swiglu_configs() + _norm_qkv_rope_configs()
+    return out + _medium_configs() + _tma_norm_swiglu_configs() + _norm_qkv_rope_configs()
+
+
+def _medium_configs() -> list[tuple[str, dict, AotKernel]]:
+    """The split-K GEMM on the narrow weights (o_proj, down) at T = 256, the medium bucket's
+    largest batch: row blocks of 64 and 128, K unsplit or split."""
+    out = []
+    for name in ("o_proj", "down"):
+        n, k = SHAPES[name]
+        for bm, bn, split, stages in itertools.product([64, 128], [64, 128], [1, 2, 4], [3, 4]):
+            bk = 64 * 2 // WEIGHT_BYTES
+            if (k // split) % bk:
+                continue
+            signature = {"x_ptr": OPERAND, "x_scale_ptr": SCALE, "w_ptr": OPERAND, "w_scale_ptr": SCALE,
+                         "bias_ptr": "constexpr", "residual_ptr": "constexpr", "out_ptr": "*bf16",
+                         **split_signature(split), "T": "i32", "N": "constexpr", "K": "constexpr",
+                         "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+                         "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr"}
+            constexprs = {"N": n, "K": k, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST_DOT": False,
+                          "SPLIT_K": split}
+            out.append((name, {"kind": "splitk", "n": n, "k": k, "t": 256, "grid": (256 // bm, n // bn, split),
+                               "split": split, "label": f"splitk bm{bm} bn{bn} bk{bk} split{split} s{stages}"},
+                        AotKernel(linear_kernel, signature, absent_as_none(signature, constexprs),
+                                  num_warps=4 if bm * bn < 128 * 128 else 8, num_stages=stages,
+                                  aligned=pointer_params(signature))))
+    return out
 
 
 def _tma_norm_swiglu_configs() -> list[tuple[str, dict, AotKernel]]:

@@ -53,9 +53,11 @@ TILES = (
     # Decode: the 16 rows are tl.dot's minimum; long K tiles keep many loads in flight.
     Tile("decode", 16, 16, 64, 128, 4, stages=3, split_k=4),
     Tile("small", 64, 64, 32, 128, 4, stages=4, split_k=2),
-    # Up to 256 rows (decode batches beyond 64): 128x128 tiles would give a 4096-row weight
-    # only 64 programs at T=256 (o_proj and down took 2-3x their bytes' time on an H200).
-    Tile("medium", 256, 64, 64, 64, 4, stages=4),
+    # Up to 256 rows (decode batches beyond 64): 128x128 tiles with K split in 2, 128 programs
+    # for a 4096-row weight at T=256. On an H200 (session 16, scripts/tune_gemm.py, weights cycled
+    # beyond the L2) down took 59.8 us against 75.7 for 64x64 tiles unsplit (cuBLAS 47.7), o_proj
+    # 24.4 against 23.6.
+    Tile("medium", 256, 128, 128, 64, 8, stages=4, split_k=2),
     Tile("prefill", None, 128, 128, 64, 8, stages=4, tma=True),
 )
 # At 256 rows the TMA GEMM takes gate/up (28672x4096) in 100 us against 130 for the pointer
