@@ -28,7 +28,7 @@ from kiln import dtypes
 from kiln.plugins.aot import POINTER_TYPES, AotKernel, absent_as_none, pointer_params
 from kiln.plugins.linear import fp8
 from kiln.plugins.linear.tiles import Tile, block_k, num_stages, pick_tile, pipelined, split_k, tiles_for
-from kiln.plugins.linear.tma import POINTER_TARGETS, tma_linear_aot
+from kiln.plugins.linear.tma import POINTER_TARGETS, row_scales, tma_linear_aot
 
 # The builder refuses FP8 plans for GPU targets not named here (`builder.kernels`).
 FP8_TARGETS = fp8.FP8_TARGETS
@@ -230,11 +230,14 @@ def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None, norm: bool,
 
 
 def gemm_input(x: torch.Tensor, w_scale: torch.Tensor | None, norm_weight: torch.Tensor | None = None,
-               norm: bool = False, eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(x operand, x scales) of a JIT launch: x itself, or for FP8 weights the pre-pass's e4m3 rows."""
-    if w_scale is None:
-        return x, None
-    return quantize_rows(x, norm_weight, norm, eps)
+               norm: bool = False, eps: float = 0.0,
+               with_row_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x operand, x scales) of a JIT launch: for FP8 weights the quantize pre-pass's e4m3 rows and
+    their scales; else x, and with `with_row_scales` the row-scale pre-pass's RMSNorm scales (a fused
+    norm GEMM's bucket that reads them, `tiles.prescaled`)."""
+    if w_scale is not None:
+        return quantize_rows(x, norm_weight, norm, eps)
+    return x, row_scales(x, eps) if with_row_scales else None
 
 
 def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -28,7 +28,7 @@ def split_args(meta: dict, scratch: dict[str, torch.Tensor]) -> list[int]:
 
 
 def row_scale_bytes(limits: dict[str, int]) -> dict[str, int]:
-    """The fused norm GEMMs' row scales on sm_90+: one fp32 per row (`linear.tma`)."""
+    """The fused norm GEMMs' row scales: one fp32 per row (`linear.tma.row_scale_kernel`)."""
     return {"row_scale": limits["T"] * 4}
 
 
@@ -70,6 +70,24 @@ def gemm_input_args(kernels: list, metas: list[dict], i: int, x: torch.Tensor, n
     if metas[i].get("fp8"):
         return list(launch_quantize(kernels, metas, x, norm_weight, eps, stream, scratch))
     return [x.data_ptr()]
+
+
+def norm_gemm_input_args(kernels: list, metas: list[dict], i: int, x: torch.Tensor,
+                         norm_weight: torch.Tensor | None, eps: float, stream: int,
+                         scratch: dict[str, torch.Tensor]) -> list[int]:
+    """The x operand pointers of a fused norm GEMM's bucket kernel i: for FP8 the quantize
+    pre-pass's e4m3 rows and scales (the norm applied); else x, the row-scale pre-pass's scales
+    where the kernel reads them (TMA buckets, meta "row_scale_input"), and an unfolded norm
+    weight where the kernel applies it (a TMA bucket's is always folded). Pre-passes run here."""
+    meta = metas[i]
+    if meta.get("fp8"):
+        return gemm_input_args(kernels, metas, i, x, norm_weight, eps, stream, scratch)
+    args = [x.data_ptr()]
+    if meta.get("tma") or meta.get("row_scale_input"):
+        args.append(launch_row_scale(kernels, metas, x, eps, stream, scratch))
+    if norm_weight is not None and not meta.get("tma"):
+        args.append(norm_weight.data_ptr())
+    return args
 
 
 def launch_gemm(kernels: list, metas: list[dict], x: torch.Tensor, weight: torch.Tensor,

@@ -176,14 +176,14 @@ def row_scale_block(k: int) -> int:
     return min(triton.next_power_of_2(k), 4096)
 
 
-def row_scale_aot(dtype: str, k: int, targets: tuple[str, ...] | None = TMA_TARGETS) -> AotKernel:
-    """The row-scale pre-pass of the fused norm GEMMs (meta "row_scale": no bucket), on TMA_TARGETS
-    or on `targets` (None: every target) where pointer kernels read its scales too."""
+def row_scale_aot(dtype: str, k: int) -> AotKernel:
+    """The row-scale pre-pass of the fused norm GEMMs (meta "row_scale": no bucket), for every
+    target: the TMA kernels and the pointer kernels of the `tiles.prescaled` buckets read it."""
     signature = {"x_ptr": POINTER_TYPES[dtype], "scale_ptr": "*fp32", "T": "i32", "eps": "fp32",
                  "K": "constexpr", "BLOCK_K": "constexpr"}
     return AotKernel(row_scale_kernel, signature, {"K": k, "BLOCK_K": row_scale_block(k)},
                      num_warps=ROW_SCALE_WARPS, num_stages=1, aligned=pointer_params(signature),
-                     targets=targets, meta={"row_scale": True, "grid": "(T, 1, 1)", "pointer_alignment": 16})
+                     meta={"row_scale": True, "grid": "(T, 1, 1)", "pointer_alignment": 16})
 
 
 def row_scales(x, eps: float):

@@ -216,9 +216,7 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     split = head_split(tile, d, q_norm is not None)
     ksplit, columns = split_k(tile, k, bk), (heads + 2 * kv_heads) * split
     part, count = split_buffers(t, tile.block_m, d // split, columns, ksplit, x.device)
-    xa, x_scale = gemm_input(x, w_scale, norm_weight, True, attrs["eps"])
-    if prescaled(tile, w_scale is not None):
-        x_scale = tma.row_scales(x, attrs["eps"])
+    xa, x_scale = gemm_input(x, w_scale, norm_weight, True, attrs["eps"], prescaled(tile, w_scale is not None))
     norm_qkv_rope_kernel[(triton.cdiv(t, tile.block_m), columns, ksplit)](
         xa, x_scale, None if w_scale is not None else norm_weight, w_qkv, w_scale, b_qkv, q_norm, k_norm,
         positions.contiguous(), rope_cache.contiguous(), kv_cache, slot_mapping.contiguous(), kv_scales, out, part,
@@ -321,8 +319,6 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
             kernels.append(tma_aot(dtype, shapes, tile, optional))
     if fp8_weight:
         kernels += fp8.quantize_aot(dtype, k, norm=True, norm_weight=optional["norm_ptr"])
-    elif any(prescaled(tile, fp8_weight) for tile in qkv_tiles(fp8_weight)):
-        kernels.append(tma.row_scale_aot(dtype, k, targets=None))
-    elif any(uses_tma(tile, shapes) for tile in qkv_tiles(fp8_weight)):
+    else:   # for the TMA buckets and the pointer ones that read its scales (`prescaled`)
         kernels.append(tma.row_scale_aot(dtype, k))
     return kernels

@@ -6,7 +6,7 @@ import torch
 
 from kiln.plugins.attention.kernels import padded
 from kiln.plugins.driver_launch import check_aligned, grid
-from kiln.plugins.linear.launch import (check_fp8, gemm_input_args, launch_row_scale, pick_bucket, row_scale_bytes,
+from kiln.plugins.linear.launch import (check_fp8, norm_gemm_input_args, pick_bucket, row_scale_bytes,
                                         split_args)
 
 
@@ -34,13 +34,7 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
     check_fp8(metas[i], w_scale)
     # Weights and step inputs are whole arena regions (256-byte aligned); activations may be views.
     check_aligned(metas[i], x, kv_cache, out)
-    if (metas[i].get("tma") or metas[i].get("row_scale_input")) and w_scale is None:
-        # The row scales come from a pre-pass (a TMA bucket's norm weight is folded).
-        args = [x.data_ptr(), launch_row_scale(kernels, metas, x, attrs["eps"], stream, scratch)]
-    else:
-        args = gemm_input_args(kernels, metas, i, x, norm_weight, attrs["eps"], stream, scratch)
-    if norm_weight is not None and not metas[i].get("fp8") and not metas[i].get("tma"):
-        args.append(norm_weight.data_ptr())
+    args = norm_gemm_input_args(kernels, metas, i, x, norm_weight, attrs["eps"], stream, scratch)
     args += [t.data_ptr() for t in (w_qkv, w_scale, b_qkv, q_norm, k_norm) if t is not None]
     args += [positions.data_ptr(), rope_cache.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr()]
     args += [kv_scales.data_ptr()] if kv_scales is not None else []

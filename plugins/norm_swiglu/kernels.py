@@ -175,9 +175,7 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     bn = tile.block_n // 2
     split, columns = split_k(tile, k, bk), triton.cdiv(inter, bn)
     part, count = split_buffers(t, tile.block_m, 2 * bn, columns, split, x.device)
-    xa, x_scale = gemm_input(x, w_scale, norm_weight, True, attrs["eps"])
-    if prescaled(tile, w_scale is not None):
-        x_scale = tma.row_scales(x, attrs["eps"])
+    xa, x_scale = gemm_input(x, w_scale, norm_weight, True, attrs["eps"], prescaled(tile, w_scale is not None))
     norm_swiglu_kernel[(triton.cdiv(t, tile.block_m), columns, split)](
         xa, x_scale, None if w_scale is not None else norm_weight, w_gu, w_scale, out, part, count, t, attrs["eps"],
         I=inter, K=k, GU_BLOCK=attrs["block"] or inter, BLOCK_M=tile.block_m, BLOCK_N=bn, BLOCK_K=bk,
@@ -226,8 +224,6 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
             kernels.append(tma_aot(dtype, shapes, tile))
     if fp8_weight:
         kernels += fp8.quantize_aot(dtype, k, norm=True, norm_weight=norm)
-    elif any(prescaled(tile, fp8_weight) for tile in tiles):
-        kernels.append(tma.row_scale_aot(dtype, k, targets=None))
-    elif any(uses_tma(tile, shapes, dtype) for tile in tiles):
+    else:   # for the TMA buckets and the pointer ones that read its scales (`prescaled`)
         kernels.append(tma.row_scale_aot(dtype, k))
     return kernels

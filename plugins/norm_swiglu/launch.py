@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kiln.plugins.driver_launch import check_aligned, grid
-from kiln.plugins.linear.launch import (check_fp8, gemm_input_args, launch_row_scale, pick_bucket, row_scale_bytes,
+from kiln.plugins.linear.launch import (check_fp8, norm_gemm_input_args, pick_bucket, row_scale_bytes,
                                         split_args)
 
 
@@ -24,17 +24,10 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
     i = pick_bucket(metas, rows)
     check_fp8(metas[i], w_scale)
     check_aligned(metas[i], x, norm_weight, w_gu, w_scale, out)
-    if (metas[i].get("tma") or metas[i].get("row_scale_input")) and w_scale is None:
-        # The row scales come from a pre-pass (a TMA bucket's norm weight is folded).
-        args = [x.data_ptr(), launch_row_scale(kernels, metas, x, attrs["eps"], stream, scratch)]
-    else:   # x itself, or for FP8 the quantize pre-pass's e4m3 rows and their scales
-        args = gemm_input_args(kernels, metas, i, x, norm_weight, attrs["eps"], stream, scratch)
+    args = norm_gemm_input_args(kernels, metas, i, x, norm_weight, attrs["eps"], stream, scratch)
+    args += [t.data_ptr() for t in (w_gu, w_scale) if t is not None] + [out.data_ptr()]
     if metas[i].get("tma"):
-        args += [t.data_ptr() for t in (w_gu, w_scale) if t is not None] + [out.data_ptr(), rows]
-        kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)
-        return
-    if norm_weight is not None and not metas[i].get("fp8"):
-        args.append(norm_weight.data_ptr())
-    args += [t.data_ptr() for t in (w_gu, w_scale) if t is not None]
-    args += [out.data_ptr(), *split_args(metas[i], scratch), rows, attrs["eps"]]
+        args.append(rows)
+    else:
+        args += [*split_args(metas[i], scratch), rows, attrs["eps"]]
     kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)
