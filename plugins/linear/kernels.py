@@ -161,7 +161,9 @@ def split_k_sum(acc, sumsq, part_ptr, count_ptr, mask_m, BLOCK_M: tl.constexpr, 
     if last:
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         sumsq = tl.zeros((BLOCK_M,), tl.float32)
-        for s in range(SPLIT_K):
+        # Unrolled, so that the parts' loads are in flight together: a decode step's narrow GEMMs
+        # are a few microseconds long, and each serial L2 round trip here shows.
+        for s in tl.static_range(SPLIT_K):
             part = part_ptr + (tile * SPLIT_K + s) * PART
             # .cg: read from L2, where the other programs' stores are, never a stale L1 line.
             acc += tl.load(part + local, mask=mask_m[:, None], other=0.0, cache_modifier=".cg")
@@ -187,6 +189,14 @@ def linear_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, residual_ptr
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < T
     mask_n = offs_n < N
+    out_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    # The epilogue's operands load before the K loop, where their latency hides: after it they
+    # would be one more DRAM round trip at the end of kernels that last a few microseconds.
+    if bias_ptr is not None:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0)
+    if residual_ptr is not None:
+        residual = tl.load(residual_ptr + out_offs, mask=mask, other=0.0)
     if w_scale_ptr is not None:
         acc = fp8_gemm_tile(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, offs_m, mask_m, offs_n, mask_n,
                             K, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST_DOT, SPLIT_K)
@@ -199,11 +209,9 @@ def linear_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, residual_ptr
         acc, sumsq, last = split_k_sum(acc, sumsq, part_ptr, count_ptr, mask_m, BLOCK_M, BLOCK_N, SPLIT_K, False)
     if last:
         if bias_ptr is not None:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        out_offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-        mask = mask_m[:, None] & mask_n[None, :]
+            acc += bias.to(tl.float32)[None, :]
         if residual_ptr is not None:
-            acc += tl.load(residual_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
+            acc += residual.to(tl.float32)
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
