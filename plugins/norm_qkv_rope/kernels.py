@@ -83,13 +83,6 @@ def norm_qkv_rope_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, bias_
     mask_m = offs_m < T
     i = tl.arange(0, 2 * CHUNK)
     rows = h * D + (i // CHUNK) * HALF + (tl.program_id(1) % HEAD_SPLIT) * CHUNK + i % CHUNK
-    # The epilogue's per-row operands load before the K loop (and the cos/sin rows that the
-    # positions index, right after it), so that their latency hides behind the GEMM: at decode
-    # sizes each round trip left for after the split-K exchange is a sizeable part of the kernel.
-    pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0)
-    slot = tl.load(slot_ptr + offs_m, mask=mask_m, other=0)
-    if not SUMS and not FP8:
-        row_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
     if FP8:
         acc = fp8_gemm_tile(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, offs_m, mask_m, rows,
                             rows < (H + 2 * KVH) * D, K, BLOCK_M, 2 * CHUNK, BLOCK_K, UPCAST_DOT, SPLIT_K)
@@ -97,7 +90,6 @@ def norm_qkv_rope_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, bias_
     else:
         acc, sumsq = gemm_tile(x_ptr, norm_ptr, w_ptr, offs_m, mask_m, rows, rows < (H + 2 * KVH) * D,
                                K, BLOCK_M, 2 * CHUNK, BLOCK_K, SUMS, UPCAST_DOT, SPLIT_K)
-    cos, sin = _rope_rows(rope_ptr, pos, mask_m, j, h >= H + KVH, D)
     last = True
     if SPLIT_K > 1:
         acc, sumsq, last = split_k_sum(acc, sumsq, part_ptr, count_ptr, mask_m, BLOCK_M, 2 * CHUNK, SPLIT_K, SUMS)
@@ -106,8 +98,10 @@ def norm_qkv_rope_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, bias_
             row_scale = tl.rsqrt(sumsq / K + eps)
         elif FP8:
             row_scale = tl.full((BLOCK_M,), 1.0, tl.float32)
-        _epilogue(acc, row_scale, bias_ptr, q_norm_ptr, k_norm_ptr, cos, sin, slot, kv_ptr, kv_scale_ptr, out_ptr,
-                  rows, offs_m, mask_m, j, h, num_slots, layer, eps, H, KVH, D, BLOCK_M, CHUNK)
+        else:
+            row_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
+        _epilogue(acc, row_scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr,
+                  kv_scale_ptr, out_ptr, rows, offs_m, mask_m, j, h, num_slots, layer, eps, H, KVH, D, BLOCK_M, CHUNK)
 
 
 @triton.jit
@@ -137,43 +131,27 @@ def tma_norm_qkv_rope_kernel(x_ptr, scale_ptr, w_ptr, w_scale_ptr, bias_ptr, q_n
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < T
         scale = tl.load(scale_ptr + offs_m, mask=mask_m, other=0.0)
-        pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0)
-        slot = tl.load(slot_ptr + offs_m, mask=mask_m, other=0)
-        half = tl.arange(0, HALF)
         if HEADS == 1:
-            cos, sin = _rope_rows(rope_ptr, pos, mask_m, half, pid_n >= H + KVH, D)
-            _epilogue(acc, scale, bias_ptr, q_norm_ptr, k_norm_ptr, cos, sin, slot, kv_ptr, kv_scale_ptr, out_ptr,
-                      pid_n * D + tl.arange(0, D), offs_m, mask_m, half, pid_n, num_slots, layer, eps, H, KVH, D,
-                      BLOCK_M, HALF)
+            _epilogue(acc, scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr,
+                      kv_scale_ptr, out_ptr, pid_n * D + tl.arange(0, D), offs_m, mask_m, tl.arange(0, HALF), pid_n, num_slots, layer,
+                      eps, H, KVH, D, BLOCK_M, HALF)
         else:
             first, second = split_halves(acc, BLOCK_M, D)
             h = 2 * pid_n
-            cos, sin = _rope_rows(rope_ptr, pos, mask_m, half, h >= H + KVH, D)
-            _epilogue(first, scale, bias_ptr, q_norm_ptr, k_norm_ptr, cos, sin, slot, kv_ptr, kv_scale_ptr, out_ptr,
-                      h * D + tl.arange(0, D), offs_m, mask_m, half, h, num_slots, layer, eps, H, KVH, D, BLOCK_M,
-                      HALF)
-            cos, sin = _rope_rows(rope_ptr, pos, mask_m, half, h + 1 >= H + KVH, D)
-            _epilogue(second, scale, bias_ptr, q_norm_ptr, k_norm_ptr, cos, sin, slot, kv_ptr, kv_scale_ptr, out_ptr,
-                      (h + 1) * D + tl.arange(0, D), offs_m, mask_m, half, h + 1, num_slots, layer, eps, H, KVH, D,
-                      BLOCK_M, HALF)
+            _epilogue(first, scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr,
+                      kv_scale_ptr, out_ptr, h * D + tl.arange(0, D), offs_m, mask_m, tl.arange(0, HALF), h, num_slots, layer,
+                      eps, H, KVH, D, BLOCK_M, HALF)
+            _epilogue(second, scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr,
+                      kv_scale_ptr, out_ptr, (h + 1) * D + tl.arange(0, D), offs_m, mask_m, tl.arange(0, HALF), h + 1,
+                      num_slots, layer, eps, H, KVH, D, BLOCK_M, HALF)
 
 
 @triton.jit
-def _rope_rows(rope_ptr, pos, mask_m, j, is_v, D: tl.constexpr):
-    """cos and sin at each row's position for the epilogue's columns j of each half; v's rotation
-    is the identity (cos 1, sin 0)."""
-    rope = mask_m[:, None] & (not is_v)
-    row = rope_ptr + pos.to(tl.int64)[:, None] * D + j[None, :]
-    return tl.load(row, mask=rope, other=1.0), tl.load(row + D // 2, mask=rope, other=0.0)
-
-
-@triton.jit
-def _epilogue(acc, scale, bias_ptr, q_norm_ptr, k_norm_ptr, cos, sin, slot, kv_ptr, kv_scale_ptr,
+def _epilogue(acc, scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr, kv_scale_ptr,
               out_ptr, rows, offs_m, mask_m, j, h, num_slots, layer, eps, H: tl.constexpr,
               KVH: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """Row scale, bias, then q to the output or k and v (q/k normed and rotated by `cos` and `sin`
-    from `_rope_rows`) to the cache slots `slot`, as e4m3 value / scale when kv_scale_ptr (the
-    [layers, 2, KVH] scales) is given.
+    """Row scale, bias, then q to the output or k and v (q/k normed and rotated) to the cache,
+    as e4m3 value / scale when kv_scale_ptr (the [layers, 2, KVH] scales) is given.
     Branch-free (which head kind h is only selects values and masks; the kv_scale_ptr test is
     settled at compile time), so that the persistent TMA kernel's tile loop can be flattened
     into its K loop: Triton 3.6 cannot flatten around an epilogue with branches."""
@@ -184,6 +162,7 @@ def _epilogue(acc, scale, bias_ptr, q_norm_ptr, k_norm_ptr, cos, sin, slot, kv_p
     lo, hi = split_halves(acc, BLOCK_M, CHUNK)
     is_q = h < H
     is_v = h >= H + KVH
+    pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0)
     if q_norm_ptr is not None:
         # Per-head RMSNorm of q and k (HEAD_SPLIT 1: lo and hi are the head's whole halves).
         norm = tl.rsqrt((tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)) / D + eps)[:, None]
@@ -193,11 +172,17 @@ def _epilogue(acc, scale, bias_ptr, q_norm_ptr, k_norm_ptr, cos, sin, slot, kv_p
                         tl.load(k_norm_ptr + HALF + j).to(tl.float32))
         lo = lo * norm * tl.where(is_v, 1.0, w_lo)[None, :]
         hi = hi * norm * tl.where(is_v, 1.0, w_hi)[None, :]
+    # RoPE for q and k; v's rotation is the identity (cos 1, sin 0).
+    rope = mask_m[:, None] & (not is_v)
+    row = rope_ptr + pos.to(tl.int64)[:, None] * D + j[None, :]
+    cos = tl.load(row, mask=rope, other=1.0)
+    sin = tl.load(row + HALF, mask=rope, other=0.0)
     lo, hi = lo * cos - hi * sin, hi * cos + lo * sin
     q_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * (H * D) + h * D + j[None, :]
     _store_head(q_ptrs, lo, hi, mask_m[:, None] & is_q, HALF)
+    slot = tl.load(slot_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
     # tl.cast, not .to: the JIT passes layer 1 as a constexpr int.
-    cache_row = (tl.cast(layer * 2, tl.int64) + is_v.to(tl.int64)) * num_slots + slot.to(tl.int64)
+    cache_row = (tl.cast(layer * 2, tl.int64) + is_v.to(tl.int64)) * num_slots + slot
     kv_head = tl.where(is_v, h - H - KVH, h - H)
     if kv_scale_ptr is not None:
         # q heads (kv_head < 0) store nothing here; they read a valid scale all the same.
