@@ -9,6 +9,7 @@ here knows about threads.
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from kiln.runtime.arguments import ArgumentError, require_int, require_number
@@ -138,6 +139,7 @@ class EngineCore:
     def step(self) -> list[Request]:
         """Run one step; returns the requests that got new tokens or finished (overlapped: the
         tokens of the step before, while this one runs)."""
+        start = time.monotonic()
         done = self.in_flight.settle() if self.in_flight.must_settle() else []
         batch, copies = self.scheduler.schedule()
         if not batch and not self.in_flight.busy:
@@ -146,7 +148,12 @@ class EngineCore:
             return done
         self.peak_blocks = max(self.peak_blocks, self.blocks.used_blocks())
         launched = self._run(batch, copies) if batch else None
+        self.in_flight.prepared(time.monotonic() - start)
         return done + self.in_flight.hand_over(launched)
+
+    def pace(self) -> float:
+        """Seconds to wait for new requests before the next `step` (`runtime.overlap`'s pacing)."""
+        return self.in_flight.pace()
 
     def _run(self, batch: list[ScheduledChunk], copies: list[tuple[int, int]]) -> Launched | None:
         """Enqueue the step and the picking of its tokens where its logits are (on the device,

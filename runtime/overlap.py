@@ -32,9 +32,17 @@ still on their way, and is what makes this exact:
 
 With `overlap=False` each step settles at its own end: the plain loop, through the same code.
 On the CPU executor everything runs synchronously, but through the same code path.
+
+Launching N+1 as soon as N is settled would queue a whole step ahead of the device: a request
+arriving while N+1 runs would miss N+2 as well and wait one step more for its first token than
+in the plain loop. `InFlight.pace` tells the caller (Session's loop, where requests arrive) how
+long to wait before scheduling the next step: until shortly before the step in flight should end,
+judged by how far apart recent steps settled. A request arriving meanwhile joins that step.
 """
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -46,6 +54,28 @@ from kiln.runtime.step import Feed
 
 Append = Callable[[Sequence, int, "dict | None"], None]
 
+# The next step is scheduled this share of a step before the one in flight should end, and at
+# least twice as long before as recent steps took to schedule, pack and launch (the host's work
+# grows with the batch), and at least PACE_MIN_LEAD: room for that work and the estimate's error.
+PACE_LEAD = 0.25
+PACE_MIN_LEAD = 0.5e-3
+# Settle times kept: the shortest recent interval between two settles is the step time estimate,
+# so that after a long (prefill) step the loop does not wait as if every step were as long.
+PACE_HISTORY = 8
+
+
+def pace_delay(settled_at: list[float], prepare_s: list[float], now: float) -> float:
+    """How long from `now` until the next step should be scheduled: the step in flight began
+    when the last one settled (`settled_at`, monotonic seconds, oldest first) and should last as
+    long as the shortest recent interval between settles; the next step goes that long after the
+    last settle, less a lead (PACE_LEAD of a step, twice the longest recent `prepare_s`, at least
+    PACE_MIN_LEAD). 0 with fewer than two settles to judge by."""
+    if len(settled_at) < 2:
+        return 0.0
+    step = min(b - a for a, b in zip(settled_at, settled_at[1:]))
+    lead = max(PACE_LEAD * step, 2 * max(prepare_s, default=0.0), PACE_MIN_LEAD)
+    return max(0.0, settled_at[-1] + step - lead - now)
+
 
 class Sampled(Protocol):
     """What an executor's `execute` returns for a step that picks tokens: `runtime.step.SampledIds`
@@ -54,6 +84,10 @@ class Sampled(Protocol):
     ids: torch.Tensor | None  # where the logits were, for the next step's feed (None: on each rank)
 
     def wait(self) -> tuple[list[int], list[dict | None]]: ...
+
+    def running(self) -> bool:
+        """Whether the step is known to be still running on the device (False when done, or
+        when it cannot be known cheaply)."""
 
 
 @dataclass
@@ -72,6 +106,8 @@ class InFlight:
         self.overlap = overlap
         self._append = append
         self.step: Launched | None = None
+        self._settled_at: deque[float] = deque(maxlen=PACE_HISTORY)
+        self._prepare_s: deque[float] = deque(maxlen=PACE_HISTORY)
 
     @property
     def busy(self) -> bool:
@@ -109,6 +145,18 @@ class InFlight:
             done += self.settle()
         return list({id(r): r for r in done}.values())
 
+    def pace(self) -> float:
+        """Seconds the caller may wait for new requests before scheduling the next step and still
+        launch it before the device runs out of work (`pace_delay`): 0 unless the step in flight
+        is still running."""
+        if not self.overlap or self.step is None or not self.step.sampled.running():
+            return 0.0
+        return pace_delay(list(self._settled_at), list(self._prepare_s), time.monotonic())
+
+    def prepared(self, seconds: float) -> None:
+        """Record how long the host took to schedule, pack and launch a step (for `pace`)."""
+        self._prepare_s.append(seconds)
+
     def settle(self) -> list[Request]:
         """Wait for the step in flight, then append and check its tokens."""
         launched, self.step = self.step, None
@@ -116,6 +164,7 @@ class InFlight:
 
     def _settle(self, launched: Launched) -> list[Request]:
         tokens, logprobs = launched.sampled.wait()
+        self._settled_at.append(time.monotonic())
         updated: dict[int, Request] = {}
         for seq, token, logprob in zip(launched.seqs, tokens, logprobs):
             seq.pending -= 1

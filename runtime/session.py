@@ -176,6 +176,10 @@ class Session:
                 for request in updated:
                     out = request.snapshot()
                     self._deliver(request.request_id, out)
+                # Until shortly before the device runs out of work: a request submitted meanwhile
+                # (its notify ends the wait) still joins the next step.
+                if (delay := self._core.pace()) > 0:
+                    self._lock.wait(delay)
 
     def _deliver(self, request_id: str, out: RequestOutput | BaseException) -> None:
         final = isinstance(out, BaseException) or out.finished

@@ -64,6 +64,9 @@ class SampledIds:
             self._ready.synchronize()
         return self._host.tolist(), self.logprobs
 
+    def running(self) -> bool:
+        return self._ready is not None and not self._ready.query()
+
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a tensor on `device`, without waiting for the device's stream: a CUDA copy

@@ -271,6 +271,9 @@ class RankTokens:
     def wait(self) -> tuple[list[int], list[dict | None]]:
         return self.executor.tokens(self.number)
 
+    def running(self) -> bool:
+        return False  # rank 0's progress is another process's to know: a TP Session does not pace
+
 
 def _seeded(picks: Picks | None) -> Picks | None:
     """`picks` with a seed for every new sequence: each rank draws from its own generators, and

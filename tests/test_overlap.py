@@ -8,6 +8,7 @@ import random
 import pytest
 
 from kiln.runtime.engine_core import EngineCore
+from kiln.runtime.overlap import pace_delay
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.session import Session
 
@@ -197,3 +198,30 @@ def test_session_overlap_flag_gives_the_same_outputs(engine_dir):
         got = overlapped.generate(prompt_token_ids=PROMPTS[:9], sampling_params=params)
         assert overlapped.stats["kv_blocks_used"] == 0
     assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+
+
+def test_pacing_schedules_the_next_step_a_lead_before_the_one_in_flight_ends():
+    settled = [99.98, 99.99, 100.0]  # steps of 10 ms, the last settled at t = 100 s
+    # The step in flight should end at 100.010: schedule the next a quarter of a step before.
+    assert pace_delay(settled, [0.001], now=100.0) == pytest.approx(0.0075)
+    assert pace_delay(settled, [0.001], now=100.005) == pytest.approx(0.0025)
+    # Host work of 3 ms a step asks for twice that as lead.
+    assert pace_delay(settled, [0.001, 0.003], now=100.0) == pytest.approx(0.004)
+    # A long (prefill) step among recent ones: the shortest interval judges.
+    assert pace_delay([99.95, 99.99, 100.0], [0.0], now=100.0) == pytest.approx(0.0075)
+    # Past due, or nothing to judge by: no wait.
+    assert pace_delay(settled, [0.0], now=100.02) == 0.0
+    assert pace_delay([100.0], [0.0], now=100.0) == 0.0
+
+
+def test_a_step_that_has_finished_is_never_waited_for(engine_dir):
+    # The CPU executor runs each step before returning it: the loop never has a running step,
+    # so an overlapped Session on the CPU never paces, however regular its steps.
+    core, _ = _core(engine_dir, True)
+    for i in range(4):
+        core.add_request(f"r{i}", PROMPTS[i], greedy(12))
+    paces = []
+    while core.has_work():
+        core.step()
+        paces.append(core.pace())
+    assert len(paces) > 10 and set(paces) == {0.0}
