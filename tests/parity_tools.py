@@ -206,13 +206,17 @@ class Bf16Parity:
     kiln_vs_hf: tuple[tuple[float, float], list[float]]      # the issue's criterion
     kiln_vs_fp32: tuple[tuple[float, float], list[float]]    # Kiln against exact-ish math
     hf_vs_fp32: tuple[tuple[float, float], list[float]]      # transformers' own bf16 noise
+    # transformers bf16 with eager attention against itself with SDPA: how far apart two bf16
+    # implementations of the same model land when they differ only in one op's rounding order
+    hf_floor: tuple[tuple[float, float], list[float]]
     line: str
 
 
 def measure_bf16_parity(name: str, checkpoint: Path, engine_dir: Path, prompts: list[list[int]], device: str = "cuda",
                         max_tokens: int = MAX_TOKENS) -> Bf16Parity:
     """Kiln's greedy tokens on `device` against transformers on the same weights, teacher-forced,
-    in bf16 and in float32 (the bf16 weights computed in float32)."""
+    in bf16 and in float32 (the bf16 weights computed in float32); and transformers bf16 with
+    eager attention against its SDPA, the floor the first comparison sits on."""
     tokens = kiln_generate(engine_dir, device, prompts, max_tokens)
     free_gpu()
     executor = open_executor(engine_dir, device)
@@ -226,6 +230,9 @@ def measure_bf16_parity(name: str, checkpoint: Path, engine_dir: Path, prompts: 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).to(device).eval()
     try:
         hf = [hf_teacher_forced(model, p, t) for p, t in zip(prompts, tokens)]
+        model.set_attn_implementation("eager")
+        hf_eager = [hf_teacher_forced(model, p, t) for p, t in zip(prompts, tokens)]
+        model.set_attn_implementation("sdpa")
         model.float()  # the same bf16 weights, exactly, computed in float32
         hf32 = [hf_teacher_forced(model, p, t) for p, t in zip(prompts, tokens)]
     finally:
@@ -235,10 +242,13 @@ def measure_bf16_parity(name: str, checkpoint: Path, engine_dir: Path, prompts: 
     hf_greedy = [logits.argmax(dim=1).tolist() for logits in hf]
     figures = ((argmax_agreement(tokens, hf), relative_errors(kiln, hf)),
                (argmax_agreement(tokens, hf32), relative_errors(kiln, hf32)),
-               (argmax_agreement(hf_greedy, hf32), relative_errors(hf, hf32)))
-    (agreement, errors), (k32, k32_err), (h32, h32_err) = figures
+               (argmax_agreement(hf_greedy, hf32), relative_errors(hf, hf32)),
+               (argmax_agreement(hf_greedy, hf_eager), relative_errors(hf, hf_eager)))
+    (agreement, errors), (k32, k32_err), (h32, h32_err), (floor, floor_err) = figures
     line = report(name, tokens, agreement, errors, (
         f"; kiln vs fp32: agreement {k32[0]:.4f}, rel err median {median(k32_err):.2e}"
         f"; hf bf16 vs fp32: agreement {h32[0]:.4f}, rel err median {median(h32_err):.2e}"
+        f"; hf bf16 sdpa vs eager attention: agreement {floor[0]:.4f}, rel err median {median(floor_err):.2e}"
+        f" max {max(floor_err):.2e}"
         f"; kiln prefill vs its decode: agreement {argmax_agreement(tokens, kiln)[0]:.4f}"))
     return Bf16Parity(*figures, line)
