@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Sequence
-from functools import cache
+from functools import cache, lru_cache
 
 import torch
 
@@ -68,8 +68,16 @@ def _evaluate(node: ast.expr, names: dict[str, int]) -> int | tuple:
 
 def grid(expr: str | Sequence[str], names: dict[str, int]) -> tuple[int, int, int]:
     """A kernel meta's grid (one expression string or one string per axis) as 3 ints."""
-    parts = _evaluate(_parse(expr), names) if isinstance(expr, str) else tuple(
-        _evaluate(_parse(e), names) for e in expr)
+    return _grid(expr if isinstance(expr, str) else tuple(expr), tuple(names.items()))
+
+
+@lru_cache(maxsize=8192)
+def _grid(expr: str | tuple[str, ...], names: tuple[tuple[str, int], ...]) -> tuple[int, int, int]:
+    # Remembered per expression and dims: an eager step launches a few hundred kernels, and
+    # walking each one's expression again cost more host time than launching it.
+    values = dict(names)
+    parts = _evaluate(_parse(expr), values) if isinstance(expr, str) else tuple(
+        _evaluate(_parse(e), values) for e in expr)
     parts = parts if isinstance(parts, tuple) else (parts,)
     if not 1 <= len(parts) <= 3:
         raise ValueError(f"grid {expr!r} has {len(parts)} axes")

@@ -11,7 +11,8 @@ for a whole allocation, and torch's caching allocator hands out parts of larger 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cache
 
 # ctypes type for each Triton signature type of a kernel parameter.
 _ARG_TYPES = {"i1": ctypes.c_int8, "i8": ctypes.c_int8, "i16": ctypes.c_int16, "i32": ctypes.c_int32,
@@ -26,6 +27,7 @@ class CudaError(RuntimeError):
     """A CUDA driver call failed; the message names the call and the driver's error."""
 
 
+@cache
 def _driver():
     from cuda.bindings import driver
     return driver
@@ -52,17 +54,28 @@ class CudaKernel:
     # one: its owner (the CUDA executor) sets it before the first launch.
     scratch: tuple[int, int] = (0, 0)
 
+    # One ctypes value per parameter (and the two trailing scratch pointers), and the `void**`
+    # array pointing at them: made once, refilled by every launch. cuLaunchKernel copies the
+    # values before it returns, and an executor launches from one thread, so the reuse is safe;
+    # making them anew cost more host time than the launch itself on eager (prefill) steps.
+    _values: list = field(default_factory=list, init=False, repr=False)
+    _pointers: ctypes.Array | None = field(default=None, init=False, repr=False)
+
     def params(self, args: list, global_scratch: int = 0) -> ctypes.Array:
-        """The kernel parameter array (`void**`) for `args`; keep it alive until the launch call
-        returns. Pointer arguments are device addresses (ints, e.g. `tensor.data_ptr()`);
-        `global_scratch` is the address of the kernel's global scratch, 0 when it needs none."""
+        """The kernel parameter array (`void**`) for `args`, valid until the next call. Pointer
+        arguments are device addresses (ints, e.g. `tensor.data_ptr()`); `global_scratch` is
+        the address of the kernel's global scratch, 0 when it needs none."""
         if len(args) != len(self.signature):
             raise ValueError(f"kernel {self.name} takes {len(self.signature)} arguments, got {len(args)}")
-        values = [ctypes.c_uint64(a) if t.startswith("*") else _ARG_TYPES[t](a) for t, a in zip(self.signature, args)]
-        values += [ctypes.c_uint64(global_scratch), ctypes.c_uint64(0)]
-        pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        pointers.values = values  # the pointers point into these
-        return pointers
+        if self._pointers is None:
+            self._values = [ctypes.c_uint64() if t.startswith("*") else _ARG_TYPES[t]() for t in self.signature]
+            self._values += [ctypes.c_uint64(), ctypes.c_uint64()]
+            self._pointers = (ctypes.c_void_p * len(self._values))(*[ctypes.addressof(v) for v in self._values])
+        values = self._values
+        for value, a in zip(values, args):
+            value.value = a
+        values[-2].value = global_scratch
+        return self._pointers
 
     def launch(self, grid: tuple[int, int, int], args: list, stream: int = 0) -> None:
         """Launch on `stream` (a raw CUstream handle; 0 is the legacy default stream)."""

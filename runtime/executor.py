@@ -18,6 +18,10 @@ from kiln.runtime.engine import Engine
 from kiln.runtime.sampler import Picks, SequenceSampler
 from kiln.runtime.step import Feed, SampledIds, StepInputs
 
+# Arena views kept for reuse (`ArenaExecutor._view`): every tensor of the plan for a few hundred
+# step shapes; past that the cache starts over.
+VIEW_CACHE = 65536
+
 
 class InputRegion:
     """The arena bytes [start, end) that hold every step input's slot, at the memory plan's
@@ -74,6 +78,7 @@ class ArenaExecutor:
         self.inputs = InputRegion(engine)
         self.output = m.logits
         self.sampler = SequenceSampler(device, m.eos_token_ids)
+        self._views: dict[tuple, torch.Tensor] = {}
 
     def execute(self, step: StepInputs, copies: list[tuple[int, int]] = (), feed: Feed | None = None,
                 picks: Picks | None = None) -> SampledIds | None:
@@ -84,12 +89,20 @@ class ArenaExecutor:
         return SampledIds(*self.sampler.pick(logits, picks)) if picks is not None else None
 
     def _view(self, name: str, dims: dict[str, int]) -> torch.Tensor:
-        info = self.engine.manifest.tensors[name]
-        shape = info.resolve(dims)
-        dtype = torch_dtype(info.dtype)
-        offset = self.layout[name].offset
-        size = math.prod(shape) * dtype.itemsize
-        return self.arena[offset:offset + size].view(dtype).view(shape)
+        # Remembered per tensor and dims (a bounded number of them): making the views anew was a
+        # sizeable share of an eager GPU step's host time. They alias the arena, which never moves.
+        key = (name, *dims.items())
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= VIEW_CACHE:
+                self._views.clear()
+            info = self.engine.manifest.tensors[name]
+            shape = info.resolve(dims)
+            dtype = torch_dtype(info.dtype)
+            offset = self.layout[name].offset
+            size = math.prod(shape) * dtype.itemsize
+            view = self._views[key] = self.arena[offset:offset + size].view(dtype).view(shape)
+        return view
 
     def _dims(self, step: StepInputs) -> dict[str, int]:
         """The step's value of each symbolic dim, checked against the engine's limits."""
