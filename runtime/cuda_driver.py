@@ -85,7 +85,10 @@ class CudaKernel:
             if grid[0] * grid[1] * grid[2] > room:
                 raise ValueError(f"kernel {self.name}: grid {grid} has more programs than its global scratch "
                                  f"holds ({room}); the launcher's grid must stay within the executor's bound")
-        pointers = self.params(args, address)
+        self.enqueue(grid, self.params(args, address), stream)
+
+    def enqueue(self, grid: tuple[int, int, int], pointers: ctypes.Array, stream: int) -> None:
+        """The driver call of `launch`, with the parameter array `params` made."""
         _check(_driver().cuLaunchKernel(self.function, grid[0], grid[1], grid[2], 32 * self.num_warps, 1, 1,
                                         self.shared_bytes, stream, ctypes.addressof(pointers), 0),
                f"cuLaunchKernel({self.name})")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Callable
 
 import torch
 
@@ -136,7 +137,9 @@ class CudaExecutor(ArenaExecutor):
         self.staged = torch.cuda.Event()
         self.graphs = self._capture_decode_graphs() if cuda_graphs else {}
 
-    def _load_ops(self, launchers: list[ModuleType]) -> list[_CudaOp]:
+    def _load_ops(self, launchers: list[ModuleType], load: Callable[..., CudaKernel] = load_kernel) -> list[_CudaOp]:
+        """Each plan op with its launcher and its kernels for this arch, loaded by `load` (into the
+        GPU; `scripts/profile_launch_host.py` passes one that does not)."""
         index = self.engine.manifest.kernels
         loaded: dict[str, CudaKernel] = {}
         ops = []
@@ -148,8 +151,8 @@ class CudaExecutor(ArenaExecutor):
             for key in keys:
                 if key not in loaded:
                     info = index[key]
-                    loaded[key] = load_kernel(self.engine.kernels[key], info.entry, list(info.signature),
-                                              info.num_warps, info.shared_bytes, info.global_scratch)
+                    loaded[key] = load(self.engine.kernels[key], info.entry, list(info.signature),
+                                       info.num_warps, info.shared_bytes, info.global_scratch)
                     if info.global_scratch:
                         buffer = self.scratch["global"]
                         loaded[key].scratch = (buffer.data_ptr(), buffer.numel() // info.global_scratch)
@@ -181,14 +184,16 @@ class CudaExecutor(ArenaExecutor):
         return max((engine.manifest.slots[op.output].nbytes for op in engine.plan
                     if op.attrs.get("all_gather", 0) > 1), default=0)
 
-    def _launch(self, dims: dict[str, int], values: dict[str, torch.Tensor]) -> None:
-        """Launch every op of the plan on torch's current stream (captured when it is capturing).
+    def _launch(self, dims: dict[str, int], values: dict[str, torch.Tensor], stream: int | None = None) -> None:
+        """Launch every op of the plan on `stream` (a raw handle; default torch's current stream,
+        captured when it is capturing).
         A row-parallel op's output is summed over the ranks right after it, on the same stream
         (`runtime.all_reduce`: the custom kernel or NCCL), so graphs capture the collectives too.
         The LM head of a tensor-parallel engine writes its slice of the logits' columns into the
         start of its output, and NCCL gathers the slices over it (`all_gather_columns`), also on
         that stream."""
-        stream = torch.cuda.current_stream(self.device).cuda_stream
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device).cuda_stream
         tensor_parallel = self.engine.manifest.world_size > 1
         for op in self.ops:
             args = [None if t is None else values[t] if t in values else self.weights[t] for t in op.inputs]
