@@ -11,13 +11,14 @@ for a whole allocation, and torch's caching allocator hands out parts of larger 
 from __future__ import annotations
 
 import ctypes
+import struct
 from dataclasses import dataclass, field
 from functools import cache
 
-# ctypes type for each Triton signature type of a kernel parameter.
-_ARG_TYPES = {"i1": ctypes.c_int8, "i8": ctypes.c_int8, "i16": ctypes.c_int16, "i32": ctypes.c_int32,
-              "i64": ctypes.c_int64, "u32": ctypes.c_uint32, "u64": ctypes.c_uint64, "fp32": ctypes.c_float,
-              "fp64": ctypes.c_double}
+# `struct` format of each Triton signature type of a kernel parameter, padded to an 8-byte slot
+# (pointers are "Q").
+_ARG_FORMATS = {"i1": "b7x", "i8": "b7x", "i16": "h6x", "i32": "i4x", "i64": "q", "u32": "I4x", "u64": "Q",
+                "fp32": "f4x", "fp64": "d"}
 # Triton 3.6 kernels take two more pointers after their own parameters: global scratch (where
 # a kernel that makes TMA descriptors on the device keeps them) and profile scratch (null).
 _MAX_STATIC_SHARED = 48 * 1024
@@ -54,11 +55,13 @@ class CudaKernel:
     # one: its owner (the CUDA executor) sets it before the first launch.
     scratch: tuple[int, int] = (0, 0)
 
-    # One ctypes value per parameter (and the two trailing scratch pointers), and the `void**`
-    # array pointing at them: made once, refilled by every launch. cuLaunchKernel copies the
-    # values before it returns, and an executor launches from one thread, so the reuse is safe;
-    # making them anew cost more host time than the launch itself on eager (prefill) steps.
-    _values: list = field(default_factory=list, init=False, repr=False)
+    # Every parameter (and the two trailing scratch pointers) in an 8-byte slot of one buffer,
+    # and the `void**` array pointing at the slots: made once, refilled by every launch with one
+    # `struct.pack_into`. cuLaunchKernel copies the values before it returns, and an executor
+    # launches from one thread, so the reuse is safe; making them anew cost more host time than
+    # the launch itself on eager (prefill) steps.
+    _layout: struct.Struct | None = field(default=None, init=False, repr=False)
+    _buffer: ctypes.Array | None = field(default=None, init=False, repr=False)
     _pointers: ctypes.Array | None = field(default=None, init=False, repr=False)
 
     def params(self, args: list, global_scratch: int = 0) -> ctypes.Array:
@@ -68,13 +71,12 @@ class CudaKernel:
         if len(args) != len(self.signature):
             raise ValueError(f"kernel {self.name} takes {len(self.signature)} arguments, got {len(args)}")
         if self._pointers is None:
-            self._values = [ctypes.c_uint64() if t.startswith("*") else _ARG_TYPES[t]() for t in self.signature]
-            self._values += [ctypes.c_uint64(), ctypes.c_uint64()]
-            self._pointers = (ctypes.c_void_p * len(self._values))(*[ctypes.addressof(v) for v in self._values])
-        values = self._values
-        for value, a in zip(values, args):
-            value.value = a
-        values[-2].value = global_scratch
+            slots = ["Q" if t.startswith("*") else _ARG_FORMATS[t] for t in self.signature] + ["Q", "Q"]
+            self._layout = struct.Struct("<" + "".join(slots))
+            self._buffer = ctypes.create_string_buffer(8 * len(slots))
+            base = ctypes.addressof(self._buffer)
+            self._pointers = (ctypes.c_void_p * len(slots))(*[base + 8 * i for i in range(len(slots))])
+        self._layout.pack_into(self._buffer, 0, *args, global_scratch, 0)
         return self._pointers
 
     def launch(self, grid: tuple[int, int, int], args: list, stream: int = 0) -> None:
