@@ -60,9 +60,16 @@ class CudaKernel:
     # `struct.pack_into`. cuLaunchKernel copies the values before it returns, and an executor
     # launches from one thread, so the reuse is safe; making them anew cost more host time than
     # the launch itself on eager (prefill) steps.
-    _layout: struct.Struct | None = field(default=None, init=False, repr=False)
-    _buffer: ctypes.Array | None = field(default=None, init=False, repr=False)
-    _pointers: ctypes.Array | None = field(default=None, init=False, repr=False)
+    _layout: struct.Struct = field(init=False, repr=False)
+    _buffer: ctypes.Array = field(init=False, repr=False)
+    _pointers: ctypes.Array = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        slots = ["Q" if t.startswith("*") else _ARG_FORMATS[t] for t in self.signature] + ["Q", "Q"]
+        self._layout = struct.Struct("<" + "".join(slots))
+        self._buffer = ctypes.create_string_buffer(8 * len(slots))
+        base = ctypes.addressof(self._buffer)
+        self._pointers = (ctypes.c_void_p * len(slots))(*[base + 8 * i for i in range(len(slots))])
 
     def params(self, args: list, global_scratch: int = 0) -> ctypes.Array:
         """The kernel parameter array (`void**`) for `args`, valid until the next call. Pointer
@@ -70,12 +77,6 @@ class CudaKernel:
         the address of the kernel's global scratch, 0 when it needs none."""
         if len(args) != len(self.signature):
             raise ValueError(f"kernel {self.name} takes {len(self.signature)} arguments, got {len(args)}")
-        if self._pointers is None:
-            slots = ["Q" if t.startswith("*") else _ARG_FORMATS[t] for t in self.signature] + ["Q", "Q"]
-            self._layout = struct.Struct("<" + "".join(slots))
-            self._buffer = ctypes.create_string_buffer(8 * len(slots))
-            base = ctypes.addressof(self._buffer)
-            self._pointers = (ctypes.c_void_p * len(slots))(*[base + 8 * i for i in range(len(slots))])
         self._layout.pack_into(self._buffer, 0, *args, global_scratch, 0)
         return self._pointers
 

@@ -96,6 +96,15 @@ def global_scratch_bytes(engine: Engine, arch: str, programs: int) -> int:
     return max((engine.manifest.kernels[key].global_scratch for key in keys), default=0) * programs
 
 
+def executor_scratch(engine: Engine, launchers: list[ModuleType], arch: str, programs: int) -> dict[str, int]:
+    """Every scratch buffer an executor for `arch` with `programs` SMs allocates: the launchers'
+    and kernels' (`scratch_bytes`), and "global" where a kernel needs global scratch."""
+    scratch = scratch_bytes(engine, launchers)
+    if tma := global_scratch_bytes(engine, arch, programs):
+        scratch["global"] = tma
+    return scratch
+
+
 class CudaExecutor(ArenaExecutor):
     """Same interface as `CpuExecutor`: `run(step, copies)` returns the logits [L, vocab] as
     float32 (on the GPU); `kv_cache` is the device pool [layers, 2, blocks, block_size, kv_heads,
@@ -115,9 +124,7 @@ class CudaExecutor(ArenaExecutor):
         # is the context load_kernel loads the cubins into. One KV block more than asked for:
         # the padding sequences of graph batches write their KV there.
         launchers = [_launcher(op.spec) for op in engine.plan]
-        scratch = scratch_bytes(engine, launchers)
-        if tma := global_scratch_bytes(engine, self.arch, sm_count()):
-            scratch["global"] = tma
+        scratch = executor_scratch(engine, launchers, self.arch, sm_count())
         self.vocab = engine.manifest.vocab_size
         self.all_reduce = all_reduce or AllReduce()
         logits = engine.manifest.max_batch_size * self.vocab * 4

@@ -25,7 +25,7 @@ from kiln.builder.build import build_engine
 from kiln.builder.config import BuildConfig
 from kiln.models.random_checkpoint import write_random_checkpoint
 from kiln.runtime.cuda_driver import CudaKernel
-from kiln.runtime.cuda_executor import CudaExecutor, _launcher, global_scratch_bytes, scratch_bytes
+from kiln.runtime.cuda_executor import CudaExecutor, _launcher, executor_scratch
 from kiln.runtime.engine import Engine, load_engine
 from kiln.runtime.executor import ArenaExecutor
 from kiln.runtime.step import SequenceChunk, pack_step
@@ -57,9 +57,7 @@ class HostProbe(ArenaExecutor):
 
     def __init__(self, engine: Engine, num_kv_blocks: int):
         launchers = [_launcher(op.spec) for op in engine.plan]
-        scratch = scratch_bytes(engine, launchers)
-        if tma := global_scratch_bytes(engine, ARCH, SMS):
-            scratch["global"] = tma
+        scratch = executor_scratch(engine, launchers, ARCH, SMS)
         super().__init__(engine, num_kv_blocks, "cpu", {f"scratch:{n}": b for n, b in scratch.items()})
         self.arch = ARCH
         self.weights = engine.weights

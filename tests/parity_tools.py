@@ -230,9 +230,10 @@ def measure_bf16_parity(name: str, checkpoint: Path, engine_dir: Path, prompts: 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).to(device).eval()
     try:
         hf = [hf_teacher_forced(model, p, t) for p, t in zip(prompts, tokens)]
+        attention = model.config._attn_implementation
         model.set_attn_implementation("eager")
         hf_eager = [hf_teacher_forced(model, p, t) for p, t in zip(prompts, tokens)]
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(attention)
         model.float()  # the same bf16 weights, exactly, computed in float32
         hf32 = [hf_teacher_forced(model, p, t) for p, t in zip(prompts, tokens)]
     finally:

@@ -30,6 +30,7 @@ pre-pass reads x once and halves the bytes the GEMM loads. `scale_tile` applies 
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -188,8 +189,6 @@ def row_scale_aot(dtype: str, k: int) -> AotKernel:
 
 def row_scales(x, eps: float):
     """The row-scale pre-pass through Triton's JIT: x's RMSNorm row scales, float32 [T]."""
-    import torch
-
     scales = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     row_scale_kernel[(x.shape[0],)](x, scales, x.shape[0], eps, K=x.shape[1], BLOCK_K=row_scale_block(x.shape[1]),
                                     num_warps=ROW_SCALE_WARPS)
