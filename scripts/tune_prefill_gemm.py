@@ -11,7 +11,8 @@ row-scale pre-pass included), labelled "engine". `compile` builds each into a cu
 `plugins.aot` as build-engine does; `run` loads them through `runtime.cuda_driver` as the CUDA
 executor does, checks each against torch, and times it in a CUDA graph (weights cycled beyond the
 L2), beside `torch.mm` (cuBLAS) on the same shapes and the GEMM rate measured as bench-engine does
-(bf16 8192^3). Shapes: Llama-3-8B's projections at T = 256, 1024, 4096 and 8192 (or KILN_TUNE_ROWS).
+(bf16 8192^3). Shapes: Llama-3-8B's projections (or those KILN_TUNE_SHAPES names) at T = 256, 1024,
+4096 and 8192 (or KILN_TUNE_ROWS).
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from scripts.sweep import try_compile
 
 L2_ROTATION = 200_000_000  # bytes of weight copies cycled through, 4x the H200's L2
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+# KILN_TUNE_SHAPES=gate_up (comma-separated) sweeps only those projections; compile and run alike.
+SHAPES = {name: SHAPES[name] for name in os.environ.get("KILN_TUNE_SHAPES", ",".join(SHAPES)).split(",")}
 # KILN_TUNE_ROWS=256 (comma-separated) sweeps only those row counts; compile and run alike.
 ROWS = tuple(int(r) for r in os.environ.get("KILN_TUNE_ROWS", "256,1024,4096,8192").split(","))
 # (block_m, block_n, block_k, warps, stages, group_m)
@@ -75,6 +78,8 @@ def engine_configs() -> list[tuple[str, dict, list[AotKernel]]]:
     import importlib
     out = []
     for name, (plugin, shapes) in ENGINE.items():
+        if name not in SHAPES:
+            continue
         kernels = importlib.import_module(f"kiln.plugins.{plugin}.kernels").aot_kernels("bfloat16", shapes)
         tma = [k for k in kernels if k.meta.get("tma") and k.meta["bucket"] == "prefill"]
         pre = [k for k in kernels if k.meta.get("row_scale")]

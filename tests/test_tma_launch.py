@@ -21,6 +21,7 @@ import torch  # noqa: E402
 
 from interpreted_launch import Running, interpreted_only, targeted  # noqa: E402
 from kiln.builder.passes.fold import interleave  # noqa: E402
+from kiln.plugins.linear import tiles as linear_tiles  # noqa: E402
 from kiln.plugins import get_plugin  # noqa: E402
 from kiln.runtime.cuda_executor import kernel_scratch  # noqa: E402
 
@@ -35,9 +36,9 @@ EPS = 1e-5
 
 
 def launch(plugin: str, shapes: dict, inputs: list, attrs: dict, out: torch.Tensor,
-           views: list[torch.Tensor] = (), rows: int = T) -> list[tuple[str, tuple]]:
-    """Run the plugin's sm_90 launcher on a step of `rows` rows; returns its launches in order.
-    `views`: tensors whose addresses the launcher passes besides its inputs'."""
+           views: list[torch.Tensor] = (), rows: int = T, sms: int = SMS) -> list[tuple[str, tuple]]:
+    """Run the plugin's sm_90 launcher on a step of `rows` rows, on a GPU of `sms` SMs; returns its
+    launches in order. `views`: tensors whose addresses the launcher passes besides its inputs'."""
     launcher = LAUNCHERS[plugin]
     kernels = targeted(KERNELS[plugin].aot_kernels("float32", shapes), "sm_90")
     limits = {"T": rows, "S": 8, "B": 64, "block_size": 16, "element_bytes": 4}
@@ -48,7 +49,7 @@ def launch(plugin: str, shapes: dict, inputs: list, attrs: dict, out: torch.Tens
                for name in {name for need in needs for name in need}}
     tensors = [t for t in [*inputs, out, *scratch.values(), *views] if t is not None]
     log: list = []
-    with mock.patch("kiln.plugins.driver_launch.sm_count", lambda: SMS):
+    with mock.patch("kiln.plugins.driver_launch.sm_count", lambda: sms):
         launcher.launch([Running(k, tensors, log) for k in kernels], [k.meta for k in kernels], inputs, attrs, out,
                         {"T": rows}, 0, scratch)
     return log
@@ -145,6 +146,23 @@ def test_norm_swiglu_small_and_medium_buckets_take_row_scales_from_the_pre_pass(
     log = launch("norm_swiglu", shapes, inputs, attrs, out, rows=rows)
     assert [name for name, _ in log] == ["row_scale_kernel", "norm_swiglu_kernel"]
     close(out, ref)
+
+
+@pytest.mark.parametrize("rows,block_m", [(100, 128), (150, 64), (192, 64), (200, 128)])
+def test_wide_norm_swiglu_takes_64_row_tiles_where_128_would_pad_most(rows, block_m):
+    """A wide W_gu (`linear.tiles.WIDE_TILES`, WIDE_N lowered so this one counts): from 129 to 192
+    rows the TMA GEMM takes 64-row tiles, elsewhere 128-row ones. On a GPU with more SMs than
+    tiles the grid is one program per tile: row tiles x 2 column tiles (64 columns each)."""
+    torch.manual_seed(5)
+    k, inter, block = 64, 128, 32
+    w_gu = torch.randn(2 * inter, k) / 8
+    inputs = [torch.randn(rows, k) * 3, None, interleave(w_gu, block)]
+    attrs = {"eps": EPS, "block": block, "activation": "silu"}
+    out = torch.full((rows, inter), float("nan"))
+    with mock.patch.object(linear_tiles, "WIDE_N", 32):
+        log = launch("norm_swiglu", {"K": k, "I": inter, "block": block}, inputs, attrs, out, rows=rows, sms=1000)
+    assert log == [("row_scale_kernel", (rows, 1, 1)), ("tma_norm_swiglu_kernel", (-(-rows // block_m) * 2, 1, 1))]
+    close(out, get_plugin("norm_swiglu").call_reference(inputs, attrs))
 
 
 def test_attention_launches_the_128_row_prefill_kernel():

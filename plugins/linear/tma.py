@@ -45,16 +45,27 @@ POINTER_TARGETS = ("sm_80", "sm_89")
 # memory.
 BLOCK_M, GROUP_M, WARPS, STAGES = 128, 8, 8, 3
 ROW_SCALE_WARPS = 8
+# (warps, stages) by row tile. 64-row tiles serve the wide weights' buckets where 128-row tiles
+# would pad T by most of a tile (`tiles.WIDE_TILES`): on an H200 (scripts/tune_prefill_gemm.py,
+# 2026-12-01, gate/up 28672x4096, weights cycled beyond the L2) 64x256 tiles with 4 warps and 4
+# stages took 89.5 us at 130 rows, 89.7 at 160 and 90.3 at 192, against 117 (at 130), 103.1 and
+# 95.8 for 128x256 tiles; at 256 rows the 128-row tiles won (100.2 us).
+LAUNCH = {128: (WARPS, STAGES), 64: (4, 4)}
 
 
-def tile_shape(dtype: str, fp8: bool = False) -> tuple[int, int, int]:
+def tile_shape(dtype: str, fp8: bool = False, block_m: int = BLOCK_M) -> tuple[int, int, int]:
     """(block_m, block_n, block_k) of the TMA GEMM for an engine dtype; e4m3 operands (`fp8`)
     take K tiles of 128 elements, the same 128 bytes per row as bf16's 64. A float32 engine's
     FP8 tiles keep 128 weight rows: its float32 epilogue with a residual took 278,552 bytes of
     shared memory at 256 (sm_90 has 232,448), and the H200 refused to load it."""
     if fp8:
-        return BLOCK_M, 256 if dtype != "float32" else 128, 128
-    return (BLOCK_M, 256, 64) if dtype != "float32" else (BLOCK_M, 128, 32)
+        return block_m, 256 if dtype != "float32" else 128, 128
+    return (block_m, 256, 64) if dtype != "float32" else (block_m, 128, 32)
+
+
+def launch_config(block_m: int) -> tuple[int, int]:
+    """(num_warps, num_stages) of the TMA GEMM with row tiles of `block_m`."""
+    return LAUNCH[block_m]
 
 
 @triton.jit
@@ -145,18 +156,19 @@ def row_scale_kernel(x_ptr, scale_ptr, T, eps, K: tl.constexpr, BLOCK_K: tl.cons
     tl.store(scale_ptr + row, tl.rsqrt(tl.sum(squares, 0) / K + eps))
 
 
-def tma_meta(bucket: str, max_rows: int | None, column_tiles: int) -> dict:
+def tma_meta(bucket: str, max_rows: int | None, column_tiles: int, block_m: int = BLOCK_M) -> dict:
     """Launch meta of a persistent TMA kernel serving a GEMM bucket's rows: one program per SM
     at most, each walking the output tiles."""
     return {"bucket": bucket, "max_rows": max_rows, "pointer_alignment": 16, "split_k": 1, "tma": True,
-            "grid": f"min(cdiv(T, {BLOCK_M}) * {column_tiles}, SMS)"}
+            "grid": f"min(cdiv(T, {block_m}) * {column_tiles}, SMS)"}
 
 
 def tma_linear_aot(dtype: str, n: int, k: int, bias: bool, residual: bool, bucket: str,
-                   max_rows: int | None, fp8: bool = False) -> AotKernel:
+                   max_rows: int | None, fp8: bool = False, block_m: int = BLOCK_M) -> AotKernel:
     """The persistent TMA GEMM serving a bucket on TMA_TARGETS; `fp8`: e4m3 operands, x from
     the quantize pre-pass (meta "fp8": True)."""
-    bm, bn, bk = tile_shape(dtype, fp8)
+    bm, bn, bk = tile_shape(dtype, fp8, block_m)
+    warps, stages = launch_config(bm)
     ptr = POINTER_TYPES[dtype]
     operand, scale = ("*fp8e4nv", "*fp32") if fp8 else (ptr, "constexpr")
     signature = {"x_ptr": operand, "x_scale_ptr": scale, "w_ptr": operand, "w_scale_ptr": scale,
@@ -166,11 +178,11 @@ def tma_linear_aot(dtype: str, n: int, k: int, bias: bool, residual: bool, bucke
                  "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "UPCAST_DOT": "constexpr"}
     constexprs = {"N": n, "K": k, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": GROUP_M,
                   "UPCAST_DOT": False}
-    meta = tma_meta(bucket, max_rows, triton.cdiv(n, bn))
+    meta = tma_meta(bucket, max_rows, triton.cdiv(n, bn), bm)
     if fp8:
         meta["fp8"] = True
-    return AotKernel(tma_linear_kernel, signature, absent_as_none(signature, constexprs), num_warps=WARPS,
-                     num_stages=STAGES, aligned=pointer_params(signature), targets=TMA_TARGETS, meta=meta)
+    return AotKernel(tma_linear_kernel, signature, absent_as_none(signature, constexprs), num_warps=warps,
+                     num_stages=stages, aligned=pointer_params(signature), targets=TMA_TARGETS, meta=meta)
 
 
 def row_scale_block(k: int) -> int:

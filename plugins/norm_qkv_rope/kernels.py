@@ -247,7 +247,8 @@ def tma_aot(dtype: str, shapes: dict, tile: Tile, optional: dict[str, bool]) -> 
     """The TMA kernel of a bucket; FP8: e4m3 operands, x from the quantize pre-pass."""
     fp8_weight = shapes.get("fp8", False)
     ptr = POINTER_TYPES[dtype]
-    bm, _, bk = tma.tile_shape(dtype, fp8_weight)
+    bm, _, bk = tma.tile_shape(dtype, fp8_weight, tile.block_m)
+    warps, stages = tma.launch_config(bm)
     heads, kv_heads = shapes["num_heads"], shapes["num_kv_heads"]
     operand = FP8_POINTER if fp8_weight else ptr
     signature = {"x_ptr": operand, "scale_ptr": "*fp32", "w_ptr": operand,
@@ -263,11 +264,11 @@ def tma_aot(dtype: str, shapes: dict, tile: Tile, optional: dict[str, bool]) -> 
     constexprs = {"K": shapes["K"], "H": heads, "KVH": kv_heads, "D": shapes["head_dim"], "BLOCK_M": bm,
                   "BLOCK_K": bk, "GROUP_M": tma.GROUP_M, "UPCAST_DOT": False,
                   "HEADS": heads_per_tile(heads, kv_heads, shapes["head_dim"], dtype)}
-    meta = tma.tma_meta(tile.name, tile.max_rows, (heads + 2 * kv_heads) // constexprs["HEADS"])
+    meta = tma.tma_meta(tile.name, tile.max_rows, (heads + 2 * kv_heads) // constexprs["HEADS"], bm)
     if fp8_weight:
         meta["fp8"] = True
     return AotKernel(tma_norm_qkv_rope_kernel, signature, absent_as_none(signature, constexprs),
-                     num_warps=tma.WARPS, num_stages=tma.STAGES, aligned=pointer_params(signature),
+                     num_warps=warps, num_stages=stages, aligned=pointer_params(signature),
                      targets=tma.TMA_TARGETS, meta=meta)
 
 

@@ -145,7 +145,8 @@ def uses_tma(tile, shapes: dict, dtype: str) -> bool:
 def tma_aot(dtype: str, shapes: dict, tile) -> AotKernel:
     """The TMA kernel of a bucket; FP8: e4m3 operands, x from the quantize pre-pass."""
     fp8_weight = shapes.get("fp8", False)
-    bm, bn, bk = tma.tile_shape(dtype, fp8_weight)
+    bm, bn, bk = tma.tile_shape(dtype, fp8_weight, tile.block_m)
+    warps, stages = tma.launch_config(bm)
     ptr = POINTER_TYPES[dtype]
     operand = fp8.FP8_POINTER if fp8_weight else ptr
     signature = {"x_ptr": operand, "scale_ptr": "*fp32", "w_ptr": operand,
@@ -155,11 +156,11 @@ def tma_aot(dtype: str, shapes: dict, tile) -> AotKernel:
     constexprs = {"I": shapes["I"], "K": shapes["K"], "GU_BLOCK": shapes["block"], "BLOCK_M": bm, "BLOCK_N": bn // 2,
                   "BLOCK_K": bk, "GROUP_M": tma.GROUP_M, "UPCAST_DOT": False,
                   "GELU_TANH": GELU_TANH[shapes.get("activation", "silu")]}
-    meta = tma.tma_meta(tile.name, tile.max_rows, triton.cdiv(shapes["I"], bn // 2))
+    meta = tma.tma_meta(tile.name, tile.max_rows, triton.cdiv(shapes["I"], bn // 2), bm)
     if fp8_weight:
         meta["fp8"] = True
-    return AotKernel(tma_norm_swiglu_kernel, signature, absent_as_none(signature, constexprs), num_warps=tma.WARPS,
-                     num_stages=tma.STAGES, aligned=pointer_params(signature), targets=tma.TMA_TARGETS, meta=meta)
+    return AotKernel(tma_norm_swiglu_kernel, signature, absent_as_none(signature, constexprs), num_warps=warps,
+                     num_stages=stages, aligned=pointer_params(signature), targets=tma.TMA_TARGETS, meta=meta)
 
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
