@@ -18,8 +18,9 @@ GEMM `linear_kernel` at tilings and K splits, `norm_swiglu_kernel` at its tiles 
 at T = 64) on W_gu both plain and interleaved as the engine holds it, and
 `norm_qkv_rope_kernel` (checked against its plugin's reference) at programs per head, K tiles,
 K splits and depths, at T = 64 also with its row scales from the pre-pass; then the persistent
-TMA `tma_norm_swiglu_kernel` at T = 64 and the row-scale pre-pass itself. NAME (comma-separated) compiles only the configurations of those shapes
-or kernels (a label's first word: splitk, norm_swiglu, norm_qkv_rope).
+TMA `tma_norm_swiglu_kernel` at T = 64 and the row-scale pre-pass itself; and the medium bucket's
+split-K GEMM on the narrow weights at T = 256 (or the rows KILN_TUNE_MEDIUM_ROWS names). NAME (comma-separated) compiles only the configurations of those shapes
+or kernels (a label's first word: splitk, medium, norm_swiglu, norm_qkv_rope).
 """
 from __future__ import annotations
 
@@ -106,28 +107,32 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
     return out + _medium_configs() + _tma_norm_swiglu_configs() + _norm_qkv_rope_configs()
 
 
+# KILN_TUNE_MEDIUM_ROWS=128,256 (comma-separated): the row counts of the medium-bucket sweep.
+MEDIUM_ROWS = tuple(int(r) for r in os.environ.get("KILN_TUNE_MEDIUM_ROWS", "256").split(","))
+
+
 def _medium_configs() -> list[tuple[str, dict, AotKernel]]:
-    """The split-K GEMM on the narrow weights (o_proj, down) at T = 256, the medium bucket's
-    largest batch: row blocks of 64 and 128, K unsplit or split."""
+    """The split-K GEMM on the narrow weights (qkv's shape, o_proj, down) at MEDIUM_ROWS (the
+    medium bucket's largest batch by default): row blocks of 64 and 128, K unsplit or split."""
     out = []
-    for name in ("o_proj", "down"):
+    for name, t, (bm, bn, split, stages) in itertools.product(
+            ("qkv", "o_proj", "down"), MEDIUM_ROWS, itertools.product([64, 128], [64, 128], [1, 2, 4, 8], [3, 4])):
         n, k = SHAPES[name]
-        for bm, bn, split, stages in itertools.product([64, 128], [64, 128], [1, 2, 4], [3, 4]):
-            bk = 64 * 2 // WEIGHT_BYTES
-            if (k // split) % bk:
-                continue
-            signature = {"x_ptr": OPERAND, "x_scale_ptr": SCALE, "w_ptr": OPERAND, "w_scale_ptr": SCALE,
-                         "bias_ptr": "constexpr", "residual_ptr": "constexpr", "out_ptr": "*bf16",
-                         **split_signature(split), "T": "i32", "N": "constexpr", "K": "constexpr",
-                         "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-                         "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr"}
-            constexprs = {"N": n, "K": k, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST_DOT": False,
-                          "SPLIT_K": split}
-            out.append((name, {"kind": "splitk", "n": n, "k": k, "t": 256, "grid": (256 // bm, n // bn, split),
-                               "split": split, "label": f"splitk bm{bm} bn{bn} bk{bk} split{split} s{stages}"},
-                        AotKernel(linear_kernel, signature, absent_as_none(signature, constexprs),
-                                  num_warps=4 if bm * bn < 128 * 128 else 8, num_stages=stages,
-                                  aligned=pointer_params(signature))))
+        bk = 64 * 2 // WEIGHT_BYTES
+        if (k // split) % bk:
+            continue
+        signature = {"x_ptr": OPERAND, "x_scale_ptr": SCALE, "w_ptr": OPERAND, "w_scale_ptr": SCALE,
+                     "bias_ptr": "constexpr", "residual_ptr": "constexpr", "out_ptr": "*bf16",
+                     **split_signature(split), "T": "i32", "N": "constexpr", "K": "constexpr",
+                     "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+                     "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr"}
+        constexprs = {"N": n, "K": k, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST_DOT": False,
+                      "SPLIT_K": split}
+        out.append((name, {"kind": "splitk", "n": n, "k": k, "t": t, "grid": (-(-t // bm), n // bn, split),
+                           "split": split, "label": f"medium bm{bm} bn{bn} bk{bk} split{split} s{stages}"},
+                    AotKernel(linear_kernel, signature, absent_as_none(signature, constexprs),
+                              num_warps=4 if bm * bn < 128 * 128 else 8, num_stages=stages,
+                              aligned=pointer_params(signature))))
     return out
 
 
