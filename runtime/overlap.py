@@ -55,10 +55,13 @@ from kiln.runtime.step import Feed
 Append = Callable[[Sequence, int, "dict | None"], None]
 
 # The next step is scheduled this share of a step before the one in flight should end, and at
-# least twice as long before as recent steps took to schedule, pack and launch (the host's work
-# grows with the batch), and at least PACE_MIN_LEAD: room for that work and the estimate's error.
+# least as long before as the longest recent step took to schedule, pack and launch (the host's
+# work grows with the batch), and at least PACE_MIN_LEAD: room for that work and the estimate's
+# error. On an H200 (BENCHMARKS.md, session 18: 8B engine, 4 requests/s, decode steps of 4.3 ms
+# and 0.55-1.0 ms of host work) a lead of twice the host's work gave TTFT p50 12.1 ms in two runs;
+# this one 11.3 and 11.1, with ITL p50 and p90 unchanged (4.33 and 4.45-4.47 ms).
 PACE_LEAD = 0.25
-PACE_MIN_LEAD = 0.5e-3
+PACE_MIN_LEAD = 0.3e-3
 # Settle times kept: the shortest recent interval between two settles is the step time estimate,
 # so that after a long (prefill) step the loop does not wait as if every step were as long.
 PACE_HISTORY = 8
@@ -68,12 +71,12 @@ def pace_delay(settled_at: list[float], prepare_s: list[float], now: float) -> f
     """How long from `now` until the next step should be scheduled: the step in flight began
     when the last one settled (`settled_at`, monotonic seconds, oldest first) and should last as
     long as the shortest recent interval between settles; the next step goes that long after the
-    last settle, less a lead (PACE_LEAD of a step, twice the longest recent `prepare_s`, at least
+    last settle, less a lead (PACE_LEAD of a step, the longest recent `prepare_s`, at least
     PACE_MIN_LEAD). 0 with fewer than two settles to judge by."""
     if len(settled_at) < 2:
         return 0.0
     step = min(b - a for a, b in zip(settled_at, settled_at[1:]))
-    lead = max(PACE_LEAD * step, 2 * max(prepare_s, default=0.0), PACE_MIN_LEAD)
+    lead = max(PACE_LEAD * step, max(prepare_s, default=0.0), PACE_MIN_LEAD)
     return max(0.0, settled_at[-1] + step - lead - now)
 
 

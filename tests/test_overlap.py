@@ -205,8 +205,10 @@ def test_pacing_schedules_the_next_step_a_lead_before_the_one_in_flight_ends():
     # The step in flight should end at 100.010: schedule the next a quarter of a step before.
     assert pace_delay(settled, [0.001], now=100.0) == pytest.approx(0.0075)
     assert pace_delay(settled, [0.001], now=100.005) == pytest.approx(0.0025)
-    # Host work of 3 ms a step asks for twice that as lead.
-    assert pace_delay(settled, [0.001, 0.003], now=100.0) == pytest.approx(0.004)
+    # Host work of 4 ms a step (the longest recent) asks for that much lead.
+    assert pace_delay(settled, [0.001, 0.004, 0.002], now=100.0) == pytest.approx(0.006)
+    # Short steps keep a floor of 0.3 ms.
+    assert pace_delay([99.998, 99.999, 100.0], [0.0], now=100.0) == pytest.approx(0.0007)
     # A long (prefill) step among recent ones: the shortest interval judges.
     assert pace_delay([99.95, 99.99, 100.0], [0.0], now=100.0) == pytest.approx(0.0075)
     # Past due, or nothing to judge by: no wait.
