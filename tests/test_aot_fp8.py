@@ -70,8 +70,7 @@ def test_sm80_gets_no_fp8_kernels(compiled):
 @pytest.mark.parametrize("name", NAMES)
 def test_every_bucket_and_the_pre_pass_compile(compiled, name, target):
     rows = compiled[f"{name} {target}"]
-    # gate/up is a wide weight (`linear.tiles.WIDE_TILES`): it has a bucket of 64-row tiles besides.
-    buckets = ["decode", "small", "medium"] + ["medium-64"] * (name == "norm_swiglu") + ["prefill"]
+    buckets = ["decode", "small", "medium", "large", "prefill"]
     assert [r["bucket"] for r in rows if r["bucket"]] == buckets
     assert [r["fp8"] for r in rows if r["bucket"]] == [True] * len(buckets)
     assert [r["fn"] for r in rows if r["quantize"]] == ["quantize_rows_kernel"]

@@ -32,8 +32,8 @@ from interpreted_launch import interpreted_only  # noqa: E402
 pytestmark = interpreted_only()
 EPS = 1e-5
 LINEAR_ATTRS = {"parallel": "none", "heads": 0, "all_reduce": False}
-# One T per bucket: decode, small, medium, prefill.
-BUCKET_ROWS = {"decode": 3, "small": 40, "medium": 100, "prefill": 300}
+# One T per bucket: decode, small, medium, large, prefill.
+BUCKET_ROWS = {"decode": 3, "small": 40, "medium": 100, "large": 200, "prefill": 300}
 
 
 def rand(*shape, dtype=torch.float32, scale=1.0) -> torch.Tensor:
@@ -167,7 +167,7 @@ def test_parity_fp8_wide_weight_tiles(t):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bucket", ["decode", "small", "medium"])
+@pytest.mark.parametrize("bucket", ["decode", "small", "medium", "large"])
 @pytest.mark.parametrize("folded", [True, False])
 @pytest.mark.parametrize("block", [0, 8])
 def test_parity_fp8_norm_swiglu(block, folded, bucket, dtype):

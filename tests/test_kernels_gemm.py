@@ -196,12 +196,13 @@ def test_parity_split_k_workspace_is_reusable(request):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["linear_residual", "norm_swiglu"])
-def test_parity_medium_bucket(request, name, dtype):
-    """65 to 256 rows take the medium bucket's tiles."""
+@pytest.mark.parametrize("t,bucket", [(100, "medium"), (200, "large")])
+def test_parity_medium_and_large_buckets(request, name, dtype, t, bucket):
+    """65 to 128 rows take the medium bucket's tiles (K split in 4 where it divides), 129 to 256 the large one's."""
     def body():
         torch.manual_seed(3)
-        t, k = 100, 64
-        assert linear_tiles.pick_tile(t).name == "medium"
+        k = 256
+        assert linear_tiles.pick_tile(t).name == bucket
         if name == "linear_residual":
             check(name, [rand(t, k, dtype=dtype), rand(40, k, dtype=dtype, scale=k ** -0.5), None, rand(t, 40, dtype=dtype)],
                   {"parallel": "none", "heads": 0, "all_reduce": False}, (t, 40))

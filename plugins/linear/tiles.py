@@ -53,11 +53,16 @@ TILES = (
     # Decode: the 16 rows are tl.dot's minimum; long K tiles keep many loads in flight.
     Tile("decode", 16, 16, 64, 128, 4, stages=3, split_k=4),
     Tile("small", 64, 64, 32, 128, 4, stages=4, split_k=2),
-    # Up to 256 rows (decode batches beyond 64): 128x128 tiles with K split in 2, 128 programs
-    # for a 4096-row weight at T=256. On an H200 (session 16, scripts/tune_gemm.py, weights cycled
-    # beyond the L2) down took 59.8 us against 75.7 for 64x64 tiles unsplit (cuBLAS 47.7), o_proj
-    # 24.4 against 23.6.
-    Tile("medium", 256, 128, 128, 64, 8, stages=4, split_k=2),
+    # Up to 128 rows (a prefill chunk of a short prompt, decode batches beyond 64): 64x128 tiles
+    # with K split in 4, 256 programs for a 4096-row weight. On an H200 (2026-12-01,
+    # `KILN_TUNE_MEDIUM_ROWS=128 scripts/tune_gemm.py`, weights cycled beyond the L2) down took
+    # 44.4 us at T=128 against 57.8 for the large bucket's tiles, o_proj 20.3 against 21.8.
+    Tile("medium", 128, 64, 128, 64, 4, stages=4, split_k=4),
+    # Up to 256 rows: 128x128 tiles with K split in 2, 128 programs for a 4096-row weight at
+    # T=256. On an H200 (session 16, the same sweep at T=256) down took 59.8 us against 75.7 for
+    # 64x64 tiles unsplit (cuBLAS 47.7), o_proj 24.4 against 23.6; from 129 rows on the medium
+    # tiles lose (down 67.1 us at 130 rows against 57.6, 2026-12-01).
+    Tile("large", 256, 128, 128, 64, 8, stages=4, split_k=2),
     Tile("prefill", None, 128, 128, 64, 8, stages=4, tma=True),
 )
 # At 256 rows the TMA GEMM takes gate/up (28672x4096) in 100 us against 130 for the pointer
@@ -65,12 +70,13 @@ TILES = (
 # From 129 to 192 rows, 128-row tiles would pad T to 256 rows and run two waves of them: a
 # 128-token prefill chunk with a few decode rows beside it took 117 us in gate/up against 69.5
 # at 128 rows. 64-row tiles pad less and take 89.5 us at 130 rows (`linear.tma.LAUNCH`). From 193
-# rows on, the prefill bucket's kernel (the same as "medium"'s) serves.
+# rows on, the prefill bucket's kernel (the same as "medium"'s) serves. The bucket names are
+# TILES' (the rows each serves differ).
 WIDE_TILES = (
     Tile("decode", 16, 16, 32, 128, 4, stages=3),
     Tile("small", 64, 64, 64, 64, 4, stages=3),
     Tile("medium", 128, 128, 128, 64, 8, stages=4, tma=True),
-    Tile("medium-64", 192, 64, 128, 64, 4, stages=4, tma=True),
+    Tile("large", 192, 64, 128, 64, 4, stages=4, tma=True),
     Tile("prefill", None, 128, 128, 64, 8, stages=4, tma=True),
 )
 # Weight rows from which WIDE_TILES apply. TP 2's gate/up (14,336 rows) counts as wide: on an H200
@@ -138,7 +144,7 @@ def pipelined(kernel: AotKernel, block_m: int, weight_rows: int, bk: int, elemen
 # tile summing and 17.3 reading the scales (the plain GEMM of its shape: 16.4), and 52.8 against
 # 32.3 at T = 256; the pre-pass takes 1.7 and 2.1 us. At T = 1 the sums cost less than the
 # extra launch.
-PRESCALED_BUCKETS = ("small", "medium")
+PRESCALED_BUCKETS = ("small", "medium", "large")
 
 
 def prescaled(tile: Tile, fp8_weight: bool) -> bool:

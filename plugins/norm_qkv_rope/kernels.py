@@ -43,8 +43,9 @@ FP8_TARGETS = fp8.FP8_TARGETS
 # 22.0 with 3), plus 1.7 for the pre-pass; the best tile that sums x^2 in its K loop (64 rows,
 # 64-wide K tiles split in 4, 3 stages) took 23.7.
 # From 65 to 256 rows, 64x64 tiles unsplit (with the pre-pass's row scales: 32.3 us at T = 256).
-QKV_TILES = with_bucket(with_bucket(TILES, "small", block_n=64, block_k=128, stages=6, split_k=1), "medium",
-                        block_m=64, block_n=64, num_warps=4, split_k=1)
+_MEDIUM_QKV = {"block_m": 64, "block_n": 64, "num_warps": 4, "split_k": 1}
+QKV_TILES = with_bucket(with_bucket(with_bucket(TILES, "small", block_n=64, block_k=128, stages=6, split_k=1),
+                                    "medium", **_MEDIUM_QKV), "large", **_MEDIUM_QKV)
 # With e4m3 weights and rows (H200, 2026-11-30, `KILN_TUNE_FP8=1 scripts/tune_gemm.py`, Llama-3-8B's
 # qkv, weights cycled beyond the L2): at T = 64 the unsplit 128-deep tile takes 10.8 us against
 # 14.4 for QKV_TILES' (its split-K partials cost more than e4m3's halved weight bytes save); at
