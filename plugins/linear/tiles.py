@@ -68,7 +68,7 @@ TILES = (
 # At 256 rows the TMA GEMM takes gate/up (28672x4096) in 100 us against 130 for the pointer
 # tiles; for narrow weights it gives too few tiles at that size and the pointer tiles stay.
 # From 129 to 192 rows, 128-row tiles would pad T to 256 rows and run two waves of them: a
-# 128-token prefill chunk with a few decode rows beside it took 117 us in gate/up against 69.5
+# 128-token prefill chunk with a few decode rows beside it took 120.0 us in gate/up against 69.5
 # at 128 rows. 64-row tiles pad less and take 89.5 us at 130 rows (`linear.tma.LAUNCH`). From 193
 # rows on, the prefill bucket's kernel (the same as "medium"'s) serves. The bucket names are
 # TILES' (the rows each serves differ).

@@ -48,7 +48,7 @@ ROW_SCALE_WARPS = 8
 # (warps, stages) by row tile. 64-row tiles serve the wide weights' buckets where 128-row tiles
 # would pad T by most of a tile (`tiles.WIDE_TILES`): on an H200 (scripts/tune_prefill_gemm.py,
 # 2026-12-01, gate/up 28672x4096, weights cycled beyond the L2) 64x256 tiles with 4 warps and 4
-# stages took 89.5 us at 130 rows, 89.7 at 160 and 90.3 at 192, against 117 (at 130), 103.1 and
+# stages took 89.5 us at 130 rows, 89.7 at 160 and 90.3 at 192, against 120.0, 103.1 and
 # 95.8 for 128x256 tiles; at 256 rows the 128-row tiles won (100.2 us).
 LAUNCH = {128: (WARPS, STAGES), 64: (4, 4)}
 
