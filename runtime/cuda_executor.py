@@ -74,18 +74,27 @@ def kernel_scratch(launch: dict, limits: dict[str, int]) -> dict[str, int]:
     return {**launch.get("scratch", {}), **per_row}
 
 
+def op_scratch(launcher: ModuleType, attrs: dict, launches: list[dict], limits: dict[str, int]) -> dict[str, int]:
+    """Bytes of each scratch buffer one op asks for: its launcher's and its kernels' (their launch
+    metadata `launches`), the largest need of each."""
+    needs = [launcher.scratch_bytes(attrs, limits)] if hasattr(launcher, "scratch_bytes") else []
+    needs += [kernel_scratch(launch, limits) for launch in launches]
+    sizes: dict[str, int] = {}
+    for need in needs:
+        for name, nbytes in need.items():
+            sizes[name] = max(sizes.get(name, 0), nbytes)
+    return sizes
+
+
 def scratch_bytes(engine: Engine, launchers: list[ModuleType]) -> dict[str, int]:
     """Bytes of each scratch buffer the plan's launchers and kernels ask for: the largest need of any op."""
     m = engine.manifest
     limits = {**m.symbol_bounds, "block_size": m.kv.block_size, "element_bytes": element_bytes(m.dtype)}
     sizes: dict[str, int] = {}
     for op, launcher in zip(engine.plan, launchers):
-        needs = [launcher.scratch_bytes(op.attrs, limits)] if hasattr(launcher, "scratch_bytes") else []
-        for keys in op.kernel_keys.values():
-            needs += [kernel_scratch(m.kernels[key].launch, limits) for key in keys]
-        for need in needs:
-            for name, nbytes in need.items():
-                sizes[name] = max(sizes.get(name, 0), nbytes)
+        launches = [m.kernels[key].launch for keys in op.kernel_keys.values() for key in keys]
+        for name, nbytes in op_scratch(launcher, op.attrs, launches, limits).items():
+            sizes[name] = max(sizes.get(name, 0), nbytes)
     return sizes
 
 

@@ -18,7 +18,7 @@ from interpreted_launch import Running, interpreted_only, targeted  # noqa: E402
 from kiln.plugins.aot import AotKernel  # noqa: E402
 from kiln.plugins.fp8 import FP8, quantize_rows  # noqa: E402
 from kiln.plugins.registry import get_plugin  # noqa: E402
-from kiln.runtime.cuda_executor import kernel_scratch  # noqa: E402
+from kiln.runtime.cuda_executor import op_scratch  # noqa: E402
 
 PLUGINS = ("linear", "linear_residual", "norm_swiglu", "norm_qkv_rope", "attention_o_proj", "attention")
 KERNELS = {name: importlib.import_module(f"kiln.plugins.{name}.kernels") for name in PLUGINS}
@@ -45,11 +45,8 @@ def launch(plugin: str, shapes: dict, target: str, inputs: list, attrs: dict, ou
     launcher = LAUNCHERS[plugin]
     kernels = [interpretable(k) for k in targeted(KERNELS[plugin].aot_kernels("bfloat16", shapes), target)]
     limits = {"T": MAX_ROWS, "S": 8, "B": 64, "block_size": 16, "element_bytes": 2}
-    sizes = launcher.scratch_bytes(attrs, limits) if hasattr(launcher, "scratch_bytes") else {}
-    for kernel in kernels:
-        for name, nbytes in kernel_scratch(kernel.meta, limits).items():
-            sizes[name] = max(sizes.get(name, 0), nbytes)
-    scratch = {name: torch.zeros(nbytes, dtype=torch.uint8) for name, nbytes in sizes.items()}
+    scratch = {name: torch.zeros(nbytes, dtype=torch.uint8)
+               for name, nbytes in op_scratch(launcher, attrs, [k.meta for k in kernels], limits).items()}
     log: list = []
     tensors = [t for t in [*inputs, out, *scratch.values(), *views] if t is not None]
     with mock.patch("kiln.plugins.driver_launch.sm_count", lambda: SMS):

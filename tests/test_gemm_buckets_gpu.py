@@ -14,7 +14,7 @@ import torch
 from kiln.builder.passes.fold import interleave
 from kiln.plugins import get_plugin
 from kiln.plugins.aot import compile_cubin
-from kiln.runtime.cuda_executor import kernel_scratch
+from kiln.runtime.cuda_executor import op_scratch
 
 pytestmark = pytest.mark.gpu
 
@@ -44,11 +44,9 @@ def loaded():
         aot = [k for k in importlib.import_module(f"kiln.plugins.{plugin}.kernels").aot_kernels("bfloat16", shapes)
                if k.targets is None or arch in k.targets]
         limits = {"T": MAX_ROWS, "S": 1, "B": 1, "block_size": 16, "element_bytes": 2}
-        needs = [launcher.scratch_bytes(attrs, limits)] if hasattr(launcher, "scratch_bytes") else []
-        needs += [kernel_scratch(k.meta, limits) for k in aot]
         # Zeroed, as the CUDA executor's arena is: the split-K arrival counts start at zero.
-        scratch = {name: torch.zeros(max(need.get(name, 0) for need in needs), dtype=torch.uint8, device="cuda")
-                   for name in {name for need in needs for name in need}}
+        scratch = {name: torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+                   for name, nbytes in op_scratch(launcher, attrs, [k.meta for k in aot], limits).items()}
         cubins = [compile_cubin(k, arch) for k in aot]
         scratch["global"] = torch.zeros(sm_count() * max(c.global_scratch for c in cubins), dtype=torch.uint8,
                                         device="cuda")

@@ -23,7 +23,7 @@ from interpreted_launch import Running, interpreted_only, targeted  # noqa: E402
 from kiln.builder.passes.fold import interleave  # noqa: E402
 from kiln.plugins.linear import tiles as linear_tiles  # noqa: E402
 from kiln.plugins import get_plugin  # noqa: E402
-from kiln.runtime.cuda_executor import kernel_scratch  # noqa: E402
+from kiln.runtime.cuda_executor import op_scratch  # noqa: E402
 
 GEMM_PLUGINS = ("linear", "linear_residual", "norm_swiglu", "norm_qkv_rope", "attention")
 KERNELS = {name: importlib.import_module(f"kiln.plugins.{name}.kernels") for name in GEMM_PLUGINS}
@@ -43,10 +43,8 @@ def launch(plugin: str, shapes: dict, inputs: list, attrs: dict, out: torch.Tens
     kernels = targeted(KERNELS[plugin].aot_kernels("float32", shapes), "sm_90")
     limits = {"T": rows, "S": 8, "B": 64, "block_size": 16, "element_bytes": 4}
     # As the CUDA executor sizes them: the launcher's buffers and those its kernels' meta names.
-    needs = [launcher.scratch_bytes(attrs, limits)] if hasattr(launcher, "scratch_bytes") else []
-    needs += [kernel_scratch(k.meta, limits) for k in kernels]
-    scratch = {name: torch.zeros(max(need.get(name, 0) for need in needs), dtype=torch.uint8)
-               for name in {name for need in needs for name in need}}
+    scratch = {name: torch.zeros(nbytes, dtype=torch.uint8)
+               for name, nbytes in op_scratch(launcher, attrs, [k.meta for k in kernels], limits).items()}
     tensors = [t for t in [*inputs, out, *scratch.values(), *views] if t is not None]
     log: list = []
     with mock.patch("kiln.plugins.driver_launch.sm_count", lambda: sms):

@@ -43,14 +43,14 @@ POINTER_TARGETS = ("sm_80", "sm_89")
 # sweep's best at every shape from 1,024 rows on. fp32 engines (exact parity, FMA dots) take
 # 32-wide K tiles and 128 weight rows, so that the pipeline and the output tile fit in shared
 # memory.
-BLOCK_M, GROUP_M, WARPS, STAGES = 128, 8, 8, 3
+BLOCK_M, GROUP_M = 128, 8
 ROW_SCALE_WARPS = 8
-# (warps, stages) by row tile. 64-row tiles serve the wide weights' buckets where 128-row tiles
+# (num_warps, num_stages) by row tile. 64-row tiles serve the wide weights' buckets where 128-row tiles
 # would pad T by most of a tile (`tiles.WIDE_TILES`): on an H200 (scripts/tune_prefill_gemm.py,
 # 2026-12-01, gate/up 28672x4096, weights cycled beyond the L2) 64x256 tiles with 4 warps and 4
 # stages took 89.5 us at 130 rows, 89.7 at 160 and 90.3 at 192, against 120.0, 103.1 and
 # 95.8 for 128x256 tiles; at 256 rows the 128-row tiles won (100.2 us).
-LAUNCH = {128: (WARPS, STAGES), 64: (4, 4)}
+LAUNCH = {128: (8, 3), 64: (4, 4)}
 
 
 def tile_shape(dtype: str, fp8: bool = False, block_m: int = BLOCK_M) -> tuple[int, int, int]:
@@ -61,11 +61,6 @@ def tile_shape(dtype: str, fp8: bool = False, block_m: int = BLOCK_M) -> tuple[i
     if fp8:
         return block_m, 256 if dtype != "float32" else 128, 128
     return (block_m, 256, 64) if dtype != "float32" else (block_m, 128, 32)
-
-
-def launch_config(block_m: int) -> tuple[int, int]:
-    """(num_warps, num_stages) of the TMA GEMM with row tiles of `block_m`."""
-    return LAUNCH[block_m]
 
 
 @triton.jit
@@ -168,7 +163,7 @@ def tma_linear_aot(dtype: str, n: int, k: int, bias: bool, residual: bool, bucke
     """The persistent TMA GEMM serving a bucket on TMA_TARGETS; `fp8`: e4m3 operands, x from
     the quantize pre-pass (meta "fp8": True)."""
     bm, bn, bk = tile_shape(dtype, fp8, block_m)
-    warps, stages = launch_config(bm)
+    warps, stages = LAUNCH[bm]
     ptr = POINTER_TYPES[dtype]
     operand, scale = ("*fp8e4nv", "*fp32") if fp8 else (ptr, "constexpr")
     signature = {"x_ptr": operand, "x_scale_ptr": scale, "w_ptr": operand, "w_scale_ptr": scale,

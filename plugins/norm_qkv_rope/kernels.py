@@ -249,7 +249,7 @@ def tma_aot(dtype: str, shapes: dict, tile: Tile, optional: dict[str, bool]) -> 
     fp8_weight = shapes.get("fp8", False)
     ptr = POINTER_TYPES[dtype]
     bm, _, bk = tma.tile_shape(dtype, fp8_weight, tile.block_m)
-    warps, stages = tma.launch_config(bm)
+    warps, stages = tma.LAUNCH[bm]
     heads, kv_heads = shapes["num_heads"], shapes["num_kv_heads"]
     operand = FP8_POINTER if fp8_weight else ptr
     signature = {"x_ptr": operand, "scale_ptr": "*fp32", "w_ptr": operand,

@@ -146,7 +146,7 @@ def tma_aot(dtype: str, shapes: dict, tile) -> AotKernel:
     """The TMA kernel of a bucket; FP8: e4m3 operands, x from the quantize pre-pass."""
     fp8_weight = shapes.get("fp8", False)
     bm, bn, bk = tma.tile_shape(dtype, fp8_weight, tile.block_m)
-    warps, stages = tma.launch_config(bm)
+    warps, stages = tma.LAUNCH[bm]
     ptr = POINTER_TYPES[dtype]
     operand = fp8.FP8_POINTER if fp8_weight else ptr
     signature = {"x_ptr": operand, "scale_ptr": "*fp32", "w_ptr": operand,
