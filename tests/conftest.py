@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,16 @@ class Factory:
 @pytest.fixture(scope="session")
 def factory(tmp_path_factory) -> Factory:
     return Factory(tmp_path_factory.mktemp("kiln"))
+
+
+@pytest.fixture(scope="module")
+def module_dir(tmp_path_factory, request) -> Iterator[Path]:
+    """A folder for one module's engines, deleted when the module ends: CI machines have had
+    under 300 MB of disk to spare, and the real-model engines take 0.4-1 GB each, so they must
+    not pile up until the session ends (tmp_path folders go as each test passes: pyproject)."""
+    path = tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2])
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -14,9 +14,9 @@ MEASURED_RATIO = 1.056
 
 
 @pytest.fixture(scope="module")
-def built(real_model, tmp_path_factory):
+def built(real_model, module_dir):
     real_model("smollm2-135m")  # fetched once (skips with the reason when the index is unreachable)
-    return engines(tmp_path_factory.mktemp("fp8-accuracy"), ["cpu"])
+    return engines(module_dir, ["cpu"])
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,11 @@ NUM_PROMPTS, MAX_TOKENS = 8, 24
 
 
 @pytest.fixture(scope="module")
-def engines(real_model, tmp_path_factory):
+def engines(real_model, module_dir):
     smollm = real_model("smollm2-135m")
-    root = tmp_path_factory.mktemp("fp8kv-real")
     for name, kv in (("bf16", "auto"), ("fp8", "fp8")):
-        build_engine(smollm.gguf, root / name, BuildConfig(**BUILD, kv_cache_dtype=kv))
-    return root / "bf16", root / "fp8"
+        build_engine(smollm.gguf, module_dir / name, BuildConfig(**BUILD, kv_cache_dtype=kv))
+    return module_dir / "bf16", module_dir / "fp8"
 
 
 def test_fp8_kv_perplexity_within_one_percent_of_the_model_dtype_cache(engines, record_property):

@@ -48,8 +48,8 @@ def hf_model(gemma):
 
 
 @pytest.fixture(scope="module")
-def gguf_engine(gemma, tmp_path_factory):
-    out = tmp_path_factory.mktemp("real") / "gguf-engine"
+def gguf_engine(gemma, module_dir):
+    out = module_dir / "gguf-engine"
     build_engine(gemma.gguf, out, BUILD)
     return out
 

@@ -26,8 +26,8 @@ def smollm(real_model):
 
 
 @pytest.fixture(scope="module")
-def gguf_engine(smollm, tmp_path_factory):
-    out = tmp_path_factory.mktemp("real") / "gguf-engine"
+def gguf_engine(smollm, module_dir):
+    out = module_dir / "gguf-engine"
     build_engine(smollm.gguf, out, BUILD)
     return out
 
