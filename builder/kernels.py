@@ -3,7 +3,8 @@ target into a cubin that goes into the engine file.
 
 For each node the plugin's `kernels.aot_kernels(dtype, shapes)` lists the kernels for the
 node's shapes (what they are, the plugin's `compile_shapes` says); each is compiled with
-`plugins.aot.compile_cubin` (no GPU needed). Identical kernels (same source, signature,
+`plugins.aot.compile_cubin` (Triton's, or nvcc for CUDA C++ kernels), no GPU needed; a machine
+without nvcc builds the Triton kernels alone (`build.py` notes it). Identical kernels (same source, signature,
 constants, options and target) are compiled once per build and kept in an on-disk cache keyed
 by their content hash, so rebuilding is quick. An op that has no GPU kernel (no
 `compile_shapes`) is a build error naming it and the module it came from: nothing falls back
@@ -24,6 +25,7 @@ from typing import Callable
 from kiln.atomic import write_bytes
 from kiln.builder.ir import Graph
 from kiln.plugins import get_plugin
+from kiln.plugins import nvcc
 from kiln.plugins.aot import MAX_SHARED_BYTES, AotKernel, Cubin, compile_cubin
 
 
@@ -36,9 +38,13 @@ def _cache_dir() -> Path:
     return Path(root).expanduser() / "kernels"
 
 
-def kernel_key(kernel: AotKernel, target: str) -> str:
+def kernel_key(kernel: AotKernel | nvcc.NvccKernel, target: str) -> str:
     """Content hash of everything that decides the cubin, and of its launch rule (two ops that
     share a kernel may launch it differently, so each keeps its own entry)."""
+    if isinstance(kernel, nvcc.NvccKernel):
+        ident = json.dumps([nvcc.source_text(kernel), kernel.entry, kernel.signature, kernel.num_warps, target,
+                            nvcc.nvcc_version(), nvcc.FLAGS, kernel.meta], sort_keys=True, default=repr)
+        return hashlib.sha256(ident.encode()).hexdigest()[:20]
     import triton
     ident = json.dumps([inspect.getsource(kernel.fn.fn if hasattr(kernel.fn, "fn") else kernel.fn),
                         kernel.signature, {k: repr(v) for k, v in kernel.constexprs.items()},
@@ -48,7 +54,7 @@ def kernel_key(kernel: AotKernel, target: str) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:20]
 
 
-def _compile_cached(kernel: AotKernel, target: str, key: str) -> Cubin:
+def _compile_cached(kernel: AotKernel | nvcc.NvccKernel, target: str, key: str) -> Cubin:
     path = _cache_dir() / f"{key}.cubin"
     meta_path = path.with_suffix(".json")
     if path.is_file() and meta_path.is_file():
@@ -100,7 +106,9 @@ def compile_kernels(graph: Graph, dtype: str, targets: list[str], block_size: in
         if module is None:
             raise KernelError(f"plugin {spec.name!r} gives compile shapes but has no kernels module "
                               f"({spec.package}.kernels)")
-        kernels = module.aot_kernels(dtype, shapes)
+        # Without nvcc the CUDA C++ kernels are left out: the Triton buckets after them serve their rows.
+        kernels = [k for k in module.aot_kernels(dtype, shapes)
+                   if nvcc.nvcc_path() is not None or not isinstance(k, nvcc.NvccKernel)]
         per_node[node.output] = {}
         for target in gpu_targets:
             per_node[node.output][target] = [_add(blobs, kernel, target, node.op, progress) for kernel in kernels

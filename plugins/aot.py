@@ -1,4 +1,5 @@
-"""Ahead-of-time compilation of a plugin's Triton kernels into cubins, without a GPU.
+"""Ahead-of-time compilation of a plugin's Triton kernels into cubins, without a GPU (and the one
+entry, `compile_cubin`, for its CUDA C++ kernels too: `plugins.nvcc`).
 
 A plugin's `kernels.py` describes each kernel it needs for given shapes as an `AotKernel`
 (the jit function, the signature, the constexpr values, launch options); `compile_cubin`
@@ -57,6 +58,11 @@ def pointer_params(signature: dict[str, str]) -> tuple[str, ...]:
     return tuple(name for name, kind in signature.items() if kind.startswith("*"))
 
 
+def kernel_name(kernel) -> str:
+    """The entry point an AotKernel or `plugins.nvcc.NvccKernel` compiles to."""
+    return getattr(kernel, "entry", None) or kernel.fn.__name__
+
+
 def compile_kernel(kernel: AotKernel, target: str):
     """Triton's compiled kernel for `target` (its `asm` holds the PTX and the cubin)."""
     import triton
@@ -71,7 +77,12 @@ def compile_kernel(kernel: AotKernel, target: str):
                           options={"num_warps": kernel.num_warps, "num_stages": kernel.num_stages})
 
 
-def compile_cubin(kernel: AotKernel, target: str) -> Cubin:
+def compile_cubin(kernel, target: str) -> Cubin:
+    """`kernel` (an AotKernel, or a CUDA C++ `plugins.nvcc.NvccKernel`) compiled for `target`."""
+    from kiln.plugins import nvcc   # nvcc's module builds on this one's Cubin
+
+    if isinstance(kernel, nvcc.NvccKernel):
+        return nvcc.compile_cubin(kernel, target)
     compiled = compile_kernel(kernel, target)
     md = compiled.metadata
     return Cubin(md.name, compiled.asm["cubin"], md.shared, md.num_warps, md.global_scratch_size)

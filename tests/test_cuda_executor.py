@@ -5,7 +5,8 @@ Each engine is built here for ["cpu", this GPU's arch]; both executors then run 
 steps: a prefill step with every logit of one prompt (the GEMMs' prefill bucket), a mixed step
 (a new prompt's prefill beside two decodes: small bucket, prefill attention over cached keys)
 and pure decode steps (decode bucket; split-KV attention when the engine's max_seq_len gives
-more than 256 keys per sequence; 3 sequences replay the CUDA graph captured for 4). The tokens fed back come from the CPU's logits, so both
+more than 256 keys per sequence; 3 sequences replay the CUDA graph captured for 4), then decode
+steps of 2 and of 1 sequence (the CUDA GEMVs of bf16 engines). The tokens fed back come from the CPU's logits, so both
 executors see identical inputs even where bf16 rounding would make greedy choices differ.
 """
 from __future__ import annotations
@@ -66,6 +67,12 @@ def run_both(cpu: CpuExecutor, gpu, engine) -> list[tuple[str, float, torch.Tens
         tokens[1].append(int(logits[1].argmax()))
         tokens[2].append(int(logits[-1].argmax()))
         logits = both("decode", [SequenceChunk(t[-1:], len(t) - 1, table) for t, table in zip(tokens, tables)])
+    # Two sequences, then one: the CUDA GEMVs' buckets (`linear.gemv`) on bf16 engines.
+    for alive in (2, 2, 1, 1):
+        for s in range(alive):
+            tokens[s].append(int(logits[s].argmax()))
+        logits = both(f"decode of {alive}", [SequenceChunk(t[-1:], len(t) - 1, table)
+                                             for t, table in list(zip(tokens, tables))[:alive]])
     return results
 
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_kernels import load_plugin_kernels
 from kiln.builder.passes.fold import interleave
 from kiln.plugins import get_plugin
-from kiln.plugins.aot import compile_cubin
-from kiln.runtime.cuda_executor import op_scratch
 
 pytestmark = pytest.mark.gpu
 
@@ -27,37 +26,12 @@ CASES = {"norm_swiglu": ({"K": 256, "I": 6144, "block": BLOCK}, {"eps": 1e-5, "b
 
 @pytest.fixture(scope="module")
 def loaded():
-    """loaded(plugin): (the plugin's launcher, this GPU's loaded kernels, their metas, the scratch
-    buffers the launcher takes), compiled once per plugin."""
-    import importlib
-
-    from kiln.plugins.driver_launch import sm_count
-    from kiln.runtime.cuda_driver import device_arch, load_kernel
-
-    arch, cache = device_arch(), {}
+    """loaded(plugin): `gpu_kernels.load_plugin_kernels` for the plugin's case, once per plugin."""
+    cache = {}
 
     def get(plugin: str):
-        if plugin in cache:
-            return cache[plugin]
-        shapes, attrs = CASES[plugin]
-        launcher = importlib.import_module(f"kiln.plugins.{plugin}.launch")
-        aot = [k for k in importlib.import_module(f"kiln.plugins.{plugin}.kernels").aot_kernels("bfloat16", shapes)
-               if k.targets is None or arch in k.targets]
-        limits = {"T": MAX_ROWS, "S": 1, "B": 1, "block_size": 16, "element_bytes": 2}
-        # Zeroed, as the CUDA executor's arena is: the split-K arrival counts start at zero.
-        scratch = {name: torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
-                   for name, nbytes in op_scratch(launcher, attrs, [k.meta for k in aot], limits).items()}
-        cubins = [compile_cubin(k, arch) for k in aot]
-        scratch["global"] = torch.zeros(sm_count() * max(c.global_scratch for c in cubins), dtype=torch.uint8,
-                                        device="cuda")
-        fns = []
-        for k, cubin in zip(aot, cubins):
-            fn = load_kernel(cubin.binary, cubin.name, [t for t in k.signature.values() if t != "constexpr"],
-                             cubin.num_warps, cubin.shared_bytes, cubin.global_scratch)
-            if cubin.global_scratch:
-                fn.scratch = (scratch["global"].data_ptr(), scratch["global"].numel() // cubin.global_scratch)
-            fns.append(fn)
-        cache[plugin] = launcher, fns, [k.meta for k in aot], scratch
+        if plugin not in cache:
+            cache[plugin] = load_plugin_kernels(plugin, *CASES[plugin], MAX_ROWS)
         return cache[plugin]
     return get
 

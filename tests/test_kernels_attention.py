@@ -262,7 +262,7 @@ def test_add_matches_reference(dtype):
 
 COMPILE_SCRIPT = """
 import importlib, json, sys
-from kiln.plugins.aot import TARGET_CC, compile_cubin
+from kiln.plugins.aot import TARGET_CC, compile_cubin, kernel_name
 shapes, result = json.loads(sys.argv[1]), {}
 for plugin in sys.argv[2:]:
     result[plugin] = []
@@ -273,7 +273,7 @@ for plugin in sys.argv[2:]:
                 size, shared = len(cubin.binary), cubin.shared_bytes
             except Exception as exc:
                 size, shared = repr(exc), 0
-            result[plugin].append([kernel.fn.__name__, kernel.meta.get("role", ""), target, size, shared])
+            result[plugin].append([kernel_name(kernel), kernel.meta.get("role", ""), target, size, shared])
 sys.stdout.write(json.dumps(result))
 """
 PLUGINS = ["add", "attention", "attention_o_proj", "embedding", "rms_norm", "softcap", "take_rows"]

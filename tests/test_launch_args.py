@@ -51,7 +51,8 @@ from kiln.builder.build import build_engine  # noqa: E402
 from kiln.builder.config import BuildConfig  # noqa: E402
 from kiln.engines.manifest import PlanEntry  # noqa: E402
 from kiln.plugins import get_plugin  # noqa: E402
-from kiln.plugins.aot import AotKernel, Cubin  # noqa: E402
+from kiln.plugins.aot import AotKernel, Cubin, kernel_name  # noqa: E402
+from kiln.plugins.nvcc import NvccKernel  # noqa: E402
 from kiln.runtime.cuda_executor import scratch_bytes  # noqa: E402
 from kiln.runtime.engine import Engine, load_engine  # noqa: E402
 from kiln.runtime.executor import CpuExecutor  # noqa: E402
@@ -227,9 +228,9 @@ def build_without_compiler(checkpoint: Path, output: Path, dtype: str, max_seq_l
     so every kernel goes through the stand-in and is recorded."""
     aot: dict[str, AotKernel] = {}
 
-    def fake_compile(kernel: AotKernel, target: str) -> Cubin:
+    def fake_compile(kernel: AotKernel | NvccKernel, target: str) -> Cubin:
         aot[builder_kernels.kernel_key(kernel, target)] = kernel
-        return Cubin(kernel.fn.__name__, b"\x7fELF stand-in", 0, kernel.num_warps)
+        return Cubin(kernel_name(kernel), b"\x7fELF stand-in", 0, kernel.num_warps)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(builder_kernels, "compile_cubin", fake_compile)

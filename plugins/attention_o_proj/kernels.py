@@ -13,6 +13,7 @@ from kiln.plugins.aot import AotKernel
 from kiln.plugins.attention import kernels as attention
 from kiln.plugins.linear import fp8
 from kiln.plugins.linear_residual import kernels as linear_residual
+from kiln.plugins.nvcc import NvccKernel
 
 # The builder refuses FP8 plans for GPU targets not named here (`builder.kernels`).
 FP8_TARGETS = fp8.FP8_TARGETS
@@ -30,7 +31,7 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
                         {"parallel": "row", "heads": 0, "all_reduce": attrs["all_reduce"]}, out)
 
 
-def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
+def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
     """`shapes` keys: those of `attention.aot_kernels` (heads, kv_heads, head_dim, block_size),
     hidden (o_proj's output width), bias (whether b_o is given; default False) and fp8 (w_o in
     e4m3 with its scales; default False). The launcher provides a [T, heads*head_dim] scratch

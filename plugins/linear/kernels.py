@@ -26,9 +26,10 @@ import triton.language as tl
 
 from kiln import dtypes
 from kiln.plugins.aot import POINTER_TYPES, AotKernel, absent_as_none, pointer_params
-from kiln.plugins.linear import fp8
+from kiln.plugins.linear import fp8, gemv
 from kiln.plugins.linear.tiles import Tile, block_k, num_stages, pick_tile, pipelined, split_k, tiles_for
 from kiln.plugins.linear.tma import POINTER_TARGETS, row_scales, tma_linear_aot
+from kiln.plugins.nvcc import NvccKernel
 
 # The builder refuses FP8 plans for GPU targets not named here (`builder.kernels`).
 FP8_TARGETS = fp8.FP8_TARGETS
@@ -267,13 +268,14 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool,
-                       fp8_weight: bool = False) -> list[AotKernel]:
-    """One linear_kernel per shape bucket of TILES, and for the TMA buckets the persistent TMA
-    GEMM for sm_90 and later beside it (the pointer kernel then serves sm_80 and sm_89). FP8
+                       fp8_weight: bool = False) -> list[AotKernel | NvccKernel]:
+    """The CUDA GEMVs for one and two rows where they serve the shape (`linear.gemv`), then one
+    linear_kernel per shape bucket of TILES, and for the TMA buckets the persistent TMA GEMM for
+    sm_90 and later beside it (the pointer kernel then serves sm_80 and sm_89). FP8
     (`fp8_weight`): kernels for fp8.FP8_TARGETS only, the TMA buckets' e4m3 TMA GEMM beside
     sm_89's pointer kernel, and the quantize pre-pass whose rows they all read."""
     ptr, size = POINTER_TYPES[dtype], dtypes.element_bytes(dtype)
-    kernels = []
+    kernels: list[AotKernel | NvccKernel] = gemv.linear_kernels(dtype, n, k, fp8_weight)
     for tile in tiles_for(n):
         bk = block_k(tile, 1 if fp8_weight else size)
         split = split_k(tile, k, bk)
@@ -315,7 +317,7 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     launch_linear(x, weight, bias, None, out, w_scale)
 
 
-def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
+def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
     """shapes: {"K": in features, "N": out features, "bias": bool (default False), "fp8": bool
     (default False: weights in the activation dtype)}."""
     return linear_aot_kernels(dtype, shapes["N"], shapes["K"], shapes.get("bias", False), residual=False,

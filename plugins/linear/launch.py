@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from kiln.plugins.driver_launch import check_aligned, grid
+from kiln.plugins.linear.gemv import address
 
 
 def pick_bucket(metas: list[dict], rows: int) -> int:
@@ -100,6 +101,10 @@ def launch_gemm(kernels: list, metas: list[dict], x: torch.Tensor, weight: torch
     i = pick_bucket(metas, rows)
     check_fp8(metas[i], w_scale)
     check_aligned(metas[i], x, weight, w_scale, bias, residual, out)
+    if metas[i].get("gemv"):
+        args = [x.data_ptr(), weight.data_ptr(), address(bias), address(residual), out.data_ptr(), *weight.shape]
+        kernels[i].launch(grid(metas[i]["grid"], {}), args, stream)
+        return
     args = gemm_input_args(kernels, metas, i, x, None, 0.0, stream, scratch) + [weight.data_ptr()]
     args += [t.data_ptr() for t in (w_scale, bias, residual) if t is not None]
     args += [out.data_ptr(), *split_args(metas[i], scratch), rows]

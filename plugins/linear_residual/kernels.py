@@ -12,6 +12,7 @@ import torch
 from kiln.plugins.aot import AotKernel
 from kiln.plugins.linear import fp8
 from kiln.plugins.linear.kernels import launch_linear, linear_aot_kernels
+from kiln.plugins.nvcc import NvccKernel
 
 # The builder refuses FP8 plans for GPU targets not named here (`builder.kernels`).
 FP8_TARGETS = fp8.FP8_TARGETS
@@ -24,7 +25,7 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     launch_linear(x, weight, bias, residual, out, w_scale)
 
 
-def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
+def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
     """shapes: {"K": in features, "N": out features, "bias": bool (default False), "fp8": bool
     (default False)}. The kernels are `linear_kernel` with a residual pointer, one per shape
     bucket (and for FP8 the quantize pre-pass)."""

@@ -27,11 +27,12 @@ from kiln.dtypes import element_bytes
 from kiln.plugins.aot import FP8_POINTER, POINTER_TYPES, AotKernel, absent_as_none, pointer_params
 from kiln.plugins.attention.cache_write import to_e4m3
 from kiln.plugins.attention.kernels import padded
-from kiln.plugins.linear import fp8, tma
+from kiln.plugins.linear import fp8, gemv, tma
 from kiln.plugins.linear.kernels import (fp8_gemm_tile, gemm_input, gemm_tile, launch_meta, split_buffers,
                                          split_halves, split_k_sum, split_signature, upcast_dot)
 from kiln.plugins.linear.tiles import (TILES, Tile, block_k, num_stages, pick_tile, pipelined, prescaled, split_k,
                                        with_bucket)
+from kiln.plugins.nvcc import NvccKernel
 
 # The builder refuses FP8 plans for GPU targets not named here (`builder.kernels`).
 FP8_TARGETS = fp8.FP8_TARGETS
@@ -273,7 +274,7 @@ def tma_aot(dtype: str, shapes: dict, tile: Tile, optional: dict[str, bool]) -> 
                      targets=tma.TMA_TARGETS, meta=meta)
 
 
-def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
+def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
     """shapes: {"K": hidden size, "num_heads", "num_kv_heads" (this rank's), "head_dim",
     "bias": bool, "qk_norm": bool, "norm_weight": bool, "fp8_kv": bool, "fp8": bool (all
     default False; False norm_weight means folded; fp8_kv: an e4m3 cache and its scales,
@@ -287,7 +288,7 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     qk_norm, fp8_weight = shapes.get("qk_norm", False), shapes.get("fp8", False)
     optional = {"norm_ptr": shapes.get("norm_weight", False), "bias_ptr": shapes.get("bias", False),
                 "q_norm_ptr": qk_norm, "k_norm_ptr": qk_norm, "kv_scale_ptr": shapes.get("fp8_kv", False)}
-    kernels = []
+    kernels: list[AotKernel | NvccKernel] = gemv.qkv_kernels(dtype, shapes)
     for tile in qkv_tiles(fp8_weight):
         bk, split = block_k(tile, 1 if fp8_weight else size), head_split(tile, d, qk_norm)
         ksplit = split_k(tile, k, bk)

@@ -6,6 +6,7 @@ import torch
 
 from kiln.plugins.attention.kernels import padded
 from kiln.plugins.driver_launch import check_aligned, grid
+from kiln.plugins.linear.gemv import address
 from kiln.plugins.linear.launch import (check_fp8, norm_gemm_input_args, pick_bucket, row_scale_bytes,
                                         split_args)
 
@@ -34,10 +35,17 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
     check_fp8(metas[i], w_scale)
     # Weights and step inputs are whole arena regions (256-byte aligned); activations may be views.
     check_aligned(metas[i], x, kv_cache, out)
+    num_slots = kv_cache.shape[2] * kv_cache.shape[3]
+    if metas[i].get("gemv"):
+        meta = metas[i]
+        args = [x.data_ptr(), address(norm_weight), w_qkv.data_ptr(), address(b_qkv), positions.data_ptr(),
+                rope_cache.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(), out.data_ptr(), num_slots,
+                attrs["layer"], attrs["eps"], meta["heads"], meta["kv_heads"], meta["head_dim"], x.shape[1]]
+        kernels[i].launch(grid(meta["grid"], {}), args, stream)
+        return
     args = norm_gemm_input_args(kernels, metas, i, x, norm_weight, attrs["eps"], stream, scratch)
     args += [t.data_ptr() for t in (w_qkv, w_scale, b_qkv, q_norm, k_norm) if t is not None]
     args += [positions.data_ptr(), rope_cache.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr()]
     args += [kv_scales.data_ptr()] if kv_scales is not None else []
-    args += [out.data_ptr(), *split_args(metas[i], scratch), rows, kv_cache.shape[2] * kv_cache.shape[3],
-             attrs["layer"], attrs["eps"]]
+    args += [out.data_ptr(), *split_args(metas[i], scratch), rows, num_slots, attrs["layer"], attrs["eps"]]
     kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)

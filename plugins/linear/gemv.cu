@@ -1,0 +1,251 @@
+// Decode GEMVs for one or two rows of x (bf16 in and out, fp32 sums), in CUDA C++: the "gemv1" and
+// "gemv2" buckets of linear and linear_residual (so attention_o_proj's o_proj and the LM head too) and
+// the "gemv1" bucket of norm_qkv_rope (`plugins.linear.gemv` builds them with nvcc and says which ops,
+// rows and shapes they serve).
+//
+// Why not Triton: at batch 1 and 2 a projection is a stream of weights, and Triton's smallest MMA
+// tile (16 rows) with split-K lost 2-3 us a kernel to the reduction and the pipeline's ramp (H200,
+// scripts/probe_cuda_gemv.py, BENCHMARKS.md session 21). Here each warp owns R weight rows and every
+// lane loads 16-byte pieces of them (8 bf16) straight into registers, U pieces a row per iteration,
+// the next iteration's pieces in flight while this one's are multiplied: 2 * R * U loads of 16 bytes
+// per lane, no shared memory, no split-K. x comes through L1 (every warp of a block reads the same x),
+// its squares summed on the way for the fused RMSNorm. After a butterfly over the warp's lanes, lane
+// t * R + r finishes output (t, r); the epilogue's operands (residual, bias, RoPE rows, cache slots)
+// are loaded before the K loop, so their latency hides behind it.
+//
+// Every kernel needs K % 8 == 0 and 16-byte aligned x and weights, and grid (rows / (8 * R), 1, 1)
+// with 256 threads: `plugins.linear.gemv` builds a bucket only for shapes that meet that.
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int WARPS = 8;
+constexpr int LANES = 32;
+constexpr int VEC = 8;  // bf16 values in one 16-byte piece
+constexpr int U = 4;    // pieces of each row a lane loads per iteration
+
+__device__ __forceinline__ uint4 stream_load(const uint4* p) {
+  uint4 v;
+  // Weights are read once a step: no L1 line for them.
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void unpack(uint4 v, float (&f)[VEC]) {
+  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(u[i] << 16);
+    f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+  }
+}
+
+__device__ __forceinline__ float bf16(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+
+// The K loop of one warp: acc[t][r] = x[t] . w[rows[r]] (x times norm's weights when norm is given),
+// and sumsq[t] = x[t] . x[t] (before the norm weight). Sums are per lane; `reduce` adds the lanes.
+template <int T, int R>
+struct DotRows {
+  float acc[T][R];
+  float sumsq[T];
+
+  // GUARD: the iteration may run past K (only the last one, when K is not a multiple of U * 256). The
+  // full iterations take no guard: a branch around each load would leave fewer of them in flight.
+  template <bool GUARD>
+  __device__ __forceinline__ void load(uint4 (&buf)[R][U], const uint4* const (&rows)[R], int it, int lane,
+                                       int k8) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int piece = (it * U + u) * LANES + lane;
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        buf[r][u] = !GUARD || piece < k8 ? stream_load(rows[r] + piece) : make_uint4(0, 0, 0, 0);
+    }
+  }
+
+  template <bool GUARD>
+  __device__ __forceinline__ void multiply(const uint4 (&buf)[R][U], const uint4* x, const uint4* norm, int it,
+                                           int lane, int k8) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int piece = (it * U + u) * LANES + lane;
+      if (GUARD && piece >= k8) continue;
+      float xf[T][VEC];
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        unpack(__ldg(x + t * k8 + piece), xf[t]);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) sumsq[t] = fmaf(xf[t][i], xf[t][i], sumsq[t]);
+      }
+      if (norm != nullptr) {
+        float g[VEC];
+        unpack(__ldg(norm + piece), g);
+#pragma unroll
+        for (int t = 0; t < T; ++t)
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) xf[t][i] *= g[i];
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float wf[VEC];
+        unpack(buf[r][u], wf);
+#pragma unroll
+        for (int t = 0; t < T; ++t)
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) acc[t][r] = fmaf(wf[i], xf[t][i], acc[t][r]);
+      }
+    }
+  }
+
+  // `early()` runs once the first weight pieces are in flight: an epilogue operand whose address
+  // needs another load (the RoPE row of a position) waits there, behind them, not before them.
+  template <class Early>
+  __device__ __forceinline__ void run(const __nv_bfloat16* x, const __nv_bfloat16* norm, const __nv_bfloat16* w,
+                                      const int (&row)[R], int K, Early early) {
+    const int lane = threadIdx.x % LANES, k8 = K / VEC;
+    const uint4* rows[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) rows[r] = reinterpret_cast<const uint4*>(w + static_cast<size_t>(row[r]) * K);
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      sumsq[t] = 0.0f;
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[t][r] = 0.0f;
+    }
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    const uint4* nv = reinterpret_cast<const uint4*>(norm);
+    const int full = k8 / (U * LANES);   // iterations wholly inside K
+    uint4 a[R][U], b[R][U];
+    if (full > 0) load<false>(a, rows, 0, lane, k8);
+    early();
+    // Two register buffers with static names: indexing one array by `it & 1` would put it in local memory.
+#pragma unroll 1
+    for (int it = 0; it < full; it += 2) {
+      if (it + 1 < full) load<false>(b, rows, it + 1, lane, k8);
+      multiply<false>(a, xv, nv, it, lane, k8);
+      if (it + 2 < full) load<false>(a, rows, it + 2, lane, k8);
+      if (it + 1 < full) multiply<false>(b, xv, nv, it + 1, lane, k8);
+    }
+    if (full * U * LANES < k8) {
+      load<true>(a, rows, full, lane, k8);
+      multiply<true>(a, xv, nv, full, lane, k8);
+    }
+#pragma unroll
+    for (int s = LANES / 2; s > 0; s /= 2) {
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        sumsq[t] += __shfl_xor_sync(0xffffffffu, sumsq[t], s);
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[t][r] += __shfl_xor_sync(0xffffffffu, acc[t][r], s);
+      }
+    }
+  }
+
+  // Output (t, r) = (lane / R, lane % R)'s sum, for lanes below T * R (every lane holds every sum).
+  __device__ __forceinline__ float mine(int lane) const {
+    float v = 0.0f;
+#pragma unroll
+    for (int t = 0; t < T; ++t)
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        if (lane == t * R + r) v = acc[t][r];
+    return v;
+  }
+
+  __device__ __forceinline__ float row_scale(int t, int K, float eps) const {
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < T; ++i)
+      if (i == t) s = sumsq[i];
+    return rsqrtf(s / K + eps);
+  }
+};
+
+// out[t, n] = x[t] . w[n] (+ bias[n]) (+ residual[t, n]) for N weight rows, R consecutive ones a warp.
+template <int T, int R>
+__device__ __forceinline__ void linear(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* bias,
+                                       const __nv_bfloat16* residual, __nv_bfloat16* out, int N, int K) {
+  const int lane = threadIdx.x % LANES, first = (blockIdx.x * WARPS + threadIdx.x / LANES) * R;
+  const int t = lane / R, n = first + lane % R;
+  const bool owner = lane < T * R;
+  float extra = 0.0f;
+  if (owner && bias != nullptr) extra += bf16(bias + n);
+  if (owner && residual != nullptr) extra += bf16(residual + static_cast<size_t>(t) * N + n);
+  int row[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) row[r] = first + r;
+  DotRows<T, R> dot;
+  dot.run(x, nullptr, w, row, K, [] {});
+  const float v = dot.mine(lane);
+  if (owner) out[static_cast<size_t>(t) * N + n] = __float2bfloat16(v + extra);
+}
+
+// RMSNorm + q/k/v projection (+ bias) + rotate-half RoPE for q and k, q to out [T, H * D] and k, v
+// into the paged cache [layers, 2, num_slots, KVH, D] at slot[t]. A warp takes head h's columns j and
+// j + D / 2 (the pair RoPE rotates together).
+template <int T>
+__device__ __forceinline__ void qkv_rope(const __nv_bfloat16* x, const __nv_bfloat16* norm, const __nv_bfloat16* w,
+                                         const __nv_bfloat16* bias, const int* positions, const float* rope,
+                                         __nv_bfloat16* kv, const int* slots, __nv_bfloat16* out, int num_slots,
+                                         int layer, float eps, int H, int KVH, int D, int K) {
+  const int lane = threadIdx.x % LANES, pair = blockIdx.x * WARPS + threadIdx.x / LANES;
+  const int half = D / 2, h = pair / half, j = pair % half;
+  const int row[2] = {h * D + j, h * D + j + half};
+  const bool is_q = h < H, is_v = h >= H + KVH, owner = lane < T;
+  const int t = lane;
+  float rc = 1.0f, rs = 0.0f, b0 = 0.0f, b1 = 0.0f;
+  int slot = 0, pos = 0;
+  if (owner) {
+    if (!is_v) pos = positions[t];
+    if (!is_q) slot = slots[t];
+    if (bias != nullptr) b0 = bf16(bias + row[0]), b1 = bf16(bias + row[1]);
+  }
+  DotRows<T, 2> dot;
+  dot.run(x, norm, w, row, K, [&] {
+    if (owner && !is_v) {
+      const float* r = rope + static_cast<size_t>(pos) * D + j;
+      rc = r[0];
+      rs = r[half];
+    }
+  });
+  if (!owner) return;
+  const float scale = dot.row_scale(t, K, eps);
+  float lo = 0.0f, hi = 0.0f;
+#pragma unroll
+  for (int i = 0; i < T; ++i)
+    if (i == t) lo = dot.acc[i][0] * scale + b0, hi = dot.acc[i][1] * scale + b1;
+  const float rlo = lo * rc - hi * rs, rhi = hi * rc + lo * rs;
+  __nv_bfloat16* dst;
+  if (is_q) {
+    dst = out + static_cast<size_t>(t) * H * D + h * D + j;
+  } else {
+    const int kv_head = is_v ? h - H - KVH : h - H;
+    const size_t cache_row = static_cast<size_t>(layer * 2 + (is_v ? 1 : 0)) * num_slots + slot;
+    dst = kv + cache_row * KVH * D + kv_head * D + j;
+  }
+  dst[0] = __float2bfloat16(rlo);
+  dst[half] = __float2bfloat16(rhi);
+}
+
+}  // namespace
+
+// One entry point per macro call; `plugins.linear.gemv` compiles the file once per entry, with the call
+// that defines it appended.
+#define KILN_GEMV_LINEAR(NAME, T, R)                                                                   \
+  extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                          \
+      NAME(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* bias,                  \
+           const __nv_bfloat16* residual, __nv_bfloat16* out, int N, int K) {                          \
+    linear<T, R>(x, w, bias, residual, out, N, K);                                                     \
+  }
+
+#define KILN_GEMV_QKV_ROPE(NAME, T)                                                                    \
+  extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                          \
+      NAME(const __nv_bfloat16* x, const __nv_bfloat16* norm, const __nv_bfloat16* w,                  \
+           const __nv_bfloat16* bias, const int* positions, const float* rope, __nv_bfloat16* kv,      \
+           const int* slots, __nv_bfloat16* out, int num_slots, int layer, float eps, int H, int KVH,  \
+           int D, int K) {                                                                             \
+    qkv_rope<T>(x, norm, w, bias, positions, rope, kv, slots, out, num_slots, layer, eps, H, KVH, D, K); \
+  }

@@ -1,0 +1,83 @@
+"""The decode GEMVs for one and two rows of x (`gemv.cu`, CUDA C++ built by nvcc): buckets "gemv1"
+and "gemv2" ahead of the Triton decode tiles in linear and linear_residual (so attention_o_proj's
+o_proj and the LM head too), and "gemv1" in norm_qkv_rope.
+
+On an H200 (2026-12-01, scripts/probe_cuda_gemv.py, Llama-3-8B's projections, weights cycled beyond
+the L2) a chain of 32 layers of plain GEMVs of the four shapes took 3.41 ms at T = 1 against 3.72 for
+the Triton decode tiles (3.55 against 3.76 at T = 2; from T = 4 on the FMAs on the CUDA cores cost
+more than Triton's MMA tiles: 4.15 against 3.77). The engine's kernels through their launchers, in
+us, GEMV against Triton:
+
+| kernel | T = 1 | T = 2 |
+| --- | ---: | ---: |
+| o_proj + residual | 10.4 / 12.0 | 10.4 / 12.0 |
+| down + residual | 29.5 / 31.2 | 29.1 / 31.4 |
+| norm + qkv + RoPE + KV write | 15.5 / 17.1 | 21.1 / 17.2 |
+| norm + gate/up + SwiGLU (the pair kernel, since removed) | 57.2 / 56.6 | 59.3 / 57.0 |
+
+So the fused qkv takes the GEMV at one row only, and gate/up keeps Triton's wide decode tile, already
+at the copy rate.
+
+They serve bf16 engines without FP8 weights, where K % 8 == 0 (16-byte pieces of a row) and the
+rows divide among the warps; norm_qkv_rope's only without q/k norm (which needs whole heads) and
+with a bf16 cache. Each bucket's meta carries "gemv" and the constant grid; the launchers pass the
+kernel's parameters (`gemv.cu`'s entry points) with absent optional pointers as 0.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from kiln.plugins.nvcc import NvccKernel
+
+SOURCE = Path(__file__).with_name("gemv.cu")
+WARPS = 8
+ROWS = (1, 2)  # rows of x per bucket, one kernel each
+# Weight rows per warp of the plain GEMV at each row count: one at T = 1 (o_proj 10.0 us against 10.3
+# with two), two at T = 2 (probe_cuda_gemv.py, the sweep above).
+LINEAR_ROWS_PER_WARP = {1: 1, 2: 2}
+LINEAR_SIGNATURE = {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "residual": "*bf16", "out": "*bf16",
+                    "N": "i32", "K": "i32"}
+QKV_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*bf16", "bias": "*bf16", "positions": "*i32",
+                 "rope": "*fp32", "kv": "*bf16", "slots": "*i32", "out": "*bf16", "num_slots": "i32",
+                 "layer": "i32", "eps": "fp32", "H": "i32", "KVH": "i32", "D": "i32", "K": "i32"}
+
+
+def _serves(dtype: str, k: int, fp8_weight: bool) -> bool:
+    return dtype == "bfloat16" and not fp8_weight and k % 8 == 0
+
+
+def _meta(rows: int, programs: int, **extra) -> dict:
+    return {"bucket": f"gemv{rows}", "max_rows": rows, "gemv": True, "pointer_alignment": 16, "split_k": 1,
+            "grid": (str(programs), "1", "1"), **extra}
+
+
+def linear_kernels(dtype: str, n: int, k: int, fp8_weight: bool = False) -> list[NvccKernel]:
+    """out = x W^T (+ bias) (+ residual) for W [n, k]."""
+    if not _serves(dtype, k, fp8_weight):
+        return []
+    kernels = []
+    for t in ROWS:
+        r = LINEAR_ROWS_PER_WARP[t]
+        if n % (WARPS * r) == 0:
+            name = f"kiln_gemv_linear_t{t}"
+            kernels.append(NvccKernel(SOURCE, name, f"KILN_GEMV_LINEAR({name}, {t}, {r})", LINEAR_SIGNATURE, WARPS,
+                                      _meta(t, n // (WARPS * r))))
+    return kernels
+
+
+def qkv_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
+    """norm_qkv_rope for `shapes` (the plugin's compile shapes), where the bucket serves them: one row
+    only (QKV_ROWS)."""
+    heads, kv_heads, d, k = shapes["num_heads"], shapes["num_kv_heads"], shapes["head_dim"], shapes["K"]
+    pairs = (heads + 2 * kv_heads) * d // 2
+    if (not _serves(dtype, k, shapes.get("fp8", False)) or shapes.get("qk_norm") or shapes.get("fp8_kv")
+            or d % 2 or pairs % WARPS):
+        return []
+    name = "kiln_gemv_qkv_rope_t1"
+    return [NvccKernel(SOURCE, name, f"KILN_GEMV_QKV_ROPE({name}, 1)", QKV_SIGNATURE, WARPS,
+                       _meta(1, pairs // WARPS, heads=heads, kv_heads=kv_heads, head_dim=d))]
+
+
+def address(tensor) -> int:
+    """A kernel argument for an optional tensor: its address, or 0 (the kernel's null) when absent."""
+    return 0 if tensor is None else tensor.data_ptr()

@@ -1,0 +1,142 @@
+"""The CUDA GEMVs (`plugins/linear/gemv.cu`, `plugins.linear.gemv`) without a GPU: which shapes and
+rows get them, that each entry point's C++ parameters are its declared signature, that nvcc builds every
+one for every target, what each launcher passes them at one and two rows, and that a build without
+nvcc leaves them out. Their numerics run on the GPU (test_gemv_gpu.py)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from kiln.plugins import nvcc
+from kiln.plugins.aot import TARGET_CC, compile_cubin
+from kiln.plugins.linear import gemv
+from kiln.plugins.linear.launch import pick_bucket
+from kiln.plugins.norm_qkv_rope import kernels as qkv_kernels
+from kiln.plugins.norm_qkv_rope import launch as qkv_launch
+from kiln.plugins.norm_swiglu import kernels as swiglu_kernels
+from kiln.plugins.linear_residual import kernels as residual_kernels
+from kiln.plugins.linear_residual import launch as residual_launch
+
+QKV = {"K": 4096, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+C_TYPES = {"const __nv_bfloat16*": "*bf16", "__nv_bfloat16*": "*bf16", "const int*": "*i32", "const float*": "*fp32",
+           "int": "i32", "float": "fp32"}
+
+
+def every_kernel() -> list[nvcc.NvccKernel]:
+    return gemv.linear_kernels("bfloat16", 4096, 14336) + gemv.qkv_kernels("bfloat16", QKV)
+
+
+def test_which_shapes_get_the_gemv_buckets():
+    assert [k.meta["bucket"] for k in gemv.linear_kernels("bfloat16", 4096, 4096)] == ["gemv1", "gemv2"]
+    assert [k.meta["grid"] for k in gemv.linear_kernels("bfloat16", 4096, 4096)] == [("512", "1", "1"),
+                                                                                    ("256", "1", "1")]
+    # Other dtypes, FP8 weights, K off the 16-byte pieces: none.
+    assert gemv.linear_kernels("float32", 4096, 4096) == gemv.linear_kernels("float16", 4096, 4096) == []
+    assert gemv.linear_kernels("bfloat16", 4096, 4096, fp8_weight=True) == []
+    assert gemv.linear_kernels("bfloat16", 4096, 4100) == []
+    # Rows that do not fill the warps of a block: at T = 2 a warp takes 2 rows, so 8 rows suffice for T = 1 only.
+    assert [k.meta["bucket"] for k in gemv.linear_kernels("bfloat16", 8, 64)] == ["gemv1"]
+    # q/k norm needs whole heads, an e4m3 cache another store: the Triton tiles serve those.
+    # The fused qkv at one row only (at two its GEMV lost to Triton's tile on an H200).
+    assert [k.meta["bucket"] for k in gemv.qkv_kernels("bfloat16", QKV)] == ["gemv1"]
+    assert gemv.qkv_kernels("bfloat16", {**QKV, "qk_norm": True}) == []
+    assert gemv.qkv_kernels("bfloat16", {**QKV, "fp8_kv": True}) == []
+    assert gemv.qkv_kernels("bfloat16", {**QKV, "num_heads": 3, "num_kv_heads": 1, "head_dim": 4}) == []  # 10 pairs
+    # In the plugins they lead the buckets, so rows 1 and 2 pick them and 3 the Triton decode tile.
+    metas = [k.meta for k in residual_kernels.aot_kernels("bfloat16", {"K": 14336, "N": 4096})]
+    assert [metas[pick_bucket(metas, t)]["bucket"] for t in (1, 2, 3)] == ["gemv1", "gemv2", "decode"]
+    metas = [k.meta for k in qkv_kernels.aot_kernels("bfloat16", QKV)]
+    assert [metas[pick_bucket(metas, t)]["bucket"] for t in (1, 2)] == ["gemv1", "decode"]
+    assert not any(k.meta.get("gemv") for k in swiglu_kernels.aot_kernels("bfloat16", {"K": 4096, "I": 14336,
+                                                                                         "block": 64}))
+
+
+def test_entry_points_take_their_signatures():
+    """Each macro's C++ parameter list, in order, is the signature the runtime packs arguments by."""
+    source = gemv.SOURCE.read_text()
+    params = {}
+    for macro, body in re.findall(r"#define (KILN_GEMV_\w+)\(NAME[^)]*\)(.*?)\{", source, re.S):
+        text = re.search(r"NAME\((.*)\)", body.replace("\\\n", " "), re.S).group(1)
+        params[macro] = [C_TYPES[" ".join(p.split()[:-1])] for p in text.split(",")]
+    assert set(params) == {"KILN_GEMV_LINEAR", "KILN_GEMV_QKV_ROPE"}
+    for kernel in every_kernel():
+        macro = kernel.instance.split("(")[0]
+        assert list(kernel.signature.values()) == params[macro], kernel.entry
+        assert kernel.instance.startswith(f"{macro}({kernel.entry},")
+
+
+@pytest.mark.skipif(nvcc.nvcc_path() is None, reason="nvcc is not installed")
+def test_nvcc_builds_every_entry_for_every_target():
+    for kernel in every_kernel():
+        for target in TARGET_CC:
+            cubin = compile_cubin(kernel, target)
+            assert cubin.binary.startswith(b"\x7fELF") and cubin.name == kernel.entry
+            assert kernel.entry.encode() in cubin.binary and cubin.shared_bytes == 0 and cubin.num_warps == 8
+
+
+class Recorder:
+    """Stands in for a loaded kernel: records (grid, args)."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def launch(self, grid, args, stream=0) -> None:
+        self.calls.append((grid, args))
+
+
+def launched(module, aot: list, inputs: list, attrs: dict, out: torch.Tensor):
+    """(the kernel the launcher chose, its grid, its arguments) for one launch."""
+    calls: list = []
+    kernels = [Recorder(calls) for _ in aot]
+    module.launch(kernels, [k.meta for k in aot], inputs, attrs, out, {"T": out.shape[0]}, 0, {})
+    (grid, args), = calls
+    chosen = aot[pick_bucket([k.meta for k in aot], out.shape[0])]
+    assert len(args) == len(chosen.signature)
+    return chosen, grid, args
+
+
+def bf16(*shape) -> torch.Tensor:
+    return torch.randn(*shape).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_linear_launcher_passes_the_gemv_parameters(rows):
+    # down + residual (bias absent: a null pointer); every row of W covered by the grid.
+    x, w, res, out = bf16(rows, 14336), bf16(4096, 14336), bf16(rows, 4096), bf16(rows, 4096)
+    kernel, grid, args = launched(residual_launch, residual_kernels.aot_kernels("bfloat16", {"K": 14336, "N": 4096}),
+                                  [x, w, None, res], {}, out)
+    assert kernel.meta["bucket"] == f"gemv{rows}" and kernel.entry == f"kiln_gemv_linear_t{rows}"
+    assert args == [x.data_ptr(), w.data_ptr(), 0, res.data_ptr(), out.data_ptr(), 4096, 14336]
+    assert grid[0] * gemv.WARPS * gemv.LINEAR_ROWS_PER_WARP[rows] == 4096 and grid[1:] == (1, 1)
+
+
+
+def test_qkv_launcher_passes_the_gemv_parameters():
+    """norm + qkv + RoPE at one row: q to out, k and v into the cache (layer 3 of 4), bias given."""
+    d = QKV["head_dim"]
+    n = (QKV["num_heads"] + 2 * QKV["num_kv_heads"]) * d
+    x, w, b, out = bf16(1, 4096), bf16(n, 4096), bf16(n), bf16(1, QKV["num_heads"] * d)
+    positions, slots = torch.tensor([7], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
+    rope, cache = torch.randn(64, d), bf16(4, 2, 3, 16, QKV["num_kv_heads"], d)
+    attrs = {"eps": 1e-6, "layer": 3, "num_heads": 32, "num_kv_heads": 8, "head_dim": d}
+    kernel, grid, args = launched(qkv_launch, qkv_kernels.aot_kernels("bfloat16", {**QKV, "bias": True}),
+                                  [x, None, w, b, None, None, positions, rope, cache, slots], attrs, out)
+    assert kernel.entry == "kiln_gemv_qkv_rope_t1"
+    assert args == [x.data_ptr(), 0, w.data_ptr(), b.data_ptr(), positions.data_ptr(), rope.data_ptr(),
+                    cache.data_ptr(), slots.data_ptr(), out.data_ptr(), 48, 3, 1e-6, 32, 8, d, 4096]
+    assert grid[0] * gemv.WARPS == n // 2   # one (j, j + d/2) pair of one head a warp
+
+
+def test_a_build_without_nvcc_leaves_the_gemvs_out(factory, tmp_path, monkeypatch):
+    from gpu_build import build_cli
+    from kiln.runtime.engine import load_engine
+
+    monkeypatch.setenv("KILN_NVCC", "")   # as on a machine without the CUDA toolkit
+    done = build_cli(factory.checkpoint("llama3"), tmp_path / "engine", ["sm_89"], tmp_path / "cache")
+    assert done.returncode == 0, done.stderr
+    assert "nvcc not found" in done.stdout + done.stderr and "KILN_NVCC" in done.stdout + done.stderr
+    engine = load_engine(tmp_path / "engine", target="sm_89", verify=False)
+    buckets = {k.launch.get("bucket") for k in engine.manifest.kernels.values()}
+    assert "decode" in buckets and not buckets & {"gemv1", "gemv2"}

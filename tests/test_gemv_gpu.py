@@ -1,0 +1,101 @@
+"""The CUDA GEMVs (`plugins/linear/gemv.cu`) on the GPU: built by nvcc for this GPU and launched by
+each plugin's driver launcher at one and two rows, they match the plugin's reference (GPU only:
+`pytest -m gpu`; norm_qkv_rope has one at one row only). Shapes with K tails (K not a multiple of a
+lane iteration's 1,024 elements), folded and unfolded norm weights, biases and the KV-cache write are
+each covered; the engine tests cover the Llama shapes at decode."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_kernels import load_plugin_kernels
+from kiln.plugins import get_plugin
+from kiln.plugins.linear.launch import pick_bucket
+
+pytestmark = pytest.mark.gpu
+
+EPS = 1e-5
+LINEAR_ATTRS = {"parallel": "none", "heads": 0, "all_reduce": False}
+HEADS, KV_HEADS, LAYER, MAX_POS = 4, 2, 1, 64
+# name -> (plugin, compile shapes, attrs)
+CASES = {
+    "down+residual": ("linear_residual", {"K": 1032, "N": 512}, LINEAR_ATTRS),
+    "o_proj+bias+residual": ("linear_residual", {"K": 264, "N": 256, "bias": True}, LINEAR_ATTRS),
+    "lm_head": ("linear", {"K": 4096, "N": 2048}, LINEAR_ATTRS),
+    "qkv d64 bias": ("norm_qkv_rope", {"K": 264, "num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": 64,
+                                       "bias": True},
+                     {"eps": EPS, "layer": LAYER, "num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": 64}),
+    "qkv d128 norm weight": ("norm_qkv_rope", {"K": 512, "num_heads": HEADS, "num_kv_heads": KV_HEADS,
+                                               "head_dim": 128, "norm_weight": True},
+                             {"eps": EPS, "layer": LAYER, "num_heads": HEADS, "num_kv_heads": KV_HEADS,
+                              "head_dim": 128}),
+}
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            plugin, shapes, attrs = CASES[name]
+            cache[name] = load_plugin_kernels(plugin, shapes, attrs, 2)
+        return cache[name]
+    return get
+
+
+def inputs_for(name: str, rows: int, g: torch.Generator) -> list[torch.Tensor | None]:
+    """CPU float32 inputs (rounded to bf16 by the caller) in the plugin's order."""
+    plugin, shapes, _ = CASES[name]
+    k = shapes["K"]
+    randn = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    norm = 1 + 0.2 * randn(k) if shapes.get("norm_weight") else None
+    if plugin in ("linear", "linear_residual"):
+        n = shapes["N"]
+        inputs = [randn(rows, k), randn(n, k) / 32, randn(n) if shapes.get("bias") else None]
+        return inputs + [randn(rows, n)] if plugin == "linear_residual" else inputs
+    d = shapes["head_dim"]
+    n = (HEADS + 2 * KV_HEADS) * d
+    angles = torch.arange(MAX_POS)[:, None] * 10000.0 ** (-torch.arange(0, d, 2) / d)
+    return [randn(rows, k), norm, randn(n, k) / 16, randn(n) if shapes.get("bias") else None, None, None,
+            torch.randint(0, MAX_POS, (rows,), generator=g, dtype=torch.int32),
+            torch.cat([angles.cos(), angles.sin()], dim=1), randn(2, 2, 6, 4, KV_HEADS, d),
+            torch.randperm(24, generator=g)[:rows].to(torch.int32)]
+
+
+def on_gpu(t: torch.Tensor | None) -> torch.Tensor | None:
+    """bf16 on the GPU, except the tensors the kernels take as they are (int32 positions and
+    slots, the float32 RoPE table)."""
+    if t is None:
+        return None
+    keep = t.dtype == torch.int32 or t.dim() == 2 and t.shape[0] == MAX_POS and t.dtype == torch.float32
+    return t.to("cuda") if keep else t.to("cuda", torch.bfloat16)
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return bool(torch.isfinite(got).all()) and float((got - want).abs().max() / want.abs().max()) < 2e-2
+
+
+@pytest.mark.parametrize("name,rows", [(name, rows) for name, (plugin, _, _) in CASES.items()
+                                       for rows in ((1,) if plugin == "norm_qkv_rope" else (1, 2))])
+def test_gemv_matches_the_reference(loaded, name, rows):
+    plugin, _, attrs = CASES[name]
+    launcher, fns, metas, scratch = loaded(name)
+    assert metas[pick_bucket(metas, rows)]["bucket"] == f"gemv{rows}"
+    gpu = [on_gpu(t) for t in inputs_for(name, rows, torch.Generator().manual_seed(rows * 7 + len(name)))]
+    ref_inputs = [t.cpu().float() if t is not None and t.is_floating_point() else
+                  None if t is None else t.cpu() for t in gpu]
+    # The reference writes k and v into its own copy of the cache.
+    want = get_plugin(plugin).call_reference(ref_inputs, attrs)
+    out = torch.full(tuple(want.shape), float("nan"), dtype=torch.bfloat16, device="cuda")
+    before = gpu[8].clone() if plugin == "norm_qkv_rope" else None
+    launcher.launch(fns, metas, gpu, attrs, out, {"T": rows}, torch.cuda.current_stream().cuda_stream, scratch)
+    torch.cuda.synchronize()
+    assert close(out.float().cpu(), want)
+    if plugin == "norm_qkv_rope":
+        cache, ref_cache, slots = gpu[8].float().cpu(), ref_inputs[8], gpu[9].long().cpu()
+        written = torch.zeros(2, 2, 24, dtype=torch.bool)
+        written[LAYER, :, slots] = True
+        written = written.view(2, 2, 6, 4)
+        assert close(cache[written], ref_cache[written])
+        assert torch.equal(gpu[8][~written.cuda()], before[~written.cuda()])
