@@ -13,4 +13,5 @@ for folder in FOLDERS:
     package_dir[f"kiln.{folder}"] = folder
     packages += [f"kiln.{folder}"] + [f"kiln.{folder}.{sub}" for sub in find_packages(folder)]
 
-setup(packages=packages, package_dir=package_dir)
+# CUDA C++ sources that build-engine compiles with nvcc (`plugins.nvcc`) ship beside their modules.
+setup(packages=packages, package_dir=package_dir, package_data={"kiln.plugins.linear": ["*.cu"]})
