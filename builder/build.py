@@ -225,8 +225,8 @@ def build_engine(checkpoint: str | Path, output: str | Path, cfg: BuildConfig, p
         notes.append("the checkpoint carries FP8 KV-cache scales: --kv-cache-dtype fp8 would use them")
     if any(t != "cpu" for t in cfg.targets) and nvcc.nvcc_path() is None:
         notes.append("nvcc not found: the CUDA GEMVs for decode steps of 1-2 rows are left out, and Triton's "
-                     "tiles serve them (about 8% slower at batch 1 on an H200); install the CUDA toolkit or set "
-                     "KILN_NVCC to build them")
+                     "tiles serve them (decode at batch 1 about 3% slower on an H200); install the CUDA "
+                     "toolkit or set KILN_NVCC to build them")
     summary = build_from_model(model, output, cfg, {"source": str(checkpoint), **mcfg.to_dict()},
                                models.engine_files(checkpoint), progress, models.read_chat_template(checkpoint),
                                kv_scales)

@@ -5,8 +5,8 @@ A plugin describes such a kernel as an `NvccKernel`: a .cu file, the macro call 
 parameters in the Triton spelling the runtime's launch packs (`runtime.cuda_driver`).
 `compile_cubin` runs nvcc for one target, which needs no GPU; the cubin goes into the engine and
 loads and launches like a Triton one. nvcc comes from KILN_NVCC, the PATH or /usr/local/cuda; a
-build without one (or with KILN_NVCC set empty) leaves these kernels out (`builder.kernels` says so) and the Triton kernels
-serve their shapes.
+build without one (or with KILN_NVCC set empty) leaves these kernels out (`builder.kernels`; the
+build's summary says so) and the Triton kernels serve their shapes.
 """
 from __future__ import annotations
 
