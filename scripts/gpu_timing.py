@@ -25,3 +25,25 @@ def graph_us(fn) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / REPEAT)
     return statistics.median(times)
+
+
+def replay_ms(fn, reps: int = 10) -> float:
+    """Milliseconds of one replay of a CUDA graph of one call of `fn` (median of `reps`)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)

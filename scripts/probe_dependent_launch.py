@@ -14,7 +14,6 @@ more than 1%, and signalling before the main loop costs 36%; Kiln's kernels do n
 import ctypes
 import itertools
 import pickle
-import statistics
 import sys
 
 import triton
@@ -23,6 +22,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kiln.plugins.aot import AotKernel, compile_cubin, pointer_params
 from kiln.plugins.linear.kernels import gemm_tile, split_k_sum
+from scripts.gpu_timing import replay_ms
 
 # MODE: 0 no PDL instructions; 1 wait, then signal, before the main loop; 2 wait only (the
 # signal is implicit at exit); 3 wait first, signal after the main loop; 4 the main loop first,
@@ -120,25 +120,7 @@ def run_all(path: str) -> None:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
 
-    def ms(fn, reps=10):
-        """Median milliseconds of one replay of a CUDA graph of `fn`."""
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        g.replay()
-        torch.cuda.synchronize()
-        t = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            t.append(a.elapsed_time(b))
-        return statistics.median(t)
-    copy = 2 * src.numel() / ms(lambda: dst.copy_(src)) / 1e9
+    copy = 2 * src.numel() / replay_ms(lambda: dst.copy_(src)) / 1e9
     wbytes = sum(w.nbytes for l in ws.values() for w in l)
     print(f"copy {copy:.2f} TB/s; weights {wbytes / 1e9:.2f} GB -> limit {wbytes / copy / 1e9:.3f} ms")
     for mode, variant in enumerate(VARIANTS):
@@ -156,7 +138,7 @@ def run_all(path: str) -> None:
                         ws_args = [part.data_ptr(), count.data_ptr()] if split > 1 else []
                         fns[name]((1, n // bn, split), [x.data_ptr(), ws[name][l].data_ptr(),
                                          outs[name].data_ptr(), *ws_args, 1], s)
-            t = ms(step)
+            t = replay_ms(step)
             print(f"{variant:18s} pdl={pdl!s:5s}: {t:.3f} ms  ({wbytes / t / 1e9:.2f} TB/s)")
     ref = x[:1, :4096].float() @ ws["o"][layers - 1].float().T
     print("rel err o", ((outs["o"][:1].float() - ref).norm() / ref.norm()).item())
