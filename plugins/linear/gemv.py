@@ -31,9 +31,8 @@ from kiln.plugins.nvcc import NvccKernel
 
 SOURCE = Path(__file__).with_name("gemv.cu")
 WARPS = 8
-ROWS = (1, 2)  # rows of x per bucket, one kernel each
-# Weight rows per warp of the plain GEMV at each row count: one at T = 1 (o_proj 10.0 us against 10.3
-# with two), two at T = 2 (probe_cuda_gemv.py, the sweep above).
+# Weight rows per warp of the plain GEMV at each row count it serves (one bucket each): one at T = 1
+# (o_proj 10.0 us against 10.3 with two), two at T = 2 (probe_cuda_gemv.py, the sweep above).
 LINEAR_ROWS_PER_WARP = {1: 1, 2: 2}
 LINEAR_SIGNATURE = {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "residual": "*bf16", "out": "*bf16",
                     "N": "i32", "K": "i32"}
@@ -56,8 +55,7 @@ def linear_kernels(dtype: str, n: int, k: int, fp8_weight: bool = False) -> list
     if not _serves(dtype, k, fp8_weight):
         return []
     kernels = []
-    for t in ROWS:
-        r = LINEAR_ROWS_PER_WARP[t]
+    for t, r in LINEAR_ROWS_PER_WARP.items():
         if n % (WARPS * r) == 0:
             name = f"kiln_gemv_linear_t{t}"
             kernels.append(NvccKernel(SOURCE, name, f"KILN_GEMV_LINEAR({name}, {t}, {r})", LINEAR_SIGNATURE, WARPS,
@@ -66,8 +64,8 @@ def linear_kernels(dtype: str, n: int, k: int, fp8_weight: bool = False) -> list
 
 
 def qkv_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
-    """norm_qkv_rope for `shapes` (the plugin's compile shapes), where the bucket serves them: one row
-    only (QKV_ROWS)."""
+    """norm_qkv_rope's bucket for `shapes` (the plugin's compile shapes), where it serves them: one row
+    only (the module docstring says why)."""
     heads, kv_heads, d, k = shapes["num_heads"], shapes["num_kv_heads"], shapes["head_dim"], shapes["K"]
     pairs = (heads + 2 * kv_heads) * d // 2
     if (not _serves(dtype, k, shapes.get("fp8", False)) or shapes.get("qk_norm") or shapes.get("fp8_kv")
