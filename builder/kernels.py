@@ -4,9 +4,9 @@ target into a cubin that goes into the engine file.
 For each node the plugin's `kernels.aot_kernels(dtype, shapes)` lists the kernels for the
 node's shapes (what they are, the plugin's `compile_shapes` says); each is compiled with
 `plugins.aot.compile_cubin` (Triton's, or nvcc for CUDA C++ kernels), no GPU needed; a machine
-without nvcc builds the Triton kernels alone (`build.py` notes it). Identical kernels (same source, signature,
-constants, options and target) are compiled once per build and kept in an on-disk cache keyed
-by their content hash, so rebuilding is quick. An op that has no GPU kernel (no
+without nvcc builds the Triton kernels alone (`build.py` notes it). Identical kernels (same
+source, signature, constants, options and target) are compiled once per build and kept in an
+on-disk cache keyed by their content hash, so rebuilding is quick. An op that has no GPU kernel (no
 `compile_shapes`) is a build error naming it and the module it came from: nothing falls back
 silently: an FP8 op (compile shape `fp8`) needs a kernels module whose `FP8_TARGETS` names every
 GPU target of the build, and one with a static activation scale (`fp8_static`) one that says
@@ -24,8 +24,7 @@ from typing import Callable
 
 from kiln.atomic import write_bytes
 from kiln.builder.ir import Graph
-from kiln.plugins import get_plugin
-from kiln.plugins import nvcc
+from kiln.plugins import get_plugin, nvcc
 from kiln.plugins.aot import MAX_SHARED_BYTES, AotKernel, Cubin, compile_cubin
 
 
