@@ -60,9 +60,11 @@ def mma_variants() -> list[tuple[int, int, int]]:
 
 
 def mma_kernel(nt: int, ksplit: int, u: int):
+    """The tensor-core GEMV, its source appended to gemv.cu's (whose load helper it shares)."""
+    from kiln.plugins.linear import gemv
     from kiln.plugins.nvcc import NvccKernel
 
-    return NvccKernel(MMA_SOURCE, f"mma_gemv_nt{nt}_k{ksplit}_u{u}", "", MMA_SIGNATURE, ksplit)
+    return NvccKernel(gemv.SOURCE, f"mma_gemv_nt{nt}_k{ksplit}_u{u}", MMA_SOURCE.read_text(), MMA_SIGNATURE, ksplit)
 
 
 def kernel_entry(kernel) -> tuple:

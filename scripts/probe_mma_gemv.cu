@@ -13,21 +13,10 @@
 // fragments are loaded with the same permutation, so every product pairs the same k. The warps'
 // partial tiles are summed through shared memory at the end.
 //
-// Assumes N % 16 == 0, K % (32 * KSPLIT * U) == 0 and T <= 8 * NT (the probe's shapes).
-#include <cuda_bf16.h>
-#include <stdint.h>
-
+// Assumes N % 16 == 0, K % (32 * KSPLIT * U) == 0 and T <= 8 * NT (the probe's shapes). It compiles
+// appended to `plugins/linear/gemv.cu` (scripts/probe_cuda_gemv.py's `mma_kernel`), whose includes,
+// LANES and stream_load it uses.
 namespace {
-
-constexpr int LANES = 32;
-
-__device__ __forceinline__ uint4 stream_load(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 
 // d += A (16x16, rows g / g + 8, k 2q.. / 2q + 8..) x B (16x8, k 2q.. / 2q + 8.., column g), bf16 in, fp32 sums.
 __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
