@@ -10,8 +10,9 @@
 // the next iteration's pieces in flight while this one's are multiplied: 2 * R * U loads of 16 bytes
 // per lane, no shared memory, no split-K. x comes through L1 (every warp of a block reads the same x),
 // its squares summed on the way for the fused RMSNorm. After a butterfly over the warp's lanes, lane
-// t * R + r finishes output (t, r); the epilogue's operands (residual, bias, RoPE rows, cache slots)
-// are loaded before the K loop, so their latency hides behind it.
+// t * R + r finishes output (t, r); the epilogue's operands (residual, bias, positions, cache slots)
+// are loaded before the K loop, so their latency hides behind it, and a RoPE row (whose address needs
+// the position) once the first weight pieces are in flight.
 //
 // Every kernel needs K % 8 == 0 and 16-byte aligned x and weights, and grid (rows / (8 * R), 1, 1)
 // with 256 threads: `plugins.linear.gemv` builds a bucket only for shapes that meet that.
