@@ -98,6 +98,7 @@ def compile_kernels(graph: Graph, dtype: str, targets: list[str], block_size: in
                               "without input_scale (or its bf16 original with --quantization fp8), or for "
                               "--target cpu")
     _check_compiler()
+    has_nvcc = nvcc.nvcc_path() is not None
     for node in graph.nodes:
         spec = get_plugin(node.op)
         shapes = spec.compile_shapes(graph.input_shapes(node), node.attrs, block_size)
@@ -106,8 +107,7 @@ def compile_kernels(graph: Graph, dtype: str, targets: list[str], block_size: in
             raise KernelError(f"plugin {spec.name!r} gives compile shapes but has no kernels module "
                               f"({spec.package}.kernels)")
         # Without nvcc the CUDA C++ kernels are left out: the Triton buckets after them serve their rows.
-        kernels = [k for k in module.aot_kernels(dtype, shapes)
-                   if nvcc.nvcc_path() is not None or not isinstance(k, nvcc.NvccKernel)]
+        kernels = [k for k in module.aot_kernels(dtype, shapes) if has_nvcc or not isinstance(k, nvcc.NvccKernel)]
         per_node[node.output] = {}
         for target in gpu_targets:
             per_node[node.output][target] = [_add(blobs, kernel, target, node.op, progress) for kernel in kernels
