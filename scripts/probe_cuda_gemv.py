@@ -1,41 +1,34 @@
 """Are the CUDA C++ decode GEMVs (`plugins/linear/gemv.cu`) faster than the engine's Triton decode
-GEMMs? (a developer's probe; BENCHMARKS.md, session 21, has its figures)
+GEMMs? (a developer's probe; BENCHMARKS.md, sessions 21 and 22, has its figures)
 
     PYTHONPATH=. python3 scripts/probe_cuda_gemv.py compile probe.pkl   # anywhere: nvcc and Triton AOT
     PYTHONPATH=. python3 scripts/probe_cuda_gemv.py run probe.pkl       # on the GPU
     PYTHONPATH=. python3 scripts/probe_cuda_gemv.py engine probe.pkl    # on the GPU: the engine's kernels only
 
-`compile` builds `gemv.cu`'s plain GEMV at rows T and weight rows per warp R (VARIANTS) and
-`probe_mma_gemv.cu`'s tensor-core GEMV (weights straight from DRAM into MMA fragments, for 1-16
-rows; written in session 21 and not yet run) with `plugins.nvcc`, the engine's decode-bucket `linear_kernel` for Llama-3-8B's four projection shapes,
-and each plugin's whole kernel list at those shapes (ENGINE_CASES), into one pickle. `run` checks
-every plain kernel against torch, then times (CUDA graphs, weights of 32 distinct layers, 14 GB,
-so nothing comes from the L2) each alone (20 launches over 20 layers' weights) and whole chains of
-32 layers x (qkv, o, gate/up, down) as a decode step orders them, Triton's against the fastest
-GEMV of each kind and shape (a kernel whose result is off is printed WRONG and left out of them); then, as `engine` does alone, each plugin's kernels through its launcher at
-one and two rows, the GEMV bucket against the Triton decode bucket (the GEMVs left out), weights
-cycled through 200 MB. The device copy rate is measured in the same run.
+`compile` builds `gemv.cu`'s plain GEMV at rows T and weight rows per warp R (VARIANTS) with
+`plugins.nvcc`, the engine's decode-bucket `linear_kernel` for Llama-3-8B's four projection shapes,
+each plugin's whole kernel list at those shapes (ENGINE_CASES) and the GEMVs the engine does not
+build but might (`extra_kernels`), into one pickle. `run` checks every plain kernel against torch,
+then times (CUDA graphs, weights of 32 distinct layers, 14 GB, so nothing comes from the L2) each
+alone (20 launches over 20 layers' weights) and whole chains of 32 layers x (qkv, o, gate/up, down)
+as a decode step orders them, Triton's against the fastest GEMV of each shape (a kernel whose
+result is off is printed WRONG and left out of them); then, as `engine` does alone, each plugin's
+kernels through its launcher at one and two rows: the engine's buckets against the Triton ones
+alone (the GEMVs left out) and, where `extra_kernels` has one, that GEMV ahead of the Triton
+buckets, weights cycled through 200 MB. The device copy rate is measured in the same run.
 """
 from __future__ import annotations
 
 import importlib
 import itertools
 import pickle
-import re
 import sys
-from pathlib import Path
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 RESIDUAL = {"qkv": False, "o_proj": True, "gate_up": False, "down": True}
 LAYERS = 32
 # (T, R) of the plain GEMV: rows of x, weight rows per warp.
 VARIANTS = [(1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (8, 2), (8, 4)]
-# The tensor-core GEMV of probe_mma_gemv.cu: (n-tiles of 8 rows of x, warps splitting K, pieces per
-# iteration) as its MMA_GEMV lines instantiate them, and the rows of x each is timed at.
-MMA_SOURCE = Path(__file__).with_name("probe_mma_gemv.cu")
-MMA_ROWS = {1: (1, 2, 4, 8), 2: (16,)}
-MMA_SIGNATURE = {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "residual": "*bf16", "out": "*bf16", "T": "i32",
-                 "N": "i32", "K": "i32"}
 # The engine's plugins at Llama-3-8B's shapes: (compile shapes, attrs). norm_swiglu has no GEMV
 # bucket since session 21 (its pair kernel lost): both of its columns then time the Triton kernel.
 ENGINE_CASES = {
@@ -55,16 +48,17 @@ def gemv_kernel(t: int, r: int):
     return NvccKernel(gemv.SOURCE, name, f"KILN_GEMV_LINEAR({name}, {t}, {r})", gemv.LINEAR_SIGNATURE, gemv.WARPS)
 
 
-def mma_variants() -> list[tuple[int, int, int]]:
-    return [tuple(map(int, m)) for m in re.findall(r"^MMA_GEMV\((\d+), (\d+), (\d+)\)", MMA_SOURCE.read_text(), re.M)]
-
-
-def mma_kernel(nt: int, ksplit: int, u: int):
-    """The tensor-core GEMV, its source appended to gemv.cu's (whose load helper it shares)."""
+def extra_kernels() -> dict[str, object]:
+    """Per plugin, a GEMV the engine does not build, timed ahead of the Triton buckets: o_proj's
+    at one row with one weight row a warp (the engine takes two), the SwiGLU GEMV at two rows."""
     from kiln.plugins.linear import gemv
     from kiln.plugins.nvcc import NvccKernel
 
-    return NvccKernel(gemv.SOURCE, f"mma_gemv_nt{nt}_k{ksplit}_u{u}", MMA_SOURCE.read_text(), MMA_SIGNATURE, ksplit)
+    swiglu = NvccKernel(gemv.SOURCE, "probe_swiglu_t2", "KILN_GEMV_SWIGLU(probe_swiglu_t2, 2, false)",
+                        gemv.SWIGLU_SIGNATURE, gemv.WARPS, gemv._meta(2, 14336 // gemv.WARPS, block=64))
+    linear = NvccKernel(gemv.SOURCE, "probe_linear_t1_r1", "KILN_GEMV_LINEAR(probe_linear_t1_r1, 1, 1)",
+                        gemv.LINEAR_SIGNATURE, gemv.WARPS, gemv._meta(1, 4096 // gemv.WARPS))
+    return {"norm_swiglu": swiglu, "linear_residual": linear}
 
 
 def kernel_entry(kernel) -> tuple:
@@ -80,7 +74,6 @@ def compile_all(path: str) -> None:
     from kiln.plugins.linear.kernels import linear_aot_kernels
 
     cuda = {(t, r): kernel_entry(gemv_kernel(t, r)) for t, r in VARIANTS}
-    mma = {v: kernel_entry(mma_kernel(*v)) for v in mma_variants()}
     triton_kernels = {name: kernel_entry(next(
         kr for kr in linear_aot_kernels("bfloat16", n, k, bias=False, residual=RESIDUAL[name])
         if kr.meta.get("bucket") == "decode" and (kr.targets is None or "sm_90" in kr.targets)))
@@ -89,9 +82,10 @@ def compile_all(path: str) -> None:
                        .aot_kernels("bfloat16", shapes) if kr.targets is None or "sm_90" in kr.targets]
               for plugin, (shapes, _) in ENGINE_CASES.items()}
     with open(path, "wb") as f:
-        pickle.dump({"cuda": cuda, "mma": mma, "triton": triton_kernels, "engine": engine,
+        pickle.dump({"cuda": cuda, "triton": triton_kernels, "engine": engine,
+                     "extra": {plugin: kernel_entry(k) for plugin, k in extra_kernels().items()},
                      "triton_version": triton.__version__}, f)
-    print(f"{len(cuda)} CUDA GEMVs, {len(mma)} tensor-core GEMVs, {len(triton_kernels)} Triton decode kernels, "
+    print(f"{len(cuda)} CUDA GEMVs, {len(triton_kernels)} Triton decode kernels, "
           f"{sum(map(len, engine.values()))} engine kernels -> {path}")
 
 
@@ -124,7 +118,7 @@ def run_all(path: str, only_engine: bool = False) -> None:
           f"triton (compile) {built['triton_version']}")
     if not only_engine:
         plain_kernels(built, copy)
-    engine_kernels(built["engine"])
+    engine_kernels(built["engine"], built["extra"])
 
 
 def plain_kernels(built: dict, copy: float) -> None:
@@ -138,7 +132,7 @@ def plain_kernels(built: dict, copy: float) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
                       for _ in range(LAYERS)] for name, (n, k) in SHAPES.items()}
-    ts = sorted({t for t, _ in VARIANTS} | {t for nt, _, _ in built["mma"] for t in MMA_ROWS[nt]})
+    ts = sorted({t for t, _ in VARIANTS})
     xs = {(name, t): torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
           for (name, (n, k)), t in itertools.product(SHAPES.items(), ts)}
     residuals = {(name, t): torch.randn(t, n, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -154,7 +148,6 @@ def plain_kernels(built: dict, copy: float) -> None:
         return ((outs[name, t].float() - ref).norm() / ref.norm()).item()
 
     cuda = {key: load(entry)[0] for key, entry in built["cuda"].items()}
-    mma = {key: load(entry)[0] for key, entry in built["mma"].items()}
     triton_fns = {name: load(entry) for name, entry in built["triton"].items()}
 
     def cuda_launch(t: int, r: int):
@@ -163,14 +156,6 @@ def plain_kernels(built: dict, copy: float) -> None:
             res = residuals[name, t].data_ptr() if RESIDUAL[name] else 0
             cuda[t, r].launch((n // (8 * r), 1, 1), [xs[name, t].data_ptr(), weights[name][layer].data_ptr(), 0, res,
                                                      outs[name, t].data_ptr(), n, k], stream())
-        return launch
-
-    def mma_launch(t: int, v: tuple[int, int, int]):
-        def launch(name: str, layer: int) -> None:
-            n, k = SHAPES[name]
-            res = residuals[name, t].data_ptr() if RESIDUAL[name] else 0
-            mma[v].launch((n // 16, 1, 1), [xs[name, t].data_ptr(), weights[name][layer].data_ptr(), 0, res,
-                                            outs[name, t].data_ptr(), t, n, k], stream())
         return launch
 
     def triton_launch(t: int):
@@ -189,8 +174,6 @@ def plain_kernels(built: dict, copy: float) -> None:
     alone: dict[tuple[str, int], list[tuple[float, str, tuple | None, float]]] = {}
     families = [("triton decode bucket", t, triton_launch(t), None) for t in ts]
     families += [(f"cuda gemv r{r}", t, cuda_launch(t, r), ("cuda gemv", r)) for t, r in VARIANTS]
-    families += [(f"mma gemv nt{v[0]} k{v[1]} u{v[2]}", t, mma_launch(t, v), ("mma gemv", v))
-                 for v in built["mma"] for t in MMA_ROWS[v[0]]]
     for label, t, launch, r in families:
         for name, (n, k) in SHAPES.items():
             outs[name, t].zero_()
@@ -210,7 +193,7 @@ def plain_kernels(built: dict, copy: float) -> None:
     total = sum(w.nbytes for ws in weights.values() for w in ws)
     print(f"chains: {LAYERS} layers x {list(SHAPES)}, {total / 1e9:.2f} GB, limit {total / copy / 1e9:.3f} ms "
           "at the copy rate")
-    make = {"cuda gemv": cuda_launch, "mma gemv": mma_launch}
+    make = {"cuda gemv": cuda_launch}
     for t in ts:
         chains = {"triton": {name: triton_launch(t) for name in SHAPES}}
         for kind in make:
@@ -225,10 +208,11 @@ def plain_kernels(built: dict, copy: float) -> None:
             print(f"  {label:12s} {ms:.3f} ms  {total / ms / 1e9:.2f} TB/s ({total / ms / 1e9 / copy:.1%} of copy)")
 
 
-def engine_kernels(built: dict) -> None:
+def engine_kernels(built: dict, extra: dict) -> None:
     """The engine's own kernels of each plugin at rows 1 and 2, launched by its launcher: the
-    CUDA GEMV bucket against the Triton decode bucket (the GEMV kernels left out), over weight
-    copies cycled beyond the L2. ("linear" stands for down's shape without the residual.)"""
+    CUDA GEMV bucket against the Triton decode bucket (the GEMV kernels left out) and EXTRA's GEMV
+    ahead of the Triton buckets, over weight copies cycled beyond the L2. ("linear" stands for
+    down's shape without the residual.)"""
     import torch
 
     from scripts.gpu_timing import replay_ms
@@ -238,9 +222,17 @@ def engine_kernels(built: dict) -> None:
     for plugin, (shapes, attrs) in ENGINE_CASES.items():
         launcher = importlib.import_module(f"kiln.plugins.{plugin}.launch")
         loaded = [load(entry) for entry in built[plugin]]
+        triton_only = [(fn, m) for fn, m in loaded if not m.get("gemv")]
+        sets = {"engine": loaded, "triton": triton_only}
+        if plugin in extra:
+            sets["extra"] = [load(extra[plugin])] + triton_only
         k = shapes["K"]
-        n, out_cols = {"norm_qkv_rope": ((32 + 16) * 128, 32 * 128),
-                       "norm_swiglu": (2 * shapes["I"], shapes["I"])}.get(plugin, (shapes.get("N"), shapes.get("N")))
+        if plugin == "norm_qkv_rope":
+            n, out_cols = (32 + 16) * 128, 32 * 128
+        elif plugin == "norm_swiglu":
+            n, out_cols = 2 * shapes["I"], shapes["I"]
+        else:
+            n = out_cols = shapes["N"]
         copies = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
                   for _ in range(max(2, -(-200_000_000 // (n * k * 2))))]
         for rows in (1, 2):
@@ -260,17 +252,25 @@ def engine_kernels(built: dict) -> None:
                 if plugin == "norm_qkv_rope":
                     return [x, None, w, None, None, None, *more]
                 return [x, None, w] if plugin == "norm_swiglu" else [x, w, None, *more]
-            line = []
-            for label, keep in (("cuda gemv", lambda m: True), ("triton", lambda m: not m.get("gemv"))):
-                fns, metas = zip(*[(fn, m) for fn, m in loaded if keep(m)])
+            line, results = [], []
+            for label, chosen in sets.items():
+                if label == "extra" and chosen[0][1]["max_rows"] != rows:
+                    continue   # a GEMV built for more rows than the step has would read past x
+                fns, metas = zip(*chosen)
                 turn = itertools.count()
 
                 def call():
                     launcher.launch(list(fns), list(metas), inputs(copies[next(turn) % len(copies)]), attrs, out,
                                     {"T": rows}, torch.cuda.current_stream().cuda_stream, scratch)
+                call()
+                torch.cuda.synchronize()
+                results.append(out.float().clone())
                 us = replay_ms(lambda: [call() for _ in range(20)]) * 1e3 / 20
                 line.append(f"{label} {us:6.2f}")
-            print(f"  {plugin:16s} T={rows}: " + "  ".join(line) + f"  ({n * k * 2 / 1e6:.0f} MB)")
+            # Every set on the same weights (its first call: copy 0) gives the same output.
+            agree = all(((r - results[1]).norm() / results[1].norm()).item() < 2e-2 for r in results)
+            print(f"  {plugin:16s} T={rows}: " + "  ".join(line) + f"  ({n * k * 2 / 1e6:.0f} MB)"
+                  + ("" if agree else "  OUTPUTS DIFFER"))
 
 
 if __name__ == "__main__":

@@ -16,28 +16,33 @@ from kiln.plugins.linear.launch import pick_bucket
 from kiln.plugins.norm_qkv_rope import kernels as qkv_kernels
 from kiln.plugins.norm_qkv_rope import launch as qkv_launch
 from kiln.plugins.norm_swiglu import kernels as swiglu_kernels
+from kiln.plugins.norm_swiglu import launch as swiglu_launch
 from kiln.plugins.linear_residual import kernels as residual_kernels
 from kiln.plugins.linear_residual import launch as residual_launch
 
 QKV = {"K": 4096, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+SWIGLU = {"K": 4096, "I": 14336, "block": 64}
 C_TYPES = {"const __nv_bfloat16*": "*bf16", "__nv_bfloat16*": "*bf16", "const int*": "*i32", "const float*": "*fp32",
            "int": "i32", "float": "fp32"}
 
 
 def every_kernel() -> list[nvcc.NvccKernel]:
-    return gemv.linear_kernels("bfloat16", 4096, 14336) + gemv.qkv_kernels("bfloat16", QKV)
+    return (gemv.linear_kernels("bfloat16", 4096, 14336) + gemv.qkv_kernels("bfloat16", QKV)
+            + gemv.swiglu_kernels("bfloat16", SWIGLU)
+            + gemv.swiglu_kernels("bfloat16", {**SWIGLU, "activation": "gelu_tanh"}))
 
 
 def test_which_shapes_get_the_gemv_buckets():
     assert [k.meta["bucket"] for k in gemv.linear_kernels("bfloat16", 4096, 4096)] == ["gemv1", "gemv2"]
-    assert [k.meta["grid"] for k in gemv.linear_kernels("bfloat16", 4096, 4096)] == [("512", "1", "1"),
+    assert [k.meta["grid"] for k in gemv.linear_kernels("bfloat16", 4096, 4096)] == [("256", "1", "1"),
                                                                                     ("256", "1", "1")]
     # Other dtypes, FP8 weights, K off the 16-byte pieces: none.
     assert gemv.linear_kernels("float32", 4096, 4096) == gemv.linear_kernels("float16", 4096, 4096) == []
     assert gemv.linear_kernels("bfloat16", 4096, 4096, fp8_weight=True) == []
     assert gemv.linear_kernels("bfloat16", 4096, 4100) == []
-    # Rows that do not fill the warps of a block: at T = 2 a warp takes 2 rows, so 8 rows suffice for T = 1 only.
-    assert [k.meta["bucket"] for k in gemv.linear_kernels("bfloat16", 8, 64)] == ["gemv1"]
+    # Rows that do not fill the warps of a block (a warp takes 2 rows): 16 at least.
+    assert gemv.linear_kernels("bfloat16", 8, 64) == []
+    assert [k.meta["bucket"] for k in gemv.linear_kernels("bfloat16", 16, 64)] == ["gemv1", "gemv2"]
     # q/k norm needs whole heads, an e4m3 cache another store: the Triton tiles serve those.
     # The fused qkv at one row only (at two its GEMV lost to Triton's tile on an H200).
     assert [k.meta["bucket"] for k in gemv.qkv_kernels("bfloat16", QKV)] == ["gemv1"]
@@ -49,8 +54,15 @@ def test_which_shapes_get_the_gemv_buckets():
     assert [metas[pick_bucket(metas, t)]["bucket"] for t in (1, 2, 3)] == ["gemv1", "gemv2", "decode"]
     metas = [k.meta for k in qkv_kernels.aot_kernels("bfloat16", QKV)]
     assert [metas[pick_bucket(metas, t)]["bucket"] for t in (1, 2)] == ["gemv1", "decode"]
-    assert not any(k.meta.get("gemv") for k in swiglu_kernels.aot_kernels("bfloat16", {"K": 4096, "I": 14336,
-                                                                                         "block": 64}))
+    # gate/up + SwiGLU at one row, a warp per output column; its block is I when W_gu is not interleaved.
+    metas = [k.meta for k in swiglu_kernels.aot_kernels("bfloat16", SWIGLU)]
+    assert [metas[pick_bucket(metas, t)]["bucket"] for t in (1, 2)] == ["gemv1", "decode"]
+    assert metas[0]["grid"] == ("1792", "1", "1") and metas[0]["block"] == 64
+    assert gemv.swiglu_kernels("bfloat16", {**SWIGLU, "block": 0})[0].meta["block"] == 14336
+    assert [k.instance for k in gemv.swiglu_kernels("bfloat16", {**SWIGLU, "activation": "gelu_tanh"})] == [
+        "KILN_GEMV_SWIGLU(kiln_gemv_swiglu_t1, 1, true)"]
+    assert gemv.swiglu_kernels("bfloat16", {**SWIGLU, "fp8": True}) == []
+    assert gemv.swiglu_kernels("bfloat16", {**SWIGLU, "I": 12}) == []   # columns do not fill a block's warps
 
 
 def test_entry_points_take_their_signatures():
@@ -60,7 +72,7 @@ def test_entry_points_take_their_signatures():
     for macro, body in re.findall(r"#define (KILN_GEMV_\w+)\(NAME[^)]*\)(.*?)\{", source, re.S):
         text = re.search(r"NAME\((.*)\)", body.replace("\\\n", " "), re.S).group(1)
         params[macro] = [C_TYPES[" ".join(p.split()[:-1])] for p in text.split(",")]
-    assert set(params) == {"KILN_GEMV_LINEAR", "KILN_GEMV_QKV_ROPE"}
+    assert set(params) == {"KILN_GEMV_LINEAR", "KILN_GEMV_QKV_ROPE", "KILN_GEMV_SWIGLU"}
     for kernel in every_kernel():
         macro = kernel.instance.split("(")[0]
         assert list(kernel.signature.values()) == params[macro], kernel.entry
@@ -127,6 +139,17 @@ def test_qkv_launcher_passes_the_gemv_parameters():
     assert args == [x.data_ptr(), 0, w.data_ptr(), b.data_ptr(), positions.data_ptr(), rope.data_ptr(),
                     cache.data_ptr(), slots.data_ptr(), out.data_ptr(), 48, 3, 1e-6, 32, 8, d, 4096]
     assert grid[0] * gemv.WARPS == n // 2   # one (j, j + d/2) pair of one head a warp
+
+
+def test_swiglu_launcher_passes_the_gemv_parameters():
+    """norm + gate/up + SwiGLU at one row, the norm weight unfolded."""
+    x, norm, w, out = bf16(1, 4096), bf16(4096), bf16(2 * 14336, 4096), bf16(1, 14336)
+    aot = swiglu_kernels.aot_kernels("bfloat16", {**SWIGLU, "norm_weight": True})
+    kernel, grid, args = launched(swiglu_launch, aot, [x, norm, w], {"eps": 1e-5, "block": 64, "activation": "silu"},
+                                  out)
+    assert kernel.entry == "kiln_gemv_swiglu_t1"
+    assert args == [x.data_ptr(), norm.data_ptr(), w.data_ptr(), out.data_ptr(), 14336, 64, 1e-5, 4096]
+    assert grid == (14336 // gemv.WARPS, 1, 1)   # one output column a warp
 
 
 def test_a_build_without_nvcc_leaves_the_gemvs_out(factory, tmp_path, monkeypatch):

@@ -1,8 +1,9 @@
 """The CUDA GEMVs (`plugins/linear/gemv.cu`) on the GPU: built by nvcc for this GPU and launched by
 each plugin's driver launcher at one and two rows, they match the plugin's reference (GPU only:
-`pytest -m gpu`; norm_qkv_rope has one at one row only). Shapes with K tails (K not a multiple of a
-lane iteration's 1,024 elements), folded and unfolded norm weights, biases and the KV-cache write are
-each covered; the engine tests cover the Llama shapes at decode."""
+`pytest -m gpu`; norm_qkv_rope and norm_swiglu have one at one row only). Shapes with K tails (K not a
+multiple of a lane iteration's 1,024 elements), folded and unfolded norm weights, biases, the KV-cache
+write, both activations and interleaved and plain gate/up weights are each covered; the engine tests
+cover the Llama shapes at decode."""
 from __future__ import annotations
 
 import pytest
@@ -29,7 +30,13 @@ CASES = {
                                                "head_dim": 128, "norm_weight": True},
                              {"eps": EPS, "layer": LAYER, "num_heads": HEADS, "num_kv_heads": KV_HEADS,
                               "head_dim": 128}),
+    "swiglu block 64": ("norm_swiglu", {"K": 1032, "I": 256, "block": 64},
+                        {"eps": EPS, "block": 64, "activation": "silu"}),
+    "geglu plain norm weight": ("norm_swiglu", {"K": 512, "I": 128, "block": 0, "norm_weight": True,
+                                                "activation": "gelu_tanh"},
+                                {"eps": EPS, "block": 0, "activation": "gelu_tanh"}),
 }
+ONE_ROW = ("norm_qkv_rope", "norm_swiglu")
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +61,8 @@ def inputs_for(name: str, rows: int, g: torch.Generator) -> list[torch.Tensor | 
         n = shapes["N"]
         inputs = [randn(rows, k), randn(n, k) / 32, randn(n) if shapes.get("bias") else None]
         return inputs + [randn(rows, n)] if plugin == "linear_residual" else inputs
+    if plugin == "norm_swiglu":
+        return [randn(rows, k), norm, randn(2 * shapes["I"], k) / 16]
     d = shapes["head_dim"]
     n = (HEADS + 2 * KV_HEADS) * d
     angles = torch.arange(MAX_POS)[:, None] * 10000.0 ** (-torch.arange(0, d, 2) / d)
@@ -77,7 +86,7 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("name,rows", [(name, rows) for name, (plugin, _, _) in CASES.items()
-                                       for rows in ((1,) if plugin == "norm_qkv_rope" else (1, 2))])
+                                       for rows in ((1,) if plugin in ONE_ROW else (1, 2))])
 def test_gemv_matches_the_reference(loaded, name, rows):
     plugin, _, attrs = CASES[name]
     launcher, fns, metas, scratch = loaded(name)

@@ -279,9 +279,9 @@ def check_cubins(name: str, shapes: dict, targets) -> None:
         mine = [k for k in kernels if k.targets is None or target in k.targets]
         buckets = [k for k in mine if "bucket" in k.meta]
         # The CUDA GEMVs lead: for one and two rows in the plain GEMMs, one row in the fused qkv
-        # (without q/k norm, which needs whole heads), none in gate/up (`linear.gemv`).
+        # (without q/k norm, which needs whole heads) and in gate/up (`linear.gemv`).
         gemv = {"linear": ["gemv1", "gemv2"], "linear_residual": ["gemv1", "gemv2"],
-                "norm_qkv_rope": [] if shapes.get("qk_norm") else ["gemv1"]}.get(name, [])
+                "norm_qkv_rope": [] if shapes.get("qk_norm") else ["gemv1"], "norm_swiglu": ["gemv1"]}[name]
         assert [k.meta["bucket"] for k in buckets] == gemv + [t.name for t in linear_tiles.TILES]
         uses_tma = any(k.meta.get("tma") for k in buckets)
         # The TMA norm GEMMs need the norm weight folded, and norm_swiglu an interleaved W_gu.
@@ -324,7 +324,8 @@ def test_aot_tp2_gate_up_gets_the_deep_pipeline_on_sm_90(request):
 
 
 def test_pipelined_splits_a_kernel_only_where_the_depths_differ():
-    kernel = norm_swiglu_kernels.aot_kernels("bfloat16", LLAMA["norm_swiglu"])[0]
+    kernel = next(k for k in norm_swiglu_kernels.aot_kernels("bfloat16", LLAMA["norm_swiglu"])
+                  if not k.meta.get("gemv"))
     (one,) = linear_tiles.pipelined(kernel, 16, 64, 128, 2, cap=3)      # 20 KiB a stage: 3 everywhere
     assert one.targets == kernel.targets and one.num_stages == 3
     ada_only = dataclasses.replace(kernel, targets=("sm_89",))

@@ -1,7 +1,7 @@
 // Decode GEMVs for one or two rows of x (bf16 in and out, fp32 sums), in CUDA C++: the "gemv1" and
 // "gemv2" buckets of linear and linear_residual (so attention_o_proj's o_proj and the LM head too) and
-// the "gemv1" bucket of norm_qkv_rope (`plugins.linear.gemv` builds them with nvcc and says which ops,
-// rows and shapes they serve).
+// the "gemv1" buckets of norm_qkv_rope and norm_swiglu (`plugins.linear.gemv` builds them with nvcc and
+// says which ops, rows and shapes they serve).
 //
 // Why not Triton: at batch 1 and 2 a projection is a stream of weights, and Triton's smallest MMA
 // tile (16 rows) with split-K lost 2-3 us a kernel to the reduction and the pipeline's ramp (H200,
@@ -231,6 +231,29 @@ __device__ __forceinline__ void qkv_rope(const __nv_bfloat16* x, const __nv_bflo
   dst[half] = __float2bfloat16(rhi);
 }
 
+// RMSNorm + gate/up projection + act(gate) * up, act silu (SwiGLU) or tanh-approximated GELU (GeGLU),
+// into out [T, I]. W_gu interleaves gate and up rows in blocks of `block` rows ([g0 u0 g1 u1 ...]; `block`
+// = I for plain [W_gate; W_up]); a warp takes output column j: its gate row and, `block` rows on, its up row.
+template <int T, bool GELU_TANH>
+__device__ __forceinline__ void swiglu(const __nv_bfloat16* x, const __nv_bfloat16* norm, const __nv_bfloat16* w,
+                                       __nv_bfloat16* out, int I, int block, float eps, int K) {
+  const int lane = threadIdx.x % LANES, j = blockIdx.x * WARPS + threadIdx.x / LANES;
+  const int gate = (j / block) * 2 * block + j % block;
+  const int row[2] = {gate, gate + block};
+  DotRows<T, 2> dot;
+  dot.run(x, norm, w, row, K, [] {});
+  const int t = lane;
+  if (t >= T) return;
+  const float scale = dot.row_scale(t, K, eps);
+  float g = 0.0f, u = 0.0f;
+#pragma unroll
+  for (int i = 0; i < T; ++i)
+    if (i == t) g = dot.acc[i][0] * scale, u = dot.acc[i][1] * scale;
+  // gelu_tanh(g) = g * sigmoid(2z), z = sqrt(2 / pi) (g + 0.044715 g^3): the Triton kernel's form.
+  const float z = GELU_TANH ? 1.5957691216057308f * (g + 0.044715f * g * g * g) : g;
+  out[static_cast<size_t>(t) * I + j] = __float2bfloat16(g / (1.0f + __expf(-z)) * u);
+}
+
 }  // namespace
 
 // One entry point per macro call; `plugins.linear.gemv` compiles the file once per entry, with the call
@@ -249,4 +272,12 @@ __device__ __forceinline__ void qkv_rope(const __nv_bfloat16* x, const __nv_bflo
            const int* slots, __nv_bfloat16* out, int num_slots, int layer, float eps, int H, int KVH,  \
            int D, int K) {                                                                             \
     qkv_rope<T>(x, norm, w, bias, positions, rope, kv, slots, out, num_slots, layer, eps, H, KVH, D, K); \
+  }
+
+
+#define KILN_GEMV_SWIGLU(NAME, T, GELU_TANH)                                                           \
+  extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                          \
+      NAME(const __nv_bfloat16* x, const __nv_bfloat16* norm, const __nv_bfloat16* w, __nv_bfloat16* out, \
+           int I, int block, float eps, int K) {                                                       \
+    swiglu<T, GELU_TANH>(x, norm, w, out, I, block, eps, K);                                           \
   }

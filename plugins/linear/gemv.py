@@ -1,6 +1,6 @@
 """The decode GEMVs for one and two rows of x (`gemv.cu`, CUDA C++ built by nvcc): buckets "gemv1"
 and "gemv2" ahead of the Triton decode tiles in linear and linear_residual (so attention_o_proj's
-o_proj and the LM head too), and "gemv1" in norm_qkv_rope.
+o_proj and the LM head too), and "gemv1" in norm_qkv_rope and norm_swiglu.
 
 On an H200 (2026-12-01, scripts/probe_cuda_gemv.py, Llama-3-8B's projections, weights cycled beyond
 the L2) a chain of 32 layers of plain GEMVs of the four shapes took 3.41 ms at T = 1 against 3.72 for
@@ -31,11 +31,14 @@ from kiln.plugins.nvcc import NvccKernel
 
 SOURCE = Path(__file__).with_name("gemv.cu")
 WARPS = 8
-# Weight rows per warp of the plain GEMV at each row count it serves (one bucket each): one at T = 1
-# (o_proj 10.0 us against 10.3 with two), two at T = 2 (probe_cuda_gemv.py, the sweep above).
-LINEAR_ROWS_PER_WARP = {1: 1, 2: 2}
+# Weight rows per warp of the plain GEMV at each row count it serves (one bucket each). Two at T = 1:
+# on an H200 (probe_cuda_gemv.py, 2026-12-02) o_proj 9.84 us against 10.48 with one, down 28.75
+# against 29.80 (a run the day before had o_proj 10.0 against 10.3 the other way round).
+LINEAR_ROWS_PER_WARP = {1: 2, 2: 2}
 LINEAR_SIGNATURE = {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "residual": "*bf16", "out": "*bf16",
                     "N": "i32", "K": "i32"}
+SWIGLU_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*bf16", "out": "*bf16", "I": "i32", "block": "i32",
+                    "eps": "fp32", "K": "i32"}
 QKV_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*bf16", "bias": "*bf16", "positions": "*i32",
                  "rope": "*fp32", "kv": "*bf16", "slots": "*i32", "out": "*bf16", "num_slots": "i32",
                  "layer": "i32", "eps": "fp32", "H": "i32", "KVH": "i32", "D": "i32", "K": "i32"}
@@ -74,6 +77,19 @@ def qkv_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
     name = "kiln_gemv_qkv_rope_t1"
     return [NvccKernel(SOURCE, name, f"KILN_GEMV_QKV_ROPE({name}, 1)", QKV_SIGNATURE, WARPS,
                        _meta(1, pairs // WARPS, heads=heads, kv_heads=kv_heads, head_dim=d))]
+
+
+def swiglu_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
+    """norm_swiglu's bucket for `shapes` (the plugin's compile shapes), where it serves them: one row,
+    a warp per output column (its gate and up rows)."""
+    inter, k = shapes["I"], shapes["K"]
+    activation = shapes.get("activation", "silu")
+    if not _serves(dtype, k, shapes.get("fp8", False)) or inter % WARPS or activation not in ("silu", "gelu_tanh"):
+        return []
+    name = "kiln_gemv_swiglu_t1"
+    gelu = "true" if activation == "gelu_tanh" else "false"
+    return [NvccKernel(SOURCE, name, f"KILN_GEMV_SWIGLU({name}, 1, {gelu})", SWIGLU_SIGNATURE, WARPS,
+                       _meta(1, inter // WARPS, block=shapes["block"] or inter))]
 
 
 def address(tensor) -> int:

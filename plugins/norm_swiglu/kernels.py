@@ -18,7 +18,7 @@ the same rule with block = I.
 On sm_90 and later the wide buckets run `tma_norm_swiglu_kernel`: the persistent TMA GEMM of
 `linear.tma` over whole runs of W_gu's rows (a tile of 2 * BLOCK_N rows holds BLOCK_N // block
 pairs of gate and up blocks, so it needs an interleaved W_gu), with the row scale from the
-`row_scale_kernel` pre-pass.
+`row_scale_kernel` pre-pass. At one row of bf16, the CUDA GEMV of `linear.gemv` leads the buckets.
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ import triton.language as tl
 
 from kiln.dtypes import element_bytes
 from kiln.plugins.aot import POINTER_TYPES, AotKernel, absent_as_none, pointer_params
-from kiln.plugins.linear import fp8, tma
+from kiln.plugins.nvcc import NvccKernel
+from kiln.plugins.linear import fp8, gemv, tma
 from kiln.plugins.linear.kernels import (fp8_gemm_tile, gemm_input, gemm_tile, launch_meta, split_buffers,
                                          split_halves, split_k_sum, split_signature, upcast_dot)
 from kiln.plugins.linear.tiles import (WIDE_N, block_k, num_stages, pick_tile, pipelined, prescaled, split_k,
@@ -185,7 +186,7 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
         num_stages=num_stages(tile.block_m, tile.block_n, bk, w_gu.element_size(), tile.stages, xa.element_size()))
 
 
-def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
+def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
     """shapes: {"K": hidden size, "I": intermediate size (this rank's), "block": gate/up
     interleave block (0: not interleaved), "norm_weight": bool (default False: folded),
     "activation": "silu" (default) or "gelu_tanh", "fp8": bool (default False)}. One kernel
@@ -194,7 +195,7 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     ptr, size = POINTER_TYPES[dtype], element_bytes(dtype)
     k, inter, norm = shapes["K"], shapes["I"], shapes.get("norm_weight", False)
     fp8_weight = shapes.get("fp8", False)
-    kernels = []
+    kernels: list[AotKernel | NvccKernel] = gemv.swiglu_kernels(dtype, shapes)
     tiles = swiglu_tiles(2 * inter, fp8_weight)
     for tile in tiles:
         bk, bn = block_k(tile, 1 if fp8_weight else size), tile.block_n // 2

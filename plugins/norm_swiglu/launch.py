@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kiln.plugins.driver_launch import check_aligned, grid
+from kiln.plugins.linear.gemv import address
 from kiln.plugins.linear.launch import (check_fp8, norm_gemm_input_args, pick_bucket, row_scale_bytes,
                                         split_args)
 
@@ -24,6 +25,11 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
     i = pick_bucket(metas, rows)
     check_fp8(metas[i], w_scale)
     check_aligned(metas[i], x, norm_weight, w_gu, w_scale, out)
+    if metas[i].get("gemv"):
+        args = [x.data_ptr(), address(norm_weight), w_gu.data_ptr(), out.data_ptr(), out.shape[1], metas[i]["block"],
+                attrs["eps"], x.shape[1]]
+        kernels[i].launch(grid(metas[i]["grid"], {}), args, stream)
+        return
     args = norm_gemm_input_args(kernels, metas, i, x, norm_weight, attrs["eps"], stream, scratch)
     args += [t.data_ptr() for t in (w_gu, w_scale) if t is not None] + [out.data_ptr()]
     if metas[i].get("tma"):
