@@ -9,10 +9,12 @@
 // lane loads 16-byte pieces of them (8 bf16) straight into registers, U pieces a row per iteration,
 // the next iteration's pieces in flight while this one's are multiplied: 2 * R * U loads of 16 bytes
 // per lane, no shared memory, no split-K. x comes through L1 (every warp of a block reads the same x),
-// its squares summed on the way for the fused RMSNorm. After a butterfly over the warp's lanes, lane
-// t * R + r finishes output (t, r); the epilogue's operands (residual, bias, positions, cache slots)
-// are loaded before the K loop, so their latency hides behind it, and a RoPE row (whose address needs
-// the position) once the first weight pieces are in flight.
+// its squares summed on the way for the fused RMSNorm. Whether a kernel takes an unfolded norm weight
+// is a template argument, not a null check: the check alone cost the SwiGLU GEMV 2.5 us of 58 (H200,
+// scripts/probe_swiglu_gemv.py). After a butterfly over the warp's lanes, lane t * R + r finishes
+// output (t, r); the epilogue's operands (residual, bias, positions, cache slots) are loaded before
+// the K loop, so their latency hides behind it, and a RoPE row (whose address needs the position)
+// once the first weight pieces are in flight.
 //
 // Every kernel needs K % 8 == 0 and 16-byte aligned x and weights, and grid (rows / (8 * R), 1, 1)
 // with 256 threads: `plugins.linear.gemv` builds a bucket only for shapes that meet that.
@@ -187,7 +189,7 @@ __device__ __forceinline__ void linear(const __nv_bfloat16* x, const __nv_bfloat
 // RMSNorm + q/k/v projection (+ bias) + rotate-half RoPE for q and k, q to out [T, H * D] and k, v
 // into the paged cache [layers, 2, num_slots, KVH, D] at slot[t]. A warp takes head h's columns j and
 // j + D / 2 (the pair RoPE rotates together).
-template <int T>
+template <int T, bool NORM>
 __device__ __forceinline__ void qkv_rope(const __nv_bfloat16* x, const __nv_bfloat16* norm, const __nv_bfloat16* w,
                                          const __nv_bfloat16* bias, const int* positions, const float* rope,
                                          __nv_bfloat16* kv, const int* slots, __nv_bfloat16* out, int num_slots,
@@ -205,7 +207,7 @@ __device__ __forceinline__ void qkv_rope(const __nv_bfloat16* x, const __nv_bflo
     if (bias != nullptr) b0 = bf16(bias + row[0]), b1 = bf16(bias + row[1]);
   }
   DotRows<T, 2> dot;
-  dot.run(x, norm, w, row, K, [&] {
+  dot.run(x, NORM ? norm : nullptr, w, row, K, [&] {
     if (owner && !is_v) {
       const float* r = rope + static_cast<size_t>(pos) * D + j;
       rc = r[0];
@@ -234,14 +236,14 @@ __device__ __forceinline__ void qkv_rope(const __nv_bfloat16* x, const __nv_bflo
 // RMSNorm + gate/up projection + act(gate) * up, act silu (SwiGLU) or tanh-approximated GELU (GeGLU),
 // into out [T, I]. W_gu interleaves gate and up rows in blocks of `block` rows ([g0 u0 g1 u1 ...]; `block`
 // = I for plain [W_gate; W_up]); a warp takes output column j: its gate row and, `block` rows on, its up row.
-template <int T, bool GELU_TANH>
+template <int T, bool GELU_TANH, bool NORM>
 __device__ __forceinline__ void swiglu(const __nv_bfloat16* x, const __nv_bfloat16* norm, const __nv_bfloat16* w,
                                        __nv_bfloat16* out, int I, int block, float eps, int K) {
   const int lane = threadIdx.x % LANES, j = blockIdx.x * WARPS + threadIdx.x / LANES;
   const int gate = (j / block) * 2 * block + j % block;
   const int row[2] = {gate, gate + block};
   DotRows<T, 2> dot;
-  dot.run(x, norm, w, row, K, [] {});
+  dot.run(x, NORM ? norm : nullptr, w, row, K, [] {});
   const int t = lane;
   if (t >= T) return;
   const float scale = dot.row_scale(t, K, eps);
@@ -258,26 +260,26 @@ __device__ __forceinline__ void swiglu(const __nv_bfloat16* x, const __nv_bfloat
 
 // One entry point per macro call; `plugins.linear.gemv` compiles the file once per entry, with the call
 // that defines it appended.
-#define KILN_GEMV_LINEAR(NAME, T, R)                                                                   \
-  extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                          \
-      NAME(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* bias,                  \
-           const __nv_bfloat16* residual, __nv_bfloat16* out, int N, int K) {                          \
-    linear<T, R>(x, w, bias, residual, out, N, K);                                                     \
+#define KILN_GEMV_LINEAR(NAME, T, R)                                                                    \
+  extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                           \
+      NAME(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* bias,                   \
+           const __nv_bfloat16* residual, __nv_bfloat16* out, int N, int K) {                           \
+    linear<T, R>(x, w, bias, residual, out, N, K);                                                      \
   }
 
-#define KILN_GEMV_QKV_ROPE(NAME, T)                                                                    \
-  extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                          \
-      NAME(const __nv_bfloat16* x, const __nv_bfloat16* norm, const __nv_bfloat16* w,                  \
-           const __nv_bfloat16* bias, const int* positions, const float* rope, __nv_bfloat16* kv,      \
-           const int* slots, __nv_bfloat16* out, int num_slots, int layer, float eps, int H, int KVH,  \
-           int D, int K) {                                                                             \
-    qkv_rope<T>(x, norm, w, bias, positions, rope, kv, slots, out, num_slots, layer, eps, H, KVH, D, K); \
+#define KILN_GEMV_QKV_ROPE(NAME, T, NORM)                                                               \
+  extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                           \
+      NAME(const __nv_bfloat16* x, const __nv_bfloat16* norm, const __nv_bfloat16* w,                   \
+           const __nv_bfloat16* bias, const int* positions, const float* rope, __nv_bfloat16* kv,       \
+           const int* slots, __nv_bfloat16* out, int num_slots, int layer, float eps, int H, int KVH,   \
+           int D, int K) {                                                                              \
+    qkv_rope<T, NORM>(x, norm, w, bias, positions, rope, kv, slots, out, num_slots, layer, eps, H, KVH, D, \
+                      K);                                                                               \
   }
 
-
-#define KILN_GEMV_SWIGLU(NAME, T, GELU_TANH)                                                           \
-  extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                          \
-      NAME(const __nv_bfloat16* x, const __nv_bfloat16* norm, const __nv_bfloat16* w, __nv_bfloat16* out, \
-           int I, int block, float eps, int K) {                                                       \
-    swiglu<T, GELU_TANH>(x, norm, w, out, I, block, eps, K);                                           \
+#define KILN_GEMV_SWIGLU(NAME, T, GELU_TANH, NORM)                                                      \
+  extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                           \
+      NAME(const __nv_bfloat16* x, const __nv_bfloat16* norm, const __nv_bfloat16* w,                   \
+           __nv_bfloat16* out, int I, int block, float eps, int K) {                                    \
+    swiglu<T, GELU_TANH, NORM>(x, norm, w, out, I, block, eps, K);                                      \
   }

@@ -48,6 +48,11 @@ def _serves(dtype: str, k: int, fp8_weight: bool) -> bool:
     return dtype == "bfloat16" and not fp8_weight and k % 8 == 0
 
 
+def _cpp(flag: bool) -> str:
+    """A template argument: whether a kernel was built for an unfolded norm weight, or for GELU."""
+    return "true" if flag else "false"
+
+
 def _meta(rows: int, programs: int, **extra) -> dict:
     return {"bucket": f"gemv{rows}", "max_rows": rows, "gemv": True, "pointer_alignment": 16, "split_k": 1,
             "grid": (str(programs), "1", "1"), **extra}
@@ -75,7 +80,8 @@ def qkv_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
             or d % 2 or pairs % WARPS):
         return []
     name = "kiln_gemv_qkv_rope_t1"
-    return [NvccKernel(SOURCE, name, f"KILN_GEMV_QKV_ROPE({name}, 1)", QKV_SIGNATURE, WARPS,
+    return [NvccKernel(SOURCE, name, f"KILN_GEMV_QKV_ROPE({name}, 1, {_cpp(shapes.get('norm_weight', False))})",
+                       QKV_SIGNATURE, WARPS,
                        _meta(1, pairs // WARPS, heads=heads, kv_heads=kv_heads, head_dim=d))]
 
 
@@ -87,8 +93,8 @@ def swiglu_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
     if not _serves(dtype, k, shapes.get("fp8", False)) or inter % WARPS or activation not in ("silu", "gelu_tanh"):
         return []
     name = "kiln_gemv_swiglu_t1"
-    gelu = "true" if activation == "gelu_tanh" else "false"
-    return [NvccKernel(SOURCE, name, f"KILN_GEMV_SWIGLU({name}, 1, {gelu})", SWIGLU_SIGNATURE, WARPS,
+    flags = f"{_cpp(activation == 'gelu_tanh')}, {_cpp(shapes.get('norm_weight', False))}"
+    return [NvccKernel(SOURCE, name, f"KILN_GEMV_SWIGLU({name}, 1, {flags})", SWIGLU_SIGNATURE, WARPS,
                        _meta(1, inter // WARPS, block=shapes["block"] or inter))]
 
 
