@@ -9,9 +9,11 @@
 // lane loads 16-byte pieces of them (8 bf16) straight into registers, U pieces a row per iteration,
 // the next iteration's pieces in flight while this one's are multiplied: 2 * R * U loads of 16 bytes
 // per lane, no shared memory, no split-K. x comes through L1 (every warp of a block reads the same x),
-// its squares summed on the way for the fused RMSNorm. Whether a kernel takes an unfolded norm weight
-// is a template argument, not a null check: the check alone cost the SwiGLU GEMV 2.5 us of 58 (H200,
-// scripts/probe_swiglu_gemv.py). After a butterfly over the warp's lanes, lane t * R + r finishes
+// its squares summed on the way for the fused RMSNorm. Whether the SwiGLU GEMV takes an unfolded norm
+// weight is a template argument: a runtime null check cost it 2.5 us of 58 (H200,
+// scripts/probe_swiglu_gemv.py). The fused qkv keeps the null check: as a template argument its
+// kernel took 18.1 us a layer in the engine's step against 15.9 (profile_decode.py, two H200 runs;
+// why was not found: the PTX loads in the same order, registers went from 124 to 99). After a butterfly over the warp's lanes, lane t * R + r finishes
 // output (t, r); the epilogue's operands (residual, bias, positions, cache slots) are loaded before
 // the K loop, so their latency hides behind it, and a RoPE row (whose address needs the position)
 // once the first weight pieces are in flight.
@@ -189,7 +191,7 @@ __device__ __forceinline__ void linear(const __nv_bfloat16* x, const __nv_bfloat
 // RMSNorm + q/k/v projection (+ bias) + rotate-half RoPE for q and k, q to out [T, H * D] and k, v
 // into the paged cache [layers, 2, num_slots, KVH, D] at slot[t]. A warp takes head h's columns j and
 // j + D / 2 (the pair RoPE rotates together).
-template <int T, bool NORM>
+template <int T>
 __device__ __forceinline__ void qkv_rope(const __nv_bfloat16* x, const __nv_bfloat16* norm, const __nv_bfloat16* w,
                                          const __nv_bfloat16* bias, const int* positions, const float* rope,
                                          __nv_bfloat16* kv, const int* slots, __nv_bfloat16* out, int num_slots,
@@ -207,7 +209,7 @@ __device__ __forceinline__ void qkv_rope(const __nv_bfloat16* x, const __nv_bflo
     if (bias != nullptr) b0 = bf16(bias + row[0]), b1 = bf16(bias + row[1]);
   }
   DotRows<T, 2> dot;
-  dot.run(x, NORM ? norm : nullptr, w, row, K, [&] {
+  dot.run(x, norm, w, row, K, [&] {
     if (owner && !is_v) {
       const float* r = rope + static_cast<size_t>(pos) * D + j;
       rc = r[0];
@@ -267,14 +269,13 @@ __device__ __forceinline__ void swiglu(const __nv_bfloat16* x, const __nv_bfloat
     linear<T, R>(x, w, bias, residual, out, N, K);                                                      \
   }
 
-#define KILN_GEMV_QKV_ROPE(NAME, T, NORM)                                                               \
+#define KILN_GEMV_QKV_ROPE(NAME, T)                                                                     \
   extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                           \
       NAME(const __nv_bfloat16* x, const __nv_bfloat16* norm, const __nv_bfloat16* w,                   \
            const __nv_bfloat16* bias, const int* positions, const float* rope, __nv_bfloat16* kv,       \
            const int* slots, __nv_bfloat16* out, int num_slots, int layer, float eps, int H, int KVH,   \
            int D, int K) {                                                                              \
-    qkv_rope<T, NORM>(x, norm, w, bias, positions, rope, kv, slots, out, num_slots, layer, eps, H, KVH, D, \
-                      K);                                                                               \
+    qkv_rope<T>(x, norm, w, bias, positions, rope, kv, slots, out, num_slots, layer, eps, H, KVH, D, K);   \
   }
 
 #define KILN_GEMV_SWIGLU(NAME, T, GELU_TANH, NORM)                                                      \

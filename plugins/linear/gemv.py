@@ -49,7 +49,7 @@ def _serves(dtype: str, k: int, fp8_weight: bool) -> bool:
 
 
 def _cpp(flag: bool) -> str:
-    """A template argument: whether a kernel was built for an unfolded norm weight, or for GELU."""
+    """A template argument: whether the SwiGLU GEMV was built for GELU, or for an unfolded norm weight."""
     return "true" if flag else "false"
 
 
@@ -80,8 +80,7 @@ def qkv_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
             or d % 2 or pairs % WARPS):
         return []
     name = "kiln_gemv_qkv_rope_t1"
-    return [NvccKernel(SOURCE, name, f"KILN_GEMV_QKV_ROPE({name}, 1, {_cpp(shapes.get('norm_weight', False))})",
-                       QKV_SIGNATURE, WARPS,
+    return [NvccKernel(SOURCE, name, f"KILN_GEMV_QKV_ROPE({name}, 1)", QKV_SIGNATURE, WARPS,
                        _meta(1, pairs // WARPS, heads=heads, kv_heads=kv_heads, head_dim=d))]
 
 
