@@ -2,21 +2,21 @@
 and "gemv2" ahead of the Triton decode tiles in linear and linear_residual (so attention_o_proj's
 o_proj and the LM head too), and "gemv1" in norm_qkv_rope and norm_swiglu.
 
-On an H200 (2026-12-01, scripts/probe_cuda_gemv.py, Llama-3-8B's projections, weights cycled beyond
-the L2) a chain of 32 layers of plain GEMVs of the four shapes took 3.41 ms at T = 1 against 3.72 for
-the Triton decode tiles (3.55 against 3.76 at T = 2; from T = 4 on the FMAs on the CUDA cores cost
-more than Triton's MMA tiles: 4.15 against 3.77). The engine's kernels through their launchers, in
-us, GEMV against Triton:
+On an H200 (scripts/probe_cuda_gemv.py, Llama-3-8B's projections, weights cycled beyond the L2) a
+chain of 32 layers of plain GEMVs of the four shapes took 3.41 ms at T = 1 against 3.72 for the
+Triton decode tiles (3.55 against 3.76 at T = 2; from T = 4 on the FMAs on the CUDA cores cost more
+than Triton's MMA tiles: 4.15 against 3.77). The engine's kernels through their launchers, in us,
+GEMV against Triton (sessions 21 and 22 of BENCHMARKS.md; the two-row figures from session 21's
+kernels):
 
 | kernel | T = 1 | T = 2 |
 | --- | ---: | ---: |
-| o_proj + residual | 10.4 / 12.0 | 10.4 / 12.0 |
-| down + residual | 29.5 / 31.2 | 29.1 / 31.4 |
+| o_proj + residual | 10.0 / 12.1 | 10.4 / 12.0 |
+| down (linear) | 28.8 / 31.7 | 29.1 / 31.4 |
 | norm + qkv + RoPE + KV write | 15.5 / 17.1 | 21.1 / 17.2 |
-| norm + gate/up + SwiGLU (the pair kernel, since removed) | 57.2 / 56.6 | 59.3 / 57.0 |
+| norm + gate/up + SwiGLU | 55.0 / 59.6 | 60.5 / 58.4 |
 
-So the fused qkv takes the GEMV at one row only, and gate/up keeps Triton's wide decode tile, already
-at the copy rate.
+So the fused qkv and gate/up take a GEMV at one row only.
 
 They serve bf16 engines without FP8 weights, where K % 8 == 0 (16-byte pieces of a row) and the
 rows divide among the warps; norm_qkv_rope's only without q/k norm (which needs whole heads) and
