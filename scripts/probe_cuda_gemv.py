@@ -5,7 +5,8 @@ GEMMs? (a developer's probe; BENCHMARKS.md, sessions 21 and 22, has its figures)
     PYTHONPATH=. python3 scripts/probe_cuda_gemv.py run probe.pkl       # on the GPU
     PYTHONPATH=. python3 scripts/probe_cuda_gemv.py engine probe.pkl    # on the GPU: the engine's kernels only
 
-`compile` builds `gemv.cu`'s plain GEMV at rows T and weight rows per warp R (VARIANTS) with
+`compile` builds `gemv.cu`'s plain GEMV at rows T and weight rows per warp R (VARIANTS) and
+`probe_mma_gemv.cu`'s tensor-core GEMV (weights staged through shared memory, for 1-16 rows) with
 `plugins.nvcc`, the engine's decode-bucket `linear_kernel` for Llama-3-8B's four projection shapes,
 each plugin's whole kernel list at those shapes (ENGINE_CASES) and the GEMVs the engine does not
 build but might (`extra_kernels`), into one pickle. `run` checks every plain kernel against torch,
@@ -22,13 +23,21 @@ from __future__ import annotations
 import importlib
 import itertools
 import pickle
+import re
 import sys
+from pathlib import Path
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 RESIDUAL = {"qkv": False, "o_proj": True, "gate_up": False, "down": True}
 LAYERS = 32
 # (T, R) of the plain GEMV: rows of x, weight rows per warp.
 VARIANTS = [(1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (8, 2), (8, 4)]
+# The tensor-core GEMV of probe_mma_gemv.cu: (n-tiles of 8 rows of x, warps taking turns over K, chunks
+# per iteration) as its MMA_GEMV lines instantiate them, and the rows of x each is timed at.
+MMA_SOURCE = Path(__file__).with_name("probe_mma_gemv.cu")
+MMA_ROWS = {1: (1, 2, 4, 8), 2: (16,)}
+MMA_SIGNATURE = {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "residual": "*bf16", "out": "*bf16", "T": "i32",
+                 "N": "i32", "K": "i32"}
 # The engine's plugins at Llama-3-8B's shapes: (compile shapes, attrs). norm_swiglu has no GEMV
 # bucket since session 21 (its pair kernel lost): both of its columns then time the Triton kernel.
 ENGINE_CASES = {
@@ -48,13 +57,25 @@ def gemv_kernel(t: int, r: int):
     return NvccKernel(gemv.SOURCE, name, f"KILN_GEMV_LINEAR({name}, {t}, {r})", gemv.LINEAR_SIGNATURE, gemv.WARPS)
 
 
+def mma_variants() -> list[tuple[int, int, int]]:
+    return [tuple(map(int, m)) for m in re.findall(r"^MMA_GEMV\((\d+), (\d+), (\d+)\)", MMA_SOURCE.read_text(), re.M)]
+
+
+def mma_kernel(nt: int, warps: int, u: int):
+    """The tensor-core GEMV, its source appended to gemv.cu's (whose load helper it shares)."""
+    from kiln.plugins.linear import gemv
+    from kiln.plugins.nvcc import NvccKernel
+
+    return NvccKernel(gemv.SOURCE, f"mma_gemv_nt{nt}_k{warps}_u{u}", MMA_SOURCE.read_text(), MMA_SIGNATURE, warps)
+
+
 def extra_kernels() -> dict[str, object]:
     """Per plugin, a GEMV the engine does not build, timed ahead of the Triton buckets: o_proj's
     at one row with one weight row a warp (the engine takes two), the SwiGLU GEMV at two rows."""
     from kiln.plugins.linear import gemv
     from kiln.plugins.nvcc import NvccKernel
 
-    swiglu = NvccKernel(gemv.SOURCE, "probe_swiglu_t2", "KILN_GEMV_SWIGLU(probe_swiglu_t2, 2, false)",
+    swiglu = NvccKernel(gemv.SOURCE, "probe_swiglu_t2", "KILN_GEMV_SWIGLU(probe_swiglu_t2, 2, false, false)",
                         gemv.SWIGLU_SIGNATURE, gemv.WARPS, gemv._meta(2, 14336 // gemv.WARPS, block=64))
     linear = NvccKernel(gemv.SOURCE, "probe_linear_t1_r1", "KILN_GEMV_LINEAR(probe_linear_t1_r1, 1, 1)",
                         gemv.LINEAR_SIGNATURE, gemv.WARPS, gemv._meta(1, 4096 // gemv.WARPS))
@@ -74,6 +95,7 @@ def compile_all(path: str) -> None:
     from kiln.plugins.linear.kernels import linear_aot_kernels
 
     cuda = {(t, r): kernel_entry(gemv_kernel(t, r)) for t, r in VARIANTS}
+    mma = {v: kernel_entry(mma_kernel(*v)) for v in mma_variants()}
     triton_kernels = {name: kernel_entry(next(
         kr for kr in linear_aot_kernels("bfloat16", n, k, bias=False, residual=RESIDUAL[name])
         if kr.meta.get("bucket") == "decode" and (kr.targets is None or "sm_90" in kr.targets)))
@@ -82,10 +104,10 @@ def compile_all(path: str) -> None:
                        .aot_kernels("bfloat16", shapes) if kr.targets is None or "sm_90" in kr.targets]
               for plugin, (shapes, _) in ENGINE_CASES.items()}
     with open(path, "wb") as f:
-        pickle.dump({"cuda": cuda, "triton": triton_kernels, "engine": engine,
+        pickle.dump({"cuda": cuda, "mma": mma, "triton": triton_kernels, "engine": engine,
                      "extra": {plugin: kernel_entry(k) for plugin, k in extra_kernels().items()},
                      "triton_version": triton.__version__}, f)
-    print(f"{len(cuda)} CUDA GEMVs, {len(triton_kernels)} Triton decode kernels, "
+    print(f"{len(cuda)} CUDA GEMVs, {len(mma)} tensor-core GEMVs, {len(triton_kernels)} Triton decode kernels, "
           f"{sum(map(len, engine.values()))} engine kernels -> {path}")
 
 
@@ -132,7 +154,7 @@ def plain_kernels(built: dict, copy: float) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
                       for _ in range(LAYERS)] for name, (n, k) in SHAPES.items()}
-    ts = sorted({t for t, _ in VARIANTS})
+    ts = sorted({t for t, _ in VARIANTS} | {t for nt, _, _ in built["mma"] for t in MMA_ROWS[nt]})
     xs = {(name, t): torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
           for (name, (n, k)), t in itertools.product(SHAPES.items(), ts)}
     residuals = {(name, t): torch.randn(t, n, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -148,6 +170,7 @@ def plain_kernels(built: dict, copy: float) -> None:
         return ((outs[name, t].float() - ref).norm() / ref.norm()).item()
 
     cuda = {key: load(entry)[0] for key, entry in built["cuda"].items()}
+    mma = {key: load(entry)[0] for key, entry in built["mma"].items()}
     triton_fns = {name: load(entry) for name, entry in built["triton"].items()}
 
     def cuda_launch(t: int, r: int):
@@ -156,6 +179,14 @@ def plain_kernels(built: dict, copy: float) -> None:
             res = residuals[name, t].data_ptr() if RESIDUAL[name] else 0
             cuda[t, r].launch((n // (8 * r), 1, 1), [xs[name, t].data_ptr(), weights[name][layer].data_ptr(), 0, res,
                                                      outs[name, t].data_ptr(), n, k], stream())
+        return launch
+
+    def mma_launch(t: int, v: tuple[int, int, int]):
+        def launch(name: str, layer: int) -> None:
+            n, k = SHAPES[name]
+            res = residuals[name, t].data_ptr() if RESIDUAL[name] else 0
+            mma[v].launch((n // 16, 1, 1), [xs[name, t].data_ptr(), weights[name][layer].data_ptr(), 0, res,
+                                            outs[name, t].data_ptr(), t, n, k], stream())
         return launch
 
     def triton_launch(t: int):
@@ -174,6 +205,8 @@ def plain_kernels(built: dict, copy: float) -> None:
     alone: dict[tuple[str, int], list[tuple[float, str, tuple | None, float]]] = {}
     families = [("triton decode bucket", t, triton_launch(t), None) for t in ts]
     families += [(f"cuda gemv r{r}", t, cuda_launch(t, r), ("cuda gemv", r)) for t, r in VARIANTS]
+    families += [(f"mma gemv nt{v[0]} w{v[1]} u{v[2]}", t, mma_launch(t, v), ("mma gemv", v))
+                 for v in built["mma"] for t in MMA_ROWS[v[0]]]
     for label, t, launch, r in families:
         for name, (n, k) in SHAPES.items():
             outs[name, t].zero_()
@@ -193,7 +226,7 @@ def plain_kernels(built: dict, copy: float) -> None:
     total = sum(w.nbytes for ws in weights.values() for w in ws)
     print(f"chains: {LAYERS} layers x {list(SHAPES)}, {total / 1e9:.2f} GB, limit {total / copy / 1e9:.3f} ms "
           "at the copy rate")
-    make = {"cuda gemv": cuda_launch}
+    make = {"cuda gemv": cuda_launch, "mma gemv": mma_launch}
     for t in ts:
         chains = {"triton": {name: triton_launch(t) for name in SHAPES}}
         for kind in make:
