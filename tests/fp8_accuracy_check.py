@@ -5,10 +5,10 @@ of positions where the FP8 engine's greedy token, given the same context, is the
 (teacher-forced, bar 0.90); and the perplexity of a fixed English paragraph, teacher-forced,
 within 2% of the bf16 engine's.
 
-Measured on the CPU (bf16 engines): agreement 0.934; perplexity 35.85 -> 37.85 (ratio 1.056), of
-which the weights' e4m3 rounding alone gives 37.89 (the activations' per-token quantization adds
-nothing measurable); o, gate/up and down projections each add 1-3%. The 2% bar is not met on this
-30-layer 135M model."""
+Measured on the CPU (bf16 engines): agreement 0.934; perplexity 35.85 -> 37.85 (ratio 1.056; on
+another machine, an AMD EPYC without AVX512-BF16, 35.73 -> 38.01, 1.064), of which the weights'
+e4m3 rounding alone gives 37.89 (the activations' per-token quantization adds nothing measurable);
+o, gate/up and down projections each add 1-3%. The 2% bar is not met on this 30-layer 135M model."""
 from __future__ import annotations
 
 import math
