@@ -6,8 +6,8 @@ On an H200 (scripts/probe_cuda_gemv.py, Llama-3-8B's projections, weights cycled
 chain of 32 layers of plain GEMVs of the four shapes took 3.41 ms at T = 1 against 3.72 for the
 Triton decode tiles (3.55 against 3.76 at T = 2; from T = 4 on the FMAs on the CUDA cores cost more
 than Triton's MMA tiles: 4.15 against 3.77). The engine's kernels through their launchers, in us,
-GEMV against Triton (sessions 21 and 22 of BENCHMARKS.md; the two-row figures from session 21's
-kernels):
+GEMV against Triton (sessions 21 and 22 of BENCHMARKS.md; the two-row qkv and SwiGLU GEMVs are not
+built: those figures are their first forms'):
 
 | kernel | T = 1 | T = 2 |
 | --- | ---: | ---: |
@@ -16,7 +16,8 @@ kernels):
 | norm + qkv + RoPE + KV write | 15.5 / 17.1 | 21.1 / 17.2 |
 | norm + gate/up + SwiGLU | 55.0 / 59.6 | 60.5 / 58.4 |
 
-So the fused qkv and gate/up take a GEMV at one row only.
+So the fused qkv and gate/up take a GEMV at one row only. (The SwiGLU GEMV at two rows with the norm
+flag as a template argument took 56.2 against 59.0 through its launcher, not yet measured in a step.)
 
 They serve bf16 engines without FP8 weights, where K % 8 == 0 (16-byte pieces of a row) and the
 rows divide among the warps; norm_qkv_rope's only without q/k norm (which needs whole heads) and

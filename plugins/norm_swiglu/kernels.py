@@ -28,12 +28,12 @@ import triton.language as tl
 
 from kiln.dtypes import element_bytes
 from kiln.plugins.aot import POINTER_TYPES, AotKernel, absent_as_none, pointer_params
-from kiln.plugins.nvcc import NvccKernel
 from kiln.plugins.linear import fp8, gemv, tma
 from kiln.plugins.linear.kernels import (fp8_gemm_tile, gemm_input, gemm_tile, launch_meta, split_buffers,
                                          split_halves, split_k_sum, split_signature, upcast_dot)
 from kiln.plugins.linear.tiles import (WIDE_N, block_k, num_stages, pick_tile, pipelined, prescaled, split_k,
                                        tiles_for, with_bucket)
+from kiln.plugins.nvcc import NvccKernel
 
 # The builder refuses FP8 plans for GPU targets not named here (`builder.kernels`).
 FP8_TARGETS = fp8.FP8_TARGETS
