@@ -13,10 +13,11 @@
 // weight is a template argument: a runtime null check cost it 2.5 us of 58 (H200,
 // scripts/probe_swiglu_gemv.py). The fused qkv keeps the null check: as a template argument its
 // kernel took 18.1 us a layer in the engine's step against 15.9 (profile_decode.py, two H200 runs;
-// why was not found: the PTX loads in the same order, registers went from 124 to 99). After a butterfly over the warp's lanes, lane t * R + r finishes
-// output (t, r); the epilogue's operands (residual, bias, positions, cache slots) are loaded before
-// the K loop, so their latency hides behind it, and a RoPE row (whose address needs the position)
-// once the first weight pieces are in flight.
+// why was not found: the PTX loads in the same order, registers went from 124 to 99). After a
+// butterfly over the warp's lanes, lane t * R + r finishes output (t, r); the epilogue's operands
+// (residual, bias, positions, cache slots) are loaded before the K loop, so their latency hides
+// behind it, and a RoPE row (whose address needs the position) once the first weight pieces are in
+// flight.
 //
 // Every kernel needs K % 8 == 0 and 16-byte aligned x and weights, and grid (rows / (8 * R), 1, 1)
 // with 256 threads: `plugins.linear.gemv` builds a bucket only for shapes that meet that.
