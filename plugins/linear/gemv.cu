@@ -51,26 +51,67 @@ __device__ __forceinline__ void unpack(uint4 v, float (&f)[VEC]) {
 
 __device__ __forceinline__ float bf16(const __nv_bfloat16* p) { return __bfloat162float(*p); }
 
-// The K loop of one warp: acc[t][r] = x[t] . w[rows[r]] (x times norm's weights when norm is given),
-// and sumsq[t] = x[t] . x[t] (before the norm weight). Sums are per lane; `reduce` adds the lanes.
+template <bool B>
+struct Guard {
+  static constexpr bool value = B;
+};
+
+// Pieces it * U .. it * U + U - 1 (each a lane's 16 bytes, LANES of them a step) of R weight rows into
+// buf. GUARD: the iteration may run past the row's `pieces` (only the last one, when the row is not a
+// multiple of U * LANES pieces); the full iterations take no guard, as a branch around each load would
+// leave fewer of them in flight.
+template <int R, int U, bool GUARD>
+__device__ __forceinline__ void load(uint4 (&buf)[R][U], const uint4* const (&rows)[R], int it, int lane,
+                                     int pieces) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int piece = (it * U + u) * LANES + lane;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      buf[r][u] = !GUARD || piece < pieces ? stream_load(rows[r] + piece) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// One warp's walk over R weight rows of `pieces` 16-byte pieces: U pieces a row per lane an iteration,
+// the next iteration's in flight while `multiply(buf, it, Guard<...>{})` takes this one's. `early()`
+// runs once the first weight pieces are in flight (with BOTH, the first two iterations'): an epilogue
+// operand whose address needs another load (the RoPE row of a position), or the staging of x
+// (`gemv_fp8.cu`), waits there, behind them.
+template <int R, int U, bool BOTH = false, class Early, class Multiply>
+__device__ __forceinline__ void stream_rows(const uint4* const (&rows)[R], int pieces, int lane, Early early,
+                                            Multiply multiply) {
+  const int full = pieces / (U * LANES);   // iterations wholly inside the row
+  uint4 a[R][U], b[R][U];
+  if (full > 0) load<R, U, false>(a, rows, 0, lane, pieces);
+  if (BOTH && full > 1) load<R, U, false>(b, rows, 1, lane, pieces);
+  early();
+  // Two register buffers with static names: indexing one array by `it & 1` would put it in local memory.
+#pragma unroll 1
+  for (int it = 0; it < full; it += 2) {
+    if (it + 1 < full && !(BOTH && it == 0)) load<R, U, false>(b, rows, it + 1, lane, pieces);
+    multiply(a, it, Guard<false>{});
+    if (it + 2 < full) load<R, U, false>(a, rows, it + 2, lane, pieces);
+    if (it + 1 < full) multiply(b, it + 1, Guard<false>{});
+  }
+  if (full * U * LANES < pieces) {
+    load<R, U, true>(a, rows, full, lane, pieces);
+    multiply(a, full, Guard<true>{});
+  }
+}
+
+// Adds v over the warp's lanes (a butterfly: every lane gets the sum).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int s = LANES / 2; s > 0; s /= 2) v += __shfl_xor_sync(0xffffffffu, v, s);
+  return v;
+}
+
+// The K loop of one warp over bf16 weights: acc[t][r] = x[t] . w[rows[r]] (x times norm's weights when
+// norm is given), and sumsq[t] = x[t] . x[t] (before the norm weight), summed over the lanes.
 template <int T, int R>
 struct DotRows {
   float acc[T][R];
   float sumsq[T];
-
-  // GUARD: the iteration may run past K (only the last one, when K is not a multiple of U * 256). The
-  // full iterations take no guard: a branch around each load would leave fewer of them in flight.
-  template <bool GUARD>
-  __device__ __forceinline__ void load(uint4 (&buf)[R][U], const uint4* const (&rows)[R], int it, int lane,
-                                       int k8) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int piece = (it * U + u) * LANES + lane;
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-        buf[r][u] = !GUARD || piece < k8 ? stream_load(rows[r] + piece) : make_uint4(0, 0, 0, 0);
-    }
-  }
 
   template <bool GUARD>
   __device__ __forceinline__ void multiply(const uint4 (&buf)[R][U], const uint4* x, const uint4* norm, int it,
@@ -106,8 +147,6 @@ struct DotRows {
     }
   }
 
-  // `early()` runs once the first weight pieces are in flight: an epilogue operand whose address
-  // needs another load (the RoPE row of a position) waits there, behind them, not before them.
   template <class Early>
   __device__ __forceinline__ void run(const __nv_bfloat16* x, const __nv_bfloat16* norm, const __nv_bfloat16* w,
                                       const int (&row)[R], int K, Early early) {
@@ -123,30 +162,14 @@ struct DotRows {
     }
     const uint4* xv = reinterpret_cast<const uint4*>(x);
     const uint4* nv = reinterpret_cast<const uint4*>(norm);
-    const int full = k8 / (U * LANES);   // iterations wholly inside K
-    uint4 a[R][U], b[R][U];
-    if (full > 0) load<false>(a, rows, 0, lane, k8);
-    early();
-    // Two register buffers with static names: indexing one array by `it & 1` would put it in local memory.
-#pragma unroll 1
-    for (int it = 0; it < full; it += 2) {
-      if (it + 1 < full) load<false>(b, rows, it + 1, lane, k8);
-      multiply<false>(a, xv, nv, it, lane, k8);
-      if (it + 2 < full) load<false>(a, rows, it + 2, lane, k8);
-      if (it + 1 < full) multiply<false>(b, xv, nv, it + 1, lane, k8);
-    }
-    if (full * U * LANES < k8) {
-      load<true>(a, rows, full, lane, k8);
-      multiply<true>(a, xv, nv, full, lane, k8);
-    }
+    stream_rows<R, U>(rows, k8, lane, early, [&](const uint4(&buf)[R][U], int it, auto guard) {
+      multiply<decltype(guard)::value>(buf, xv, nv, it, lane, k8);
+    });
 #pragma unroll
-    for (int s = LANES / 2; s > 0; s /= 2) {
+    for (int t = 0; t < T; ++t) {
+      sumsq[t] = warp_sum(sumsq[t]);
 #pragma unroll
-      for (int t = 0; t < T; ++t) {
-        sumsq[t] += __shfl_xor_sync(0xffffffffu, sumsq[t], s);
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[t][r] += __shfl_xor_sync(0xffffffffu, acc[t][r], s);
-      }
+      for (int r = 0; r < R; ++r) acc[t][r] = warp_sum(acc[t][r]);
     }
   }
 
