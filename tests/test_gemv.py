@@ -1,4 +1,4 @@
-"""The CUDA GEMVs (`plugins/linear/gemv.cu`, `plugins.linear.gemv`) without a GPU: which shapes and
+"""The CUDA GEMVs (`plugins/linear/gemv.cu` and `gemv_fp8.cu`, `plugins.linear.gemv`) without a GPU: which shapes and
 rows get them, that each entry point's C++ parameters are its declared signature, that nvcc builds every
 one for every target, what each launcher passes them at one and two rows, and that a build without
 nvcc leaves them out. Their numerics run on the GPU (test_gemv_gpu.py)."""
@@ -11,6 +11,7 @@ import torch
 
 from kiln.plugins import nvcc
 from kiln.plugins.aot import TARGET_CC, compile_cubin
+from kiln.plugins.fp8 import FP8_TARGETS, quantize_rows
 from kiln.plugins.linear import gemv
 from kiln.plugins.linear.launch import pick_bucket
 from kiln.plugins.norm_qkv_rope import kernels as qkv_kernels
@@ -23,22 +24,24 @@ from kiln.plugins.linear_residual import launch as residual_launch
 QKV = {"K": 4096, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
 SWIGLU = {"K": 4096, "I": 14336, "block": 64}
 C_TYPES = {"const __nv_bfloat16*": "*bf16", "__nv_bfloat16*": "*bf16", "const int*": "*i32", "const float*": "*fp32",
-           "int": "i32", "float": "fp32"}
+           "const uint8_t*": "*fp8e4nv", "int": "i32", "float": "fp32"}
 
 
 def every_kernel() -> list[nvcc.NvccKernel]:
     return (gemv.linear_kernels("bfloat16", 4096, 14336) + gemv.qkv_kernels("bfloat16", QKV)
             + gemv.swiglu_kernels("bfloat16", SWIGLU)
-            + gemv.swiglu_kernels("bfloat16", {**SWIGLU, "activation": "gelu_tanh"}))
+            + gemv.swiglu_kernels("bfloat16", {**SWIGLU, "activation": "gelu_tanh"})
+            + gemv.linear_kernels("bfloat16", 4096, 14336, fp8_weight=True)
+            + gemv.qkv_kernels("bfloat16", {**QKV, "fp8": True, "norm_weight": True})
+            + gemv.swiglu_kernels("bfloat16", {**SWIGLU, "fp8": True, "activation": "gelu_tanh"}))
 
 
 def test_which_shapes_get_the_gemv_buckets():
     assert [k.meta["bucket"] for k in gemv.linear_kernels("bfloat16", 4096, 4096)] == ["gemv1", "gemv2"]
     assert [k.meta["grid"] for k in gemv.linear_kernels("bfloat16", 4096, 4096)] == [("256", "1", "1"),
                                                                                     ("256", "1", "1")]
-    # Other dtypes, FP8 weights, K off the 16-byte pieces: none.
+    # Other dtypes, K off the 16-byte pieces: none.
     assert gemv.linear_kernels("float32", 4096, 4096) == gemv.linear_kernels("float16", 4096, 4096) == []
-    assert gemv.linear_kernels("bfloat16", 4096, 4096, fp8_weight=True) == []
     assert gemv.linear_kernels("bfloat16", 4096, 4100) == []
     # Rows that do not fill the warps of a block (a warp takes 2 rows): 16 at least.
     assert gemv.linear_kernels("bfloat16", 8, 64) == []
@@ -61,30 +64,57 @@ def test_which_shapes_get_the_gemv_buckets():
     assert gemv.swiglu_kernels("bfloat16", {**SWIGLU, "block": 0})[0].meta["block"] == 14336
     assert [k.instance for k in gemv.swiglu_kernels("bfloat16", {**SWIGLU, "activation": "gelu_tanh"})] == [
         "KILN_GEMV_SWIGLU(kiln_gemv_swiglu_t1, 1, true, false)"]
-    assert gemv.swiglu_kernels("bfloat16", {**SWIGLU, "fp8": True}) == []
     # An unfolded norm weight is built in (a runtime null check cost 2.5 us of 58 on an H200).
     assert gemv.swiglu_kernels("bfloat16", {**SWIGLU, "norm_weight": True})[0].instance.endswith(", false, true)")
     assert gemv.swiglu_kernels("bfloat16", {**SWIGLU, "I": 12}) == []   # columns do not fill a block's warps
 
 
+def test_fp8_weights_get_one_row_gemvs_for_the_fp8_targets():
+    """With e4m3 weights: one "gemv1" bucket a plugin (x quantized in each block), built for the FP8
+    targets only, where K is whole 16-byte pieces and fits the staging buffer; 4 weight rows a warp in
+    the plain GEMV and 2 output columns in the SwiGLU one."""
+    (linear,) = gemv.linear_kernels("bfloat16", 4096, 14336, fp8_weight=True)
+    assert linear.meta["bucket"] == "gemv1" and linear.meta["fp8"] and linear.targets == FP8_TARGETS
+    assert linear.meta["grid"] == ("128", "1", "1") and linear.instance.endswith("KILN_GEMV_FP8_LINEAR("
+                                                                                  "kiln_gemv_fp8_linear_t1, 4, 2, 14336)")
+    assert gemv.linear_kernels("bfloat16", 4096, 4104, fp8_weight=True) == []        # K % 16
+    assert gemv.linear_kernels("bfloat16", 4096, 2 * 16384, fp8_weight=True) == []   # past FP8_KMAX
+    assert gemv.linear_kernels("bfloat16", 16, 64, fp8_weight=True) == []            # 32 rows a block
+    assert gemv.linear_kernels("float32", 4096, 4096, fp8_weight=True) == []
+    (swiglu,) = gemv.swiglu_kernels("bfloat16", {**SWIGLU, "fp8": True})
+    assert swiglu.meta["grid"] == ("896", "1", "1") and swiglu.meta["fp8"] and swiglu.targets == FP8_TARGETS
+    (qkv,) = gemv.qkv_kernels("bfloat16", {**QKV, "fp8": True, "norm_weight": True})
+    assert qkv.instance.endswith("KILN_GEMV_FP8_QKV_ROPE(kiln_gemv_fp8_qkv_rope_t1, 4, 4096, true)")
+    assert gemv.qkv_kernels("bfloat16", {**QKV, "fp8": True, "fp8_kv": True}) == []
+    # In the plugins the GEMV serves one row; two go to the quantize pre-pass and the Triton tile.
+    for kernels in (residual_kernels.aot_kernels("bfloat16", {"K": 14336, "N": 4096, "fp8": True}),
+                    qkv_kernels.aot_kernels("bfloat16", {**QKV, "fp8": True}),
+                    swiglu_kernels.aot_kernels("bfloat16", {**SWIGLU, "fp8": True})):
+        metas = [k.meta for k in kernels]
+        assert [metas[pick_bucket(metas, t)]["bucket"] for t in (1, 2)] == ["gemv1", "decode"]
+        assert metas[0].get("gemv") and metas[pick_bucket(metas, 2)]["fp8"]
+
+
 def test_entry_points_take_their_signatures():
     """Each macro's C++ parameter list, in order, is the signature the runtime packs arguments by."""
-    source = gemv.SOURCE.read_text()
+    source = gemv.SOURCE.read_text() + gemv.FP8_SOURCE.read_text()
     params = {}
     for macro, body in re.findall(r"#define (KILN_GEMV_\w+)\(NAME[^)]*\)(.*?)\{", source, re.S):
         text = re.search(r"NAME\((.*)\)", body.replace("\\\n", " "), re.S).group(1)
         params[macro] = [C_TYPES[" ".join(p.split()[:-1])] for p in text.split(",")]
-    assert set(params) == {"KILN_GEMV_LINEAR", "KILN_GEMV_QKV_ROPE", "KILN_GEMV_SWIGLU"}
+    assert set(params) == {"KILN_GEMV_LINEAR", "KILN_GEMV_QKV_ROPE", "KILN_GEMV_SWIGLU", "KILN_GEMV_FP8_LINEAR",
+                           "KILN_GEMV_FP8_QKV_ROPE", "KILN_GEMV_FP8_SWIGLU"}
     for kernel in every_kernel():
-        macro = kernel.instance.split("(")[0]
+        call = kernel.instance.splitlines()[-1]
+        macro = call.split("(")[0]
         assert list(kernel.signature.values()) == params[macro], kernel.entry
-        assert kernel.instance.startswith(f"{macro}({kernel.entry},")
+        assert call.startswith(f"{macro}({kernel.entry},")
 
 
 @pytest.mark.skipif(nvcc.nvcc_path() is None, reason="nvcc is not installed")
 def test_nvcc_builds_every_entry_for_every_target():
     for kernel in every_kernel():
-        for target in TARGET_CC:
+        for target in kernel.targets or TARGET_CC:
             cubin = compile_cubin(kernel, target)
             assert cubin.binary.startswith(b"\x7fELF") and cubin.name == kernel.entry
             assert kernel.entry.encode() in cubin.binary and cubin.shared_bytes == 0 and cubin.num_warps == 8
@@ -152,6 +182,44 @@ def test_swiglu_launcher_passes_the_gemv_parameters():
     assert kernel.entry == "kiln_gemv_swiglu_t1"
     assert args == [x.data_ptr(), norm.data_ptr(), w.data_ptr(), out.data_ptr(), 14336, 64, 1e-5, 4096]
     assert grid == (14336 // gemv.WARPS, 1, 1)   # one output column a warp
+
+
+def e4m3(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_rows(torch.randn(n, k))
+
+
+def test_fp8_launchers_pass_the_weight_scales_after_the_weight():
+    """FP8 at one row: each GEMV takes bf16 x (it quantizes x itself: no pre-pass is launched) and the
+    weight's float32 scales right after the weight."""
+    x, res, out = bf16(1, 14336), bf16(1, 4096), bf16(1, 4096)
+    w, scale = e4m3(4096, 14336)
+    kernel, grid, args = launched(residual_launch, residual_kernels.aot_kernels(
+        "bfloat16", {"K": 14336, "N": 4096, "fp8": True}), [x, w, None, res, scale], {}, out)
+    assert kernel.entry == "kiln_gemv_fp8_linear_t1"
+    assert args == [x.data_ptr(), w.data_ptr(), scale.data_ptr(), 0, res.data_ptr(), out.data_ptr(), 4096, 14336]
+    assert grid[0] * gemv.WARPS * gemv.FP8_LINEAR_ROWS == 4096
+
+    x, norm, out = bf16(1, 4096), bf16(4096), bf16(1, 14336)
+    w, scale = e4m3(2 * 14336, 4096)
+    aot = swiglu_kernels.aot_kernels("bfloat16", {**SWIGLU, "fp8": True})
+    kernel, grid, args = launched(swiglu_launch, aot, [x, None, w, scale],
+                                  {"eps": 1e-5, "block": 64, "activation": "silu"}, out)
+    assert kernel.entry == "kiln_gemv_fp8_swiglu_t1"
+    assert args == [x.data_ptr(), 0, w.data_ptr(), scale.data_ptr(), out.data_ptr(), 14336, 64, 1e-5, 4096]
+    assert grid[0] * gemv.WARPS * gemv.FP8_SWIGLU_COLS == 14336
+
+    d = QKV["head_dim"]
+    w, scale = e4m3((QKV["num_heads"] + 2 * QKV["num_kv_heads"]) * d, 4096)
+    out, positions, slots = bf16(1, QKV["num_heads"] * d), torch.tensor([7], dtype=torch.int32), \
+        torch.tensor([5], dtype=torch.int32)
+    rope, cache = torch.randn(64, d), bf16(4, 2, 3, 16, QKV["num_kv_heads"], d)
+    attrs = {"eps": 1e-6, "layer": 3, "num_heads": 32, "num_kv_heads": 8, "head_dim": d}
+    kernel, grid, args = launched(qkv_launch, qkv_kernels.aot_kernels("bfloat16", {**QKV, "fp8": True}),
+                                  [x, None, w, None, None, None, positions, rope, cache, slots, None, scale], attrs,
+                                  out)
+    assert kernel.entry == "kiln_gemv_fp8_qkv_rope_t1"
+    assert args == [x.data_ptr(), 0, w.data_ptr(), scale.data_ptr(), 0, positions.data_ptr(), rope.data_ptr(),
+                    cache.data_ptr(), slots.data_ptr(), out.data_ptr(), 48, 3, 1e-6, 32, 8, d, 4096]
 
 
 def test_a_build_without_nvcc_leaves_the_gemvs_out(factory, tmp_path, monkeypatch):

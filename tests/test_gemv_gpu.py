@@ -1,9 +1,10 @@
-"""The CUDA GEMVs (`plugins/linear/gemv.cu`) on the GPU: built by nvcc for this GPU and launched by
-each plugin's driver launcher at one and two rows, they match the plugin's reference (GPU only:
-`pytest -m gpu`; norm_qkv_rope and norm_swiglu have one at one row only). Shapes with K tails (K not a
-multiple of a lane iteration's 1,024 elements), folded and unfolded norm weights, biases, the KV-cache
-write, both activations and interleaved and plain gate/up weights are each covered; the engine tests
-cover the Llama shapes at decode."""
+"""The CUDA GEMVs (`plugins/linear/gemv.cu`, `gemv_fp8.cu`) on the GPU: built by nvcc for this GPU and
+launched by each plugin's driver launcher at one and two rows, they match the plugin's reference (GPU
+only: `pytest -m gpu`; norm_qkv_rope and norm_swiglu have one at one row only, and FP8 weights one at
+one row). Shapes with K tails (K not a multiple of a lane iteration's elements), folded and unfolded norm
+weights, biases, the KV-cache write, both activations and interleaved and plain gate/up weights are
+each covered, with bf16 and with e4m3 weights (whose reference runs in bf16, so that x is rounded where
+the kernels round it before they quantize it); the engine tests cover the Llama shapes at decode."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from gpu_kernels import load_plugin_kernels
 from kiln.plugins import get_plugin
+from kiln.plugins.fp8 import FP8_TARGETS, quantize_rows
 from kiln.plugins.linear.launch import pick_bucket
 
 pytestmark = pytest.mark.gpu
@@ -36,7 +38,24 @@ CASES = {
                                                 "activation": "gelu_tanh"},
                                 {"eps": EPS, "block": 0, "activation": "gelu_tanh"}),
 }
+QKV_ATTRS = {"eps": EPS, "layer": LAYER, "num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": 64}
+CASES.update({
+    "fp8 down+residual": ("linear_residual", {"K": 1040, "N": 512, "fp8": True}, LINEAR_ATTRS),
+    "fp8 o_proj+bias+residual": ("linear_residual", {"K": 256, "N": 256, "bias": True, "fp8": True}, LINEAR_ATTRS),
+    "fp8 qkv d64 bias": ("norm_qkv_rope", {"K": 528, "num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": 64,
+                                           "bias": True, "fp8": True}, QKV_ATTRS),
+    "fp8 qkv norm weight": ("norm_qkv_rope", {"K": 2064, "num_heads": HEADS, "num_kv_heads": KV_HEADS,
+                                              "head_dim": 64, "norm_weight": True, "fp8": True}, QKV_ATTRS),
+    "fp8 swiglu block 64": ("norm_swiglu", {"K": 2064, "I": 256, "block": 64, "fp8": True},
+                            {"eps": EPS, "block": 64, "activation": "silu"}),
+    "fp8 geglu plain norm weight": ("norm_swiglu", {"K": 512, "I": 128, "block": 0, "norm_weight": True,
+                                                    "activation": "gelu_tanh", "fp8": True},
+                                    {"eps": EPS, "block": 0, "activation": "gelu_tanh"}),
+})
 ONE_ROW = ("norm_qkv_rope", "norm_swiglu")
+# Where each plugin takes its weight and, with FP8 weights, their scales.
+WEIGHT_AT = {"linear": 1, "linear_residual": 1, "norm_qkv_rope": 2, "norm_swiglu": 2}
+SCALE_AT = {"linear": 3, "linear_residual": 4, "norm_qkv_rope": 11, "norm_swiglu": 3}
 
 
 @pytest.fixture(scope="module")
@@ -85,24 +104,37 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(torch.isfinite(got).all()) and float((got - want).abs().max() / want.abs().max()) < 2e-2
 
 
-@pytest.mark.parametrize("name,rows", [(name, rows) for name, (plugin, _, _) in CASES.items()
-                                       for rows in ((1,) if plugin in ONE_ROW else (1, 2))])
+def with_e4m3_weight(plugin: str, gpu: list) -> list:
+    """The inputs with the weight quantized per row (`plugins.fp8`) and its scales where the plugin takes them."""
+    gpu = list(gpu) + [None] * (SCALE_AT[plugin] + 1 - len(gpu))
+    gpu[WEIGHT_AT[plugin]], gpu[SCALE_AT[plugin]] = quantize_rows(gpu[WEIGHT_AT[plugin]])
+    return gpu
+
+
+@pytest.mark.parametrize("name,rows", [(name, rows) for name, (plugin, shapes, _) in CASES.items()
+                                       for rows in ((1,) if plugin in ONE_ROW or shapes.get("fp8") else (1, 2))])
 def test_gemv_matches_the_reference(loaded, name, rows):
-    plugin, _, attrs = CASES[name]
+    plugin, shapes, attrs = CASES[name]
+    if shapes.get("fp8") and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip(f"FP8 GEMVs are built for {', '.join(FP8_TARGETS)} only")
     launcher, fns, metas, scratch = loaded(name)
     assert metas[pick_bucket(metas, rows)]["bucket"] == f"gemv{rows}"
     gpu = [on_gpu(t) for t in inputs_for(name, rows, torch.Generator().manual_seed(rows * 7 + len(name)))]
-    ref_inputs = [t.cpu().float() if t is not None and t.is_floating_point() else
-                  None if t is None else t.cpu() for t in gpu]
+    if shapes.get("fp8"):
+        gpu = with_e4m3_weight(plugin, gpu)
+        ref_inputs = [None if t is None else t.cpu() for t in gpu]
+    else:
+        ref_inputs = [t.cpu().float() if t is not None and t.is_floating_point() else
+                      None if t is None else t.cpu() for t in gpu]
     # The reference writes k and v into its own copy of the cache.
     want = get_plugin(plugin).call_reference(ref_inputs, attrs)
     out = torch.full(tuple(want.shape), float("nan"), dtype=torch.bfloat16, device="cuda")
     before = gpu[8].clone() if plugin == "norm_qkv_rope" else None
     launcher.launch(fns, metas, gpu, attrs, out, {"T": rows}, torch.cuda.current_stream().cuda_stream, scratch)
     torch.cuda.synchronize()
-    assert close(out.float().cpu(), want)
+    assert close(out.float().cpu(), want.float())
     if plugin == "norm_qkv_rope":
-        cache, ref_cache, slots = gpu[8].float().cpu(), ref_inputs[8], gpu[9].long().cpu()
+        cache, ref_cache, slots = gpu[8].float().cpu(), ref_inputs[8].float(), gpu[9].long().cpu()
         written = torch.zeros(2, 2, 24, dtype=torch.bool)
         written[LAYER, :, slots] = True
         written = written.view(2, 2, 6, 4)

@@ -19,18 +19,24 @@ built: those figures are their first forms'):
 So the fused qkv and gate/up take a GEMV at one row only. (The SwiGLU GEMV at two rows with the norm
 flag as a template argument took 56.2 against 59.0 through its launcher, not yet measured in a step.)
 
-They serve bf16 engines without FP8 weights, where K % 8 == 0 (16-byte pieces of a row) and the
-rows divide among the warps; norm_qkv_rope's only without q/k norm (which needs whole heads) and
-with a bf16 cache. Each bucket's meta carries "gemv" and the constant grid; the launchers pass the
-kernel's parameters (`gemv.cu`'s entry points) with absent optional pointers as 0.
+They serve bf16 engines, where K % 8 == 0 (16-byte pieces of a row) and the rows divide among the
+warps; norm_qkv_rope's only without q/k norm (which needs whole heads) and with a bf16 cache. With
+FP8 weights (`gemv_fp8.cu`, compiled appended to `gemv.cu`, for the FP8 targets only) each plugin
+gets a "gemv1" bucket where K % 16 == 0 and K <= FP8_KMAX (each block stages x, quantized, in shared
+memory), in place of the quantize pre-pass and Triton tile at one row; its meta carries "fp8" too
+and its launch the weight scales after the weight. Each bucket's meta carries "gemv" and the constant
+grid; the launchers pass the kernel's parameters (the .cu files' entry points) with absent optional
+pointers as 0.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+from kiln.plugins.fp8 import FP8_TARGETS
 from kiln.plugins.nvcc import NvccKernel
 
 SOURCE = Path(__file__).with_name("gemv.cu")
+FP8_SOURCE = Path(__file__).with_name("gemv_fp8.cu")
 WARPS = 8
 # Weight rows per warp of the plain GEMV at each row count it serves (one bucket each). Two at T = 1:
 # on an H200 (probe_cuda_gemv.py, 2026-12-02) o_proj 9.84 us against 10.48 with one, down 28.75
@@ -40,13 +46,34 @@ LINEAR_SIGNATURE = {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "residual": "*b
                     "N": "i32", "K": "i32"}
 SWIGLU_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*bf16", "out": "*bf16", "I": "i32", "block": "i32",
                     "eps": "fp32", "K": "i32"}
+# FP8: the longest row a block stages (as f16: 32 KiB of shared memory), the weight rows a warp takes
+# in the linear GEMV and the output columns in the SwiGLU one (so 4 rows: a block stages x once for 32
+# of them), and the pieces a row per lane an iteration (4 rows x 2 in flight: the bf16 GEMVs' bytes).
+FP8_KMAX = 16384
+FP8_LINEAR_ROWS, FP8_SWIGLU_COLS, FP8_PIECES = 4, 2, 2
+FP8_LINEAR_SIGNATURE = {"x": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "bias": "*bf16", "residual": "*bf16",
+                        "out": "*bf16", "N": "i32", "K": "i32"}
+FP8_SWIGLU_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "out": "*bf16",
+                        "I": "i32", "block": "i32", "eps": "fp32", "K": "i32"}
 QKV_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*bf16", "bias": "*bf16", "positions": "*i32",
                  "rope": "*fp32", "kv": "*bf16", "slots": "*i32", "out": "*bf16", "num_slots": "i32",
                  "layer": "i32", "eps": "fp32", "H": "i32", "KVH": "i32", "D": "i32", "K": "i32"}
+FP8_QKV_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "bias": "*bf16",
+                     "positions": "*i32", "rope": "*fp32", "kv": "*bf16", "slots": "*i32", "out": "*bf16",
+                     "num_slots": "i32", "layer": "i32", "eps": "fp32", "H": "i32", "KVH": "i32", "D": "i32",
+                     "K": "i32"}
 
 
 def _serves(dtype: str, k: int, fp8_weight: bool) -> bool:
-    return dtype == "bfloat16" and not fp8_weight and k % 8 == 0
+    if fp8_weight:
+        return dtype == "bfloat16" and k % 16 == 0 and k <= FP8_KMAX
+    return dtype == "bfloat16" and k % 8 == 0
+
+
+def _fp8_kernel(name: str, call: str, signature: dict, meta: dict) -> NvccKernel:
+    """An entry point of `gemv_fp8.cu`: that file and the macro call appended to `gemv.cu`."""
+    return NvccKernel(SOURCE, name, f"{FP8_SOURCE.read_text()}\n{call}", signature, WARPS, {**meta, "fp8": True},
+                      targets=FP8_TARGETS)
 
 
 def _cpp(flag: bool) -> str:
@@ -63,6 +90,12 @@ def linear_kernels(dtype: str, n: int, k: int, fp8_weight: bool = False) -> list
     """out = x W^T (+ bias) (+ residual) for W [n, k]."""
     if not _serves(dtype, k, fp8_weight):
         return []
+    if fp8_weight:
+        if n % (WARPS * FP8_LINEAR_ROWS):
+            return []
+        name = "kiln_gemv_fp8_linear_t1"
+        return [_fp8_kernel(name, f"KILN_GEMV_FP8_LINEAR({name}, {FP8_LINEAR_ROWS}, {FP8_PIECES}, {k})",
+                            FP8_LINEAR_SIGNATURE, _meta(1, n // (WARPS * FP8_LINEAR_ROWS)))]
     kernels = []
     for t, r in LINEAR_ROWS_PER_WARP.items():
         if n % (WARPS * r) == 0:
@@ -80,9 +113,14 @@ def qkv_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
     if (not _serves(dtype, k, shapes.get("fp8", False)) or shapes.get("qk_norm") or shapes.get("fp8_kv")
             or d % 2 or pairs % WARPS):
         return []
+    meta = _meta(1, pairs // WARPS, heads=heads, kv_heads=kv_heads, head_dim=d)
+    if shapes.get("fp8", False):
+        name = "kiln_gemv_fp8_qkv_rope_t1"
+        # Two rows a warp (a RoPE pair), so twice the pieces in flight of the linear GEMV's 4 rows.
+        call = f"KILN_GEMV_FP8_QKV_ROPE({name}, {2 * FP8_PIECES}, {k}, {_cpp(shapes.get('norm_weight', False))})"
+        return [_fp8_kernel(name, call, FP8_QKV_SIGNATURE, meta)]
     name = "kiln_gemv_qkv_rope_t1"
-    return [NvccKernel(SOURCE, name, f"KILN_GEMV_QKV_ROPE({name}, 1)", QKV_SIGNATURE, WARPS,
-                       _meta(1, pairs // WARPS, heads=heads, kv_heads=kv_heads, head_dim=d))]
+    return [NvccKernel(SOURCE, name, f"KILN_GEMV_QKV_ROPE({name}, 1)", QKV_SIGNATURE, WARPS, meta)]
 
 
 def swiglu_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
@@ -90,12 +128,18 @@ def swiglu_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
     a warp per output column (its gate and up rows)."""
     inter, k = shapes["I"], shapes["K"]
     activation = shapes.get("activation", "silu")
-    if not _serves(dtype, k, shapes.get("fp8", False)) or inter % WARPS or activation not in ("silu", "gelu_tanh"):
+    fp8_weight = shapes.get("fp8", False)
+    cols = FP8_SWIGLU_COLS if fp8_weight else 1
+    if not _serves(dtype, k, fp8_weight) or inter % (WARPS * cols) or activation not in ("silu", "gelu_tanh"):
         return []
-    name = "kiln_gemv_swiglu_t1"
     flags = f"{_cpp(activation == 'gelu_tanh')}, {_cpp(shapes.get('norm_weight', False))}"
-    return [NvccKernel(SOURCE, name, f"KILN_GEMV_SWIGLU({name}, 1, {flags})", SWIGLU_SIGNATURE, WARPS,
-                       _meta(1, inter // WARPS, block=shapes["block"] or inter))]
+    meta = _meta(1, inter // (WARPS * cols), block=shapes["block"] or inter)
+    if fp8_weight:
+        name = "kiln_gemv_fp8_swiglu_t1"
+        call = f"KILN_GEMV_FP8_SWIGLU({name}, {cols}, {FP8_PIECES}, {k}, {flags})"
+        return [_fp8_kernel(name, call, FP8_SWIGLU_SIGNATURE, meta)]
+    name = "kiln_gemv_swiglu_t1"
+    return [NvccKernel(SOURCE, name, f"KILN_GEMV_SWIGLU({name}, 1, {flags})", SWIGLU_SIGNATURE, WARPS, meta)]
 
 
 def address(tensor) -> int:

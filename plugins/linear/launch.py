@@ -51,6 +51,11 @@ def check_fp8(meta: dict, w_scale: torch.Tensor | None) -> None:
                          "disagree; rebuild the engine")
 
 
+def scale_arg(w_scale: torch.Tensor | None) -> list[int]:
+    """A GEMV's weight-scale parameter, which its FP8 entry points take after the weight."""
+    return [] if w_scale is None else [w_scale.data_ptr()]
+
+
 def launch_quantize(kernels: list, metas: list[dict], x: torch.Tensor, norm_weight: torch.Tensor | None,
                     eps: float, stream: int, scratch: dict[str, torch.Tensor]) -> tuple[int, int]:
     """Run an FP8 plugin's quantize pre-pass (`linear.fp8`) over x's rows; returns the addresses
@@ -102,7 +107,8 @@ def launch_gemm(kernels: list, metas: list[dict], x: torch.Tensor, weight: torch
     check_fp8(metas[i], w_scale)
     check_aligned(metas[i], x, weight, w_scale, bias, residual, out)
     if metas[i].get("gemv"):
-        args = [x.data_ptr(), weight.data_ptr(), address(bias), address(residual), out.data_ptr(), *weight.shape]
+        args = [x.data_ptr(), weight.data_ptr(), *scale_arg(w_scale), address(bias), address(residual), out.data_ptr(),
+                *weight.shape]
         kernels[i].launch(grid(metas[i]["grid"], {}), args, stream)
         return
     args = gemm_input_args(kernels, metas, i, x, None, 0.0, stream, scratch) + [weight.data_ptr()]

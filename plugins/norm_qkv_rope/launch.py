@@ -7,7 +7,7 @@ import torch
 from kiln.plugins.attention.kernels import padded
 from kiln.plugins.driver_launch import check_aligned, grid
 from kiln.plugins.linear.gemv import address
-from kiln.plugins.linear.launch import (check_fp8, norm_gemm_input_args, pick_bucket, row_scale_bytes,
+from kiln.plugins.linear.launch import (check_fp8, norm_gemm_input_args, pick_bucket, row_scale_bytes, scale_arg,
                                         split_args)
 
 
@@ -21,8 +21,8 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
     rope_cache (fp32), kv_cache (written in place), slot_mapping, kv_scales? (an e4m3 cache's
     [layers, 2, kv heads]), then w_qkv_scale (FP8) and w_qkv_input_scale (refused by GPU builds)
     when given. The kernels take the optional pointers only when they were built with them (absent
-    ones are constexpr None); an FP8 bucket that reads e4m3 rows gets them from the quantize
-    pre-pass, which applies the norm weight."""
+    ones are constexpr None); an FP8 Triton bucket reads e4m3 rows from the quantize pre-pass,
+    which applies the norm weight, and the FP8 GEMV (gemv1) quantizes x itself."""
     x, norm_weight, w_qkv, b_qkv, q_norm, k_norm, positions, rope_cache, kv_cache, slot_mapping, kv_scales, \
         w_scale = padded(inputs, 13)[:12]
     if (q_norm is None) != (k_norm is None):
@@ -38,9 +38,10 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
     num_slots = kv_cache.shape[2] * kv_cache.shape[3]
     if metas[i].get("gemv"):
         meta = metas[i]
-        args = [x.data_ptr(), address(norm_weight), w_qkv.data_ptr(), address(b_qkv), positions.data_ptr(),
-                rope_cache.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(), out.data_ptr(), num_slots,
-                attrs["layer"], attrs["eps"], meta["heads"], meta["kv_heads"], meta["head_dim"], x.shape[1]]
+        args = [x.data_ptr(), address(norm_weight), w_qkv.data_ptr(), *scale_arg(w_scale), address(b_qkv),
+                positions.data_ptr(), rope_cache.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(),
+                out.data_ptr(), num_slots, attrs["layer"], attrs["eps"], meta["heads"], meta["kv_heads"],
+                meta["head_dim"], x.shape[1]]
         kernels[i].launch(grid(meta["grid"], {}), args, stream)
         return
     args = norm_gemm_input_args(kernels, metas, i, x, norm_weight, attrs["eps"], stream, scratch)

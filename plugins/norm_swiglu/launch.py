@@ -6,7 +6,7 @@ import torch
 
 from kiln.plugins.driver_launch import check_aligned, grid
 from kiln.plugins.linear.gemv import address
-from kiln.plugins.linear.launch import (check_fp8, norm_gemm_input_args, pick_bucket, row_scale_bytes,
+from kiln.plugins.linear.launch import (check_fp8, norm_gemm_input_args, pick_bucket, row_scale_bytes, scale_arg,
                                         split_args)
 
 
@@ -26,8 +26,8 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
     check_fp8(metas[i], w_scale)
     check_aligned(metas[i], x, norm_weight, w_gu, w_scale, out)
     if metas[i].get("gemv"):
-        args = [x.data_ptr(), address(norm_weight), w_gu.data_ptr(), out.data_ptr(), out.shape[1], metas[i]["block"],
-                attrs["eps"], x.shape[1]]
+        args = [x.data_ptr(), address(norm_weight), w_gu.data_ptr(), *scale_arg(w_scale), out.data_ptr(), out.shape[1],
+                metas[i]["block"], attrs["eps"], x.shape[1]]
         kernels[i].launch(grid(metas[i]["grid"], {}), args, stream)
         return
     args = norm_gemm_input_args(kernels, metas, i, x, norm_weight, attrs["eps"], stream, scratch)

@@ -1,0 +1,319 @@
+// FP8 (W8A8) decode GEMVs for one row of x, compiled appended to gemv.cu (whose K loop, `stream_rows`,
+// they share): e4m3 weights [N, K] with a float32 scale per row, x bf16, out bf16. The "gemv1" buckets
+// of FP8 linear, linear_residual, norm_qkv_rope and norm_swiglu (`plugins.linear.gemv` builds them for
+// the FP8 targets only: the conversions below are sm_89's instructions).
+//
+// x is quantized as `plugins.fp8` defines it (per token: the GEMM input's largest magnitude over 448,
+// a correctly rounded division, round to nearest even, saturating), but by every block itself rather
+// than by a pre-pass: each block stages the whole row into shared memory while its first weight pieces
+// are in flight. The Triton path's pre-pass is a launch and a one-program walk of the row per GEMM
+// (about 0.5 ms of a 3.3 ms FP8 step at batch 1 on an H200, BENCHMARKS.md session 13); here it is
+// spread over the blocks and hidden behind their loads. The GEMM input is the one the bf16 kernels
+// multiply: x for linear; for the norm plugins the RMSNorm'd row rounded to bf16 (times an unfolded norm
+// weight, rounded again). Its e4m3 values are exact in f16, which is how shared memory holds them. A
+// lane turns its weight pieces (16 e4m3 values each) into f16 pairs with integer shifts (`e4m3_pairs`)
+// and multiplies them with packed f16 FMAs, a piece's products summed in f16 and then in f32; the
+// result is acc * x_scale * w_scale[n] as in `plugins.fp8.fp8_linear`, whose products are summed in
+// f32 throughout (the f16 partial sums add an error near f16's 2^-11, under the bf16 output's 2^-9).
+//
+// Shared memory holds the row as 16-byte units (8 values): unit q of the row at (q % 2) * K / 16 + q / 2,
+// so the two halves of a weight piece's x come from two arrays that consecutive lanes read without bank
+// conflicts. Every kernel needs K % 16 == 0, K <= the KMAX it was built for, 16-byte aligned x and
+// weights, and 256 threads.
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#ifndef KILN_FP8_PRELOAD
+#define KILN_FP8_PRELOAD true
+#endif
+
+namespace {
+
+constexpr float E4M3_MAX = 448.0f;
+constexpr float MIN_SCALE = 1.0f / (448.0f * 512.0f);   // plugins.fp8.MIN_SCALE
+
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
+// The sum and the largest of one value per thread, over the block; every thread gets both.
+__device__ __forceinline__ float2 block_sum_max(float sum, float amax) {
+  __shared__ float2 part[WARPS];
+#pragma unroll
+  for (int s = LANES / 2; s > 0; s /= 2) {
+    sum += __shfl_xor_sync(0xffffffffu, sum, s);
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
+  }
+  if (threadIdx.x % LANES == 0) part[threadIdx.x / LANES] = make_float2(sum, amax);
+  __syncthreads();
+  float2 total = part[0];
+#pragma unroll
+  for (int w = 1; w < WARPS; ++w) total = make_float2(total.x + part[w].x, fmaxf(total.y, part[w].y));
+  __syncthreads();   // `part` is written again by the next call
+  return total;
+}
+
+// Unit p of the GEMM input: x's 8 values, RMSNorm'd as the bf16 path rounds them (NORM).
+template <bool NORM, bool NORM_WEIGHT>
+__device__ __forceinline__ void gemm_input(float (&f)[VEC], const uint4* x, const uint4* norm, int p, float rstd) {
+  unpack(__ldg(x + p), f);
+  if (NORM) {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) f[i] = round_bf16(f[i] * rstd);
+  }
+  if (NORM && NORM_WEIGHT) {
+    float g[VEC];
+    unpack(__ldg(norm + p), g);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) f[i] = round_bf16(f[i] * g[i]);
+  }
+}
+
+// x's row quantized to e4m3 into `xs` (as f16, in the layout of the file's header); returns its scale.
+// A folded norm needs one pass for the largest magnitude: rounding |x| * rstd to bf16 keeps the order
+// of magnitudes. An unfolded weight reorders them, and a second pass finds it.
+template <bool NORM, bool NORM_WEIGHT>
+__device__ __forceinline__ float stage_e4m3(const __nv_bfloat16* x, const __nv_bfloat16* norm, uint4* xs, int K,
+                                            float eps) {
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  const uint4* nv = reinterpret_cast<const uint4*>(norm);
+  const int units = K / VEC, half = K / 16;
+  float sum = 0.0f, amax = 0.0f;
+  for (int p = threadIdx.x; p < units; p += WARPS * LANES) {
+    float f[VEC];
+    unpack(__ldg(xv + p), f);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) sum = fmaf(f[i], f[i], sum), amax = fmaxf(amax, fabsf(f[i]));
+  }
+  const float2 stats = block_sum_max(sum, amax);
+  const float rstd = NORM ? rsqrtf(stats.x / K + eps) : 1.0f;
+  amax = NORM ? round_bf16(stats.y * rstd) : stats.y;
+  if (NORM_WEIGHT) {
+    amax = 0.0f;
+    for (int p = threadIdx.x; p < units; p += WARPS * LANES) {
+      float f[VEC];
+      gemm_input<NORM, true>(f, xv, nv, p, rstd);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) amax = fmaxf(amax, fabsf(f[i]));
+    }
+    amax = block_sum_max(0.0f, amax).y;
+  }
+  const float scale = fmaxf(__fdiv_rn(amax, E4M3_MAX), MIN_SCALE);
+  for (int p = threadIdx.x; p < units; p += WARPS * LANES) {
+    float f[VEC];
+    gemm_input<NORM, NORM_WEIGHT>(f, xv, nv, p, rstd);
+    // Each group of four values as the pairs (0, 2) and (1, 3): how `e4m3_pairs` unpacks a weight word.
+    uint32_t h[VEC / 2];
+#pragma unroll
+    for (int i = 0; i < VEC / 2; ++i) {
+      const int a = (i / 2) * 4 + i % 2;
+      // Saturating at +-448 as the reference's clamp does; the pair's first value goes to the low byte.
+      const __nv_fp8x2_storage_t q = __nv_cvt_float2_to_fp8x2(
+          make_float2(__fdiv_rn(f[a], scale), __fdiv_rn(f[a + 2], scale)), __NV_SATFINITE, __NV_E4M3);
+      const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(q, __NV_E4M3);
+      h[i] = static_cast<uint32_t>(pair.x) | (static_cast<uint32_t>(pair.y) << 16);
+    }
+    xs[(p % 2) * half + p / 2] = make_uint4(h[0], h[1], h[2], h[3]);
+  }
+  __syncthreads();
+  return scale;
+}
+
+// A word of 4 e4m3 weights as two f16 pairs, values (0, 2) and (1, 3), each 2^-8 times the weight: sign
+// to bit 15 of its half, the 7 exponent and mantissa bits below it to bits 7-13 (f16's exponent bias is 8
+// more than e4m3's, and e4m3's subnormals land on f16's). Integer shifts and masks only: sm_90 converts
+// e4m3 and f16 at a sixteenth of the FMA rate, which held the first version of this GEMV at 2.9 TB/s.
+__device__ __forceinline__ void e4m3_pairs(uint32_t w, __half2& even, __half2& odd) {
+  const uint32_t e = ((w << 8) & 0x80008000u) | ((w << 7) & 0x3f803f80u);
+  const uint32_t o = (w & 0x80008000u) | ((w >> 1) & 0x3f803f80u);
+  even = *reinterpret_cast<const __half2*>(&e);
+  odd = *reinterpret_cast<const __half2*>(&o);
+}
+
+__device__ __forceinline__ __half2 as_half2(uint32_t v) { return *reinterpret_cast<const __half2*>(&v); }
+
+// The K loop of one warp over R e4m3 weight rows: acc[r] = xq . w[rows[r]], summed over the lanes, with
+// xq staged in shared memory by the caller's `early` step (`stage_e4m3`).
+template <int R, int UF>
+struct Fp8DotRows {
+  float acc[R];
+
+  template <bool GUARD>
+  __device__ __forceinline__ void multiply(const uint4 (&buf)[R][UF], const uint4* xs, int half, int it, int lane,
+                                           int pieces) {
+#pragma unroll
+    for (int u = 0; u < UF; ++u) {
+      const int piece = (it * UF + u) * LANES + lane;
+      if (GUARD && piece >= pieces) continue;
+      const uint4 x0 = xs[piece], x1 = xs[half + piece];
+      const uint32_t xw[VEC] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint32_t ww[4] = {buf[r][u].x, buf[r][u].y, buf[r][u].z, buf[r][u].w};
+        // A piece's 16 products summed in f16 pairs (at most 8 a half: the e4m3 magnitudes keep each
+        // partial sum under 6,300, where f16 ends at 65,504), then in f32.
+        __half2 sum = __float2half2_rn(0.0f);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          __half2 even, odd;
+          e4m3_pairs(ww[i], even, odd);
+          sum = __hfma2(even, as_half2(xw[2 * i]), sum);
+          sum = __hfma2(odd, as_half2(xw[2 * i + 1]), sum);
+        }
+        const float2 wide = __half22float2(sum);
+        acc[r] += wide.x + wide.y;
+      }
+    }
+  }
+
+  template <class Early>
+  __device__ __forceinline__ void run(const uint8_t* w, const int (&row)[R], int K, const uint4* xs, Early early) {
+    const int lane = threadIdx.x % LANES, pieces = K / 16;
+    const uint4* rows[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      rows[r] = reinterpret_cast<const uint4*>(w + static_cast<size_t>(row[r]) * K);
+      acc[r] = 0.0f;
+    }
+    stream_rows<R, UF, KILN_FP8_PRELOAD>(rows, pieces, lane, early, [&](const uint4(&buf)[R][UF], int it, auto guard) {
+      multiply<decltype(guard)::value>(buf, xs, pieces, it, lane, pieces);
+    });
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]) * 256.0f;   // the weights were taken at 2^-8
+  }
+
+  // Row r's sum, for lane r < R (every lane holds every sum).
+  __device__ __forceinline__ float mine(int lane) const {
+    float v = 0.0f;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (lane == r) v = acc[r];
+    return v;
+  }
+};
+
+// out[n] = xq . w[n] * x_scale * w_scale[n] (+ bias[n]) (+ residual[n]), R consecutive rows a warp.
+template <int R, int UF, int KMAX>
+__device__ __forceinline__ void fp8_linear(const __nv_bfloat16* x, const uint8_t* w, const float* w_scale,
+                                           const __nv_bfloat16* bias, const __nv_bfloat16* residual,
+                                           __nv_bfloat16* out, int N, int K) {
+  __shared__ uint4 xs[KMAX / VEC];
+  const int lane = threadIdx.x % LANES, first = (blockIdx.x * WARPS + threadIdx.x / LANES) * R;
+  const int n = first + lane % R;
+  const bool owner = lane < R;
+  float extra = 0.0f, ws = 0.0f;
+  if (owner) {
+    ws = w_scale[n];
+    if (bias != nullptr) extra += bf16(bias + n);
+    if (residual != nullptr) extra += bf16(residual + n);
+  }
+  int row[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) row[r] = first + r;
+  Fp8DotRows<R, UF> dot;
+  float scale;
+  dot.run(w, row, K, xs, [&] { scale = stage_e4m3<false, false>(x, nullptr, xs, K, 0.0f); });
+  const float v = dot.mine(lane);
+  if (owner) out[n] = __float2bfloat16(v * scale * ws + extra);
+}
+
+// RMSNorm + q/k/v projection (+ bias) + RoPE with e4m3 weights: `qkv_rope` of gemv.cu otherwise.
+template <int UF, int KMAX, bool NORM_WEIGHT>
+__device__ __forceinline__ void fp8_qkv_rope(const __nv_bfloat16* x, const __nv_bfloat16* norm, const uint8_t* w,
+                                             const float* w_scale, const __nv_bfloat16* bias, const int* positions,
+                                             const float* rope, __nv_bfloat16* kv, const int* slots,
+                                             __nv_bfloat16* out, int num_slots, int layer, float eps, int H, int KVH,
+                                             int D, int K) {
+  __shared__ uint4 xs[KMAX / VEC];
+  const int lane = threadIdx.x % LANES, pair = blockIdx.x * WARPS + threadIdx.x / LANES;
+  const int half = D / 2, h = pair / half, j = pair % half;
+  const int row[2] = {h * D + j, h * D + j + half};
+  const bool is_q = h < H, is_v = h >= H + KVH, owner = lane == 0;
+  float rc = 1.0f, rs = 0.0f, b0 = 0.0f, b1 = 0.0f, ws0 = 0.0f, ws1 = 0.0f;
+  int slot = 0, pos = 0;
+  if (owner) {
+    if (!is_v) pos = positions[0];
+    if (!is_q) slot = slots[0];
+    if (bias != nullptr) b0 = bf16(bias + row[0]), b1 = bf16(bias + row[1]);
+    ws0 = w_scale[row[0]], ws1 = w_scale[row[1]];
+  }
+  Fp8DotRows<2, UF> dot;
+  float scale;
+  dot.run(w, row, K, xs, [&] {
+    scale = stage_e4m3<true, NORM_WEIGHT>(x, norm, xs, K, eps);
+    if (owner && !is_v) {
+      const float* r = rope + static_cast<size_t>(pos) * D + j;
+      rc = r[0];
+      rs = r[half];
+    }
+  });
+  if (!owner) return;
+  const float lo = dot.acc[0] * scale * ws0 + b0, hi = dot.acc[1] * scale * ws1 + b1;
+  const float rlo = lo * rc - hi * rs, rhi = hi * rc + lo * rs;
+  __nv_bfloat16* dst;
+  if (is_q) {
+    dst = out + h * D + j;
+  } else {
+    const int kv_head = is_v ? h - H - KVH : h - H;
+    const size_t cache_row = static_cast<size_t>(layer * 2 + (is_v ? 1 : 0)) * num_slots + slot;
+    dst = kv + cache_row * KVH * D + kv_head * D + j;
+  }
+  dst[0] = __float2bfloat16(rlo);
+  dst[half] = __float2bfloat16(rhi);
+}
+
+// RMSNorm + gate/up projection + act(gate) * up with e4m3 weights: `swiglu` of gemv.cu otherwise, with
+// COLS output columns a warp (their gate and up rows), so a block stages x once for 8 * COLS of them.
+template <int COLS, int UF, int KMAX, bool GELU_TANH, bool NORM_WEIGHT>
+__device__ __forceinline__ void fp8_swiglu(const __nv_bfloat16* x, const __nv_bfloat16* norm, const uint8_t* w,
+                                           const float* w_scale, __nv_bfloat16* out, int I, int block, float eps,
+                                           int K) {
+  __shared__ uint4 xs[KMAX / VEC];
+  const int lane = threadIdx.x % LANES, first = (blockIdx.x * WARPS + threadIdx.x / LANES) * COLS;
+  int row[2 * COLS];
+#pragma unroll
+  for (int c = 0; c < COLS; ++c) {
+    const int j = first + c, gate = (j / block) * 2 * block + j % block;
+    row[2 * c] = gate;
+    row[2 * c + 1] = gate + block;
+  }
+  const bool owner = lane < COLS;
+  float wg = 0.0f, wu = 0.0f;
+#pragma unroll
+  for (int c = 0; c < COLS; ++c)
+    if (lane == c) wg = w_scale[row[2 * c]], wu = w_scale[row[2 * c + 1]];
+  Fp8DotRows<2 * COLS, UF> dot;
+  float scale;
+  dot.run(w, row, K, xs, [&] { scale = stage_e4m3<true, NORM_WEIGHT>(x, norm, xs, K, eps); });
+  if (!owner) return;
+  float g = 0.0f, u = 0.0f;
+#pragma unroll
+  for (int c = 0; c < COLS; ++c)
+    if (lane == c) g = dot.acc[2 * c] * scale * wg, u = dot.acc[2 * c + 1] * scale * wu;
+  const float z = GELU_TANH ? 1.5957691216057308f * (g + 0.044715f * g * g * g) : g;
+  out[first + lane] = __float2bfloat16(g / (1.0f + __expf(-z)) * u);
+}
+
+}  // namespace
+
+#define KILN_GEMV_FP8_LINEAR(NAME, R, UF, KMAX)                                                         \
+  extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                           \
+      NAME(const __nv_bfloat16* x, const uint8_t* w, const float* w_scale, const __nv_bfloat16* bias,   \
+           const __nv_bfloat16* residual, __nv_bfloat16* out, int N, int K) {                           \
+    fp8_linear<R, UF, KMAX>(x, w, w_scale, bias, residual, out, N, K);                                  \
+  }
+
+#define KILN_GEMV_FP8_QKV_ROPE(NAME, UF, KMAX, NORM_WEIGHT)                                             \
+  extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                           \
+      NAME(const __nv_bfloat16* x, const __nv_bfloat16* norm, const uint8_t* w, const float* w_scale,   \
+           const __nv_bfloat16* bias, const int* positions, const float* rope, __nv_bfloat16* kv,       \
+           const int* slots, __nv_bfloat16* out, int num_slots, int layer, float eps, int H, int KVH,   \
+           int D, int K) {                                                                              \
+    fp8_qkv_rope<UF, KMAX, NORM_WEIGHT>(x, norm, w, w_scale, bias, positions, rope, kv, slots, out,     \
+                                        num_slots, layer, eps, H, KVH, D, K);                           \
+  }
+
+#define KILN_GEMV_FP8_SWIGLU(NAME, COLS, UF, KMAX, GELU_TANH, NORM_WEIGHT)                              \
+  extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                           \
+      NAME(const __nv_bfloat16* x, const __nv_bfloat16* norm, const uint8_t* w, const float* w_scale,   \
+           __nv_bfloat16* out, int I, int block, float eps, int K) {                                    \
+    fp8_swiglu<COLS, UF, KMAX, GELU_TANH, NORM_WEIGHT>(x, norm, w, w_scale, out, I, block, eps, K);     \
+  }

@@ -1,0 +1,141 @@
+"""How should the FP8 GEMVs (`plugins/linear/gemv_fp8.cu`) split their work? (a developer's probe)
+
+    PYTHONPATH=. python3 scripts/probe_fp8_gemv.py    # on the GPU (nvcc there builds the variants)
+
+For Llama-3-8B's four projections at one row of x, each variant of weight rows a warp (R, or output
+columns for the SwiGLU GEMV) and pieces a row per lane an iteration (UF) is built with `plugins.nvcc`
+for this GPU, checked against the plugin's reference on one layer, and timed through its plugin's
+launcher over 20 layers of e4m3 weights (1-2.3 GB, so nothing comes from the L2), median of 5 rounds
+of 20 launches; beside it the device copy rate measured in the same run.
+"""
+from __future__ import annotations
+
+import statistics
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from kiln.plugins import get_plugin
+from kiln.plugins.fp8 import FP8_TARGETS, quantize_rows
+from kiln.plugins.linear import gemv
+from kiln.plugins.nvcc import NvccKernel, compile_cubin
+from kiln.runtime.cuda_driver import device_arch, load_kernel
+
+LAYERS, ROUNDS = 20, 5
+HEADS, KV_HEADS, D = 32, 8, 128
+
+
+def variants() -> dict[str, list[tuple[str, NvccKernel]]]:
+    """Per projection: (label, kernel) of each variant, the engine's first."""
+    def kernel(name: str, call: str, signature: dict, programs: int, **meta) -> NvccKernel:
+        return NvccKernel(gemv.SOURCE, name, f"{gemv.FP8_SOURCE.read_text()}\n{call}", signature, gemv.WARPS,
+                          {**gemv._meta(1, programs, **meta), "fp8": True}, targets=FP8_TARGETS)
+
+    out: dict[str, list] = {}
+    for shape, (n, k) in {"o_proj": (4096, 4096), "down": (4096, 14336)}.items():
+        out[shape] = [(f"R={r} UF={uf}", kernel(f"p_lin_{shape}_{r}_{uf}", f"KILN_GEMV_FP8_LINEAR(p_lin_{shape}_{r}_{uf}, "
+                                                f"{r}, {uf}, {k})", gemv.FP8_LINEAR_SIGNATURE, n // (8 * r)))
+                      for r, uf in ((gemv.FP8_LINEAR_ROWS, gemv.FP8_PIECES), (1, 4), (1, 8), (2, 2), (2, 4), (4, 1), (8, 1))]
+    out["gate_up"] = [(f"COLS={c} UF={uf}", kernel(f"p_sw_{c}_{uf}", f"KILN_GEMV_FP8_SWIGLU(p_sw_{c}_{uf}, {c}, {uf}, "
+                                                   f"4096, false, false)", gemv.FP8_SWIGLU_SIGNATURE, 14336 // (8 * c),
+                                                   block=64))
+                      for c, uf in ((gemv.FP8_SWIGLU_COLS, gemv.FP8_PIECES), (1, 2), (1, 4), (1, 8), (4, 1), (2, 1))]
+    pairs = (HEADS + 2 * KV_HEADS) * D // 2
+    out["qkv"] = [(f"UF={uf}", kernel(f"p_qkv_{uf}", f"KILN_GEMV_FP8_QKV_ROPE(p_qkv_{uf}, {uf}, 4096, false)",
+                                      gemv.FP8_QKV_SIGNATURE, pairs // 8, heads=HEADS, kv_heads=KV_HEADS, head_dim=D))
+                  for uf in (2 * gemv.FP8_PIECES, 2, 8)]
+    # The engine's variant with x staged behind one iteration's weight pieces, not two.
+    for shape, built in out.items():
+        label, engine = built[0]
+        built.append((f"{label} one", NvccKernel(engine.source, engine.entry, "#define KILN_FP8_PRELOAD false\n"
+                                                 + engine.instance, engine.signature, engine.num_warps, engine.meta,
+                                                 engine.targets)))
+    return out
+
+
+def copy_rate() -> float:
+    a = torch.empty(1 << 28, dtype=torch.int32, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 4 * 10 / (start.elapsed_time(end) / 1e3) / 1e9
+
+
+def cases(shape: str, g: torch.Generator) -> tuple[str, list[list], torch.Tensor, dict]:
+    """(plugin, per layer its inputs, the output, attrs) on the GPU."""
+    randn = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
+    bf = lambda t: t.to(torch.bfloat16)  # noqa: E731
+    if shape in ("o_proj", "down"):
+        k = 4096 if shape == "o_proj" else 14336
+        x, res = bf(randn(1, k)), bf(randn(1, 4096))
+        layers = [[x, *quantize_rows(randn(4096, k) / 32)] for _ in range(LAYERS)]
+        return "linear_residual", [[x, w, None, res, s] for x, w, s in layers], bf(randn(1, 4096)), \
+            {"parallel": "none", "heads": 0, "all_reduce": False}
+    if shape == "gate_up":
+        x = bf(randn(1, 4096))
+        layers = [[x, None, *quantize_rows(randn(2 * 14336, 4096) / 16)] for _ in range(LAYERS)]
+        return "norm_swiglu", layers, bf(randn(1, 14336)), {"eps": 1e-5, "block": 64, "activation": "silu"}
+    x = bf(randn(1, 4096))
+    angles = torch.arange(64)[:, None] * 10000.0 ** (-torch.arange(0, D, 2) / D)
+    rope = torch.cat([angles.cos(), angles.sin()], dim=1).cuda()
+    cache = bf(randn(1, 2, 4, 16, KV_HEADS, D))
+    pos, slots = torch.tensor([5], dtype=torch.int32, device="cuda"), torch.tensor([9], dtype=torch.int32, device="cuda")
+    layers = []
+    for _ in range(LAYERS):
+        w, s = quantize_rows(randn((HEADS + 2 * KV_HEADS) * D, 4096) / 16)
+        layers.append([x, None, w, None, None, None, pos, rope, cache, slots, None, s])
+    attrs = {"eps": 1e-5, "layer": 0, "num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": D}
+    return "norm_qkv_rope", layers, bf(randn(1, HEADS * D)), attrs
+
+
+def main() -> None:
+    arch = device_arch()
+    print(f"copy rate {copy_rate():,.0f} GB/s ({torch.cuda.get_device_name()}, {arch})")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    built_all = variants()
+    with ThreadPoolExecutor(8) as pool:   # nvcc runs as a process: eight at once
+        cubins = dict(zip([k.entry + k.instance for b in built_all.values() for _, k in b],
+                          pool.map(lambda k: compile_cubin(k, arch), [k for b in built_all.values() for _, k in b])))
+    for shape, built in built_all.items():
+        plugin, layers, out, attrs = cases(shape, g)
+        launcher = __import__(f"kiln.plugins.{plugin}.launch", fromlist=["launch"])
+        want = get_plugin(plugin).call_reference([t.cpu() if isinstance(t, torch.Tensor) else t for t in layers[0]],
+                                                 attrs).float()
+        weight_bytes = sum(t.numel() * t.element_size() for t in layers[0][1:] if isinstance(t, torch.Tensor)
+                           and t.dtype == torch.float8_e4m3fn)
+        for label, kernel in built:
+            cubin = cubins[kernel.entry + kernel.instance]
+            fn = load_kernel(cubin.binary, cubin.name, list(kernel.signature.values()), cubin.num_warps,
+                             cubin.shared_bytes, cubin.global_scratch)
+            def run(inputs: list) -> None:
+                launcher.launch([fn], [kernel.meta], inputs, attrs, out, {"T": 1},
+                                torch.cuda.current_stream().cuda_stream, {})
+
+            run(layers[0])
+            torch.cuda.synchronize()
+            err = float((out.float().cpu() - want).abs().max() / want.abs().max())
+            # One graph of a launch a layer: Python's launch cost (about 5 us) would hide the kernels.
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for inputs in layers:
+                    run(inputs)
+            times = []
+            for _ in range(ROUNDS):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) * 1e3 / LAYERS)
+            us = statistics.median(times)
+            print(f"{shape:8s} {label:12s} {us:7.2f} us  {weight_bytes / us / 1e6:6.0f} GB/s  err {err:.1e}"
+                  f"{'  WRONG' if err > 2e-2 else ''}")
+
+
+if __name__ == "__main__":
+    main()
