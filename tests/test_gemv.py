@@ -71,20 +71,22 @@ def test_which_shapes_get_the_gemv_buckets():
 
 def test_fp8_weights_get_one_row_gemvs_for_the_fp8_targets():
     """With e4m3 weights: one "gemv1" bucket a plugin (x quantized in each block), built for the FP8
-    targets only, where K is whole 16-byte pieces and fits the staging buffer; 4 weight rows a warp in
-    the plain GEMV and 2 output columns in the SwiGLU one."""
+    targets only, where K is whole 16-byte pieces and fits the staging buffer; 2 weight rows a warp in
+    the plain GEMV, 4 pieces of each in flight a lane from FP8_LONG_ROW on."""
     (linear,) = gemv.linear_kernels("bfloat16", 4096, 14336, fp8_weight=True)
     assert linear.meta["bucket"] == "gemv1" and linear.meta["fp8"] and linear.targets == FP8_TARGETS
-    assert linear.meta["grid"] == ("128", "1", "1") and linear.instance.endswith("KILN_GEMV_FP8_LINEAR("
-                                                                                  "kiln_gemv_fp8_linear_t1, 4, 2, 14336)")
+    assert linear.meta["grid"] == ("256", "1", "1") and linear.instance.endswith("KILN_GEMV_FP8_LINEAR("
+                                                                                  "kiln_gemv_fp8_linear_t1, 2, 4, 14336)")
+    (short,) = gemv.linear_kernels("bfloat16", 4096, 4096, fp8_weight=True)
+    assert short.instance.endswith("KILN_GEMV_FP8_LINEAR(kiln_gemv_fp8_linear_t1, 2, 2, 4096)")
     assert gemv.linear_kernels("bfloat16", 4096, 4104, fp8_weight=True) == []        # K % 16
     assert gemv.linear_kernels("bfloat16", 4096, 2 * 16384, fp8_weight=True) == []   # past FP8_KMAX
-    assert gemv.linear_kernels("bfloat16", 16, 64, fp8_weight=True) == []            # 32 rows a block
+    assert gemv.linear_kernels("bfloat16", 8, 64, fp8_weight=True) == []             # 16 rows a block
     assert gemv.linear_kernels("float32", 4096, 4096, fp8_weight=True) == []
     (swiglu,) = gemv.swiglu_kernels("bfloat16", {**SWIGLU, "fp8": True})
-    assert swiglu.meta["grid"] == ("896", "1", "1") and swiglu.meta["fp8"] and swiglu.targets == FP8_TARGETS
+    assert swiglu.meta["grid"] == ("448", "1", "1") and swiglu.meta["fp8"] and swiglu.targets == FP8_TARGETS
     (qkv,) = gemv.qkv_kernels("bfloat16", {**QKV, "fp8": True, "norm_weight": True})
-    assert qkv.instance.endswith("KILN_GEMV_FP8_QKV_ROPE(kiln_gemv_fp8_qkv_rope_t1, 4, 4096, true)")
+    assert qkv.instance.endswith("KILN_GEMV_FP8_QKV_ROPE(kiln_gemv_fp8_qkv_rope_t1, 2, 4096, true)")
     assert gemv.qkv_kernels("bfloat16", {**QKV, "fp8": True, "fp8_kv": True}) == []
     # In the plugins the GEMV serves one row; two go to the quantize pre-pass and the Triton tile.
     for kernels in (residual_kernels.aot_kernels("bfloat16", {"K": 14336, "N": 4096, "fp8": True}),

@@ -46,11 +46,23 @@ LINEAR_SIGNATURE = {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "residual": "*b
                     "N": "i32", "K": "i32"}
 SWIGLU_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*bf16", "out": "*bf16", "I": "i32", "block": "i32",
                     "eps": "fp32", "K": "i32"}
-# FP8: the longest row a block stages (as f16: 32 KiB of shared memory), the weight rows a warp takes
-# in the linear GEMV and the output columns in the SwiGLU one (so 4 rows: a block stages x once for 32
-# of them), and the pieces a row per lane an iteration (4 rows x 2 in flight: the bf16 GEMVs' bytes).
+# FP8: the longest row a block stages (as f16: 32 KiB of shared memory); the weight rows a warp takes in
+# the linear GEMV, the output columns in the SwiGLU one, and the pieces a row per lane an iteration, 4 in
+# the linear GEMV from FP8_LONG_ROW on (gemv_fp8.cu's LONG_ROW). Chosen on an H200 with weights cycled
+# beyond the L2 (scripts/probe_fp8_gemv.py, two calls, BENCHMARKS.md session 23), in us: o_proj 6.63 /
+# 7.32 with 2 rows and 2 pieces against 8.59 / 8.66 with 4 and 2; down 17.48 / 17.46 with 2 and 4
+# against 19.24 / 19.24 with 4 and 2; gate/up 31.46 / 31.59 with 4 columns and 1 piece against 34.26 /
+# 32.30 with 2 and 2 and 30.14 / 32.79 with 1 and 4; qkv 9.17 / 10.16 with 2 pieces against 11.88 /
+# 10.41 with 4.
 FP8_KMAX = 16384
-FP8_LINEAR_ROWS, FP8_SWIGLU_COLS, FP8_PIECES = 4, 2, 2
+FP8_LONG_ROW = 8192
+FP8_LINEAR_ROWS, FP8_SWIGLU_COLS, FP8_SWIGLU_PIECES, FP8_QKV_PIECES = 2, 4, 1, 2
+
+
+def fp8_linear_pieces(k: int) -> int:
+    return 4 if k >= FP8_LONG_ROW else 2
+
+
 FP8_LINEAR_SIGNATURE = {"x": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "bias": "*bf16", "residual": "*bf16",
                         "out": "*bf16", "N": "i32", "K": "i32"}
 FP8_SWIGLU_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "out": "*bf16",
@@ -94,7 +106,7 @@ def linear_kernels(dtype: str, n: int, k: int, fp8_weight: bool = False) -> list
         if n % (WARPS * FP8_LINEAR_ROWS):
             return []
         name = "kiln_gemv_fp8_linear_t1"
-        return [_fp8_kernel(name, f"KILN_GEMV_FP8_LINEAR({name}, {FP8_LINEAR_ROWS}, {FP8_PIECES}, {k})",
+        return [_fp8_kernel(name, f"KILN_GEMV_FP8_LINEAR({name}, {FP8_LINEAR_ROWS}, {fp8_linear_pieces(k)}, {k})",
                             FP8_LINEAR_SIGNATURE, _meta(1, n // (WARPS * FP8_LINEAR_ROWS)))]
     kernels = []
     for t, r in LINEAR_ROWS_PER_WARP.items():
@@ -116,8 +128,7 @@ def qkv_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
     meta = _meta(1, pairs // WARPS, heads=heads, kv_heads=kv_heads, head_dim=d)
     if shapes.get("fp8", False):
         name = "kiln_gemv_fp8_qkv_rope_t1"
-        # Two rows a warp (a RoPE pair), so twice the pieces in flight of the linear GEMV's 4 rows.
-        call = f"KILN_GEMV_FP8_QKV_ROPE({name}, {2 * FP8_PIECES}, {k}, {_cpp(shapes.get('norm_weight', False))})"
+        call = f"KILN_GEMV_FP8_QKV_ROPE({name}, {FP8_QKV_PIECES}, {k}, {_cpp(shapes.get('norm_weight', False))})"
         return [_fp8_kernel(name, call, FP8_QKV_SIGNATURE, meta)]
     name = "kiln_gemv_qkv_rope_t1"
     return [NvccKernel(SOURCE, name, f"KILN_GEMV_QKV_ROPE({name}, 1)", QKV_SIGNATURE, WARPS, meta)]
@@ -136,7 +147,7 @@ def swiglu_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
     meta = _meta(1, inter // (WARPS * cols), block=shapes["block"] or inter)
     if fp8_weight:
         name = "kiln_gemv_fp8_swiglu_t1"
-        call = f"KILN_GEMV_FP8_SWIGLU({name}, {cols}, {FP8_PIECES}, {k}, {flags})"
+        call = f"KILN_GEMV_FP8_SWIGLU({name}, {cols}, {FP8_SWIGLU_PIECES}, {k}, {flags})"
         return [_fp8_kernel(name, call, FP8_SWIGLU_SIGNATURE, meta)]
     name = "kiln_gemv_swiglu_t1"
     return [NvccKernel(SOURCE, name, f"KILN_GEMV_SWIGLU({name}, 1, {flags})", SWIGLU_SIGNATURE, WARPS, meta)]

@@ -5,8 +5,8 @@
 //
 // x is quantized as `plugins.fp8` defines it (per token: the GEMM input's largest magnitude over 448,
 // a correctly rounded division, round to nearest even, saturating), but by every block itself rather
-// than by a pre-pass: each block stages the whole row into shared memory while its first weight pieces
-// are in flight. The Triton path's pre-pass is a launch and a one-program walk of the row per GEMM
+// than by a pre-pass: each block loads the whole row before its first weight pieces, and stages it into
+// shared memory while those are in flight. The Triton path's pre-pass is a launch and a one-program walk of the row per GEMM
 // (about 0.5 ms of a 3.3 ms FP8 step at batch 1 on an H200, BENCHMARKS.md session 13); here it is
 // spread over the blocks and hidden behind their loads. The GEMM input is the one the bf16 kernels
 // multiply: x for linear; for the norm plugins the RMSNorm'd row rounded to bf16 (times an unfolded norm
@@ -23,13 +23,13 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
-#ifndef KILN_FP8_PRELOAD
-#define KILN_FP8_PRELOAD true
-#endif
-
 namespace {
 
 constexpr float E4M3_MAX = 448.0f;
+// A row this long or longer stages behind two iterations' weight pieces, not one (`stream_rows`' BOTH):
+// on an H200 (scripts/probe_fp8_gemv.py) that took down (K = 14,336) from 21.5 to 19.2 us, and made
+// gate/up and qkv (K = 4,096) slower, 34.3 against 32.1 and 11.9 against 10.4.
+constexpr int LONG_ROW = 8192;
 constexpr float MIN_SCALE = 1.0f / (448.0f * 512.0f);   // plugins.fp8.MIN_SCALE
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
@@ -51,10 +51,10 @@ __device__ __forceinline__ float2 block_sum_max(float sum, float amax) {
   return total;
 }
 
-// Unit p of the GEMM input: x's 8 values, RMSNorm'd as the bf16 path rounds them (NORM).
+// Unit p of the GEMM input from x's unit v: its 8 values, RMSNorm'd as the bf16 path rounds them (NORM).
 template <bool NORM, bool NORM_WEIGHT>
-__device__ __forceinline__ void gemm_input(float (&f)[VEC], const uint4* x, const uint4* norm, int p, float rstd) {
-  unpack(__ldg(x + p), f);
+__device__ __forceinline__ void gemm_input(float (&f)[VEC], uint4 v, const uint4* norm, int p, float rstd) {
+  unpack(v, f);
   if (NORM) {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) f[i] = round_bf16(f[i] * rstd);
@@ -67,55 +67,84 @@ __device__ __forceinline__ void gemm_input(float (&f)[VEC], const uint4* x, cons
   }
 }
 
-// x's row quantized to e4m3 into `xs` (as f16, in the layout of the file's header); returns its scale.
-// A folded norm needs one pass for the largest magnitude: rounding |x| * rstd to bf16 keeps the order
-// of magnitudes. An unfolded weight reorders them, and a second pass finds it.
-template <bool NORM, bool NORM_WEIGHT>
-__device__ __forceinline__ float stage_e4m3(const __nv_bfloat16* x, const __nv_bfloat16* norm, uint4* xs, int K,
-                                            float eps) {
-  const uint4* xv = reinterpret_cast<const uint4*>(x);
-  const uint4* nv = reinterpret_cast<const uint4*>(norm);
-  const int units = K / VEC, half = K / 16;
-  float sum = 0.0f, amax = 0.0f;
-  for (int p = threadIdx.x; p < units; p += WARPS * LANES) {
-    float f[VEC];
-    unpack(__ldg(xv + p), f);
+// x's row (at most KMAX values) as the block's threads hold it for staging: unit threadIdx.x + 256 i in
+// v[i]. `load` runs before the first weight loads: behind them, in a memory system they saturate, x's
+// loads waited several microseconds, and every block's stream with them.
+template <int KMAX>
+struct XRow {
+  static constexpr int PER_THREAD = (KMAX / VEC + WARPS * LANES - 1) / (WARPS * LANES);
+  uint4 v[PER_THREAD];
+
+  __device__ __forceinline__ void load(const __nv_bfloat16* x, int K) {
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) sum = fmaf(f[i], f[i], sum), amax = fmaxf(amax, fabsf(f[i]));
+    for (int i = 0; i < PER_THREAD; ++i) {
+      const int p = threadIdx.x + i * WARPS * LANES;
+      if (p < K / VEC) {
+        asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v[i].x), "=r"(v[i].y), "=r"(v[i].z), "=r"(v[i].w)
+                     : "l"(xv + p));
+      } else {
+        v[i] = make_uint4(0, 0, 0, 0);
+      }
+    }
   }
-  const float2 stats = block_sum_max(sum, amax);
-  const float rstd = NORM ? rsqrtf(stats.x / K + eps) : 1.0f;
-  amax = NORM ? round_bf16(stats.y * rstd) : stats.y;
-  if (NORM_WEIGHT) {
-    amax = 0.0f;
-    for (int p = threadIdx.x; p < units; p += WARPS * LANES) {
+
+  // The row quantized to e4m3 into `xs` (as f16, in the layout of the file's header); returns its
+  // scale. A folded norm needs one pass for the largest magnitude: rounding |x| * rstd to bf16 keeps
+  // the order of magnitudes. An unfolded weight reorders them, and a second pass finds it.
+  template <bool NORM, bool NORM_WEIGHT>
+  __device__ __forceinline__ float stage(const __nv_bfloat16* norm, uint4* xs, int K, float eps) const {
+    const uint4* nv = reinterpret_cast<const uint4*>(norm);
+    const int units = K / VEC, half = K / 16;
+    float sum = 0.0f, amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
       float f[VEC];
-      gemm_input<NORM, true>(f, xv, nv, p, rstd);
+      unpack(v[i], f);   // zeros past the row
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) amax = fmaxf(amax, fabsf(f[i]));
+      for (int j = 0; j < VEC; ++j) sum = fmaf(f[j], f[j], sum), amax = fmaxf(amax, fabsf(f[j]));
     }
-    amax = block_sum_max(0.0f, amax).y;
-  }
-  const float scale = fmaxf(__fdiv_rn(amax, E4M3_MAX), MIN_SCALE);
-  for (int p = threadIdx.x; p < units; p += WARPS * LANES) {
-    float f[VEC];
-    gemm_input<NORM, NORM_WEIGHT>(f, xv, nv, p, rstd);
-    // Each group of four values as the pairs (0, 2) and (1, 3): how `e4m3_pairs` unpacks a weight word.
-    uint32_t h[VEC / 2];
+    const float2 stats = block_sum_max(sum, amax);
+    const float rstd = NORM ? rsqrtf(stats.x / K + eps) : 1.0f;
+    amax = NORM ? round_bf16(stats.y * rstd) : stats.y;
+    if (NORM_WEIGHT) {
+      amax = 0.0f;
 #pragma unroll
-    for (int i = 0; i < VEC / 2; ++i) {
-      const int a = (i / 2) * 4 + i % 2;
-      // Saturating at +-448 as the reference's clamp does; the pair's first value goes to the low byte.
-      const __nv_fp8x2_storage_t q = __nv_cvt_float2_to_fp8x2(
-          make_float2(__fdiv_rn(f[a], scale), __fdiv_rn(f[a + 2], scale)), __NV_SATFINITE, __NV_E4M3);
-      const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(q, __NV_E4M3);
-      h[i] = static_cast<uint32_t>(pair.x) | (static_cast<uint32_t>(pair.y) << 16);
+      for (int i = 0; i < PER_THREAD; ++i) {
+        const int p = threadIdx.x + i * WARPS * LANES;
+        if (p >= units) continue;
+        float f[VEC];
+        gemm_input<NORM, true>(f, v[i], nv, p, rstd);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, fabsf(f[j]));
+      }
+      amax = block_sum_max(0.0f, amax).y;
     }
-    xs[(p % 2) * half + p / 2] = make_uint4(h[0], h[1], h[2], h[3]);
+    const float scale = fmaxf(__fdiv_rn(amax, E4M3_MAX), MIN_SCALE);
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+      const int p = threadIdx.x + i * WARPS * LANES;
+      if (p >= units) continue;
+      float f[VEC];
+      gemm_input<NORM, NORM_WEIGHT>(f, v[i], nv, p, rstd);
+      // Each group of four values as the pairs (0, 2) and (1, 3): how `e4m3_pairs` unpacks a weight word.
+      uint32_t h[VEC / 2];
+#pragma unroll
+      for (int j = 0; j < VEC / 2; ++j) {
+        const int a = (j / 2) * 4 + j % 2;
+        // Saturating at +-448 as the reference's clamp does; the pair's first value goes to the low byte.
+        const __nv_fp8x2_storage_t q = __nv_cvt_float2_to_fp8x2(
+            make_float2(__fdiv_rn(f[a], scale), __fdiv_rn(f[a + 2], scale)), __NV_SATFINITE, __NV_E4M3);
+        const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(q, __NV_E4M3);
+        h[j] = static_cast<uint32_t>(pair.x) | (static_cast<uint32_t>(pair.y) << 16);
+      }
+      xs[(p % 2) * half + p / 2] = make_uint4(h[0], h[1], h[2], h[3]);
+    }
+    __syncthreads();
+    return scale;
   }
-  __syncthreads();
-  return scale;
-}
+};
 
 // A word of 4 e4m3 weights as two f16 pairs, values (0, 2) and (1, 3), each 2^-8 times the weight: sign
 // to bit 15 of its half, the 7 exponent and mantissa bits below it to bits 7-13 (f16's exponent bias is 8
@@ -131,8 +160,8 @@ __device__ __forceinline__ void e4m3_pairs(uint32_t w, __half2& even, __half2& o
 __device__ __forceinline__ __half2 as_half2(uint32_t v) { return *reinterpret_cast<const __half2*>(&v); }
 
 // The K loop of one warp over R e4m3 weight rows: acc[r] = xq . w[rows[r]], summed over the lanes, with
-// xq staged in shared memory by the caller's `early` step (`stage_e4m3`).
-template <int R, int UF>
+// xq staged in shared memory by the caller's `early` step (`XRow::stage`).
+template <int R, int UF, int KMAX>
 struct Fp8DotRows {
   float acc[R];
 
@@ -173,7 +202,7 @@ struct Fp8DotRows {
       rows[r] = reinterpret_cast<const uint4*>(w + static_cast<size_t>(row[r]) * K);
       acc[r] = 0.0f;
     }
-    stream_rows<R, UF, KILN_FP8_PRELOAD>(rows, pieces, lane, early, [&](const uint4(&buf)[R][UF], int it, auto guard) {
+    stream_rows<R, UF, (KMAX >= LONG_ROW)>(rows, pieces, lane, early, [&](const uint4(&buf)[R][UF], int it, auto guard) {
       multiply<decltype(guard)::value>(buf, xs, pieces, it, lane, pieces);
     });
 #pragma unroll
@@ -208,9 +237,11 @@ __device__ __forceinline__ void fp8_linear(const __nv_bfloat16* x, const uint8_t
   int row[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) row[r] = first + r;
-  Fp8DotRows<R, UF> dot;
+  XRow<KMAX> xr;
+  xr.load(x, K);
+  Fp8DotRows<R, UF, KMAX> dot;
   float scale;
-  dot.run(w, row, K, xs, [&] { scale = stage_e4m3<false, false>(x, nullptr, xs, K, 0.0f); });
+  dot.run(w, row, K, xs, [&] { scale = xr.template stage<false, false>(nullptr, xs, K, 0.0f); });
   const float v = dot.mine(lane);
   if (owner) out[n] = __float2bfloat16(v * scale * ws + extra);
 }
@@ -235,10 +266,12 @@ __device__ __forceinline__ void fp8_qkv_rope(const __nv_bfloat16* x, const __nv_
     if (bias != nullptr) b0 = bf16(bias + row[0]), b1 = bf16(bias + row[1]);
     ws0 = w_scale[row[0]], ws1 = w_scale[row[1]];
   }
-  Fp8DotRows<2, UF> dot;
+  XRow<KMAX> xr;
+  xr.load(x, K);
+  Fp8DotRows<2, UF, KMAX> dot;
   float scale;
   dot.run(w, row, K, xs, [&] {
-    scale = stage_e4m3<true, NORM_WEIGHT>(x, norm, xs, K, eps);
+    scale = xr.template stage<true, NORM_WEIGHT>(norm, xs, K, eps);
     if (owner && !is_v) {
       const float* r = rope + static_cast<size_t>(pos) * D + j;
       rc = r[0];
@@ -280,9 +313,11 @@ __device__ __forceinline__ void fp8_swiglu(const __nv_bfloat16* x, const __nv_bf
 #pragma unroll
   for (int c = 0; c < COLS; ++c)
     if (lane == c) wg = w_scale[row[2 * c]], wu = w_scale[row[2 * c + 1]];
-  Fp8DotRows<2 * COLS, UF> dot;
+  XRow<KMAX> xr;
+  xr.load(x, K);
+  Fp8DotRows<2 * COLS, UF, KMAX> dot;
   float scale;
-  dot.run(w, row, K, xs, [&] { scale = stage_e4m3<true, NORM_WEIGHT>(x, norm, xs, K, eps); });
+  dot.run(w, row, K, xs, [&] { scale = xr.template stage<true, NORM_WEIGHT>(norm, xs, K, eps); });
   if (!owner) return;
   float g = 0.0f, u = 0.0f;
 #pragma unroll
