@@ -5,12 +5,12 @@
 For Llama-3-8B's four projections at one row of x, each variant of weight rows a warp (R, or output
 columns for the SwiGLU GEMV) and pieces a row per lane an iteration (UF) is built with `plugins.nvcc`
 for this GPU, checked against the plugin's reference on one layer, and timed through its plugin's
-launcher over 20 layers of e4m3 weights (1-2.3 GB, so nothing comes from the L2), median of 5 rounds
-of 20 launches; beside it the device copy rate measured in the same run.
+launcher over 20 layers of e4m3 weights (1-2.3 GB, so nothing comes from the L2) in a CUDA graph
+(`gpu_timing.graph_us`); beside it the device copy rate measured in the same run.
 """
 from __future__ import annotations
 
-import statistics
+import itertools
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -20,8 +20,9 @@ from kiln.plugins.fp8 import FP8_TARGETS, quantize_rows
 from kiln.plugins.linear import gemv
 from kiln.plugins.nvcc import NvccKernel, compile_cubin
 from kiln.runtime.cuda_driver import device_arch, load_kernel
+from scripts.gpu_timing import REPEAT, graph_us
 
-LAYERS, ROUNDS = 20, 5
+LAYERS = REPEAT
 HEADS, KV_HEADS, D = 32, 8, 128
 
 
@@ -114,20 +115,10 @@ def main() -> None:
             run(layers[0])
             torch.cuda.synchronize()
             err = float((out.float().cpu() - want).abs().max() / want.abs().max())
-            # One graph of a launch a layer: Python's launch cost (about 5 us) would hide the kernels.
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for inputs in layers:
-                    run(inputs)
-            times = []
-            for _ in range(ROUNDS):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end) * 1e3 / LAYERS)
-            us = statistics.median(times)
+            # A graph of REPEAT launches, the next layer's weights each (Python's launch cost, about
+            # 5 us, would hide the kernels).
+            layer = itertools.cycle(layers)
+            us = graph_us(lambda: run(next(layer)))
             print(f"{shape:8s} {label:12s} {us:7.2f} us  {weight_bytes / us / 1e6:5.2f} TB/s  err {err:.1e}"
                   f"{'  WRONG' if err > 2e-2 else ''}")
 

@@ -279,18 +279,8 @@ __device__ __forceinline__ void fp8_qkv_rope(const __nv_bfloat16* x, const __nv_
     }
   });
   if (!owner) return;
-  const float lo = dot.acc[0] * scale * ws0 + b0, hi = dot.acc[1] * scale * ws1 + b1;
-  const float rlo = lo * rc - hi * rs, rhi = hi * rc + lo * rs;
-  __nv_bfloat16* dst;
-  if (is_q) {
-    dst = out + h * D + j;
-  } else {
-    const int kv_head = is_v ? h - H - KVH : h - H;
-    const size_t cache_row = static_cast<size_t>(layer * 2 + (is_v ? 1 : 0)) * num_slots + slot;
-    dst = kv + cache_row * KVH * D + kv_head * D + j;
-  }
-  dst[0] = __float2bfloat16(rlo);
-  dst[half] = __float2bfloat16(rhi);
+  rope_store(dot.acc[0] * scale * ws0 + b0, dot.acc[1] * scale * ws1 + b1, rc, rs, out, kv, 0, h, j, slot,
+             num_slots, layer, H, KVH, D);
 }
 
 // RMSNorm + gate/up projection + act(gate) * up with e4m3 weights: `swiglu` of gemv.cu otherwise, with
