@@ -16,7 +16,8 @@ built: those figures are their first forms'):
 | norm + qkv + RoPE + KV write | 15.5 / 17.1 | 21.1 / 17.2 |
 | norm + gate/up + SwiGLU | 55.0 / 59.6 | 60.5 / 58.4 |
 
-So the fused qkv and gate/up take a GEMV at one row only. (The SwiGLU GEMV at two rows with the norm
+So the fused qkv and gate/up take a GEMV at one row only. The FP8 GEMVs (one row) took an FP8 engine's
+decode at batch 1 from 304 to 347 tok/s, 1.39x the bf16 engine's in the same run (session 23). (The SwiGLU GEMV at two rows with the norm
 flag as a template argument took 56.2 against 59.0 through its launcher, not yet measured in a step.)
 
 They serve bf16 engines, where K % 8 == 0 (16-byte pieces of a row) and the rows divide among the
@@ -52,7 +53,8 @@ SWIGLU_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*bf16", "out": "*bf16",
 # beyond the L2 (scripts/probe_fp8_gemv.py, two calls, BENCHMARKS.md session 23), in us: o_proj 6.63 /
 # 7.32 with 2 rows and 2 pieces against 8.59 / 8.66 with 4 and 2; down 17.48 / 17.46 with 2 and 4
 # against 19.24 / 19.24 with 4 and 2; gate/up 31.46 / 31.59 with 4 columns and 1 piece against 34.26 /
-# 32.30 with 2 and 2 and 30.14 / 32.79 with 1 and 4; qkv 9.17 / 10.16 with 2 pieces against 11.88 /
+# 32.30 with 2 and 2 and 30.14 / 32.79 with 1 and 4 (in the engine's step 4 columns gave decode b=1
+# 347 tok/s, 1 column and 4 pieces 314, in two calls); qkv 9.17 / 10.16 with 2 pieces against 11.88 /
 # 10.41 with 4.
 FP8_KMAX = 16384
 FP8_LONG_ROW = 8192
