@@ -16,9 +16,10 @@ built: those figures are their first forms'):
 | norm + qkv + RoPE + KV write | 15.5 / 17.1 | 21.1 / 17.2 |
 | norm + gate/up + SwiGLU | 55.0 / 59.6 | 60.5 / 58.4 |
 
-So the fused qkv and gate/up take a GEMV at one row only. The FP8 GEMVs (one row) took an FP8 engine's
-decode at batch 1 from 304 to 347 tok/s, 1.39x the bf16 engine's in the same run (session 23). (The SwiGLU GEMV at two rows with the norm
+So the fused qkv and gate/up take a GEMV at one row only. (The SwiGLU GEMV at two rows with the norm
 flag as a template argument took 56.2 against 59.0 through its launcher, not yet measured in a step.)
+The FP8 GEMVs (one row) took an FP8 engine's decode at batch 1 from 304 to 347 tok/s, 1.39x the bf16
+engine's in the same run (session 23).
 
 They serve bf16 engines, where K % 8 == 0 (16-byte pieces of a row) and the rows divide among the
 warps; norm_qkv_rope's only without q/k norm (which needs whole heads) and with a bf16 cache. With
@@ -59,12 +60,6 @@ SWIGLU_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*bf16", "out": "*bf16",
 FP8_KMAX = 16384
 FP8_LONG_ROW = 8192
 FP8_LINEAR_ROWS, FP8_SWIGLU_COLS, FP8_SWIGLU_PIECES, FP8_QKV_PIECES = 2, 4, 1, 2
-
-
-def fp8_linear_pieces(k: int) -> int:
-    return 4 if k >= FP8_LONG_ROW else 2
-
-
 FP8_LINEAR_SIGNATURE = {"x": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "bias": "*bf16", "residual": "*bf16",
                         "out": "*bf16", "N": "i32", "K": "i32"}
 FP8_SWIGLU_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "out": "*bf16",
@@ -82,6 +77,11 @@ def _serves(dtype: str, k: int, fp8_weight: bool) -> bool:
     if fp8_weight:
         return dtype == "bfloat16" and k % 16 == 0 and k <= FP8_KMAX
     return dtype == "bfloat16" and k % 8 == 0
+
+
+def fp8_linear_pieces(k: int) -> int:
+    """Pieces a row per lane an iteration of the FP8 linear GEMV over rows of k values."""
+    return 4 if k >= FP8_LONG_ROW else 2
 
 
 def _fp8_kernel(name: str, call: str, signature: dict, meta: dict) -> NvccKernel:
@@ -138,7 +138,7 @@ def qkv_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
 
 def swiglu_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
     """norm_swiglu's bucket for `shapes` (the plugin's compile shapes), where it serves them: one row,
-    a warp per output column (its gate and up rows)."""
+    a warp per output column (its gate and up rows), FP8_SWIGLU_COLS of them with FP8 weights."""
     inter, k = shapes["I"], shapes["K"]
     activation = shapes.get("activation", "silu")
     fp8_weight = shapes.get("fp8", False)
@@ -158,3 +158,8 @@ def swiglu_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
 def address(tensor) -> int:
     """A kernel argument for an optional tensor: its address, or 0 (the kernel's null) when absent."""
     return 0 if tensor is None else tensor.data_ptr()
+
+
+def scale_arg(w_scale) -> list[int]:
+    """A GEMV's weight-scale parameter, which only its FP8 entry points take (after the weight)."""
+    return [] if w_scale is None else [w_scale.data_ptr()]

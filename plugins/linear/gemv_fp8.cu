@@ -6,9 +6,9 @@
 // x is quantized as `plugins.fp8` defines it (per token: the GEMM input's largest magnitude over 448,
 // a correctly rounded division, round to nearest even, saturating), but by every block itself rather
 // than by a pre-pass: each block loads the whole row before its first weight pieces, and stages it into
-// shared memory while those are in flight. The Triton path's pre-pass is a launch and a one-program walk of the row per GEMM
-// (about 0.5 ms of a 3.3 ms FP8 step at batch 1 on an H200, BENCHMARKS.md session 13); here it is
-// spread over the blocks and hidden behind their loads. The GEMM input is the one the bf16 kernels
+// shared memory while those are in flight. The Triton path's pre-pass is a launch and a one-program
+// walk of the row per GEMM (about 0.5 ms of a 3.3 ms FP8 step at batch 1 on an H200, BENCHMARKS.md
+// session 13); here it is spread over the blocks and hidden behind their loads. The GEMM input is the one the bf16 kernels
 // multiply: x for linear; for the norm plugins the RMSNorm'd row rounded to bf16 (times an unfolded norm
 // weight, rounded again). Its e4m3 values are exact in f16, which is how shared memory holds them. A
 // lane turns its weight pieces (16 e4m3 values each) into f16 pairs with integer shifts (`e4m3_pairs`)
@@ -166,13 +166,13 @@ struct Fp8DotRows {
   float acc[R];
 
   template <bool GUARD>
-  __device__ __forceinline__ void multiply(const uint4 (&buf)[R][UF], const uint4* xs, int half, int it, int lane,
-                                           int pieces) {
+  // xs holds a piece's two halves `pieces` units apart (the layout of the file's header).
+  __device__ __forceinline__ void multiply(const uint4 (&buf)[R][UF], const uint4* xs, int it, int lane, int pieces) {
 #pragma unroll
     for (int u = 0; u < UF; ++u) {
       const int piece = (it * UF + u) * LANES + lane;
       if (GUARD && piece >= pieces) continue;
-      const uint4 x0 = xs[piece], x1 = xs[half + piece];
+      const uint4 x0 = xs[piece], x1 = xs[pieces + piece];
       const uint32_t xw[VEC] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
       for (int r = 0; r < R; ++r) {
@@ -202,8 +202,9 @@ struct Fp8DotRows {
       rows[r] = reinterpret_cast<const uint4*>(w + static_cast<size_t>(row[r]) * K);
       acc[r] = 0.0f;
     }
-    stream_rows<R, UF, (KMAX >= LONG_ROW)>(rows, pieces, lane, early, [&](const uint4(&buf)[R][UF], int it, auto guard) {
-      multiply<decltype(guard)::value>(buf, xs, pieces, it, lane, pieces);
+    constexpr bool long_row = KMAX >= LONG_ROW;
+    stream_rows<R, UF, long_row>(rows, pieces, lane, early, [&](const uint4(&buf)[R][UF], int it, auto guard) {
+      multiply<decltype(guard)::value>(buf, xs, it, lane, pieces);
     });
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]) * 256.0f;   // the weights were taken at 2^-8

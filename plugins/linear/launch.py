@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kiln.plugins.driver_launch import check_aligned, grid
-from kiln.plugins.linear.gemv import address
+from kiln.plugins.linear.gemv import address, scale_arg
 
 
 def pick_bucket(metas: list[dict], rows: int) -> int:
@@ -49,11 +49,6 @@ def check_fp8(meta: dict, w_scale: torch.Tensor | None) -> None:
         raise ValueError(f"GEMM kernel built {'with' if 'fp8' in meta else 'without'} FP8 weights, given "
                          f"{'no ' if w_scale is None else ''}weight scales: the engine's kernels and weights "
                          "disagree; rebuild the engine")
-
-
-def scale_arg(w_scale: torch.Tensor | None) -> list[int]:
-    """A GEMV's weight-scale parameter, which its FP8 entry points take after the weight."""
-    return [] if w_scale is None else [w_scale.data_ptr()]
 
 
 def launch_quantize(kernels: list, metas: list[dict], x: torch.Tensor, norm_weight: torch.Tensor | None,

@@ -6,8 +6,8 @@ import torch
 
 from kiln.plugins.attention.kernels import padded
 from kiln.plugins.driver_launch import check_aligned, grid
-from kiln.plugins.linear.gemv import address
-from kiln.plugins.linear.launch import (check_fp8, norm_gemm_input_args, pick_bucket, row_scale_bytes, scale_arg,
+from kiln.plugins.linear.gemv import address, scale_arg
+from kiln.plugins.linear.launch import (check_fp8, norm_gemm_input_args, pick_bucket, row_scale_bytes,
                                         split_args)
 
 
