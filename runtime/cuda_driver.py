@@ -4,13 +4,18 @@ their kernels, and the device memory that tensor-parallel ranks share.
 The runtime never compiles a kernel: `build-engine` puts cubins in the engine, and this
 module loads them into the current CUDA context (torch's primary context) and launches them
 on a stream. A launch is plain driver calls with no Python per thread block, so it can be
-captured into a CUDA graph. Memory that other processes map (the custom all-reduce's
+captured into a CUDA graph. A kernel built for programmatic dependent launch (its launch meta
+says "pdl": it waits in the kernel for the one before it) is launched with that attribute on a
+GPU that has it (sm_90 on), so it starts while the kernel before it finishes; a graph captures
+the attribute as a programmatic edge. KILN_PROGRAMMATIC_LAUNCH=0 turns it off (every launch
+then waits for the kernel before it to finish, as a plain launch does). Memory that other processes map (the custom all-reduce's
 buffers, `runtime.peer_buffers`) is allocated here with `cuMemAlloc`: an IPC handle stands
 for a whole allocation, and torch's caching allocator hands out parts of larger ones.
 """
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
 from dataclasses import dataclass, field
 from functools import cache
@@ -54,6 +59,8 @@ class CudaKernel:
     # (address, programs it has room for) of the global scratch buffer, for a kernel that needs
     # one: its owner (the CUDA executor) sets it before the first launch.
     scratch: tuple[int, int] = (0, 0)
+    # Launched with programmatic stream serialization (`programmatic_launch`): its owner sets it.
+    programmatic: bool = False
 
     # Every parameter (and the two trailing scratch pointers) in an 8-byte slot of one buffer,
     # and the `void**` array pointing at the slots: made once, refilled by every launch with one
@@ -63,6 +70,7 @@ class CudaKernel:
     _layout: struct.Struct = field(init=False, repr=False)
     _buffer: ctypes.Array = field(init=False, repr=False)
     _pointers: ctypes.Array = field(init=False, repr=False)
+    _config: object = field(init=False, repr=False, default=None)   # cuLaunchKernelEx's, made once
 
     def __post_init__(self) -> None:
         slots = ["Q" if t.startswith("*") else _ARG_FORMATS[t] for t in self.signature] + ["Q", "Q"]
@@ -92,9 +100,36 @@ class CudaKernel:
 
     def enqueue(self, grid: tuple[int, int, int], pointers: ctypes.Array, stream: int) -> None:
         """The driver call of `launch`, with the parameter array `params` made."""
+        if self.programmatic:
+            config = self._config or self._programmatic_config()
+            config.gridDimX, config.gridDimY, config.gridDimZ = grid
+            config.hStream = stream
+            _check(_driver().cuLaunchKernelEx(config, self.function, ctypes.addressof(pointers), 0),
+                   f"cuLaunchKernelEx({self.name})")
+            return
         _check(_driver().cuLaunchKernel(self.function, grid[0], grid[1], grid[2], 32 * self.num_warps, 1, 1,
                                         self.shared_bytes, stream, ctypes.addressof(pointers), 0),
                f"cuLaunchKernel({self.name})")
+
+    def _programmatic_config(self) -> object:
+        driver = _driver()
+        attribute = driver.CUlaunchAttribute()
+        attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attribute.value.programmaticStreamSerializationAllowed = 1
+        config = driver.CUlaunchConfig()
+        config.blockDimX, config.blockDimY, config.blockDimZ = 32 * self.num_warps, 1, 1
+        config.sharedMemBytes = self.shared_bytes
+        config.attrs, config.numAttrs = [attribute], 1
+        self._config = config
+        return config
+
+
+def programmatic_launch(meta: dict) -> bool:
+    """Whether a kernel with launch meta `meta` is launched for programmatic dependent launch on
+    this GPU: built for it, a GPU that has it (sm_90 on), and not turned off."""
+    import torch
+    return (bool(meta.get("pdl")) and torch.cuda.get_device_capability()[0] >= 9
+            and os.environ.get("KILN_PROGRAMMATIC_LAUNCH", "1") != "0")
 
 
 def _ensure_context() -> None:

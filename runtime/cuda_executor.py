@@ -27,7 +27,7 @@ from kiln.plugins import PluginSpec
 from kiln.plugins.driver_launch import sm_count
 from kiln.plugins.linear.reference import all_gather_columns
 from kiln.runtime.all_reduce import AllReduce
-from kiln.runtime.cuda_driver import CudaKernel, device_arch, load_kernel
+from kiln.runtime.cuda_driver import CudaKernel, device_arch, load_kernel, programmatic_launch
 from kiln.runtime.decode_graphs import decode_batch_limit, graph_batch_sizes, is_pure_decode, pad_decode, padding_step
 from kiln.runtime.engine import Engine, EngineLoadError
 from kiln.runtime.executor import ArenaExecutor
@@ -169,6 +169,7 @@ class CudaExecutor(ArenaExecutor):
                     info = index[key]
                     loaded[key] = load(self.engine.kernels[key], info.entry, list(info.signature),
                                        info.num_warps, info.shared_bytes, info.global_scratch)
+                    loaded[key].programmatic = programmatic_launch(info.launch)
                     if info.global_scratch:
                         buffer = self.scratch["global"]
                         loaded[key].scratch = (buffer.data_ptr(), buffer.numel() // info.global_scratch)

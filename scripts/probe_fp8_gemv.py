@@ -6,7 +6,8 @@ For Llama-3-8B's four projections at one row of x, each variant of weight rows a
 columns for the SwiGLU GEMV) and pieces a row per lane an iteration (UF) is built with `plugins.nvcc`
 for this GPU, checked against the plugin's reference on one layer, and timed through its plugin's
 launcher over 20 layers of e4m3 weights (1-2.3 GB, so nothing comes from the L2) in a CUDA graph
-(`gpu_timing.graph_us`); beside it the device copy rate measured in the same run.
+(`gpu_timing.graph_us`), launched for programmatic dependent launch as the engine launches them (the
+engine's split also without); beside it the device copy rate measured in the same run.
 """
 from __future__ import annotations
 
@@ -26,26 +27,41 @@ LAYERS = REPEAT
 HEADS, KV_HEADS, D = 32, 8, 128
 
 
-def variants() -> dict[str, list[tuple[str, NvccKernel]]]:
-    """Per projection: (label, kernel) of each variant, the engine's first."""
-    def kernel(name: str, call: str, signature: dict, programs: int, **meta) -> NvccKernel:
-        return NvccKernel(gemv.SOURCE, name, f"{gemv.FP8_SOURCE.read_text()}\n{call}", signature, gemv.WARPS,
-                          {**gemv._meta(1, programs, **meta), "fp8": True}, targets=FP8_TARGETS)
+# Per projection, each variant's (rows a warp (SwiGLU: columns; qkv: none), pieces a row per lane an
+# iteration), the engine's first.
+SPLITS = {
+    "o_proj": [(gemv.FP8_LINEAR_ROWS, gemv.FP8_LINEAR_PIECES), (2, 2), (1, 4), (1, 8)],
+    "down": [(gemv.FP8_LINEAR_ROWS, gemv.FP8_LINEAR_PIECES), (2, 2), (1, 4), (1, 8)],
+    "gate_up": [(gemv.FP8_SWIGLU_COLS, gemv.FP8_SWIGLU_PIECES), (1, 4), (2, 2), (4, 2)],
+    "qkv": [(0, gemv.FP8_QKV_PIECES), (0, 1), (0, 4)],
+}
 
-    out: dict[str, list] = {}
-    for shape, (n, k) in {"o_proj": (4096, 4096), "down": (4096, 14336)}.items():
-        out[shape] = [(f"R={r} UF={uf}", kernel(f"p_lin_{shape}_{r}_{uf}", f"KILN_GEMV_FP8_LINEAR(p_lin_{shape}_{r}_{uf}, "
-                                                f"{r}, {uf}, {k})", gemv.FP8_LINEAR_SIGNATURE, n // (8 * r)))
-                      for r, uf in dict.fromkeys(((gemv.FP8_LINEAR_ROWS, gemv.fp8_linear_pieces(k)), (1, 4), (2, 2), (2, 4),
-                                                  (4, 2)))]
-    out["gate_up"] = [(f"COLS={c} UF={uf}", kernel(f"p_sw_{c}_{uf}", f"KILN_GEMV_FP8_SWIGLU(p_sw_{c}_{uf}, {c}, {uf}, "
-                                                   f"4096, false, false)", gemv.FP8_SWIGLU_SIGNATURE, 14336 // (8 * c),
-                                                   block=64))
-                      for c, uf in dict.fromkeys(((gemv.FP8_SWIGLU_COLS, gemv.FP8_SWIGLU_PIECES), (1, 2), (2, 2), (4, 1)))]
+
+def variants() -> dict[str, list[tuple[str, NvccKernel, bool]]]:
+    """Per projection: (label, kernel, launched for programmatic dependent launch) of each split of
+    SPLITS (duplicates dropped), and the engine's without PDL second."""
     pairs = (HEADS + 2 * KV_HEADS) * D // 2
-    out["qkv"] = [(f"UF={uf}", kernel(f"p_qkv_{uf}", f"KILN_GEMV_FP8_QKV_ROPE(p_qkv_{uf}, {uf}, 4096, false)",
-                                      gemv.FP8_QKV_SIGNATURE, pairs // 8, heads=HEADS, kv_heads=KV_HEADS, head_dim=D))
-                  for uf in dict.fromkeys((gemv.FP8_QKV_PIECES, 4, 1))]
+    out: dict[str, list] = {}
+    for shape, splits in SPLITS.items():
+        out[shape] = []
+        for r, uf in dict.fromkeys(splits):
+            name = f"p_{shape}_{r}_{uf}"
+            if shape in ("o_proj", "down"):
+                k = 4096 if shape == "o_proj" else 14336
+                call, signature, groups, meta = (f"KILN_GEMV_FP8_LINEAR({name}, {r}, {uf}, {k})",
+                                                 gemv.FP8_LINEAR_SIGNATURE, 4096 // (8 * r), {})
+            elif shape == "gate_up":
+                call, signature, groups, meta = (f"KILN_GEMV_FP8_SWIGLU({name}, {r}, {uf}, 4096, false, false)",
+                                                 gemv.FP8_SWIGLU_SIGNATURE, 14336 // (8 * r), {"block": 64})
+            else:
+                call, signature, groups = (f"KILN_GEMV_FP8_QKV_ROPE({name}, {uf}, 4096, false)", gemv.FP8_QKV_SIGNATURE,
+                                           pairs // 8)
+                meta = {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": D}
+            kernel = NvccKernel(gemv.SOURCE, name, f"{gemv.FP8_SOURCE.read_text()}\n{call}", signature, gemv.WARPS,
+                                {**gemv._meta(1, groups, **meta), "fp8": True}, targets=FP8_TARGETS)
+            label = (f"{'COLS' if shape == 'gate_up' else 'R'}={r} " if r else "") + f"UF={uf}"
+            out[shape].append((label, kernel, True))
+        out[shape].insert(1, (f"{out[shape][0][0]} no PDL", out[shape][0][1], False))
     return out
 
 
@@ -94,9 +110,9 @@ def main() -> None:
     print(f"copy rate {copy_rate():,.0f} GB/s ({torch.cuda.get_device_name()}, {arch})")
     g = torch.Generator(device="cuda").manual_seed(0)
     built_all = variants()
+    kernels = list({k.entry: k for b in built_all.values() for _, k, _ in b}.values())
     with ThreadPoolExecutor(8) as pool:   # nvcc runs as a process: eight at once
-        cubins = dict(zip([k.entry + k.instance for b in built_all.values() for _, k in b],
-                          pool.map(lambda k: compile_cubin(k, arch), [k for b in built_all.values() for _, k in b])))
+        cubins = dict(zip([k.entry for k in kernels], pool.map(lambda k: compile_cubin(k, arch), kernels)))
     for shape, built in built_all.items():
         plugin, layers, out, attrs = cases(shape, g)
         launcher = __import__(f"kiln.plugins.{plugin}.launch", fromlist=["launch"])
@@ -104,10 +120,11 @@ def main() -> None:
                                                  attrs).float()
         weight_bytes = sum(t.numel() * t.element_size() for t in layers[0][1:] if isinstance(t, torch.Tensor)
                            and t.dtype == torch.float8_e4m3fn)
-        for label, kernel in built:
-            cubin = cubins[kernel.entry + kernel.instance]
+        for label, kernel, programmatic in built:
+            cubin = cubins[kernel.entry]
             fn = load_kernel(cubin.binary, cubin.name, list(kernel.signature.values()), cubin.num_warps,
                              cubin.shared_bytes, cubin.global_scratch)
+            fn.programmatic = programmatic
             def run(inputs: list) -> None:
                 launcher.launch([fn], [kernel.meta], inputs, attrs, out, {"T": 1},
                                 torch.cuda.current_stream().cuda_stream, {})
@@ -119,7 +136,7 @@ def main() -> None:
             # 5 us, would hide the kernels).
             layer = itertools.cycle(layers)
             us = graph_us(lambda: run(next(layer)))
-            print(f"{shape:8s} {label:12s} {us:7.2f} us  {weight_bytes / us / 1e6:5.2f} TB/s  err {err:.1e}"
+            print(f"{shape:8s} {label:22s} {us:7.2f} us  {weight_bytes / us / 1e6:5.2f} TB/s  err {err:.1e}"
                   f"{'  WRONG' if err > 2e-2 else ''}")
 
 

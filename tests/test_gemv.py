@@ -5,6 +5,9 @@ nvcc leaves them out. Their numerics run on the GPU (test_gemv_gpu.py)."""
 from __future__ import annotations
 
 import re
+import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,13 +75,14 @@ def test_which_shapes_get_the_gemv_buckets():
 def test_fp8_weights_get_one_row_gemvs_for_the_fp8_targets():
     """With e4m3 weights: one "gemv1" bucket a plugin (x quantized in each block), built for the FP8
     targets only, where K is whole 16-byte pieces and fits the staging buffer; 2 weight rows a warp in
-    the plain GEMV, 4 pieces of each in flight a lane from FP8_LONG_ROW on."""
+    the plain GEMV with 4 pieces of each in flight a lane, all built for programmatic dependent launch."""
     (linear,) = gemv.linear_kernels("bfloat16", 4096, 14336, fp8_weight=True)
     assert linear.meta["bucket"] == "gemv1" and linear.meta["fp8"] and linear.targets == FP8_TARGETS
     assert linear.meta["grid"] == ("256", "1", "1") and linear.instance.endswith("KILN_GEMV_FP8_LINEAR("
                                                                                   "kiln_gemv_fp8_linear_t1, 2, 4, 14336)")
     (short,) = gemv.linear_kernels("bfloat16", 4096, 4096, fp8_weight=True)
-    assert short.instance.endswith("KILN_GEMV_FP8_LINEAR(kiln_gemv_fp8_linear_t1, 2, 2, 4096)")
+    assert short.instance.endswith("KILN_GEMV_FP8_LINEAR(kiln_gemv_fp8_linear_t1, 2, 4, 4096)")
+    assert linear.meta["pdl"] and short.meta["pdl"]
     assert gemv.linear_kernels("bfloat16", 4096, 4104, fp8_weight=True) == []        # K % 16
     assert gemv.linear_kernels("bfloat16", 4096, 2 * 16384, fp8_weight=True) == []   # past FP8_KMAX
     assert gemv.linear_kernels("bfloat16", 8, 64, fp8_weight=True) == []             # 16 rows a block
@@ -120,6 +124,31 @@ def test_nvcc_builds_every_entry_for_every_target():
             cubin = compile_cubin(kernel, target)
             assert cubin.binary.startswith(b"\x7fELF") and cubin.name == kernel.entry
             assert kernel.entry.encode() in cubin.binary and cubin.shared_bytes == 0 and cubin.num_warps == 8
+
+
+def ptx(kernel, target: str) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.cu"
+        src.write_text(nvcc.source_text(kernel))
+        subprocess.run([nvcc.nvcc_path(), "-ptx", f"-arch={target}", *nvcc.FLAGS, "-o", f"{tmp}/k.ptx", str(src)],
+                       check=True, capture_output=True)
+        return (Path(tmp) / "k.ptx").read_text()
+
+
+@pytest.mark.skipif(nvcc.nvcc_path() is None, reason="nvcc is not installed")
+def test_every_entry_reads_x_only_after_waiting_for_the_kernel_before():
+    """Programmatic dependent launch: on sm_90 each entry lets the next kernel start and waits once for
+    the one before; its loads of x (16-byte loads that keep an L1 line: the weights' stream does not)
+    all come after the wait, the first weight pieces before it. sm_80 has neither instruction."""
+    for kernel in every_kernel():
+        lines = [line.strip() for line in ptx(kernel, "sm_90").splitlines()]
+        waits = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")]
+        assert len(waits) == 1 and sum(line.startswith("griddepcontrol.launch_dependents") for line in lines) == 1
+        x_loads = [i for i, line in enumerate(lines) if line.startswith("ld.global.nc.v4.u32")]
+        weights = [i for i, line in enumerate(lines) if line.startswith("ld.global.nc.L1::no_allocate")]
+        assert x_loads and min(x_loads) > waits[0] and min(weights) < waits[0], kernel.entry
+    plain = next(k for k in every_kernel() if not k.targets)
+    assert "griddepcontrol" not in ptx(plain, "sm_80")
 
 
 class Recorder:

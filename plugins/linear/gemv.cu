@@ -19,6 +19,13 @@
 // behind it, and a RoPE row (whose address needs the position) once the first weight pieces are in
 // flight.
 //
+// Each kernel is built for programmatic dependent launch (sm_90 on; the runtime launches it so where
+// its meta says "pdl"): it lets the next kernel's blocks start at once (`launch_dependents`), and it
+// issues its first weight loads before it waits for the kernel before it (`wait_inputs`). Weights, bias
+// and the norm weight are the engine's constants; everything else (x, the residual, positions, cache
+// slots) is read after the wait. So a step's chain of GEMVs streams weights across kernel boundaries
+// instead of draining and ramping at each.
+//
 // Every kernel needs K % 8 == 0 and 16-byte aligned x and weights, and grid (rows / (8 * R), 1, 1)
 // with 256 threads: `plugins.linear.gemv` builds a bucket only for shapes that meet that.
 #include <cuda_bf16.h>
@@ -51,6 +58,21 @@ __device__ __forceinline__ void unpack(uint4 v, float (&f)[VEC]) {
 
 __device__ __forceinline__ float bf16(const __nv_bfloat16* p) { return __bfloat162float(*p); }
 
+// Programmatic dependent launch's two halves (no-ops before sm_90, and when launched without it).
+__device__ __forceinline__ void launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Returns once the kernel before this one has finished and its writes are visible. Nothing the step
+// writes may be read before it.
+__device__ __forceinline__ void wait_inputs() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 template <bool B>
 struct Guard {
   static constexpr bool value = B;
@@ -74,9 +96,9 @@ __device__ __forceinline__ void load(uint4 (&buf)[R][U], const uint4* const (&ro
 
 // One warp's walk over R weight rows of `pieces` 16-byte pieces: U pieces a row per lane an iteration,
 // the next iteration's in flight while `multiply(buf, it, Guard<...>{})` takes this one's. `early()`
-// runs once the first weight pieces are in flight (with BOTH, the first two iterations'): an epilogue
-// operand whose address needs another load (the RoPE row of a position), or the staging of x
-// (`gemv_fp8.cu`), waits there, behind them.
+// runs once the first weight pieces are in flight (with BOTH, the first two iterations'): the wait for
+// the kernel before (`wait_inputs`), then what needs its writes (x's staging in `gemv_fp8.cu`, an
+// epilogue operand such as the residual or the RoPE row of a position), behind them.
 template <int R, int U, bool BOTH = false, class Early, class Multiply>
 __device__ __forceinline__ void stream_rows(const uint4* const (&rows)[R], int pieces, int lane, Early early,
                                             Multiply multiply) {
@@ -200,14 +222,17 @@ __device__ __forceinline__ void linear(const __nv_bfloat16* x, const __nv_bfloat
   const int lane = threadIdx.x % LANES, first = (blockIdx.x * WARPS + threadIdx.x / LANES) * R;
   const int t = lane / R, n = first + lane % R;
   const bool owner = lane < T * R;
+  launch_dependents();
   float extra = 0.0f;
   if (owner && bias != nullptr) extra += bf16(bias + n);
-  if (owner && residual != nullptr) extra += bf16(residual + static_cast<size_t>(t) * N + n);
   int row[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) row[r] = first + r;
   DotRows<T, R> dot;
-  dot.run(x, nullptr, w, row, K, [] {});
+  dot.run(x, nullptr, w, row, K, [&] {
+    wait_inputs();
+    if (owner && residual != nullptr) extra += bf16(residual + static_cast<size_t>(t) * N + n);
+  });
   const float v = dot.mine(lane);
   if (owner) out[static_cast<size_t>(t) * N + n] = __float2bfloat16(v + extra);
 }
@@ -247,13 +272,13 @@ __device__ __forceinline__ void qkv_rope(const __nv_bfloat16* x, const __nv_bflo
   const int t = lane;
   float rc = 1.0f, rs = 0.0f, b0 = 0.0f, b1 = 0.0f;
   int slot = 0, pos = 0;
-  if (owner) {
-    if (!is_v) pos = positions[t];
-    if (!is_q) slot = slots[t];
-    if (bias != nullptr) b0 = bf16(bias + row[0]), b1 = bf16(bias + row[1]);
-  }
+  launch_dependents();
+  if (owner && bias != nullptr) b0 = bf16(bias + row[0]), b1 = bf16(bias + row[1]);
   DotRows<T, 2> dot;
   dot.run(x, norm, w, row, K, [&] {
+    wait_inputs();
+    if (owner && !is_v) pos = positions[t];
+    if (owner && !is_q) slot = slots[t];
     if (owner && !is_v) {
       const float* r = rope + static_cast<size_t>(pos) * D + j;
       rc = r[0];
@@ -278,8 +303,9 @@ __device__ __forceinline__ void swiglu(const __nv_bfloat16* x, const __nv_bfloat
   const int lane = threadIdx.x % LANES, j = blockIdx.x * WARPS + threadIdx.x / LANES;
   const int gate = (j / block) * 2 * block + j % block;
   const int row[2] = {gate, gate + block};
+  launch_dependents();
   DotRows<T, 2> dot;
-  dot.run(x, NORM ? norm : nullptr, w, row, K, [] {});
+  dot.run(x, NORM ? norm : nullptr, w, row, K, [] { wait_inputs(); });
   const int t = lane;
   if (t >= T) return;
   const float scale = dot.row_scale(t, K, eps);

@@ -26,7 +26,8 @@ warps; norm_qkv_rope's only without q/k norm (which needs whole heads) and with 
 FP8 weights (`gemv_fp8.cu`, compiled appended to `gemv.cu`, for the FP8 targets only) each plugin
 gets a "gemv1" bucket where K % 16 == 0 and K <= FP8_KMAX (each block stages x, quantized, in shared
 memory), in place of the quantize pre-pass and Triton tile at one row; its meta carries "fp8" too
-and its launch the weight scales after the weight. Each bucket's meta carries "gemv" and the constant
+and its launch the weight scales after the weight. Each bucket's meta carries "gemv", "pdl" (its
+kernel waits in the kernel for the one before: `runtime.cuda_driver` launches it so) and the constant
 grid; the launchers pass the kernel's parameters (the .cu files' entry points) with absent optional
 pointers as 0.
 """
@@ -49,17 +50,15 @@ LINEAR_SIGNATURE = {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "residual": "*b
 SWIGLU_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*bf16", "out": "*bf16", "I": "i32", "block": "i32",
                     "eps": "fp32", "K": "i32"}
 # FP8: the longest row a block stages (as f16: 32 KiB of shared memory); the weight rows a warp takes in
-# the linear GEMV, the output columns in the SwiGLU one, and the pieces a row per lane an iteration, 4 in
-# the linear GEMV from FP8_LONG_ROW on (gemv_fp8.cu's LONG_ROW). Chosen on an H200 with weights cycled
-# beyond the L2 (scripts/probe_fp8_gemv.py, two calls, BENCHMARKS.md session 23), in us: o_proj 6.63 /
-# 7.32 with 2 rows and 2 pieces against 8.59 / 8.66 with 4 and 2; down 17.48 / 17.46 with 2 and 4
-# against 19.24 / 19.24 with 4 and 2; gate/up 31.46 / 31.59 with 4 columns and 1 piece against 34.26 /
-# 32.30 with 2 and 2 and 30.14 / 32.79 with 1 and 4 (in the engine's step 4 columns gave decode b=1
-# 347 tok/s, 1 column and 4 pieces 314, in two calls); qkv 9.17 / 10.16 with 2 pieces against 11.88 /
-# 10.41 with 4.
+# the linear GEMV, the output columns in the SwiGLU one, and the pieces a row per lane an iteration.
+# Chosen on an H200 with weights cycled beyond the L2 (scripts/probe_fp8_gemv.py, BENCHMARKS.md sessions
+# 23 and 24), in us: o_proj 5.79 with 2 rows and 4 pieces against 8.11 with 2 and 2, 5.83 with 1 and 4;
+# down 16.70 with 2 and 4 against 19.01 with 2 and 2 and 21.38 with 1 and 4; gate/up 31.51 with 4
+# columns and 1 piece against 32.32 with 2 and 2 and 30.68 with 1 and 4 (in the engine's step 4
+# columns gave decode b=1 347 tok/s, 1 column and 4 pieces 314, session 23); qkv 9.18 with 2 pieces
+# against 10.34 with 4 and 11.20 with 1.
 FP8_KMAX = 16384
-FP8_LONG_ROW = 8192
-FP8_LINEAR_ROWS, FP8_SWIGLU_COLS, FP8_SWIGLU_PIECES, FP8_QKV_PIECES = 2, 4, 1, 2
+FP8_LINEAR_ROWS, FP8_LINEAR_PIECES, FP8_SWIGLU_COLS, FP8_SWIGLU_PIECES, FP8_QKV_PIECES = 2, 4, 4, 1, 2
 FP8_LINEAR_SIGNATURE = {"x": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "bias": "*bf16", "residual": "*bf16",
                         "out": "*bf16", "N": "i32", "K": "i32"}
 FP8_SWIGLU_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "out": "*bf16",
@@ -79,11 +78,6 @@ def _serves(dtype: str, k: int, fp8_weight: bool) -> bool:
     return dtype == "bfloat16" and k % 8 == 0
 
 
-def fp8_linear_pieces(k: int) -> int:
-    """Pieces a row per lane an iteration of the FP8 linear GEMV over rows of k values."""
-    return 4 if k >= FP8_LONG_ROW else 2
-
-
 def _fp8_kernel(name: str, call: str, signature: dict, meta: dict) -> NvccKernel:
     """An entry point of `gemv_fp8.cu`: that file and the macro call appended to `gemv.cu`."""
     return NvccKernel(SOURCE, name, f"{FP8_SOURCE.read_text()}\n{call}", signature, WARPS, {**meta, "fp8": True},
@@ -97,7 +91,7 @@ def _cpp(flag: bool) -> str:
 
 def _meta(rows: int, programs: int, **extra) -> dict:
     return {"bucket": f"gemv{rows}", "max_rows": rows, "gemv": True, "pointer_alignment": 16, "split_k": 1,
-            "grid": (str(programs), "1", "1"), **extra}
+            "grid": (str(programs), "1", "1"), "pdl": True, **extra}
 
 
 def linear_kernels(dtype: str, n: int, k: int, fp8_weight: bool = False) -> list[NvccKernel]:
@@ -108,7 +102,7 @@ def linear_kernels(dtype: str, n: int, k: int, fp8_weight: bool = False) -> list
         if n % (WARPS * FP8_LINEAR_ROWS):
             return []
         name = "kiln_gemv_fp8_linear_t1"
-        return [_fp8_kernel(name, f"KILN_GEMV_FP8_LINEAR({name}, {FP8_LINEAR_ROWS}, {fp8_linear_pieces(k)}, {k})",
+        return [_fp8_kernel(name, f"KILN_GEMV_FP8_LINEAR({name}, {FP8_LINEAR_ROWS}, {FP8_LINEAR_PIECES}, {k})",
                             FP8_LINEAR_SIGNATURE, _meta(1, n // (WARPS * FP8_LINEAR_ROWS)))]
     kernels = []
     for t, r in LINEAR_ROWS_PER_WARP.items():

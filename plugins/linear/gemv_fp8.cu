@@ -5,8 +5,8 @@
 //
 // x is quantized as `plugins.fp8` defines it (per token: the GEMM input's largest magnitude over 448,
 // a correctly rounded division, round to nearest even, saturating), but by every block itself rather
-// than by a pre-pass: each block loads the whole row before its first weight pieces, and stages it into
-// shared memory while those are in flight. The Triton path's pre-pass is a launch and a one-program
+// than by a pre-pass: each block loads the whole row once its first weight pieces are in flight, and
+// stages it into shared memory while they are. The Triton path's pre-pass is a launch and a one-program
 // walk of the row per GEMM (about 0.5 ms of a 3.3 ms FP8 step at batch 1 on an H200, BENCHMARKS.md
 // session 13); here it is spread over the blocks and hidden behind their loads. The GEMM input is the one the bf16 kernels
 // multiply: x for linear; for the norm plugins the RMSNorm'd row rounded to bf16 (times an unfolded norm
@@ -68,14 +68,18 @@ __device__ __forceinline__ void gemm_input(float (&f)[VEC], uint4 v, const uint4
 }
 
 // x's row (at most KMAX values) as the block's threads hold it for staging: unit threadIdx.x + 256 i in
-// v[i]. `load` runs before the first weight loads: behind them, in a memory system they saturate, x's
-// loads waited several microseconds, and every block's stream with them.
+// v[i]. x is the kernel before's output, so `load` waits for it (`wait_inputs`), behind the block's first
+// weight pieces: with programmatic dependent launch those are in flight while the kernel before ends.
+// (Without it, x's loads queued behind them in a memory system they saturate; loading x first took the
+// qkv GEMV from 15.8 to 12.2 us, session 23. With it, the two orders were within 0.5 us of each other,
+// except o_proj with 4 pieces a row, 5.8 us weights first against 7.6 for x first with 2; session 24.)
 template <int KMAX>
 struct XRow {
   static constexpr int PER_THREAD = (KMAX / VEC + WARPS * LANES - 1) / (WARPS * LANES);
   uint4 v[PER_THREAD];
 
   __device__ __forceinline__ void load(const __nv_bfloat16* x, int K) {
+    wait_inputs();
     const uint4* xv = reinterpret_cast<const uint4*>(x);
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) {
@@ -229,20 +233,23 @@ __device__ __forceinline__ void fp8_linear(const __nv_bfloat16* x, const uint8_t
   const int lane = threadIdx.x % LANES, first = (blockIdx.x * WARPS + threadIdx.x / LANES) * R;
   const int n = first + lane % R;
   const bool owner = lane < R;
+  launch_dependents();
   float extra = 0.0f, ws = 0.0f;
   if (owner) {
     ws = w_scale[n];
     if (bias != nullptr) extra += bf16(bias + n);
-    if (residual != nullptr) extra += bf16(residual + n);
   }
   int row[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) row[r] = first + r;
   XRow<KMAX> xr;
-  xr.load(x, K);
   Fp8DotRows<R, UF, KMAX> dot;
   float scale;
-  dot.run(w, row, K, xs, [&] { scale = xr.template stage<false, false>(nullptr, xs, K, 0.0f); });
+  dot.run(w, row, K, xs, [&] {
+    xr.load(x, K);
+    if (owner && residual != nullptr) extra += bf16(residual + n);
+    scale = xr.template stage<false, false>(nullptr, xs, K, 0.0f);
+  });
   const float v = dot.mine(lane);
   if (owner) out[n] = __float2bfloat16(v * scale * ws + extra);
 }
@@ -261,17 +268,18 @@ __device__ __forceinline__ void fp8_qkv_rope(const __nv_bfloat16* x, const __nv_
   const bool is_q = h < H, is_v = h >= H + KVH, owner = lane == 0;
   float rc = 1.0f, rs = 0.0f, b0 = 0.0f, b1 = 0.0f, ws0 = 0.0f, ws1 = 0.0f;
   int slot = 0, pos = 0;
+  launch_dependents();
   if (owner) {
-    if (!is_v) pos = positions[0];
-    if (!is_q) slot = slots[0];
     if (bias != nullptr) b0 = bf16(bias + row[0]), b1 = bf16(bias + row[1]);
     ws0 = w_scale[row[0]], ws1 = w_scale[row[1]];
   }
   XRow<KMAX> xr;
-  xr.load(x, K);
   Fp8DotRows<2, UF, KMAX> dot;
   float scale;
   dot.run(w, row, K, xs, [&] {
+    xr.load(x, K);
+    if (owner && !is_v) pos = positions[0];
+    if (owner && !is_q) slot = slots[0];
     scale = xr.template stage<true, NORM_WEIGHT>(norm, xs, K, eps);
     if (owner && !is_v) {
       const float* r = rope + static_cast<size_t>(pos) * D + j;
@@ -304,11 +312,14 @@ __device__ __forceinline__ void fp8_swiglu(const __nv_bfloat16* x, const __nv_bf
 #pragma unroll
   for (int c = 0; c < COLS; ++c)
     if (lane == c) wg = w_scale[row[2 * c]], wu = w_scale[row[2 * c + 1]];
+  launch_dependents();
   XRow<KMAX> xr;
-  xr.load(x, K);
   Fp8DotRows<2 * COLS, UF, KMAX> dot;
   float scale;
-  dot.run(w, row, K, xs, [&] { scale = xr.template stage<true, NORM_WEIGHT>(norm, xs, K, eps); });
+  dot.run(w, row, K, xs, [&] {
+    xr.load(x, K);
+    scale = xr.template stage<true, NORM_WEIGHT>(norm, xs, K, eps);
+  });
   if (!owner) return;
   float g = 0.0f, u = 0.0f;
 #pragma unroll
