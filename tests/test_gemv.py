@@ -27,7 +27,7 @@ from kiln.plugins.linear_residual import launch as residual_launch
 QKV = {"K": 4096, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
 SWIGLU = {"K": 4096, "I": 14336, "block": 64}
 C_TYPES = {"const __nv_bfloat16*": "*bf16", "__nv_bfloat16*": "*bf16", "const int*": "*i32", "const float*": "*fp32",
-           "const uint8_t*": "*fp8e4nv", "int": "i32", "float": "fp32"}
+           "const uint8_t*": "*fp8e4nv", "uint8_t*": "*fp8e4nv", "int": "i32", "float": "fp32"}
 
 
 def every_kernel() -> list[nvcc.NvccKernel]:
@@ -36,6 +36,7 @@ def every_kernel() -> list[nvcc.NvccKernel]:
             + gemv.swiglu_kernels("bfloat16", {**SWIGLU, "activation": "gelu_tanh"})
             + gemv.linear_kernels("bfloat16", 4096, 14336, fp8_weight=True)
             + gemv.qkv_kernels("bfloat16", {**QKV, "fp8": True, "norm_weight": True})
+            + gemv.qkv_kernels("bfloat16", {**QKV, "fp8": True, "fp8_kv": True})
             + gemv.swiglu_kernels("bfloat16", {**SWIGLU, "fp8": True, "activation": "gelu_tanh"}))
 
 
@@ -91,7 +92,9 @@ def test_fp8_weights_get_one_row_gemvs_for_the_fp8_targets():
     assert swiglu.meta["grid"] == ("448", "1", "1") and swiglu.meta["fp8"] and swiglu.targets == FP8_TARGETS
     (qkv,) = gemv.qkv_kernels("bfloat16", {**QKV, "fp8": True, "norm_weight": True})
     assert qkv.instance.endswith("KILN_GEMV_FP8_QKV_ROPE(kiln_gemv_fp8_qkv_rope_t1, 2, 4096, true)")
-    assert gemv.qkv_kernels("bfloat16", {**QKV, "fp8": True, "fp8_kv": True}) == []
+    (fp8_kv,) = gemv.qkv_kernels("bfloat16", {**QKV, "fp8": True, "fp8_kv": True})   # writes e4m3, scaled
+    assert fp8_kv.instance.endswith("KILN_GEMV_FP8_QKV_ROPE_FP8_KV(kiln_gemv_fp8_qkv_rope_t1, 2, 4096, false)")
+    assert fp8_kv.meta["fp8_kv"] and fp8_kv.signature["kv"] == "*fp8e4nv" and fp8_kv.targets == FP8_TARGETS
     # In the plugins the GEMV serves one row; two go to the quantize pre-pass and the Triton tile.
     for kernels in (residual_kernels.aot_kernels("bfloat16", {"K": 14336, "N": 4096, "fp8": True}),
                     qkv_kernels.aot_kernels("bfloat16", {**QKV, "fp8": True}),
@@ -109,7 +112,7 @@ def test_entry_points_take_their_signatures():
         text = re.search(r"NAME\((.*)\)", body.replace("\\\n", " "), re.S).group(1)
         params[macro] = [C_TYPES[" ".join(p.split()[:-1])] for p in text.split(",")]
     assert set(params) == {"KILN_GEMV_LINEAR", "KILN_GEMV_QKV_ROPE", "KILN_GEMV_SWIGLU", "KILN_GEMV_FP8_LINEAR",
-                           "KILN_GEMV_FP8_QKV_ROPE", "KILN_GEMV_FP8_SWIGLU"}
+                           "KILN_GEMV_FP8_QKV_ROPE", "KILN_GEMV_FP8_QKV_ROPE_FP8_KV", "KILN_GEMV_FP8_SWIGLU"}
     for kernel in every_kernel():
         call = kernel.instance.splitlines()[-1]
         macro = call.split("(")[0]
@@ -251,6 +254,16 @@ def test_fp8_launchers_pass_the_weight_scales_after_the_weight():
     assert kernel.entry == "kiln_gemv_fp8_qkv_rope_t1"
     assert args == [x.data_ptr(), 0, w.data_ptr(), scale.data_ptr(), 0, positions.data_ptr(), rope.data_ptr(),
                     cache.data_ptr(), slots.data_ptr(), out.data_ptr(), 48, 3, 1e-6, 32, 8, d, 4096]
+
+    cache, kv_scales = e4m3(4 * 2 * 3 * 16 * QKV["num_kv_heads"], d)[0].view(4, 2, 3, 16, QKV["num_kv_heads"], d), \
+        torch.rand(4, 2, QKV["num_kv_heads"])
+    kernel, grid, args = launched(qkv_launch, qkv_kernels.aot_kernels("bfloat16", {**QKV, "fp8": True, "fp8_kv": True}),
+                                  [x, None, w, None, None, None, positions, rope, cache, slots, kv_scales, scale],
+                                  attrs, out)
+    assert kernel.entry == "kiln_gemv_fp8_qkv_rope_t1" and kernel.meta["fp8_kv"]
+    assert args == [x.data_ptr(), 0, w.data_ptr(), scale.data_ptr(), 0, positions.data_ptr(), rope.data_ptr(),
+                    cache.data_ptr(), slots.data_ptr(), kv_scales.data_ptr(), out.data_ptr(), 48, 3, 1e-6, 32, 8, d,
+                    4096]
 
 
 def test_a_build_without_nvcc_leaves_the_gemvs_out(factory, tmp_path, monkeypatch):

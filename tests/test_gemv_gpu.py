@@ -2,7 +2,7 @@
 launched by each plugin's driver launcher at one and two rows, they match the plugin's reference (GPU
 only: `pytest -m gpu`; norm_qkv_rope and norm_swiglu have one at one row only, and FP8 weights one at
 one row). Shapes with K tails (K not a multiple of a lane iteration's elements), folded and unfolded norm
-weights, biases, the KV-cache write, both activations and interleaved and plain gate/up weights are
+weights, biases, the KV-cache write (bf16 and e4m3), both activations and interleaved and plain gate/up weights are
 each covered, with bf16 and with e4m3 weights (whose reference runs in bf16, so that x is rounded where
 the kernels round it before they quantize it); the engine tests cover the Llama shapes at decode."""
 from __future__ import annotations
@@ -46,6 +46,8 @@ CASES.update({
                                            "bias": True, "fp8": True}, QKV_ATTRS),
     "fp8 qkv norm weight": ("norm_qkv_rope", {"K": 2064, "num_heads": HEADS, "num_kv_heads": KV_HEADS,
                                               "head_dim": 64, "norm_weight": True, "fp8": True}, QKV_ATTRS),
+    "fp8 qkv e4m3 cache": ("norm_qkv_rope", {"K": 528, "num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": 64,
+                                             "fp8": True, "fp8_kv": True}, QKV_ATTRS),
     "fp8 swiglu block 64": ("norm_swiglu", {"K": 2064, "I": 256, "block": 64, "fp8": True},
                             {"eps": EPS, "block": 64, "activation": "silu"}),
     "fp8 geglu plain norm weight": ("norm_swiglu", {"K": 512, "I": 128, "block": 0, "norm_weight": True,
@@ -122,6 +124,11 @@ def test_gemv_matches_the_reference(loaded, name, rows):
     gpu = [on_gpu(t) for t in inputs_for(name, rows, torch.Generator().manual_seed(rows * 7 + len(name)))]
     if shapes.get("fp8"):
         gpu = with_e4m3_weight(plugin, gpu)
+    if shapes.get("fp8_kv"):
+        # Scales per layer, k/v and head, so that the values span e4m3's range; the old cache as e4m3.
+        gpu[10] = 0.01 + 0.02 * torch.rand(2, 2, KV_HEADS, generator=torch.Generator().manual_seed(1)).cuda()
+        gpu[8] = gpu[8].float().clamp(-448, 448).to(torch.float8_e4m3fn)
+    if shapes.get("fp8"):
         ref_inputs = [None if t is None else t.cpu() for t in gpu]
     else:
         ref_inputs = [t.cpu().float() if t is not None and t.is_floating_point() else
@@ -138,5 +145,10 @@ def test_gemv_matches_the_reference(loaded, name, rows):
         written = torch.zeros(2, 2, 24, dtype=torch.bool)
         written[LAYER, :, slots] = True
         written = written.view(2, 2, 6, 4)
-        assert close(cache[written], ref_cache[written])
+        if shapes.get("fp8_kv"):
+            # Within one e4m3 step of the reference's (value / scale rounded where the two sums differ).
+            got, ref = cache[written], ref_cache[written]
+            assert bool(((got - ref).abs() <= 0.125 * ref.abs() + 2.0 ** -9).all()) and close(got, ref)
+        else:
+            assert close(cache[written], ref_cache[written])
         assert torch.equal(gpu[8][~written.cuda()], before[~written.cuda()])

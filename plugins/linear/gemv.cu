@@ -237,24 +237,33 @@ __device__ __forceinline__ void linear(const __nv_bfloat16* x, const __nv_bfloat
   if (owner) out[static_cast<size_t>(t) * N + n] = __float2bfloat16(v + extra);
 }
 
+// A value of the paged cache as its type stores it: bf16 as it is here, e4m3 scaled in gemv_fp8.cu.
+template <class Cache>
+__device__ __forceinline__ void put(Cache* p, float v, float scale);
+template <>
+__device__ __forceinline__ void put(__nv_bfloat16* p, float v, float) { *p = __float2bfloat16(v); }
+
 // Head h's columns (j, j + D / 2) of token t, rotated by RoPE (rc, rs: the cos and sin, 1 and 0 for v),
-// to out [T, H * D] for a q head, else into the paged cache [layers, 2, num_slots, KVH, D] at `slot`.
-__device__ __forceinline__ void rope_store(float lo, float hi, float rc, float rs, __nv_bfloat16* out,
-                                           __nv_bfloat16* kv, int t, int h, int j, int slot, int num_slots, int layer,
+// to out [T, H * D] for a q head, else into the paged cache [layers, 2, num_slots, KVH, D] at `slot`
+// (`put` there with the head's kv_scale).
+template <class Cache>
+__device__ __forceinline__ void rope_store(float lo, float hi, float rc, float rs, __nv_bfloat16* out, Cache* kv,
+                                           float kv_scale, int t, int h, int j, int slot, int num_slots, int layer,
                                            int H, int KVH, int D) {
   const int half = D / 2;
   const bool is_v = h >= H + KVH;
   const float rlo = lo * rc - hi * rs, rhi = hi * rc + lo * rs;
-  __nv_bfloat16* dst;
   if (h < H) {
-    dst = out + static_cast<size_t>(t) * H * D + h * D + j;
-  } else {
-    const int kv_head = is_v ? h - H - KVH : h - H;
-    const size_t cache_row = static_cast<size_t>(layer * 2 + (is_v ? 1 : 0)) * num_slots + slot;
-    dst = kv + cache_row * KVH * D + kv_head * D + j;
+    __nv_bfloat16* dst = out + static_cast<size_t>(t) * H * D + h * D + j;
+    dst[0] = __float2bfloat16(rlo);
+    dst[half] = __float2bfloat16(rhi);
+    return;
   }
-  dst[0] = __float2bfloat16(rlo);
-  dst[half] = __float2bfloat16(rhi);
+  const int kv_head = is_v ? h - H - KVH : h - H;
+  const size_t cache_row = static_cast<size_t>(layer * 2 + (is_v ? 1 : 0)) * num_slots + slot;
+  Cache* dst = kv + cache_row * KVH * D + kv_head * D + j;
+  put(dst, rlo, kv_scale);
+  put(dst + half, rhi, kv_scale);
 }
 
 // RMSNorm + q/k/v projection (+ bias) + rotate-half RoPE for q and k, q to out [T, H * D] and k, v
@@ -291,7 +300,7 @@ __device__ __forceinline__ void qkv_rope(const __nv_bfloat16* x, const __nv_bflo
 #pragma unroll
   for (int i = 0; i < T; ++i)
     if (i == t) lo = dot.acc[i][0] * scale + b0, hi = dot.acc[i][1] * scale + b1;
-  rope_store(lo, hi, rc, rs, out, kv, t, h, j, slot, num_slots, layer, H, KVH, D);
+  rope_store(lo, hi, rc, rs, out, kv, 1.0f, t, h, j, slot, num_slots, layer, H, KVH, D);
 }
 
 // RMSNorm + gate/up projection + act(gate) * up, act silu (SwiGLU) or tanh-approximated GELU (GeGLU),

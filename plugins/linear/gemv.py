@@ -22,7 +22,8 @@ The FP8 GEMVs (one row) took an FP8 engine's decode at batch 1 from 304 to 347 t
 engine's in the same run (session 23).
 
 They serve bf16 engines, where K % 8 == 0 (16-byte pieces of a row) and the rows divide among the
-warps; norm_qkv_rope's only without q/k norm (which needs whole heads) and with a bf16 cache. With
+warps; norm_qkv_rope's only without q/k norm (which needs whole heads), and with a bf16 cache unless
+the weights are FP8 too (the FP8 GEMV writes an e4m3 cache with its scales: "fp8_kv" in its meta). With
 FP8 weights (`gemv_fp8.cu`, compiled appended to `gemv.cu`, for the FP8 targets only) each plugin
 gets a "gemv1" bucket where K % 16 == 0 and K <= FP8_KMAX (each block stages x, quantized, in shared
 memory), in place of the quantize pre-pass and Triton tile at one row; its meta carries "fp8" too
@@ -70,6 +71,11 @@ FP8_QKV_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*fp8e4nv", "w_scale": 
                      "positions": "*i32", "rope": "*fp32", "kv": "*bf16", "slots": "*i32", "out": "*bf16",
                      "num_slots": "i32", "layer": "i32", "eps": "fp32", "H": "i32", "KVH": "i32", "D": "i32",
                      "K": "i32"}
+# With an e4m3 cache: its pointer, and its scales after the slots.
+FP8_QKV_FP8_KV_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "bias": "*bf16",
+                            "positions": "*i32", "rope": "*fp32", "kv": "*fp8e4nv", "slots": "*i32",
+                            "kv_scales": "*fp32", "out": "*bf16", "num_slots": "i32", "layer": "i32", "eps": "fp32",
+                            "H": "i32", "KVH": "i32", "D": "i32", "K": "i32"}
 
 
 def _serves(dtype: str, k: int, fp8_weight: bool) -> bool:
@@ -118,14 +124,17 @@ def qkv_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
     only (the module docstring says why)."""
     heads, kv_heads, d, k = shapes["num_heads"], shapes["num_kv_heads"], shapes["head_dim"], shapes["K"]
     pairs = (heads + 2 * kv_heads) * d // 2
-    if (not _serves(dtype, k, shapes.get("fp8", False)) or shapes.get("qk_norm") or shapes.get("fp8_kv")
+    fp8_weight, fp8_kv = shapes.get("fp8", False), shapes.get("fp8_kv", False)
+    if (not _serves(dtype, k, fp8_weight) or shapes.get("qk_norm") or (fp8_kv and not fp8_weight)
             or d % 2 or pairs % WARPS):
         return []
     meta = _meta(1, pairs // WARPS, heads=heads, kv_heads=kv_heads, head_dim=d)
-    if shapes.get("fp8", False):
+    if fp8_weight:
         name = "kiln_gemv_fp8_qkv_rope_t1"
-        call = f"KILN_GEMV_FP8_QKV_ROPE({name}, {FP8_QKV_PIECES}, {k}, {_cpp(shapes.get('norm_weight', False))})"
-        return [_fp8_kernel(name, call, FP8_QKV_SIGNATURE, meta)]
+        macro = "KILN_GEMV_FP8_QKV_ROPE_FP8_KV" if fp8_kv else "KILN_GEMV_FP8_QKV_ROPE"
+        call = f"{macro}({name}, {FP8_QKV_PIECES}, {k}, {_cpp(shapes.get('norm_weight', False))})"
+        return [_fp8_kernel(name, call, FP8_QKV_FP8_KV_SIGNATURE if fp8_kv else FP8_QKV_SIGNATURE,
+                            {**meta, "fp8_kv": fp8_kv})]
     name = "kiln_gemv_qkv_rope_t1"
     return [NvccKernel(SOURCE, name, f"KILN_GEMV_QKV_ROPE({name}, 1)", QKV_SIGNATURE, WARPS, meta)]
 

@@ -34,6 +34,12 @@ constexpr float MIN_SCALE = 1.0f / (448.0f * 512.0f);   // plugins.fp8.MIN_SCALE
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
+// A value of an e4m3 cache: v / scale, saturating at +-448, ties to even (`plugins.fp8.to_e4m3`).
+template <>
+__device__ __forceinline__ void put(__nv_fp8_storage_t* p, float v, float scale) {
+  *p = __nv_cvt_float_to_fp8(__fdiv_rn(v, scale), __NV_SATFINITE, __NV_E4M3);
+}
+
 // The sum and the largest of one value per thread, over the block; every thread gets both.
 __device__ __forceinline__ float2 block_sum_max(float sum, float amax) {
   __shared__ float2 part[WARPS];
@@ -254,11 +260,12 @@ __device__ __forceinline__ void fp8_linear(const __nv_bfloat16* x, const uint8_t
   if (owner) out[n] = __float2bfloat16(v * scale * ws + extra);
 }
 
-// RMSNorm + q/k/v projection (+ bias) + RoPE with e4m3 weights: `qkv_rope` of gemv.cu otherwise.
-template <int UF, int KMAX, bool NORM_WEIGHT>
+// RMSNorm + q/k/v projection (+ bias) + RoPE with e4m3 weights: `qkv_rope` of gemv.cu otherwise. Cache:
+// bf16, or e4m3 (`__nv_fp8_storage_t`) with kv_scales [layers, 2, KVH].
+template <int UF, int KMAX, bool NORM_WEIGHT, class Cache>
 __device__ __forceinline__ void fp8_qkv_rope(const __nv_bfloat16* x, const __nv_bfloat16* norm, const uint8_t* w,
                                              const float* w_scale, const __nv_bfloat16* bias, const int* positions,
-                                             const float* rope, __nv_bfloat16* kv, const int* slots,
+                                             const float* rope, Cache* kv, const int* slots, const float* kv_scales,
                                              __nv_bfloat16* out, int num_slots, int layer, float eps, int H, int KVH,
                                              int D, int K) {
   __shared__ uint4 xs[KMAX / VEC];
@@ -266,7 +273,7 @@ __device__ __forceinline__ void fp8_qkv_rope(const __nv_bfloat16* x, const __nv_
   const int half = D / 2, h = pair / half, j = pair % half;
   const int row[2] = {h * D + j, h * D + j + half};
   const bool is_q = h < H, is_v = h >= H + KVH, owner = lane == 0;
-  float rc = 1.0f, rs = 0.0f, b0 = 0.0f, b1 = 0.0f, ws0 = 0.0f, ws1 = 0.0f;
+  float rc = 1.0f, rs = 0.0f, b0 = 0.0f, b1 = 0.0f, ws0 = 0.0f, ws1 = 0.0f, kv_scale = 1.0f;
   int slot = 0, pos = 0;
   launch_dependents();
   if (owner) {
@@ -280,6 +287,8 @@ __device__ __forceinline__ void fp8_qkv_rope(const __nv_bfloat16* x, const __nv_
     xr.load(x, K);
     if (owner && !is_v) pos = positions[0];
     if (owner && !is_q) slot = slots[0];
+    if (owner && !is_q && kv_scales != nullptr)
+      kv_scale = kv_scales[(layer * 2 + (is_v ? 1 : 0)) * KVH + (is_v ? h - H - KVH : h - H)];
     scale = xr.template stage<true, NORM_WEIGHT>(norm, xs, K, eps);
     if (owner && !is_v) {
       const float* r = rope + static_cast<size_t>(pos) * D + j;
@@ -288,8 +297,8 @@ __device__ __forceinline__ void fp8_qkv_rope(const __nv_bfloat16* x, const __nv_
     }
   });
   if (!owner) return;
-  rope_store(dot.acc[0] * scale * ws0 + b0, dot.acc[1] * scale * ws1 + b1, rc, rs, out, kv, 0, h, j, slot,
-             num_slots, layer, H, KVH, D);
+  rope_store(dot.acc[0] * scale * ws0 + b0, dot.acc[1] * scale * ws1 + b1, rc, rs, out, kv, kv_scale, 0, h, j,
+             slot, num_slots, layer, H, KVH, D);
 }
 
 // RMSNorm + gate/up projection + act(gate) * up with e4m3 weights: `swiglu` of gemv.cu otherwise, with
@@ -344,8 +353,20 @@ __device__ __forceinline__ void fp8_swiglu(const __nv_bfloat16* x, const __nv_bf
            const __nv_bfloat16* bias, const int* positions, const float* rope, __nv_bfloat16* kv,       \
            const int* slots, __nv_bfloat16* out, int num_slots, int layer, float eps, int H, int KVH,   \
            int D, int K) {                                                                              \
-    fp8_qkv_rope<UF, KMAX, NORM_WEIGHT>(x, norm, w, w_scale, bias, positions, rope, kv, slots, out,     \
-                                        num_slots, layer, eps, H, KVH, D, K);                           \
+    fp8_qkv_rope<UF, KMAX, NORM_WEIGHT>(x, norm, w, w_scale, bias, positions, rope, kv, slots, nullptr, \
+                                        out, num_slots, layer, eps, H, KVH, D, K);                      \
+  }
+
+// The same with an e4m3 cache and its scales.
+#define KILN_GEMV_FP8_QKV_ROPE_FP8_KV(NAME, UF, KMAX, NORM_WEIGHT)                                      \
+  extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                           \
+      NAME(const __nv_bfloat16* x, const __nv_bfloat16* norm, const uint8_t* w, const float* w_scale,   \
+           const __nv_bfloat16* bias, const int* positions, const float* rope, uint8_t* kv,             \
+           const int* slots, const float* kv_scales, __nv_bfloat16* out, int num_slots, int layer,      \
+           float eps, int H, int KVH, int D, int K) {                                                   \
+    fp8_qkv_rope<UF, KMAX, NORM_WEIGHT>(x, norm, w, w_scale, bias, positions, rope,                     \
+                                        reinterpret_cast<__nv_fp8_storage_t*>(kv), slots, kv_scales,    \
+                                        out, num_slots, layer, eps, H, KVH, D, K);                      \
   }
 
 #define KILN_GEMV_FP8_SWIGLU(NAME, COLS, UF, KMAX, GELU_TANH, NORM_WEIGHT)                              \
