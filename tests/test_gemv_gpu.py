@@ -146,9 +146,16 @@ def test_gemv_matches_the_reference(loaded, name, rows):
         written[LAYER, :, slots] = True
         written = written.view(2, 2, 6, 4)
         if shapes.get("fp8_kv"):
-            # Within one e4m3 step of the reference's (value / scale rounded where the two sums differ).
+            # Within one e4m3 step of the reference's, and of the bf16 error its RoPE makes in the rotated
+            # pair (the reference rotates k rounded to bf16; the kernel rotates it in float32, and a value
+            # much smaller than its pair's length comes out of the rotation with that length's error).
             got, ref = cache[written], ref_cache[written]
-            assert bool(((got - ref).abs() <= 0.125 * ref.abs() + 2.0 ** -9).all()) and close(got, ref)
+            half = ref.shape[-1] // 2
+            pair = (ref[..., :half] ** 2 + ref[..., half:] ** 2).sqrt().repeat(1, 1, 2)
+            off = (got - ref).abs() - (0.125 * ref.abs() + 2.0 ** -9 + 0.02 * pair)
+            worst = int(off.argmax())
+            assert float(off.max()) <= 0, f"cache value {float(got[worst])} against {float(ref[worst])} at {worst}"
+            assert close(got, ref)
         else:
             assert close(cache[written], ref_cache[written])
         assert torch.equal(gpu[8][~written.cuda()], before[~written.cuda()])
