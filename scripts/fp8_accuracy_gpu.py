@@ -1,4 +1,4 @@
-"""Issue 14's FP8 accuracy check on the GPU, outside pytest (tests/fp8_accuracy_check.py): the
+"""Issue 14's FP8 accuracy check on the GPU, outside pytest (tests/fp8_accuracy_check.py): a
 real model's FP8 engine against its bf16 engine on this GPU (32 chat prompts x 64 tokens,
 teacher-forced agreement, bar 0.90; perplexity of a fixed paragraph within 2%). Needs the FP8 GPU
 kernels (plugins declaring FP8_TARGETS) and the model carried as for scripts/real_model_gpu.sh.
@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import click  # noqa: E402
 
-from fp8_accuracy_check import engines, greedy_agreement, passed, perplexities, report  # noqa: E402
+from fp8_accuracy_check import MODELS, engines, greedy_agreement, passed, perplexities, report  # noqa: E402
 
 
 @click.command()
@@ -25,7 +25,9 @@ from fp8_accuracy_check import engines, greedy_agreement, passed, perplexities, 
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Results file (appended to).")
 @click.option("--device", type=click.Choice(("cuda", "cpu")), default="cuda", show_default=True,
               help="cpu: the same comparison with CPU engines (what tests/test_fp8_accuracy.py runs).")
-def main(workdir: Path, out: Path, device: str) -> None:
+@click.option("--model", type=click.Choice(MODELS), default="smollm2-135m", show_default=True,
+              help="Which real model (tests/real_models.py) to check; scripts/real_model_gpu.sh carries smollm2-135m.")
+def main(workdir: Path, out: Path, device: str, model: str) -> None:
     import torch
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -34,17 +36,17 @@ def main(workdir: Path, out: Path, device: str) -> None:
         targets = [device_arch()]
     else:
         targets = ["cpu"]
-    built = engines(workdir, targets)
+    built = engines(workdir, targets, model)
     if built is None:
-        click.echo("the real model is not in KILN_MODEL_CACHE: carry it as scripts/real_model_gpu.sh does", err=True)
+        click.echo(f"{model} is not in KILN_MODEL_CACHE: carry it as scripts/real_model_gpu.sh does", err=True)
         sys.exit(2)
     agreement, ppl = greedy_agreement(built, device), perplexities(built, device)
     ok = passed(agreement, ppl)
     lines = [f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%M:%SZ}",
              f"commit {os.environ.get('KILN_COMMIT', 'unknown')}",
              f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}",
-             f"command python3 scripts/fp8_accuracy_gpu.py --out {out} --device {device}",
-             report(agreement, ppl, targets), "PASS" if ok else "FAIL", ""]
+             f"command python3 scripts/fp8_accuracy_gpu.py --out {out} --device {device} --model {model}",
+             report(model, agreement, ppl, targets), "PASS" if ok else "FAIL", ""]
     with open(out, "a", encoding="utf-8") as f:
         f.write("\n".join(lines))
     click.echo("\n".join(lines))

@@ -1,14 +1,17 @@
 """Issue 14's accuracy check on trained weights, shared by tests/test_fp8_accuracy.py (CPU) and
-scripts/fp8_accuracy_gpu.py: SmolLM2-135M-Instruct's GGUF built as a bf16 engine and as an FP8
-one (--quantization fp8), over 32 chat prompts x 64 greedy tokens of the bf16 engine: the share
-of positions where the FP8 engine's greedy token, given the same context, is the bf16 engine's
+scripts/fp8_accuracy_gpu.py: a real model's GGUF built as a bf16 engine and as an FP8 one
+(--quantization fp8), over 32 chat prompts x 64 greedy tokens of the bf16 engine: the share of
+positions where the FP8 engine's greedy token, given the same context, is the bf16 engine's
 (teacher-forced, bar 0.90); and the perplexity of a fixed English paragraph, teacher-forced,
-within 2% of the bf16 engine's.
+within 2% of the bf16 engine's. Two models (`real_models.MODELS`), each with its own prompts:
 
-Measured on the CPU (bf16 engines): agreement 0.934; perplexity 35.85 -> 37.85 (ratio 1.056; on
-another machine, an AMD EPYC without AVX512-BF16, 35.73 -> 38.01, 1.064), of which the weights'
-e4m3 rounding alone gives 37.89 (the activations' per-token quantization adds nothing measurable);
-o, gate/up and down projections each add 1-3%. The 2% bar is not met on this 30-layer 135M model."""
+- Gemma 3 270M (base, Q4_K_M; its turn format, `gemma_turn_prompts`): agreement 0.983,
+  perplexity 25.124 -> 25.396 (ratio 1.011) on the CPU. Both bars met.
+- SmolLM2-135M-Instruct (Q4_1; its chat template): agreement 0.934; perplexity 35.85 -> 37.85
+  (ratio 1.056; on another machine, an AMD EPYC without AVX512-BF16, 35.73 -> 38.01, 1.064), of
+  which the weights' e4m3 rounding alone gives 37.89 (the activations' per-token quantization
+  adds nothing measurable); o, gate/up and down projections each add 1-3%. The 2% bar is not
+  met on this 30-layer 135M model."""
 from __future__ import annotations
 
 import math
@@ -19,9 +22,10 @@ import torch
 
 from parity_tools import (argmax_agreement, cached_engine, free_gpu, kiln_generate, kiln_teacher_forced,
                           open_executor)
-from real_models import CHAT_QUESTIONS, cached, chat_prompts
+from real_models import CHAT_QUESTIONS, cached, chat_prompts, gemma_turn_prompts
 
-MODEL = "smollm2-135m"
+MODELS = ("gemma3-270m", "smollm2-135m")
+PROMPTS = {"gemma3-270m": gemma_turn_prompts, "smollm2-135m": chat_prompts}
 NUM_PROMPTS, MAX_TOKENS = 32, 64
 AGREEMENT, PERPLEXITY_RATIO = 0.90, 1.02
 BUILD = dict(max_seq_len=192, max_num_tokens=256, max_batch_size=64, kv_block_size=16)
@@ -36,16 +40,17 @@ TEXT = ("The river runs past the old mill and under the stone bridge before it r
 
 @dataclass(frozen=True)
 class Engines:
+    model: str   # a name of MODELS
     bf16: Path
     fp8: Path
 
 
-def engines(workdir: Path, targets: list[str]) -> Engines | None:
-    """The model's bf16 and FP8 engines, built once; None when its GGUF is not in this machine's cache."""
-    files = cached(MODEL)
+def engines(workdir: Path, targets: list[str], model: str) -> Engines | None:
+    """`model`'s bf16 and FP8 engines, built once; None when its GGUF is not in this machine's cache."""
+    files = cached(model)
     if files is None:
         return None
-    return Engines(cached_engine(workdir, files.gguf, targets, "bfloat16", **BUILD),
+    return Engines(model, cached_engine(workdir, files.gguf, targets, "bfloat16", **BUILD),
                    cached_engine(workdir, files.gguf, targets, "bfloat16", **BUILD, extra=("--quantization", "fp8")))
 
 
@@ -61,7 +66,7 @@ def _run(engine: Path, device: str, work):
 def greedy_agreement(e: Engines, device: str) -> float:
     """The share of the bf16 engine's greedy tokens (32 chat prompts x 64) that the FP8 engine
     also picks from the same context."""
-    prompts = chat_prompts(e.bf16, CHAT_QUESTIONS[:NUM_PROMPTS])
+    prompts = PROMPTS[e.model](e.bf16, CHAT_QUESTIONS[:NUM_PROMPTS])
     tokens = kiln_generate(e.bf16, device, prompts, MAX_TOKENS)
     forced = _run(e.fp8, device, lambda ex: [kiln_teacher_forced(ex, p, t) for p, t in zip(prompts, tokens)])
     return argmax_agreement(tokens, forced)[0]
@@ -78,9 +83,9 @@ def perplexities(e: Engines, device: str) -> tuple[float, float, int]:
     return _run(e.bf16, device, perplexity), _run(e.fp8, device, perplexity), len(ids)
 
 
-def report(agreement: float, ppl: tuple[float, float, int], targets: list[str]) -> str:
+def report(model: str, agreement: float, ppl: tuple[float, float, int], targets: list[str]) -> str:
     bf16, fp8, n = ppl
-    return (f"{MODEL} fp8 engine vs bf16 engine ({', '.join(targets)}): teacher-forced greedy agreement over "
+    return (f"{model} fp8 engine vs bf16 engine ({', '.join(targets)}): teacher-forced greedy agreement over "
             f"{NUM_PROMPTS} chat prompts x {MAX_TOKENS} tokens {agreement:.4f} (bar {AGREEMENT}); perplexity of a "
             f"{n}-token paragraph bf16 {bf16:.3f}, fp8 {fp8:.3f} (ratio {fp8 / bf16:.4f}, bar {PERPLEXITY_RATIO})")
 
