@@ -231,6 +231,9 @@ Examples:
               help="fp8: also build the FP8 engine (build-engine --quantization fp8) of the same checkpoint and "
                    "run decode and offline on it after the bf16 one, each FP8 figure beside the bf16 figure it "
                    "is compared with (not with --engine).")
+@click.option("--quantize-lm-head", is_flag=True,
+              help="With --quantization: the quantized engine's LM head too (build-engine --quantize-lm-head); "
+                   "the bf16 engine's stays as it is.")
 @click.option("--max-batch-size", type=int, default=256, show_default=True, help="Build flag (not with --engine).")
 @click.option("--max-seq-len", type=int, default=4352, show_default=True, help="Build flag: 2048+2048 fits.")
 @click.option("--max-num-tokens", type=int, default=8192, show_default=True, help="Build flag: tokens per step.")
@@ -272,7 +275,7 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
                  device: str | None, shape: str, num_layers: int | None, hidden_size: int | None,
                  num_heads: int | None, num_kv_heads: int | None, intermediate_size: int | None,
                  vocab_size: int | None, dtype: str, kv_cache_dtype: str, quantization: str,
-                 max_batch_size: int, max_seq_len: int, max_num_tokens: int, phases: list[str],
+                 quantize_lm_head: bool, max_batch_size: int, max_seq_len: int, max_num_tokens: int, phases: list[str],
                  batch_sizes: list[int], decode_context: int, decode_steps: int,
                  offline_pairs: list[tuple[int, int]], offline_requests: int | None, rate: float,
                  rate_requests: int, rate_lengths: list[tuple[int, int]], prefix_requests: int,
@@ -295,6 +298,9 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
     model_shape = with_overrides(model_shape, max_position_embeddings=max(model_shape.max_position_embeddings,
                                                                           max_seq_len))
     notes: list[str] = []
+    if quantize_lm_head and quantization == "none":
+        raise click.UsageError("--quantize-lm-head quantizes the LM head of the --quantization engine: "
+                               "give --quantization fp8 too")
     if quantization != "none" and engine_dir is not None:
         raise click.UsageError(f"--quantization {quantization} builds a bf16 and an {quantization} engine from one "
                                "checkpoint to measure them side by side: give --checkpoint (or a --shape), not "
@@ -303,7 +309,8 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
         cfg = BuildConfig(dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                           max_num_tokens=max_num_tokens,
                           targets=default_targets() if device == "cuda" else ("cpu",))
-        quantized_cfg = dataclasses.replace(cfg, quantization=quantization) if quantization != "none" else None
+        quantized_cfg = (dataclasses.replace(cfg, quantization=quantization, quantize_lm_head=quantize_lm_head)
+                         if quantization != "none" else None)
         engine_dir, checkpoint = _resolve_engine(engine_dir, checkpoint, work_dir.expanduser(), device,
                                                  model_shape, cfg)
         info = inspect(engine_dir, device)
@@ -389,7 +396,8 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
     header = [f"engine {engine_dir}  ({m.dtype}, tp {m.world_size}, targets {', '.join(m.targets)})",
               f"device {hw.device_name}  torch {torch.__version__}"]
     if quantized_info is not None:
-        header.insert(1, f"engine {quantized_info.path}  ({quantization}, the same checkpoint)")
+        lm_head = ", LM head too" if quantize_lm_head else ""
+        header.insert(1, f"engine {quantized_info.path}  ({quantization}{lm_head}, the same checkpoint)")
     click.echo(render(figures, hw, header, notes))
     context = {"engine": str(engine_dir), "checkpoint": str(checkpoint) if checkpoint else None,
                "quantized_engine": str(quantized_info.path) if quantized_info is not None else None,

@@ -102,7 +102,8 @@ def engine_path(work_dir: Path, checkpoint: Path, cfg: BuildConfig) -> Path:
     ckpt_key = f"{checkpoint.name}-{hashlib.sha256(str(checkpoint.resolve()).encode()).hexdigest()[:8]}"
     flags = (f"{'-'.join(cfg.targets)}-{cfg.dtype}-tp{cfg.tp_size}-b{cfg.max_batch_size}-s{cfg.max_seq_len}"
              f"-t{cfg.max_num_tokens}-kv{cfg.kv_block_size}" + ("-fp8kv" if cfg.kv_cache_dtype == "fp8" else "")
-             + (f"-{cfg.quantization}" if cfg.quantization != "none" else ""))
+             + (f"-{cfg.quantization}" if cfg.quantization != "none" else "")
+             + ("-lmhead" if cfg.quantize_lm_head else ""))
     return work_dir / "engines" / ckpt_key / f"{flags}-{source_hash()}"
 
 

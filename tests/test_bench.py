@@ -4,6 +4,7 @@ tensor-parallel engine folder taken with no extra flags, and clear errors for ba
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from kiln.bench.figures import Figure
 from kiln.bench.hardware import Hardware
 from kiln.bench.limits import CostModel, StepShape, attended_pairs
 from kiln.bench.report import render
+from kiln.engines.format import read_engine_file
 from kiln.engines.manifest import KVLayout, Manifest, PlanEntry, TensorSpec, WeightEntry
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.session import Session
@@ -173,6 +175,24 @@ def test_fp8_engine_is_measured_beside_the_bf16_one_in_the_same_run(tiny_run):
             assert f["ratio_to_bf16"] == pytest.approx(f["value"] / base["value"])
     assert data["quantized_engine"].endswith("-fp8-" + data["quantized_engine"].rsplit("-", 1)[1])
     assert "vs bf16" in result.output and "fp8 decode b=1" in result.output
+
+
+def test_fp8_engine_with_its_lm_head_quantized_too(tiny_run):
+    root, _, _ = tiny_run
+    result = invoke(*TINY, "--dtype", "bfloat16", "--only", "decode", "--batch-sizes", "1", "--no-baseline",
+                    "--quantization", "fp8", "--quantize-lm-head", "--work-dir", root / "work",
+                    "--json", root / "lmhead.json")
+    assert result.exit_code == 0, result.output
+    data = json.loads((root / "lmhead.json").read_text())
+    assert "-fp8-lmhead-" in data["quantized_engine"] and data["options"]["quantize_lm_head"] is True
+    weights = read_engine_file(Path(data["quantized_engine"]) / "rank0.engine").weights
+    assert weights["lm_head.weight"].dtype == torch.float8_e4m3fn and "lm_head.weight_scale" in weights
+    assert "fp8, LM head too" in result.output and "fp8 decode b=1" in result.output
+
+
+def test_lm_head_quantization_needs_the_quantized_engine(tmp_path):
+    result = invoke(*TINY, "--quantize-lm-head", "--json", tmp_path / "x.json")
+    assert result.exit_code == 2 and "give --quantization fp8 too" in result.output
 
 
 def test_fp8_comparison_needs_a_checkpoint_not_an_engine(tmp_path):
