@@ -124,11 +124,17 @@ class CudaKernel:
         return config
 
 
+# The first driver whose stream capture turns programmatic launches into graph edges (CUDA 12.3).
+_PROGRAMMATIC_CAPTURE_DRIVER = 12030
+
+
 def programmatic_launch(meta: dict) -> bool:
     """Whether a kernel with launch meta `meta` is launched for programmatic dependent launch on
-    this GPU: built for it, a GPU that has it (sm_90 on), and not turned off."""
+    this GPU: built for it, a GPU that has it (sm_90 on), a driver that captures it into the
+    decode graphs, and not turned off."""
     import torch
     return (bool(meta.get("pdl")) and torch.cuda.get_device_capability()[0] >= 9
+            and _check(_driver().cuDriverGetVersion(), "cuDriverGetVersion") >= _PROGRAMMATIC_CAPTURE_DRIVER
             and os.environ.get("KILN_PROGRAMMATIC_LAUNCH", "1") != "0")
 
 
