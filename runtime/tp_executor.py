@@ -49,6 +49,9 @@ STARTUP_TIMEOUT = 120.0
 STEP_TIMEOUT = 60.0
 # Step-input slots in the shared buffer: the step being written and the one a rank may still be reading.
 SLOTS = 2
+# How long a rank's error waits for another rank's death to show: a rank whose collective failed
+# because a peer died answers within milliseconds of that peer's exit.
+PEER_DEATH_GRACE = 0.5
 
 
 class WorkerError(RuntimeError):
@@ -154,7 +157,7 @@ class TensorParallelExecutor:
                     except (EOFError, OSError):  # the pipe closes or resets when the rank's process dies
                         status, payload = "died", None
                     if status != "ok" and status != "ready":
-                        raise self._failure(rank, status, payload, doing)
+                        raise self._root_failure(rank, status, payload, doing)
                     replies[rank] = payload
         return [replies[r] for r in range(len(self.conns))]
 
@@ -179,6 +182,22 @@ class TensorParallelExecutor:
         waiting = sorted(alive - set(hung))
         also = f" (rank {', '.join(map(str, waiting))} waiting on it)" if waiting else ""
         return WorkerError(f"tensor-parallel rank {names} did not answer within {timeout:.0f} s while {doing}{also}")
+
+    def _root_failure(self, rank: int, status: str, payload, doing: str) -> WorkerError:
+        """`rank`'s failure, unless another rank's process has died: then that one, the cause
+        (a rank whose all-reduce lost its peer can answer before the dead peer's pipe closes)."""
+        if status == "error":
+            deadline = time.monotonic() + PEER_DEATH_GRACE
+            while True:
+                dead = [r for r, proc in enumerate(self.procs) if r != rank and proc.poll() is not None]
+                if dead:
+                    failure = self._failure(dead[0], "died", None, doing)
+                    last = str(payload).strip().splitlines()[-1:] or [""]
+                    return WorkerError(f"{failure} (then rank {rank} failed: {last[0]})")
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.01)
+        return self._failure(rank, status, payload, doing)
 
     def _failure(self, rank: int, status: str, payload, doing: str) -> WorkerError:
         if status == "error":

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from kiln.runtime import SamplingParams, Session
 from kiln.runtime.cli import run_engine
+from kiln.runtime.tp_executor import TensorParallelExecutor
 
 BUILD = dict(dtype="float32", max_batch_size=8, max_num_tokens=32)
 
@@ -170,6 +171,27 @@ def test_killed_rank0_which_samples_is_named_and_every_worker_reaped(factory, ch
     finally:
         session.close()
     assert _alive(procs) == []
+
+
+def test_an_error_after_a_peer_died_names_the_dead_rank():
+    """The race behind the test above when it failed one CI run: rank 1's all-reduce lost rank 0
+    and rank 1's error arrived before rank 0's pipe closed. The dead rank is named (with what
+    rank 1 said after it); with no dead rank, the erring one is."""
+    dead = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    dead.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    executor = TensorParallelExecutor.__new__(TensorParallelExecutor)   # its failure reports only
+    try:
+        executor.procs = [dead, alive]
+        error = executor._root_failure(1, "error", "Traceback ...\nRuntimeError: Connection reset by peer", "running a step")
+        assert str(error) == ("tensor-parallel rank 0 died while running a step (exit code -9) "
+                              "(then rank 1 failed: RuntimeError: Connection reset by peer)")
+        executor.procs = [alive, alive]
+        error = executor._root_failure(1, "error", "ValueError: bad", "running a step")
+        assert str(error) == "tensor-parallel rank 1 failed while running a step:\nValueError: bad"
+    finally:
+        alive.kill()
+        alive.wait()
 
 
 def test_hung_worker_is_reported_within_the_timeout(factory, checkpoint):
