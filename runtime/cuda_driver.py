@@ -130,10 +130,16 @@ _PROGRAMMATIC_CAPTURE_DRIVER = 12030
 
 def programmatic_launch(meta: dict) -> bool:
     """Whether a kernel with launch meta `meta` is launched for programmatic dependent launch on
-    this GPU: built for it, a GPU that has it (sm_90 on), a driver that captures it into the
-    decode graphs, and not turned off."""
+    this GPU: built for it, and the machine has it (`_programmatic_machine`)."""
+    return bool(meta.get("pdl")) and _programmatic_machine()
+
+
+@cache
+def _programmatic_machine() -> bool:
+    """A GPU that has programmatic dependent launch (sm_90 on), a driver that captures it into the
+    decode graphs, and KILN_PROGRAMMATIC_LAUNCH not 0: asked once, not for every kernel loaded."""
     import torch
-    return (bool(meta.get("pdl")) and torch.cuda.get_device_capability()[0] >= 9
+    return (torch.cuda.get_device_capability()[0] >= 9
             and _check(_driver().cuDriverGetVersion(), "cuDriverGetVersion") >= _PROGRAMMATIC_CAPTURE_DRIVER
             and os.environ.get("KILN_PROGRAMMATIC_LAUNCH", "1") != "0")
 

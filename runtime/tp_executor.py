@@ -192,8 +192,8 @@ class TensorParallelExecutor:
                 dead = [r for r, proc in enumerate(self.procs) if r != rank and proc.poll() is not None]
                 if dead:
                     failure = self._failure(dead[0], "died", None, doing)
-                    last = str(payload).strip().splitlines()[-1:] or [""]
-                    return WorkerError(f"{failure} (then rank {rank} failed: {last[0]})")
+                    last = (str(payload).strip().splitlines() or [""])[-1]
+                    return WorkerError(f"{failure} (then rank {rank} failed: {last})")
                 if time.monotonic() >= deadline:
                     break
                 time.sleep(0.01)

@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kiln.plugins import get_plugin
-from kiln.plugins.fp8 import FP8_TARGETS, quantize_rows
+from kiln.bench.hardware import copy_bandwidth
+from kiln.plugins.fp8 import quantize_rows
 from kiln.plugins.linear import gemv
 from kiln.plugins.nvcc import NvccKernel, compile_cubin
 from kiln.runtime.cuda_driver import device_arch, load_kernel
@@ -57,25 +58,11 @@ def variants() -> dict[str, list[tuple[str, NvccKernel, bool]]]:
                 call, signature, groups = (f"KILN_GEMV_FP8_QKV_ROPE({name}, {uf}, 4096, false)", gemv.FP8_QKV_SIGNATURE,
                                            pairs // 8)
                 meta = {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": D}
-            kernel = NvccKernel(gemv.SOURCE, name, f"{gemv.FP8_SOURCE.read_text()}\n{call}", signature, gemv.WARPS,
-                                {**gemv._meta(1, groups, **meta), "fp8": True}, targets=FP8_TARGETS)
+            kernel = gemv._fp8_kernel(name, call, signature, gemv._meta(1, groups, **meta))
             label = (f"{'COLS' if shape == 'gate_up' else 'R'}={r} " if r else "") + f"UF={uf}"
             out[shape].append((label, kernel, True))
         out[shape].insert(1, (f"{out[shape][0][0]} no PDL", out[shape][0][1], False))
     return out
-
-
-def copy_rate() -> float:
-    a = torch.empty(1 << 28, dtype=torch.int32, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 4 * 10 / (start.elapsed_time(end) / 1e3) / 1e9
 
 
 def cases(shape: str, g: torch.Generator) -> tuple[str, list[list], torch.Tensor, dict]:
@@ -107,7 +94,7 @@ def cases(shape: str, g: torch.Generator) -> tuple[str, list[list], torch.Tensor
 
 def main() -> None:
     arch = device_arch()
-    print(f"copy rate {copy_rate():,.0f} GB/s ({torch.cuda.get_device_name()}, {arch})")
+    print(f"copy rate {copy_bandwidth('cuda')[0] / 1e9:,.0f} GB/s ({torch.cuda.get_device_name()}, {arch})")
     g = torch.Generator(device="cuda").manual_seed(0)
     built_all = variants()
     kernels = list({k.entry: k for b in built_all.values() for _, k, _ in b}.values())

@@ -24,8 +24,9 @@ from parity_tools import (argmax_agreement, cached_engine, free_gpu, kiln_genera
                           open_executor)
 from real_models import CHAT_QUESTIONS, cached, chat_prompts, gemma_turn_prompts
 
-MODELS = ("gemma3-270m", "smollm2-135m")
+# Each model and how its chat prompts are made (the Gemma GGUF carries no chat template).
 PROMPTS = {"gemma3-270m": gemma_turn_prompts, "smollm2-135m": chat_prompts}
+MODELS = tuple(PROMPTS)
 NUM_PROMPTS, MAX_TOKENS = 32, 64
 AGREEMENT, PERPLEXITY_RATIO = 0.90, 1.02
 BUILD = dict(max_seq_len=192, max_num_tokens=256, max_batch_size=64, kv_block_size=16)

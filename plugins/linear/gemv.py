@@ -71,11 +71,19 @@ FP8_QKV_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*fp8e4nv", "w_scale": 
                      "positions": "*i32", "rope": "*fp32", "kv": "*bf16", "slots": "*i32", "out": "*bf16",
                      "num_slots": "i32", "layer": "i32", "eps": "fp32", "H": "i32", "KVH": "i32", "D": "i32",
                      "K": "i32"}
-# With an e4m3 cache: its pointer, and its scales after the slots.
-FP8_QKV_FP8_KV_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "bias": "*bf16",
-                            "positions": "*i32", "rope": "*fp32", "kv": "*fp8e4nv", "slots": "*i32",
-                            "kv_scales": "*fp32", "out": "*bf16", "num_slots": "i32", "layer": "i32", "eps": "fp32",
-                            "H": "i32", "KVH": "i32", "D": "i32", "K": "i32"}
+
+
+def _with_e4m3_cache(signature: dict) -> dict:
+    """A qkv signature for an e4m3 cache: its pointer, and its scales after the slots."""
+    out = {}
+    for name, kind in signature.items():
+        out[name] = "*fp8e4nv" if name == "kv" else kind
+        if name == "slots":
+            out["kv_scales"] = "*fp32"
+    return out
+
+
+FP8_QKV_FP8_KV_SIGNATURE = _with_e4m3_cache(FP8_QKV_SIGNATURE)
 
 
 def _serves(dtype: str, k: int, fp8_weight: bool) -> bool:
