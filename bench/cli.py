@@ -30,6 +30,7 @@ from kiln.dtypes import MODEL_DTYPES, torch_dtype
 from kiln.engines.manifest import QUANTIZATIONS
 from kiln.engines.format import EngineFileError
 from kiln.models.config import CheckpointError
+from kiln.runtime.scheduler import POLICIES, POLICY_HELP
 
 
 def _command_line(ctx: click.Context) -> str:
@@ -102,7 +103,7 @@ def _resolve_engine(engine: Path | None, checkpoint: Path | None, work_dir: Path
 
 def _throughput(info: EngineInfo, hw, budget: int, notes: list[str], phases: list[str], batch_sizes: list[int],
                 decode_context: int, decode_steps: int, offline_pairs: list[tuple[int, int]], requests: dict,
-                seed: int, overlap: bool, prefix_caching: bool) -> list[Figure]:
+                seed: int, overlap: bool, prefix_caching: bool, policy: str) -> list[Figure]:
     """The decode and offline phases through one EngineCore whose KV pool takes at most `budget`
     tokens; adds each offline run's summary to `notes`."""
     if "decode" not in phases and "offline" not in phases:
@@ -112,7 +113,7 @@ def _throughput(info: EngineInfo, hw, budget: int, notes: list[str], phases: lis
     wanted += [offline.kv_tokens_wanted(info, i, o, requests[i, o]) for i, o in offline_pairs] \
         if "offline" in phases else []
     run = open_core(info, hw, min(budget, max(wanted + [info.manifest.kv.block_size])), overlap=overlap,
-                    prefix_caching=prefix_caching)
+                    prefix_caching=prefix_caching, policy=policy)
     figures: list[Figure] = []
     try:
         if "decode" in phases:
@@ -267,6 +268,8 @@ Examples:
               help="Measure the plain engine loop (host work between steps not overlapped with the device).")
 @click.option("--no-prefix-caching", is_flag=True,
               help="Run decode, offline and latency with prefix caching off (the prefix phase measures both).")
+@click.option("--policy", type=click.Choice(POLICIES), default=POLICIES[0], show_default=True,
+              help=f"The scheduler's admission policy for decode, offline and latency: {POLICY_HELP}")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random prompts.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               default=Path("bench-results.json"), show_default=True, help="Where to write the results.")
@@ -280,7 +283,7 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
                  offline_pairs: list[tuple[int, int]], offline_requests: int | None, rate: float,
                  rate_requests: int, rate_lengths: list[tuple[int, int]], prefix_requests: int,
                  prefix_lengths: tuple[int, int, int], prefix_turns: int, no_baseline: bool, no_overlap: bool,
-                 no_prefix_caching: bool, seed: int, json_path: Path) -> None:
+                 no_prefix_caching: bool, policy: str, seed: int, json_path: Path) -> None:
     if len(rate_lengths) != 1:
         raise click.BadParameter("give one IN/OUT pair", param_hint="--rate-lengths")
     if kv_cache_dtype == "fp8" and engine_dir is not None:
@@ -335,7 +338,7 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
         release(device)
     throughput = dict(phases=phases, batch_sizes=batch_sizes, decode_context=decode_context,
                       decode_steps=decode_steps, offline_pairs=offline_pairs, requests=requests, seed=seed,
-                      overlap=not no_overlap, prefix_caching=not no_prefix_caching)
+                      overlap=not no_overlap, prefix_caching=not no_prefix_caching, policy=policy)
     figures += _throughput(info, hw, budget, notes, **throughput)
     fp8_figures: list[Figure] = []
     if kv_cache_dtype == "fp8" and ("decode" in phases or "offline" in phases):
@@ -353,7 +356,8 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
         status(f"latency: {rate_requests} requests of {i}/{o} tokens at {rate:g} per second")
         kv = min(budget, latency.kv_tokens_wanted(info, i, o, rate_requests))
         figures += latency.measure_latency(info, hw, kv, rate, rate_requests, i, o, seed, progress=True,
-                                           overlap=not no_overlap, prefix_caching=not no_prefix_caching)
+                                           overlap=not no_overlap, prefix_caching=not no_prefix_caching,
+                                           policy=policy)
         release(device)
     if "prefix" in phases:
         workload = prefix.Workload(prefix_requests, *prefix_lengths, prefix_turns)

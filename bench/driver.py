@@ -18,6 +18,7 @@ from kiln.bench.limits import CostModel, StepShape
 from kiln.engines.manifest import Manifest
 from kiln.runtime.engine import load_engine
 from kiln.runtime.engine_core import EngineCore
+from kiln.runtime.scheduler import POLICIES
 
 # Share of the free memory the KV pool may take: the rest is headroom for the allocator,
 # the sampler's logits and, on the CPU, everything else the machine runs.
@@ -148,10 +149,10 @@ def pool_tokens(info: EngineInfo, kv_tokens: int) -> int:
 
 
 def open_core(info: EngineInfo, hw: Hardware, kv_tokens: int, overlap: bool = True,
-              prefix_caching: bool = True) -> EngineRun:
+              prefix_caching: bool = True, policy: str = POLICIES[0]) -> EngineRun:
     """An EngineCore whose KV pool holds `kv_tokens` tokens (see `pool_tokens`), with its steps recorded."""
     core = EngineCore(info.path, device=hw.device, max_kv_tokens=pool_tokens(info, kv_tokens), overlap=overlap,
-                      prefix_caching=prefix_caching)
+                      prefix_caching=prefix_caching, policy=policy)
     return EngineRun(core, StepRecorder(core.executor), ReplayTimer(core.executor), info, hw, hw.device)
 
 

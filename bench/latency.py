@@ -22,6 +22,7 @@ from kiln.bench.driver import EngineInfo, StepRecorder, pool_tokens, random_prom
 from kiln.bench.figures import Figure, skipped
 from kiln.bench.hardware import Hardware
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.scheduler import POLICIES
 from kiln.runtime.session import Session
 
 PERCENTILES = (50, 90, 99)
@@ -46,7 +47,7 @@ def _timestamps(session: Session, prompt: list[int], params: SamplingParams, out
 
 def measure_latency(info: EngineInfo, hw: Hardware, kv_tokens: int, rate: float, requests: int,
                     input_len: int, output_len: int, seed: int = 0, progress: bool = False,
-                    overlap: bool = True, prefix_caching: bool = True) -> list[Figure]:
+                    overlap: bool = True, prefix_caching: bool = True, policy: str = POLICIES[0]) -> list[Figure]:
     """TTFT and ITL percentiles, in ms, for `requests` arriving at `rate` per second."""
     names = [(what, p) for what in ("TTFT", "ITL") for p in PERCENTILES]
     if input_len + output_len > info.manifest.max_seq_len:
@@ -56,7 +57,7 @@ def measure_latency(info: EngineInfo, hw: Hardware, kv_tokens: int, rate: float,
     prompts = random_prompts(requests, input_len, info.manifest.vocab_size, seed)
     results: list = [None] * requests
     session = Session(info.path, device=hw.device, max_kv_tokens=pool_tokens(info, kv_tokens), overlap=overlap,
-                      prefix_caching=prefix_caching)
+                      prefix_caching=prefix_caching, policy=policy)
     try:
         # The Session owns its EngineCore; recording its steps is the one place bench reaches in.
         recorder = StepRecorder(session._core.executor)

@@ -18,7 +18,7 @@ from kiln.engines.format import EngineFileError
 from kiln.runtime.arguments import ArgumentError
 from kiln.runtime.outputs import CompletionOutput, RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import POLICIES
+from kiln.runtime.scheduler import POLICIES, POLICY_HELP
 from kiln.runtime.session import Session
 
 
@@ -79,7 +79,7 @@ class _StreamEcho:
               help="Where to run: auto takes the GPU when the engine was built for its arch (--target), "
                    "else the CPU.")
 @click.option("--policy", type=click.Choice(POLICIES), default=POLICIES[0], show_default=True,
-              help="max_utilization admits eagerly and may preempt; guaranteed_no_evict never preempts.")
+              help=POLICY_HELP)
 @click.option("--no-overlap", is_flag=True,
               help="Run the plain engine loop: the host waits for each step's tokens before scheduling the next.")
 @click.option("--no-prefix-caching", is_flag=True,

@@ -48,7 +48,7 @@ def check_engine_options(device: object, kv_cache_fraction: object, max_kv_token
 
 class EngineCore:
     def __init__(self, engine_dir: str | Path, device: str | None = None, kv_cache_fraction: float | None = None,
-                 max_kv_tokens: int | None = None, policy: str = "max_utilization", worker_timeout: float = 60.0,
+                 max_kv_tokens: int | None = None, policy: str = POLICIES[0], worker_timeout: float = 60.0,
                  overlap: bool = True, prefix_caching: bool = True):
         """`overlap=False` runs the plain loop (runtime/overlap.py). `prefix_caching=False`
         computes every prompt in full (runtime/prefix_cache.py)."""

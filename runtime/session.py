@@ -23,6 +23,7 @@ from kiln.runtime.kv_pool import KVPool
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.prompts import Prompt, one_prompt, prompt_batch
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.scheduler import POLICIES
 from kiln.runtime.startup import process_age
 
 Sink = Callable[[RequestOutput | BaseException], None]
@@ -38,7 +39,7 @@ class Session:
     the same."""
 
     def __init__(self, engine_dir: str | Path, device: str | None = None, kv_cache_fraction: float | None = None,
-                 max_kv_tokens: int | None = None, policy: str = "max_utilization", worker_timeout: float = 60.0,
+                 max_kv_tokens: int | None = None, policy: str = POLICIES[0], worker_timeout: float = 60.0,
                  overlap: bool = True, prefix_caching: bool = True):
         self._core = EngineCore(engine_dir, device, kv_cache_fraction, max_kv_tokens, policy, worker_timeout,
                                 overlap, prefix_caching)

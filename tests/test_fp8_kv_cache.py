@@ -209,8 +209,8 @@ def test_prefix_caching_copy_on_write_and_preemption_on_an_e4m3_cache(fp8_engine
     short = factory.engine(checkpoint, dtype="float32", max_batch_size=MAX_BATCH_SIZE, max_num_tokens=MAX_NUM_TOKENS,
                            max_seq_len=SHORT_SEQ_LEN, kv_cache_dtype="fp8")
     convs = conversations(4, first_len=8, user_len=(3, 3), turns=3, max_tokens=5, n2_turns=(0,), seed=2)
-    want, _, off = run_conversations(short, convs, caching=False, max_kv_tokens=48)
-    got, _, on = run_conversations(short, convs, caching=True, max_kv_tokens=48)
+    want, _, off = run_conversations(short, convs, caching=False, max_kv_tokens=48, policy="max_utilization")
+    got, _, on = run_conversations(short, convs, caching=True, max_kv_tokens=48, policy="max_utilization")
     assert got == want and off.scheduler.num_preemptions > 0 and on.scheduler.num_preemptions > 0
 
 

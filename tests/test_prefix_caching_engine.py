@@ -20,6 +20,8 @@ from kiln.runtime.session import Session
 from session_fixtures import *  # noqa: F401,F403 (fixtures and helpers)
 
 BLOCK = 4  # the test engines' KV block size
+# The preemption tests admit by free blocks: projected_peak admits too carefully to preempt in them.
+POLICY = "max_utilization"
 
 
 @dataclass
@@ -118,8 +120,8 @@ def test_multi_turn_conversations_under_preemption(short_engine_dir):
     # 12 KV blocks for four conversations of up to 8 blocks each: sequences are preempted, and
     # cached blocks evicted, all along.
     convs = conversations(4, first_len=8, user_len=(3, 3), turns=3, max_tokens=5, n2_turns=(0,), seed=2)
-    want, _, off = run_conversations(short_engine_dir, convs, caching=False, max_kv_tokens=48)
-    got, _, on = run_conversations(short_engine_dir, convs, caching=True, max_kv_tokens=48)
+    want, _, off = run_conversations(short_engine_dir, convs, caching=False, max_kv_tokens=48, policy=POLICY)
+    got, _, on = run_conversations(short_engine_dir, convs, caching=True, max_kv_tokens=48, policy=POLICY)
     assert got == want
     assert off.scheduler.num_preemptions > 0 and on.scheduler.num_preemptions > 0
     assert on.blocks.cache_hits > 0
@@ -172,8 +174,8 @@ def test_a_shared_system_prompt_is_computed_once(engine, request):
 def test_a_shared_system_prompt_under_preemption(short_engine_dir):
     # 12 KV blocks; each request holds up to 6 per sample.
     requests = shared_prompt_requests(system_len=9, count=6, seed=4)
-    want, off = run_together(short_engine_dir, requests, caching=False, max_kv_tokens=48)
-    got, on = run_together(short_engine_dir, requests, caching=True, max_kv_tokens=48)
+    want, off = run_together(short_engine_dir, requests, caching=False, max_kv_tokens=48, policy=POLICY)
+    got, on = run_together(short_engine_dir, requests, caching=True, max_kv_tokens=48, policy=POLICY)
     assert got == want
     assert off.scheduler.num_preemptions > 0 and on.scheduler.num_preemptions > 0 and on.blocks.cache_hits > 0
 

@@ -45,7 +45,7 @@ def step(sched: Scheduler) -> list[tuple[Sequence, int, bool]]:
         if done[-1][2]:
             c.seq.token_ids.append(7)
             if len(c.seq.output_ids) == c.seq.request.params.max_tokens:
-                c.seq.status = Status.FINISHED
+                c.seq.status, c.seq.finish_reason = Status.FINISHED, "length"
                 sched.remove(c.seq)
     return done
 
@@ -131,7 +131,8 @@ def test_priority_orders_admission():
 
 def test_preemption_picks_the_lowest_priority_newest_sequence():
     # 6 blocks: three 8-token prompts take 2 blocks each, and then nobody can grow.
-    sched = Scheduler(BlockManager(6, BLOCK, prefix_caching=False), max_num_tokens=64, max_batch_size=8)
+    sched = Scheduler(BlockManager(6, BLOCK, prefix_caching=False), max_num_tokens=64, max_batch_size=8,
+                      policy="max_utilization")
     old = make_seq(8, arrival=0, priority=0)
     new = make_seq(8, arrival=1, priority=0)
     urgent = make_seq(8, arrival=2, priority=2)
@@ -153,7 +154,7 @@ def test_preemption_picks_the_lowest_priority_newest_sequence():
 
 def test_forked_samples_copy_on_write_and_are_preempted_alone():
     blocks = BlockManager(4, BLOCK, prefix_caching=False)
-    sched = Scheduler(blocks, max_num_tokens=64, max_batch_size=8)
+    sched = Scheduler(blocks, max_num_tokens=64, max_batch_size=8, policy="max_utilization")
     request = Request("r", list(range(3, 9)), SamplingParams(n=2, max_tokens=6), arrival=0)
     parent = Sequence(request, 0, list(request.prompt_ids), None)
     request.seqs.append(parent)
@@ -187,7 +188,7 @@ def test_forked_samples_copy_on_write_and_are_preempted_alone():
     run_to_completion(sched, [parent, child])
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", ("max_utilization", "guaranteed_no_evict"))
 def test_no_evict_refuses_admission_when_the_worst_case_does_not_fit(policy):
     sched = Scheduler(BlockManager(8, BLOCK, prefix_caching=False), max_num_tokens=64, max_batch_size=8,
                       policy=policy)
@@ -206,10 +207,9 @@ def test_no_evict_refuses_admission_when_the_worst_case_does_not_fit(policy):
     assert (sched.num_preemptions == 0) == (policy == "guaranteed_no_evict")
 
 
-@pytest.mark.parametrize("caching", (False, True))
-@pytest.mark.parametrize("policy", POLICIES)
-def test_random_workload_on_a_tight_pool(policy, caching):
-    """Many requests through a pool far too small for all of them at once."""
+def random_workload(policy: str, caching: bool) -> int:
+    """Many requests through a pool far too small for all of them at once; returns how many
+    were preempted."""
     rng = random.Random(1)
     sched = Scheduler(BlockManager(12, BLOCK, caching), max_num_tokens=12, max_batch_size=5, policy=policy)
     seqs = []
@@ -232,10 +232,15 @@ def test_random_workload_on_a_tight_pool(policy, caching):
     assert all(s.status is Status.FINISHED and len(s.output_ids) == s.request.params.max_tokens for s in seqs)
     assert sched.blocks.used_blocks() == 0
     assert (sched.blocks.cache_hits > 0) == caching
-    if policy == "guaranteed_no_evict":
-        assert sched.num_preemptions == 0
-    else:
-        assert sched.num_preemptions > 0
+    return sched.num_preemptions
+
+
+@pytest.mark.parametrize("caching", (False, True))
+def test_random_workload_on_a_tight_pool(caching):
+    preempted = {policy: random_workload(policy, caching) for policy in POLICIES}
+    assert preempted["guaranteed_no_evict"] == 0
+    assert 0 < preempted["max_utilization"]
+    assert preempted["projected_peak"] < preempted["max_utilization"]
 
 
 def test_newer_decodes_are_not_stalled_by_an_older_long_prefill():
@@ -288,7 +293,7 @@ def test_a_fully_cached_prompt_computes_its_last_token():
 
 
 def test_a_preempted_sequence_recomputes_only_what_was_evicted():
-    sched = Scheduler(BlockManager(5, BLOCK), max_num_tokens=64, max_batch_size=4)
+    sched = Scheduler(BlockManager(5, BLOCK), max_num_tokens=64, max_batch_size=4, policy="max_utilization")
     a = prompt_seq(list(range(100, 108)), arrival=0, max_tokens=2)
     b = prompt_seq(list(range(200, 208)), arrival=1, max_tokens=4)
     sched.add(a)
@@ -302,3 +307,69 @@ def test_a_preempted_sequence_recomputes_only_what_was_evicted():
     assert step(sched) == [(b, 1, True)]
     assert sched.blocks.cache_hits == 8
     run_to_completion(sched, [a, b])
+
+
+def test_projected_peak_admits_a_request_that_fits_once_an_older_one_ends():
+    # 9 blocks. `old` has 4 steps left and ends at 19 KV tokens (5 blocks); `new` ends at 19 too.
+    # Both worst cases at once (10 blocks) do not fit, but `old` frees its blocks before `new`
+    # grows past 3 blocks.
+    admitted = {}
+    for policy in ("projected_peak", "guaranteed_no_evict"):
+        sched = Scheduler(BlockManager(9, BLOCK, prefix_caching=False), max_num_tokens=64, max_batch_size=4,
+                          policy=policy)
+        old = make_seq(4, arrival=0, max_tokens=16)
+        sched.add(old)
+        for _ in range(12):
+            step(sched)
+        new = make_seq(8, arrival=1, max_tokens=12)
+        sched.add(new)
+        admitted[policy] = new in {seq for seq, _, _ in step(sched)}
+        run_to_completion(sched, [old, new])
+        assert sched.num_preemptions == 0
+    assert admitted == {"projected_peak": True, "guaranteed_no_evict": False}
+
+
+def test_projected_peak_holds_back_what_the_running_sequences_will_grow_into():
+    # Six prompts of 2 blocks each fill the 12-block pool, and each grows to 4 blocks: admitted
+    # by free blocks, they preempt one another and recompute.
+    computed, preempted = {}, {}
+    for policy in ("projected_peak", "max_utilization"):
+        sched = Scheduler(BlockManager(12, BLOCK, prefix_caching=False), max_num_tokens=64, max_batch_size=8,
+                          policy=policy)
+        seqs = [make_seq(8, arrival=i, max_tokens=8) for i in range(6)]
+        for seq in seqs:
+            sched.add(seq)
+        steps = run_to_completion(sched, seqs)
+        computed[policy] = sum(n for batch in steps for _, n, _ in batch)
+        preempted[policy] = sched.num_preemptions
+    assert preempted["projected_peak"] == 0 < preempted["max_utilization"]
+    assert computed["projected_peak"] == 6 * (8 + 7) < computed["max_utilization"]
+
+
+def test_projected_peak_expects_the_output_lengths_that_recent_requests_reached():
+    # Every request may make 40 tokens (43 KV tokens, 11 blocks) but stops after 4.
+    sched = Scheduler(BlockManager(16, BLOCK, prefix_caching=False), max_num_tokens=64, max_batch_size=8)
+
+    def run(seqs: list[Sequence]) -> list[int]:
+        """Batch sizes, step by step, until every sequence stopped after 4 tokens."""
+        for seq in seqs:
+            sched.add(seq)
+        sizes = []
+        while sched.has_work():
+            batch, _ = sched.schedule()
+            sizes.append(len(batch))
+            for c in batch:
+                samples = c.samples
+                c.seq.num_cached += c.num_tokens
+                if samples:
+                    c.seq.token_ids.append(7)
+                    if c.seq.num_output == 4:
+                        c.seq.status, c.seq.finish_reason = Status.FINISHED, "stop"
+                        sched.remove(c.seq)
+        return sizes
+
+    # Before any finished, each is expected to run to max_tokens: one at a time.
+    assert max(run([make_seq(4, arrival=i, max_tokens=40) for i in range(2)])) == 1
+    # They made a tenth of their max_tokens: six now run together (2 blocks each, as expected).
+    assert max(run([make_seq(4, arrival=2 + i, max_tokens=40) for i in range(6)])) == 6
+    assert sched.num_preemptions == 0 and sched.blocks.used_blocks() == 0

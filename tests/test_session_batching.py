@@ -91,9 +91,10 @@ def test_small_kv_pool_gives_the_same_outputs(short_engine_dir, alone, policy):
         assert out.outputs[0].finish_reason == "length"
         assert out.outputs[0].token_ids == alone(prompt, p)
     assert (stats["kv_blocks_used"], stats["running"], stats["waiting"]) == (0, 0, 0)
+    # projected_peak may preempt here or not: its guesses come from the requests that finished.
     if policy == "guaranteed_no_evict":
         assert stats["preemptions"] == 0
-    else:
+    elif policy == "max_utilization":
         assert stats["preemptions"] > 0
 
 
@@ -103,7 +104,7 @@ def any_pool_session(request, engine_dir, session):
     if request.param is None:
         yield session
     else:
-        with Session(engine_dir, max_kv_tokens=request.param) as small:
+        with Session(engine_dir, max_kv_tokens=request.param, policy="max_utilization") as small:
             yield small
 
 

@@ -11,7 +11,7 @@ from kiln.runtime.arguments import ArgumentError
 from kiln.runtime.cli import bad_flag, show_kiln_log
 from kiln.runtime.engine_core import check_engine_options
 from kiln.runtime.openai.app import create_app
-from kiln.runtime.scheduler import POLICIES
+from kiln.runtime.scheduler import POLICIES, POLICY_HELP
 from kiln.runtime.session import Session
 
 
@@ -28,7 +28,7 @@ from kiln.runtime.session import Session
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where to run: auto takes the GPU when the engine was built for its arch, else the CPU.")
 @click.option("--policy", type=click.Choice(POLICIES), default=POLICIES[0], show_default=True,
-              help="max_utilization admits eagerly and may preempt; guaranteed_no_evict never preempts.")
+              help=POLICY_HELP)
 @click.option("--no-prefix-caching", is_flag=True,
               help="Compute every prompt in full instead of reusing the KV blocks of prefixes seen before.")
 @click.pass_context

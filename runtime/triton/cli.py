@@ -10,7 +10,7 @@ import click
 
 from kiln.runtime.arguments import ArgumentError
 from kiln.runtime.cli import bad_flag
-from kiln.runtime.scheduler import POLICIES
+from kiln.runtime.scheduler import POLICIES, POLICY_HELP
 from kiln.runtime.triton.repo import MARKER, RepoError, write_repo
 from kiln.runtime.triton.server import PortError, Ports, ServerError, TritonServer, check_ports
 
@@ -27,7 +27,7 @@ def _repo_options(command):
                           "what a full batch at max_seq_len can use [default: 0.9]."),
         click.option("--max-kv-tokens", type=int, help="KV cache size in tokens, instead of --kv-cache-fraction."),
         click.option("--policy", type=click.Choice(POLICIES), default=POLICIES[0], show_default=True,
-                     help="Scheduling: max_utilization may preempt; guaranteed_no_evict never does."),
+                     help=POLICY_HELP),
         click.option("--no-prefix-caching", is_flag=True,
                      help="Compute every prompt in full instead of reusing the KV blocks of prefixes seen before."),
     )):

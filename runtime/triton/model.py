@@ -23,6 +23,7 @@ import triton_python_backend_utils as pb_utils
 try:
     from kiln.runtime.arguments import ArgumentError
     from kiln.runtime.metrics import COUNTER, GAUGE, HISTOGRAM, METRICS, MetricSpec, ServingMetrics
+    from kiln.runtime.scheduler import POLICIES
     from kiln.runtime.session import Session
     from kiln.runtime.triton import protocol
 except ImportError as e:
@@ -101,7 +102,7 @@ class TritonPythonModel:
         max_kv_tokens = int(params["max_kv_tokens"]) if params.get("max_kv_tokens") else None
         fraction = float(params["kv_cache_fraction"]) if params.get("kv_cache_fraction") else None
         self.session = Session(engine_dir, kv_cache_fraction=fraction, max_kv_tokens=max_kv_tokens,
-                               policy=params.get("policy", "max_utilization"),
+                               policy=params.get("policy", POLICIES[0]),
                                prefix_caching=params.get("prefix_caching", "true") == "true")
         self.tokenizer = self.session.tokenizer
         self.lock = threading.Lock()

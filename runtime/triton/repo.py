@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kiln.engines.format import EngineFileError, read_engine_file
 from kiln.engines.manifest import Manifest
+from kiln.runtime.scheduler import POLICIES
 from kiln.runtime.engine_core import check_engine_options
 from kiln.runtime.kv_pool import check_max_kv_tokens
 from kiln.runtime.triton.protocol import INPUTS, OUTPUTS, TensorSpec
@@ -21,7 +22,7 @@ class RepoError(ValueError):
 
 
 def write_repo(engine_dir: Path, output: Path, model_name: str = "kiln", max_kv_tokens: int | None = None,
-               policy: str = "max_utilization", kv_cache_fraction: float | None = None,
+               policy: str = POLICIES[0], kv_cache_fraction: float | None = None,
                prefix_caching: bool = True) -> Path:
     """Write the repository for `engine_dir` to `output` and return `output`.
 
