@@ -193,7 +193,9 @@ class Scheduler:
                     share = max(self._used_shares, default=1.0)
                     spans = [span for s in self.running if s.status is Status.RUNNING for span in self._spans(s, share)]
                 admitted = spans + self._spans(seq, share)
-                if not self._peak_fits(admitted):
+                # With nothing running, the projection may only delay, never refuse: a request
+                # whose projected peak overfills the pool runs alone, preempting if it must.
+                if (self.running or batch) and not self._peak_fits(admitted):
                     break
                 spans = admitted
             copies += self.blocks.allocate(seq.seq_id, seq.token_ids, match.num_tokens + n, match)

@@ -373,3 +373,19 @@ def test_projected_peak_expects_the_output_lengths_that_recent_requests_reached(
     # They made a tenth of their max_tokens: six now run together (2 blocks each, as expected).
     assert max(run([make_seq(4, arrival=2 + i, max_tokens=40) for i in range(6)])) == 6
     assert sched.num_preemptions == 0 and sched.blocks.used_blocks() == 0
+
+
+
+def test_projected_peak_admits_a_lone_request_whose_projection_overfills_the_pool():
+    # Four samples of a 3-token prompt: counted apart, each with a partial last block, the
+    # projection wants 6 of the 4 blocks, though the samples share one block. Nothing else
+    # runs, so holding the request back would stall the engine for good (CI hit this).
+    sched = Scheduler(BlockManager(4, BLOCK, prefix_caching=False), max_num_tokens=64, max_batch_size=4)
+    request = Request("r", [3, 4, 5], SamplingParams(n=4, max_tokens=1), arrival=0)
+    seq = Sequence(request, 0, list(request.prompt_ids), None)
+    request.seqs.append(seq)
+    sched.add(seq)
+    assert step(sched) == [(seq, 3, True)]
+    later = make_seq(2, arrival=1, max_tokens=2)
+    sched.add(later)
+    run_to_completion(sched, [seq, later])
