@@ -50,23 +50,6 @@ def _dot(a, b, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
-def _widen(x, dtype: tl.constexpr, STAGED: tl.constexpr, INTERPRETER: tl.constexpr):
-    """A key or value tile in `dtype` for the dots. An e4m3 tile converts in the layout it was
-    loaded in, 16 bytes to a thread, and reaches the dot as fp16 through shared memory (ldmatrix,
-    transposed for V). Converted as a plain cast, Triton moves the cast past the layout change to
-    keep e4m3 in shared memory, and each thread then gathers the bytes of four keys one at a time
-    (cuobjdump, sm_90, BLOCK_N 64, 2 warps: 1,070 instructions a key tile, 128 of them LDS.U8,
-    against 633). Marked impure so that it stays where it is written. Only decode tilings
-    (STAGED): a prefill tile shares its conversion among 8x the rows, and Triton 3.6's sm_100
-    pipeliner rejects the impure conversion in its 128-row tiles."""
-    if STAGED and x.dtype == tl.float8e4nv and dtype == tl.float16 and not INTERPRETER:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-            "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
-    return x.to(dtype)
-
-
-@triton.jit
 def _find_sequence(query_lens_ptr, num_seqs, pid, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                    SEQ_CHUNK: tl.constexpr):
     """(sequence, first packed query row, query count) of the sequence that owns program `pid`."""
@@ -107,7 +90,7 @@ def _attend(q, acc, m, l, start, hi, pos, window, table, k_cache_ptr, v_cache_pt
         k_t = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None], mask=d_ok[:, None] & key_ok[None, :], other=0.0)
     else:
         k_t = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None], mask=d_ok[:, None], other=0.0)
-    s = _dot(q, _widen(k_t, q.dtype, q.shape[0] <= 16, INTERPRETER), INTERPRETER) * qk_scale
+    s = _dot(q, k_t.to(q.dtype), INTERPRETER) * qk_scale
     if MASKED:
         seen = (keys[None, :] <= pos[:, None]) & key_ok[None, :]
         seen = seen & ((window <= 0) | (pos[:, None] - keys[None, :] < window))
@@ -120,7 +103,7 @@ def _attend(q, acc, m, l, start, hi, pos, window, table, k_cache_ptr, v_cache_pt
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
     else:
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
-    acc = acc * alpha[:, None] + _dot(p.to(q.dtype), _widen(v, q.dtype, q.shape[0] <= 16, INTERPRETER), INTERPRETER)
+    acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), INTERPRETER)
     return acc, m_new, l
 
 
