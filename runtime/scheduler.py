@@ -195,7 +195,7 @@ class Scheduler:
                 admitted = spans + self._spans(seq, share)
                 # With nothing running, the projection may only delay, never refuse: a request
                 # whose projected peak overfills the pool runs alone, preempting if it must.
-                if (self.running or batch) and not self._peak_fits(admitted):
+                if self.running and not self._peak_fits(admitted):
                     break
                 spans = admitted
             copies += self.blocks.allocate(seq.seq_id, seq.token_ids, match.num_tokens + n, match)

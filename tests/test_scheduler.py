@@ -375,7 +375,6 @@ def test_projected_peak_expects_the_output_lengths_that_recent_requests_reached(
     assert sched.num_preemptions == 0 and sched.blocks.used_blocks() == 0
 
 
-
 def test_projected_peak_admits_a_lone_request_whose_projection_overfills_the_pool():
     # Four samples of a 3-token prompt: counted apart, each with a partial last block, the
     # projection wants 6 of the 4 blocks, though the samples share one block. Nothing else
