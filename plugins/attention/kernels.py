@@ -117,6 +117,14 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_
                       PURE_DECODE: tl.constexpr, INTERPRETER: tl.constexpr):
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
     kv_head = tl.program_id(1)
+    pid = tl.program_id(0)
+    if not PURE_DECODE:
+        # Longest first: a causal block's keys grow with its position, and the GPU starts programs
+        # in launch order (axis 0 fastest), so the launch walks the blocks from the last down, every
+        # kv head's in turn, and the short blocks fill the tail of the launch.
+        launch = pid + kv_head * tl.num_programs(0)
+        kv_head = launch % NUM_KV_HEADS
+        pid = tl.num_programs(0) - 1 - launch // NUM_KV_HEADS
     if PURE_DECODE:
         # A pure decode step (T == S): sequence s has one query, packed at row s, and owns
         # DECODE_BLOCKS programs in a row. No prefix sum over the query lengths: at 1,024
@@ -127,9 +135,8 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_
         q_start = seq
         q_len = 1
     else:
-        seq, q_start, q_len = _find_sequence(query_lens_ptr, num_seqs, tl.program_id(0), GROUP,
-                                             BLOCK_M, SEQ_CHUNK)
-        block = tl.program_id(0) - (q_start * GROUP // BLOCK_M + seq)
+        seq, q_start, q_len = _find_sequence(query_lens_ptr, num_seqs, pid, GROUP, BLOCK_M, SEQ_CHUNK)
+        block = pid - (q_start * GROUP // BLOCK_M + seq)
         if block * BLOCK_M >= q_len * GROUP:
             return  # spare program: the grid is sized for the worst packing
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
