@@ -13,7 +13,8 @@ cycle through enough KV caches that none is read from the L2. Printed per batch 
 context: the best tilings with the KV bytes they stream per second.
 
 With KILN_TUNE_FP8_KV=1 (at compile and at run) the decode kernels read an e4m3 cache (unit
-scales), as an engine built with --kv-cache-dtype fp8 does, and KV bytes count one per element.
+scales, v's blocks transposed), as an engine built with --kv-cache-dtype fp8 does, and KV bytes
+count one per element.
 
 Prefill (`compile ... prefill`, `run ... prefill`): the same kernel at prefill tilings over whole
 causal prompts of 2k and 8k tokens (one sequence, and four of 2k), each checked against and timed
@@ -112,7 +113,12 @@ def _case(seqs: int, context: int, gen):
     one = blocks * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 2 * dtype.itemsize  # k and v
     caches = [torch.randn(2, blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen).to("cuda", dtype)
               for _ in range(max(1, -(-L2_ROTATION // one)))]
-    return {"q": torch.randn(seqs, HEADS * HEAD_DIM, generator=gen).to("cuda", torch.bfloat16),
+    ref = caches[0].float().cpu()
+    if FP8_KV:
+        for cache in caches:
+            # v's blocks [block_size, kv_heads, head_dim] as an e4m3 cache holds them, transposed.
+            cache[1].view(-1).copy_(cache[1].permute(0, 2, 3, 1).reshape(-1))
+    return {"ref": ref, "q": torch.randn(seqs, HEADS * HEAD_DIM, generator=gen).to("cuda", torch.bfloat16),
             "tables": padded.cuda(), "query_lens": torch.ones(seqs, dtype=torch.int32, device="cuda"),
             "context_lens": torch.full((seqs,), context, dtype=torch.int32, device="cuda"),
             "caches": caches, "kv_bytes": one}
@@ -139,7 +145,7 @@ def run_all(path: str, kind: str = "decode") -> None:
         case = _case(seqs, context, gen)
         splits = choose_num_splits(seqs, seqs, KV_HEADS, MAX_KEYS)
         q, out = case["q"], torch.empty_like(case["q"])
-        ref_cache = case["caches"][0].float().cpu()[None]
+        ref_cache = case["ref"][None]
         check = min(seqs, 4)
         ref = paged_attention(q[:check].float().cpu(), ref_cache, case["tables"][:check].cpu(),
                               case["query_lens"][:check].cpu(), case["context_lens"][:check].cpu(), 0, HEADS,

@@ -195,9 +195,9 @@ def _norm_qkv_rope_configs() -> list[tuple[str, dict, AotKernel]]:
                          "T": "i32", "num_slots": "i32", "layer": "i32", "eps": "fp32", "K": "constexpr",
                          "H": "constexpr", "KVH": "constexpr", "D": "constexpr", "HEAD_SPLIT": "constexpr",
                          "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "UPCAST_DOT": "constexpr",
-                         "SPLIT_K": "constexpr"}
+                         "SPLIT_K": "constexpr", "BLOCK_SIZE": "constexpr"}
             constexprs = {"K": k, "H": heads, "KVH": kv_heads, "D": d, "HEAD_SPLIT": head_split, "BLOCK_M": bm,
-                          "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": split}
+                          "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": split, "BLOCK_SIZE": 1}
             grid = (triton.cdiv(t, bm), (heads + 2 * kv_heads) * head_split, split)
             out.append(("norm_qkv_rope", {"kind": "norm_qkv_rope", "n": (heads + 2 * kv_heads) * d, "k": k, "t": t,
                                           "grid": grid, "split": split,

@@ -26,7 +26,7 @@ SHAPES = {
                           "qk_norm": True, "norm_weight": True, "fp8": True},
     # with an e4m3 KV cache too: kv_scale_ptr beside w_scale_ptr
     "norm_qkv_rope_kv": {"K": 4096, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "fp8": True,
-                         "fp8_kv": True},
+                         "fp8_kv": True, "block_size": 16},
 }
 out = {}
 for name, shapes in SHAPES.items():

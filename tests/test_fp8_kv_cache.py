@@ -99,8 +99,8 @@ def test_the_same_memory_holds_twice_the_tokens(factory, checkpoint):
 
 def test_the_executor_writes_each_token_as_e4m3_of_its_value_over_the_scale(factory, checkpoint, engine_dir):
     """Layer 0's k and v are the same in both engines (nothing quantized comes before them), so
-    the e4m3 engine's layer-0 cache is exactly to_e4m3 of the float32 engine's; fused and
-    --no-fuse plans write the same bytes."""
+    the e4m3 engine's layer-0 cache is exactly to_e4m3 of the float32 engine's, v's blocks
+    transposed to [kv_heads, head_dim, block_size]; fused and --no-fuse plans write the same bytes."""
     fp8_dirs = [factory.engine(checkpoint, dtype="float32", max_batch_size=MAX_BATCH_SIZE,
                                max_num_tokens=MAX_NUM_TOKENS, kv_cache_dtype="fp8", fuse=fuse) for fuse in (True, False)]
     prompt, table = list(range(3, 30)), list(range(10))
@@ -112,8 +112,10 @@ def test_the_executor_writes_each_token_as_e4m3_of_its_value_over_the_scale(fact
         caches.append(ex.kv_cache.clone())
     plain, fused, unfused = caches
     assert fused.dtype == FP8
-    want = to_e4m3(plain[0], 1.0)
-    assert torch.equal(fused[0].view(torch.uint8), want.view(torch.uint8))
+    want = to_e4m3(plain[0], 1.0).view(torch.uint8)
+    got = fused[0].view(torch.uint8)
+    assert torch.equal(got[0], want[0])
+    assert torch.equal(got[1].flatten(), want[1].permute(0, 2, 3, 1).flatten())
     assert torch.equal(unfused.view(torch.uint8), fused.view(torch.uint8))
 
 

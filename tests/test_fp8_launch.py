@@ -158,7 +158,7 @@ def test_fp8_norm_qkv_rope_launches_with_an_fp8_kv_cache(t, target):
               ws]
     attrs = {"eps": EPS, "layer": 1, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d}
     shapes = {"K": k, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d, "bias": True,
-              "qk_norm": True, "fp8": True, "fp8_kv": True}
+              "qk_norm": True, "fp8": True, "fp8_kv": True, "block_size": 4}
     expected_cache = inputs[8].clone()
     expected_q = get_plugin("norm_qkv_rope").call_reference([*inputs[:8], expected_cache, *inputs[9:]], attrs)
     out = torch.full((t, heads * d), float("nan"), dtype=torch.bfloat16)

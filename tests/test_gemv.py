@@ -257,13 +257,15 @@ def test_fp8_launchers_pass_the_weight_scales_after_the_weight():
 
     cache, kv_scales = e4m3(4 * 2 * 3 * 16 * QKV["num_kv_heads"], d)[0].view(4, 2, 3, 16, QKV["num_kv_heads"], d), \
         torch.rand(4, 2, QKV["num_kv_heads"])
-    kernel, grid, args = launched(qkv_launch, qkv_kernels.aot_kernels("bfloat16", {**QKV, "fp8": True, "fp8_kv": True}),
+    kernel, grid, args = launched(qkv_launch, qkv_kernels.aot_kernels("bfloat16", {**QKV, "fp8": True, "fp8_kv": True,
+                                                                                  "block_size": 16}),
                                   [x, None, w, None, None, None, positions, rope, cache, slots, kv_scales, scale],
                                   attrs, out)
     assert kernel.entry == "kiln_gemv_fp8_qkv_rope_t1" and kernel.meta["fp8_kv"]
+    # the cache's block size (16) after its scales: v's blocks are transposed
     assert args == [x.data_ptr(), 0, w.data_ptr(), scale.data_ptr(), 0, positions.data_ptr(), rope.data_ptr(),
-                    cache.data_ptr(), slots.data_ptr(), kv_scales.data_ptr(), out.data_ptr(), 48, 3, 1e-6, 32, 8, d,
-                    4096]
+                    cache.data_ptr(), slots.data_ptr(), kv_scales.data_ptr(), 16, out.data_ptr(), 48, 3, 1e-6, 32, 8,
+                    d, 4096]
 
 
 def test_a_build_without_nvcc_leaves_the_gemvs_out(factory, tmp_path, monkeypatch):

@@ -322,7 +322,8 @@ def test_parity_fp8_tma_norm_qkv_rope(bias, qk_norm, heads_per_tile):
     out = torch.full((t, 4 * d), float("nan"), dtype=torch.bfloat16)
     norm_qkv_rope_kernels.tma_norm_qkv_rope_kernel[(TMA_PROGRAMS,)](
         xq, xs, wq, ws, b, q_norm, k_norm, positions, rope, kv_cache, slots, None, out, t, 320, 1, EPS,
-        K=k, H=4, KVH=2, D=d, BLOCK_M=64, BLOCK_K=64, GROUP_M=2, HEADS=heads_per_tile, UPCAST_DOT=True)
+        K=k, H=4, KVH=2, D=d, BLOCK_M=64, BLOCK_K=64, GROUP_M=2, HEADS=heads_per_tile, UPCAST_DOT=True,
+        BLOCK_SIZE=1)
     assert_matches(out, expected)
     assert_matches(kv_cache, expected_cache)
 
@@ -339,6 +340,7 @@ def test_parity_fp8_tma_norm_qkv_rope_with_an_fp8_kv_cache():
     out = torch.full((t, 4 * d), float("nan"))
     norm_qkv_rope_kernels.tma_norm_qkv_rope_kernel[(TMA_PROGRAMS,)](
         xq, xs, wq, ws, b, q_norm, k_norm, positions, rope, kv_cache, slots, kv_scales, out, t, 320, 1, EPS,
-        K=k, H=4, KVH=2, D=d, BLOCK_M=64, BLOCK_K=64, GROUP_M=2, HEADS=1, UPCAST_DOT=True)
+        K=k, H=4, KVH=2, D=d, BLOCK_M=64, BLOCK_K=64, GROUP_M=2, HEADS=1, UPCAST_DOT=True,
+        BLOCK_SIZE=kv_cache.shape[3])
     assert_matches(out, expected)
     e4m3_cache_close(kv_cache, expected_cache)

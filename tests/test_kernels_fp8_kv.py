@@ -21,6 +21,7 @@ from kiln.plugins.attention import kernels as attention_kernels  # noqa: E402
 from kiln.plugins.attention_o_proj import kernels as attention_o_proj_kernels  # noqa: E402
 from kiln.plugins.fp8 import FP8, FP8_TARGETS, to_e4m3  # noqa: E402
 from kiln.plugins.norm_qkv_rope import kernels as norm_qkv_rope_kernels  # noqa: E402
+from kiln.runtime.step import SequenceChunk, pack_step  # noqa: E402
 
 from test_kernels_attention import (DECODE_STEP, LLAMA3_8B, MIXED_STEP, SMALL_TILES, attention_attrs,  # noqa: E402
                                     close, make_step)
@@ -82,6 +83,36 @@ def test_fp8_attention_writes_the_reference_bytes_and_reads_them_back_scaled(dty
     assert not close(out, ref)
 
 
+@pytest.mark.parametrize("block_size,window", [(32, 0), (32, 7), (4, 5)])
+def test_fp8_attention_reads_v_blocks_longer_than_a_tile_and_windows_off_a_block_start(block_size, window):
+    """v's transposed blocks are read in runs of a block, or of a key tile where blocks are longer
+    than tiles (32 against 16); a window's first key falls inside a block."""
+    gen = torch.Generator().manual_seed(11)
+    spec = [(0, 7), (30, 5), (44, 1), (19, 1)]   # (tokens cached before the step, new tokens)
+    need = [-(-(start + n) // block_size) for start, n in spec]
+    order = torch.randperm(sum(need), generator=gen).tolist()
+    chunks, first = [], 0
+    for (start, n), count in zip(spec, need):
+        chunks.append(SequenceChunk(list(range(n)), start, order[first:first + count]))
+        first += count
+    step = pack_step(chunks, block_size, max(need) + 1)
+    t, kv_heads, d = step.num_tokens, 2, 16
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    scales = scales_for(2, kv_heads, 11)
+    cache = to_e4m3(rand(2, 2, sum(need), block_size, kv_heads, d), scales[:, :, None, None, :, None])
+    data = {"step": step, "q": rand(t, 4 * d), "k": rand(t, kv_heads * d), "v": rand(t, kv_heads * d)}
+    attrs = {**attention_attrs(4, window), "head_dim": d}
+    ref_cache = cache.clone()
+    ref = get_plugin("attention").call_reference(inputs(data, ref_cache, scales), attrs)
+    for tiles in (None, SMALL_TILES):
+        out, got = torch.empty_like(ref), cache.clone()
+        attention_kernels.write_kv(got, 1, data["k"], data["v"], step.slot_mapping, scales)
+        attention_kernels.paged_attention(data["q"], got, step.block_tables, step.query_lens, step.context_lens, out,
+                                          attrs, 1, tiles, kv_scales=scales)
+        assert bytes_equal(got, ref_cache)
+        assert close(out, ref), tiles
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_attention_o_proj_matches_reference(dtype):
     data, scales = fp8_step(MIXED_STEP, 4, dtype, seed=6)
@@ -137,7 +168,7 @@ from kiln.plugins.attention import kernels as attention
 from kiln.plugins.norm_qkv_rope import kernels as norm_qkv_rope
 shapes = json.loads(sys.argv[1])
 qkv = {"K": shapes["hidden"], "num_heads": shapes["heads"], "num_kv_heads": shapes["kv_heads"],
-       "head_dim": shapes["head_dim"], "fp8_kv": True}
+       "head_dim": shapes["head_dim"], "fp8_kv": True, "block_size": shapes["block_size"]}
 result = []
 for name, kernels in (("attention", attention.aot_kernels("bfloat16", {**shapes, "fp8_kv": True})),
                       ("norm_qkv_rope", norm_qkv_rope.aot_kernels("bfloat16", qkv))):

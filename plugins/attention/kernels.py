@@ -33,10 +33,11 @@ PREFILL = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 PREFILL_SM90 = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
 SM90_TARGETS = ("sm_90", "sm_100")
 DECODE = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
-# An e4m3 cache's decode is bound by converting K and V, not by their bytes: on an H200
-# (scripts/tune_attention.py with KILN_TUNE_FP8_KV=1, 2026-11-30) 2 warps took 53.6 us at 64 x 1,024
-# keys, 196.6 at 256 x 1,024 and 231.3 at 1,024 x 256, against 78.9, 237.4 and 254.1 with DECODE.
-DECODE_FP8_KV = {**DECODE, "num_warps": 2}
+# An e4m3 cache's decode is bound by converting K and V, not by their bytes, so it takes 2 warps; with
+# v's blocks transposed, 128-key tiles: on an H200 (scripts/tune_attention.py with KILN_TUNE_FP8_KV=1,
+# 2026-12-03) 153.4 us at 256 x 1,024 keys, 407.3 at 256 x 3,072 and 551.5 at 512 x 2,048 (3.5-3.95 TB/s),
+# against 163.6, 456.7 and 617.3 with 64-key tiles and 196.2, 551.8 and 745.0 before the transposition.
+DECODE_FP8_KV = {**DECODE, "BLOCK_N": 128, "num_warps": 2}
 
 
 @triton.jit
@@ -75,9 +76,10 @@ def _find_sequence(query_lens_ptr, num_seqs, pid, GROUP: tl.constexpr, BLOCK_M: 
 @triton.jit
 def _attend(q, acc, m, l, start, hi, pos, window, table, k_cache_ptr, v_cache_ptr, kv_head, d, d_ok, qk_scale,
             NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-            MASKED: tl.constexpr, INTERPRETER: tl.constexpr):
+            MASKED: tl.constexpr, V_T: tl.constexpr, INTERPRETER: tl.constexpr):
     """One key tile of the online softmax: returns the updated (acc, m, l). Unmasked, every key
-    of the tile is below `hi` and seen by every row."""
+    of the tile is below `hi` and seen by every row. V_T: v's cache blocks are transposed (an
+    e4m3 cache's, `cache_write.v_offset`)."""
     keys = start + tl.arange(0, BLOCK_N)
     if MASKED:
         key_ok = keys < hi
@@ -99,12 +101,39 @@ def _attend(q, acc, m, l, start, hi, pos, window, table, k_cache_ptr, v_cache_pt
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
-    if MASKED:
+    if V_T:
+        v = _load_v_transposed(v_cache_ptr, table, start, hi, kv_head, d, d_ok, NUM_KV_HEADS, HEAD_DIM,
+                               BLOCK_SIZE, BLOCK_N, MASKED)
+    elif MASKED:
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
     else:
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
     acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), INTERPRETER)
     return acc, m_new, l
+
+
+@triton.jit
+def _load_v_transposed(v_cache_ptr, table, start, hi, kv_head, d, d_ok, NUM_KV_HEADS: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """The [BLOCK_N, BLOCK_D] v tile of keys start.. from transposed cache blocks, loaded as
+    [runs, HEAD_DIM, RUN] so that Triton sees each run of RUN keys contiguous (16-byte copies into
+    shared memory, and 32-bit reads of four keys for the dot). A run is a cache block, or the
+    tile's share of one when blocks are longer than tiles; `start` is a multiple of RUN."""
+    RUN: tl.constexpr = BLOCK_SIZE if BLOCK_SIZE < BLOCK_N else BLOCK_N
+    first = start + tl.arange(0, BLOCK_N // RUN) * RUN   # each run's first key
+    j = tl.arange(0, RUN)
+    if MASKED:
+        page = tl.load(table + first // BLOCK_SIZE, mask=first < hi, other=0)
+    else:
+        page = tl.load(table + first // BLOCK_SIZE)
+    base = (page.to(tl.int64) * NUM_KV_HEADS + kv_head) * HEAD_DIM * BLOCK_SIZE + first % BLOCK_SIZE
+    ptrs = v_cache_ptr + base[:, None, None] + d[None, :, None] * BLOCK_SIZE + j[None, None, :]
+    ok = d_ok[None, :, None]
+    if MASKED:
+        # Past the context the slots hold anything (NaN bits too): zeros keep p * v at 0.
+        ok = ok & ((first[:, None, None] + j[None, None, :]) < hi)
+    vt = tl.load(ptrs, mask=ok, other=0.0)
+    return tl.reshape(tl.permute(vt, (0, 2, 1)), (BLOCK_N, d.shape[0]))
 
 
 @triton.jit
@@ -148,6 +177,11 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_
     # Keys this block can see: up to its last query, from its first query's window start.
     hi = first_pos + tl.minimum(q_len - 1, (block * BLOCK_M + BLOCK_M - 1) // GROUP) + 1
     lo = tl.where(window > 0, tl.maximum(first_pos + block * BLOCK_M // GROUP - window + 1, 0), 0)
+    if scale_ptr is not None:
+        # Transposed v tiles start on a cache block (or a tile within one); the window's mask
+        # hides the keys this adds.
+        V_RUN: tl.constexpr = BLOCK_SIZE if BLOCK_SIZE < BLOCK_N else BLOCK_N
+        lo = lo // V_RUN * V_RUN
     if SPLIT:
         chunk = tl.cdiv(tl.cdiv(hi - lo, tl.num_programs(2)), BLOCK_N) * BLOCK_N
         lo = lo + tl.program_id(2) * chunk
@@ -183,10 +217,12 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_
         visible = lo + tl.maximum(tl.minimum(hi, first_query + 1) - lo, 0) // BLOCK_N * BLOCK_N
     for start in range(lo, visible, BLOCK_N):
         acc, m, l = _attend(q, acc, m, l, start, hi, pos, window, table, k_cache_ptr, v_cache_ptr, kv_head, d,
-                            d_ok, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, INTERPRETER)
+                            d_ok, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, scale_ptr is not None,
+                            INTERPRETER)
     for start in range(visible, hi, BLOCK_N):
         acc, m, l = _attend(q, acc, m, l, start, hi, pos, window, table, k_cache_ptr, v_cache_ptr, kv_head, d,
-                            d_ok, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, INTERPRETER)
+                            d_ok, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, scale_ptr is not None,
+                            INTERPRETER)
 
     if scale_ptr is not None:
         acc = acc * tl.load(scale_ptr + NUM_KV_HEADS + kv_head)
@@ -323,7 +359,7 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
                                           "PURE_DECODE", "INTERPRETER")}}
     # A layer's scales start 2 * kv_heads floats apart: not always 16-byte aligned.
     aligned = tuple(p for p in pointer_params(attention_sig) if p != "scale_ptr")
-    kernels = [write_kv_aot(ptr, cache, fp8_kv, kv_heads * head_dim, head_dim)]
+    kernels = [write_kv_aot(ptr, cache, fp8_kv, kv_heads * head_dim, head_dim, shapes["block_size"])]
     group = heads // kv_heads
     for role, cfg, split, when, targets in (
             ("prefill", PREFILL, False, "T > S", tuple(t for t in TARGET_CC if t not in SM90_TARGETS)),

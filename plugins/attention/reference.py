@@ -7,7 +7,8 @@ first written to their cache slots; then every query attends causally to its seq
 
 kv_cache: [layers, 2, num_blocks, block_size, kv_heads, head_dim]. With `kv_scales`
 [layers, 2, kv_heads] (float32) the cache is float8_e4m3fn: k and v go in as value / scale
-rounded to e4m3 (plugins/fp8.py) and come out as value * scale.
+rounded to e4m3 (plugins/fp8.py) and come out as value * scale, and each block of v is held
+transposed, [kv_heads, head_dim, block_size] (plugins/attention/cache_write.py says why).
 """
 from typing import Optional
 
@@ -18,26 +19,38 @@ from kiln.plugins.fp8 import FP8, to_e4m3
 
 def write_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor, kv_scales: Optional[torch.Tensor] = None) -> None:
-    kvh, hd = kv_cache.shape[-2:]
+    block_size, kvh, hd = kv_cache.shape[-3:]
     slots = slot_mapping.long()
     for which, x in ((0, k), (1, v)):
         rows = x.view(-1, kvh, hd)
         if kv_scales is not None:
             rows = to_e4m3(rows, kv_scales[layer, which][None, :, None])
-        dst = kv_cache[layer, which].view(-1, kvh, hd)
-        if dst.dtype == FP8:  # index_copy_ has no float8 kernel on the CPU; the bytes are the same
-            dst, rows = dst.view(torch.uint8), rows.view(torch.uint8)
-        dst.index_copy_(0, slots, rows.to(dst.dtype))
+        rows = rows.to(kv_cache.dtype)
+        if kv_cache.dtype == FP8:  # index_copy_ has no float8 kernel on the CPU; the bytes are the same
+            dst, rows = kv_cache[layer, which].view(torch.uint8), rows.view(torch.uint8)
+        else:
+            dst = kv_cache[layer, which]
+        if _transposed(kv_cache, which):
+            dst.view(-1, kvh, hd, block_size)[slots // block_size, :, :, slots % block_size] = rows
+        else:
+            dst.view(-1, kvh, hd).index_copy_(0, slots, rows)
 
 
 def read_kv(kv_cache: torch.Tensor, layer: int, which: int, blocks: torch.Tensor, length: int,
             kv_scales: Optional[torch.Tensor]) -> torch.Tensor:
     """The first `length` k (which 0) or v (1) rows held in `blocks`, [length, kv_heads, head_dim] in float32."""
-    kvh, hd = kv_cache.shape[-2:]
+    block_size, kvh, hd = kv_cache.shape[-3:]
     rows = kv_cache[layer, which].view(torch.uint8)[blocks].view(kv_cache.dtype) if kv_cache.dtype == FP8 \
         else kv_cache[layer, which, blocks]
+    if _transposed(kv_cache, which):
+        rows = rows.reshape(-1, kvh, hd, block_size).permute(0, 3, 1, 2)
     rows = rows.reshape(-1, kvh, hd)[:length].float()
     return rows if kv_scales is None else rows * kv_scales[layer, which][None, :, None]
+
+
+def _transposed(kv_cache: torch.Tensor, which: int) -> bool:
+    """Whether part `which` (0 k, 1 v) holds its blocks transposed: v of an e4m3 cache."""
+    return which == 1 and kv_cache.dtype == FP8
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

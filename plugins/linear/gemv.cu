@@ -245,11 +245,12 @@ __device__ __forceinline__ void put(__nv_bfloat16* p, float v, float) { *p = __f
 
 // Head h's columns (j, j + D / 2) of token t, rotated by RoPE (rc, rs: the cos and sin, 1 and 0 for v),
 // to out [T, H * D] for a q head, else into the paged cache [layers, 2, num_slots, KVH, D] at `slot`
-// (`put` there with the head's kv_scale).
+// (`put` there with the head's kv_scale). v_block > 0: v's cache blocks of v_block slots are transposed,
+// [KVH * D, v_block] (an e4m3 cache's, `plugins.attention.cache_write.v_offset`).
 template <class Cache>
 __device__ __forceinline__ void rope_store(float lo, float hi, float rc, float rs, __nv_bfloat16* out, Cache* kv,
                                            float kv_scale, int t, int h, int j, int slot, int num_slots, int layer,
-                                           int H, int KVH, int D) {
+                                           int H, int KVH, int D, int v_block) {
   const int half = D / 2;
   const bool is_v = h >= H + KVH;
   const float rlo = lo * rc - hi * rs, rhi = hi * rc + lo * rs;
@@ -260,8 +261,16 @@ __device__ __forceinline__ void rope_store(float lo, float hi, float rc, float r
     return;
   }
   const int kv_head = is_v ? h - H - KVH : h - H;
+  const size_t row = static_cast<size_t>(KVH) * D;
+  if (is_v && v_block > 0) {
+    Cache* dst = kv + (static_cast<size_t>(layer * 2 + 1) * num_slots / v_block + slot / v_block) * row * v_block +
+                 static_cast<size_t>(kv_head * D + j) * v_block + slot % v_block;
+    put(dst, rlo, kv_scale);
+    put(dst + static_cast<size_t>(half) * v_block, rhi, kv_scale);
+    return;
+  }
   const size_t cache_row = static_cast<size_t>(layer * 2 + (is_v ? 1 : 0)) * num_slots + slot;
-  Cache* dst = kv + cache_row * KVH * D + kv_head * D + j;
+  Cache* dst = kv + cache_row * row + kv_head * D + j;
   put(dst, rlo, kv_scale);
   put(dst + half, rhi, kv_scale);
 }
@@ -300,7 +309,7 @@ __device__ __forceinline__ void qkv_rope(const __nv_bfloat16* x, const __nv_bflo
 #pragma unroll
   for (int i = 0; i < T; ++i)
     if (i == t) lo = dot.acc[i][0] * scale + b0, hi = dot.acc[i][1] * scale + b1;
-  rope_store(lo, hi, rc, rs, out, kv, 1.0f, t, h, j, slot, num_slots, layer, H, KVH, D);
+  rope_store(lo, hi, rc, rs, out, kv, 1.0f, t, h, j, slot, num_slots, layer, H, KVH, D, 0);
 }
 
 // RMSNorm + gate/up projection + act(gate) * up, act silu (SwiGLU) or tanh-approximated GELU (GeGLU),

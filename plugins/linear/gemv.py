@@ -74,12 +74,13 @@ FP8_QKV_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*fp8e4nv", "w_scale": 
 
 
 def _with_e4m3_cache(signature: dict) -> dict:
-    """A qkv signature for an e4m3 cache: its pointer, and its scales after the slots."""
+    """A qkv signature for an e4m3 cache: its pointer, and its scales and block size after the slots."""
     out = {}
     for name, kind in signature.items():
         out[name] = "*fp8e4nv" if name == "kv" else kind
         if name == "slots":
             out["kv_scales"] = "*fp32"
+            out["kv_block"] = "i32"
     return out
 
 

@@ -266,8 +266,8 @@ template <int UF, int KMAX, bool NORM_WEIGHT, class Cache>
 __device__ __forceinline__ void fp8_qkv_rope(const __nv_bfloat16* x, const __nv_bfloat16* norm, const uint8_t* w,
                                              const float* w_scale, const __nv_bfloat16* bias, const int* positions,
                                              const float* rope, Cache* kv, const int* slots, const float* kv_scales,
-                                             __nv_bfloat16* out, int num_slots, int layer, float eps, int H, int KVH,
-                                             int D, int K) {
+                                             int kv_block, __nv_bfloat16* out, int num_slots, int layer, float eps,
+                                             int H, int KVH, int D, int K) {
   __shared__ uint4 xs[KMAX / VEC];
   const int lane = threadIdx.x % LANES, pair = blockIdx.x * WARPS + threadIdx.x / LANES;
   const int half = D / 2, h = pair / half, j = pair % half;
@@ -298,7 +298,7 @@ __device__ __forceinline__ void fp8_qkv_rope(const __nv_bfloat16* x, const __nv_
   });
   if (!owner) return;
   rope_store(dot.acc[0] * scale * ws0 + b0, dot.acc[1] * scale * ws1 + b1, rc, rs, out, kv, kv_scale, 0, h, j,
-             slot, num_slots, layer, H, KVH, D);
+             slot, num_slots, layer, H, KVH, D, kv_block);
 }
 
 // RMSNorm + gate/up projection + act(gate) * up with e4m3 weights: `swiglu` of gemv.cu otherwise, with
@@ -354,19 +354,19 @@ __device__ __forceinline__ void fp8_swiglu(const __nv_bfloat16* x, const __nv_bf
            const int* slots, __nv_bfloat16* out, int num_slots, int layer, float eps, int H, int KVH,   \
            int D, int K) {                                                                              \
     fp8_qkv_rope<UF, KMAX, NORM_WEIGHT>(x, norm, w, w_scale, bias, positions, rope, kv, slots, nullptr, \
-                                        out, num_slots, layer, eps, H, KVH, D, K);                      \
+                                        0, out, num_slots, layer, eps, H, KVH, D, K);                   \
   }
 
-// The same with an e4m3 cache and its scales.
+// The same with an e4m3 cache (v's blocks of kv_block slots transposed) and its scales.
 #define KILN_GEMV_FP8_QKV_ROPE_FP8_KV(NAME, UF, KMAX, NORM_WEIGHT)                                      \
   extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                           \
       NAME(const __nv_bfloat16* x, const __nv_bfloat16* norm, const uint8_t* w, const float* w_scale,   \
            const __nv_bfloat16* bias, const int* positions, const float* rope, uint8_t* kv,             \
-           const int* slots, const float* kv_scales, __nv_bfloat16* out, int num_slots, int layer,      \
-           float eps, int H, int KVH, int D, int K) {                                                   \
+           const int* slots, const float* kv_scales, int kv_block, __nv_bfloat16* out, int num_slots,   \
+           int layer, float eps, int H, int KVH, int D, int K) {                                        \
     fp8_qkv_rope<UF, KMAX, NORM_WEIGHT>(x, norm, w, w_scale, bias, positions, rope,                     \
                                         reinterpret_cast<__nv_fp8_storage_t*>(kv), slots, kv_scales,    \
-                                        out, num_slots, layer, eps, H, KVH, D, K);                      \
+                                        kv_block, out, num_slots, layer, eps, H, KVH, D, K);            \
   }
 
 #define KILN_GEMV_FP8_SWIGLU(NAME, COLS, UF, KMAX, GELU_TANH, NORM_WEIGHT)                              \

@@ -16,10 +16,10 @@ from kiln.plugins.sharding import Shard, Split, heads, rows
 
 
 def compile_shapes(shapes: dict, attrs: dict, block_size: int) -> dict:
-    """What `kernels.aot_kernels` needs: K, the head layout and which optional inputs it reads
-    (kv_scales: the cache is e4m3)."""
+    """What `kernels.aot_kernels` needs: K, the head layout, the KV cache's block size and which
+    optional inputs it reads (kv_scales: the cache is e4m3)."""
     return {"K": shapes["w_qkv"][1], "num_heads": attrs["num_heads"], "num_kv_heads": attrs["num_kv_heads"],
-            "head_dim": attrs["head_dim"], "bias": shapes["b_qkv"] is not None,
+            "head_dim": attrs["head_dim"], "block_size": block_size, "bias": shapes["b_qkv"] is not None,
             "qk_norm": shapes["q_norm"] is not None, "norm_weight": shapes["norm_weight"] is not None,
             "fp8_kv": shapes.get("kv_scales") is not None, "fp8": shapes.get("w_qkv_scale") is not None,
             "fp8_static": shapes.get("w_qkv_input_scale") is not None}
@@ -41,7 +41,7 @@ def shard(shapes: dict, attrs: dict, rank: int, world: int, source: str) -> Shar
 
 
 SPEC = register(PluginSpec(
-    name="norm_qkv_rope", version=1, package=__name__,
+    name="norm_qkv_rope", version=2, package=__name__,
     inputs=("x", "norm_weight?", "w_qkv", "b_qkv?", "q_norm?", "k_norm?", "positions",
             "rope_cache", "kv_cache", "slot_mapping", KV_SCALES, "w_qkv_scale?",
             "w_qkv_input_scale?"),

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from kiln.dtypes import element_bytes
 from kiln.plugins.aot import FP8_POINTER, POINTER_TYPES, AotKernel, absent_as_none, pointer_params
-from kiln.plugins.attention.cache_write import to_e4m3
+from kiln.plugins.attention.cache_write import to_e4m3, v_offset
 from kiln.plugins.attention.kernels import padded
 from kiln.plugins.linear import fp8, gemv, tma
 from kiln.plugins.linear.kernels import (fp8_gemm_tile, gemm_input, gemm_tile, launch_meta, split_buffers,
@@ -71,7 +71,7 @@ def norm_qkv_rope_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, bias_
                          layer, eps,
                          K: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
                          HEAD_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                         UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr):
+                         UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """w_scale_ptr given: W8A8 (`linear.kernels.fp8_gemm_tile` on the quantize pre-pass's rows, which
     are RMSNorm'd already: its tile comes row-scaled). Else x_scale_ptr given: x's RMSNorm row
     scales from the row-scale pre-pass; neither: the K loop sums x^2 itself."""
@@ -103,7 +103,8 @@ def norm_qkv_rope_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, bias_
         else:
             row_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
         _epilogue(acc, row_scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr,
-                  kv_scale_ptr, out_ptr, rows, offs_m, mask_m, j, h, num_slots, layer, eps, H, KVH, D, BLOCK_M, CHUNK)
+                  kv_scale_ptr, out_ptr, rows, offs_m, mask_m, j, h, num_slots, layer, eps, H, KVH, D, BLOCK_M, CHUNK,
+                  BLOCK_SIZE)
 
 
 @triton.jit
@@ -111,7 +112,7 @@ def tma_norm_qkv_rope_kernel(x_ptr, scale_ptr, w_ptr, w_scale_ptr, bias_ptr, q_n
                              kv_ptr, slot_ptr, kv_scale_ptr, out_ptr, T, num_slots, layer, eps,
                              K: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                             HEADS: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                             HEADS: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """HEADS (1 or 2) whole heads per tile (HEADS * D contiguous rows of W_qkv, each head's two
     halves in order), through the persistent TMA GEMM of `linear.tma`; scale_ptr holds the row
     scales of x's T rows. Two heads make the 256-row tiles the GEMM is fastest with; a pair
@@ -136,22 +137,23 @@ def tma_norm_qkv_rope_kernel(x_ptr, scale_ptr, w_ptr, w_scale_ptr, bias_ptr, q_n
         if HEADS == 1:
             _epilogue(acc, scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr,
                       kv_scale_ptr, out_ptr, pid_n * D + tl.arange(0, D), offs_m, mask_m, tl.arange(0, HALF), pid_n, num_slots, layer,
-                      eps, H, KVH, D, BLOCK_M, HALF)
+                      eps, H, KVH, D, BLOCK_M, HALF, BLOCK_SIZE)
         else:
             first, second = split_halves(acc, BLOCK_M, D)
             h = 2 * pid_n
             _epilogue(first, scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr,
                       kv_scale_ptr, out_ptr, h * D + tl.arange(0, D), offs_m, mask_m, tl.arange(0, HALF), h, num_slots, layer,
-                      eps, H, KVH, D, BLOCK_M, HALF)
+                      eps, H, KVH, D, BLOCK_M, HALF, BLOCK_SIZE)
             _epilogue(second, scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr,
                       kv_scale_ptr, out_ptr, (h + 1) * D + tl.arange(0, D), offs_m, mask_m, tl.arange(0, HALF), h + 1,
-                      num_slots, layer, eps, H, KVH, D, BLOCK_M, HALF)
+                      num_slots, layer, eps, H, KVH, D, BLOCK_M, HALF, BLOCK_SIZE)
 
 
 @triton.jit
 def _epilogue(acc, scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, kv_ptr, slot_ptr, kv_scale_ptr,
               out_ptr, rows, offs_m, mask_m, j, h, num_slots, layer, eps, H: tl.constexpr,
-              KVH: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+              KVH: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+              BLOCK_SIZE: tl.constexpr):
     """Row scale, bias, then q to the output or k and v (q/k normed and rotated) to the cache,
     as e4m3 value / scale when kv_scale_ptr (the [layers, 2, KVH] scales) is given.
     Branch-free (which head kind h is only selects values and masks; the kv_scale_ptr test is
@@ -186,12 +188,21 @@ def _epilogue(acc, scale, bias_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, rope_ptr, k
     # tl.cast, not .to: the JIT passes layer 1 as a constexpr int.
     cache_row = (tl.cast(layer * 2, tl.int64) + is_v.to(tl.int64)) * num_slots + slot
     kv_head = tl.where(is_v, h - H - KVH, h - H)
+    kv_mask = mask_m[:, None] & (not is_q)
     if kv_scale_ptr is not None:
         # q heads (kv_head < 0) store nothing here; they read a valid scale all the same.
         kv_scale = tl.load(kv_scale_ptr + (layer * 2 + is_v.to(tl.int32)) * KVH + tl.where(is_q, 0, kv_head))
         lo, hi = to_e4m3(lo, kv_scale), to_e4m3(hi, kv_scale)
-    _store_head(kv_ptr + cache_row[:, None] * (KVH * D) + kv_head * D + j[None, :], lo, hi,
-                mask_m[:, None] & (not is_q), HALF)
+        # An e4m3 cache holds v's blocks transposed (attention.cache_write.v_offset).
+        cols = kv_head * D + j[None, :]
+        v_part = (tl.cast(layer * 2 + 1, tl.int64) * num_slots) * (KVH * D)
+        off = tl.where(is_v, v_part + v_offset(slot[:, None], cols, KVH * D, BLOCK_SIZE),
+                       cache_row[:, None] * (KVH * D) + cols)
+        step = tl.where(is_v, HALF * BLOCK_SIZE, HALF)
+        tl.store(kv_ptr + off, lo.to(kv_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(kv_ptr + off + step, hi.to(kv_ptr.dtype.element_ty), mask=kv_mask)
+    else:
+        _store_head(kv_ptr + cache_row[:, None] * (KVH * D) + kv_head * D + j[None, :], lo, hi, kv_mask, HALF)
 
 
 def head_split(tile: Tile, head_dim: int, qk_norm: bool) -> int:
@@ -224,7 +235,7 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
         positions.contiguous(), rope_cache.contiguous(), kv_cache, slot_mapping.contiguous(), kv_scales, out, part,
         count, t, kv_cache.shape[2] * kv_cache.shape[3], attrs["layer"], attrs["eps"], K=k, H=heads, KVH=kv_heads,
         D=d, HEAD_SPLIT=split, BLOCK_M=tile.block_m, BLOCK_K=bk, UPCAST_DOT=upcast_dot(x, w_scale is not None),
-        SPLIT_K=ksplit, num_warps=tile.num_warps,
+        SPLIT_K=ksplit, BLOCK_SIZE=kv_cache.shape[3] if kv_scales is not None else 1, num_warps=tile.num_warps,
         num_stages=num_stages(tile.block_m, d // split, bk, w_qkv.element_size(), tile.stages, xa.element_size()))
 
 
@@ -238,6 +249,12 @@ def heads_per_tile(heads: int, kv_heads: int, head_dim: int, dtype: str) -> int:
     k and v; else one."""
     pair = heads % 2 == 0 and kv_heads % 2 == 0 and 2 * head_dim <= tma.tile_shape(dtype)[1]
     return 2 if pair else 1
+
+
+def cache_block(shapes: dict) -> int:
+    """The BLOCK_SIZE constexpr: the cache's block size where the kernel needs it (an e4m3 cache's
+    transposed v blocks), else 1, so that bf16 engines of any block size share one kernel."""
+    return shapes["block_size"] if shapes.get("fp8_kv", False) else 1
 
 
 def kv_pointer(dtype: str, shapes: dict) -> str:
@@ -259,12 +276,13 @@ def tma_aot(dtype: str, shapes: dict, tile: Tile, optional: dict[str, bool]) -> 
                  "slot_ptr": "*i32", "kv_scale_ptr": "*fp32", "out_ptr": ptr, "T": "i32", "num_slots": "i32",
                  "layer": "i32", "eps": "fp32", "K": "constexpr",
                  "H": "constexpr", "KVH": "constexpr", "D": "constexpr", "BLOCK_M": "constexpr",
-                 "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "HEADS": "constexpr", "UPCAST_DOT": "constexpr"}
+                 "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "HEADS": "constexpr", "UPCAST_DOT": "constexpr",
+                 "BLOCK_SIZE": "constexpr"}
     for name, present in optional.items():
         if not present and name != "norm_ptr":
             signature[name] = "constexpr"
     constexprs = {"K": shapes["K"], "H": heads, "KVH": kv_heads, "D": shapes["head_dim"], "BLOCK_M": bm,
-                  "BLOCK_K": bk, "GROUP_M": tma.GROUP_M, "UPCAST_DOT": False,
+                  "BLOCK_K": bk, "GROUP_M": tma.GROUP_M, "UPCAST_DOT": False, "BLOCK_SIZE": cache_block(shapes),
                   "HEADS": heads_per_tile(heads, kv_heads, shapes["head_dim"], dtype)}
     meta = tma.tma_meta(tile.name, tile.max_rows, (heads + 2 * kv_heads) // constexprs["HEADS"], bm)
     if fp8_weight:
@@ -275,7 +293,8 @@ def tma_aot(dtype: str, shapes: dict, tile: Tile, optional: dict[str, bool]) -> 
 
 
 def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
-    """shapes: {"K": hidden size, "num_heads", "num_kv_heads" (this rank's), "head_dim",
+    """shapes: {"K": hidden size, "num_heads", "num_kv_heads" (this rank's), "head_dim", "block_size" (the
+    KV cache's; read with fp8_kv),
     "bias": bool, "qk_norm": bool, "norm_weight": bool, "fp8_kv": bool, "fp8": bool (all
     default False; False norm_weight means folded; fp8_kv: an e4m3 cache and its scales,
     kv_scale_ptr; fp8: an e4m3 weight and its row scales)}. One kernel per shape bucket;
@@ -299,9 +318,9 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
                      **split_signature(ksplit), "T": "i32", "num_slots": "i32", "layer": "i32", "eps": "fp32",
                      "K": "constexpr", "H": "constexpr", "KVH": "constexpr", "D": "constexpr",
                      "HEAD_SPLIT": "constexpr", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
-                     "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr"}
+                     "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr", "BLOCK_SIZE": "constexpr"}
         constexprs = {"K": k, "H": heads, "KVH": kv_heads, "D": d, "HEAD_SPLIT": split, "BLOCK_M": tile.block_m,
-                      "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": ksplit}
+                      "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": ksplit, "BLOCK_SIZE": cache_block(shapes)}
         # With FP8 weights the pre-pass applies the norm weight.
         present = {**optional, "norm_ptr": optional["norm_ptr"] and not fp8_weight,
                    "x_scale_ptr": fp8_weight or prescaled(tile, fp8_weight), "w_scale_ptr": fp8_weight}

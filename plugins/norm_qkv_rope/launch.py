@@ -40,7 +40,8 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
         meta = metas[i]
         args = [x.data_ptr(), address(norm_weight), w_qkv.data_ptr(), *scale_arg(w_scale), address(b_qkv),
                 positions.data_ptr(), rope_cache.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(),
-                *([kv_scales.data_ptr()] if meta.get("fp8_kv") else []), out.data_ptr(), num_slots, attrs["layer"],
+                *([kv_scales.data_ptr(), kv_cache.shape[3]] if meta.get("fp8_kv") else []), out.data_ptr(), num_slots,
+                attrs["layer"],
                 attrs["eps"], meta["heads"], meta["kv_heads"], meta["head_dim"], x.shape[1]]
         kernels[i].launch(grid(meta["grid"], {}), args, stream)
         return
