@@ -414,7 +414,7 @@ def test_parity_tma_norm_qkv_rope(request, bias, qk_norm, heads_per_tile, dtype)
             x, row_scales(x), w_qkv, None, b, q_norm, k_norm, positions, rope, kv_cache, slots, None, out, t, 80, layer,
             EPS,
             K=k, H=heads, KVH=kv_heads, D=d, BLOCK_M=64, BLOCK_K=32, GROUP_M=2, HEADS=heads_per_tile,
-            UPCAST_DOT=linear_kernels.upcast_dot(x))
+            UPCAST_DOT=linear_kernels.upcast_dot(x), BLOCK_SIZE=1)
         assert_matches(out, ref)
         assert_matches(kv_cache, ref_cache)
     in_mode(request, True, body)
