@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import os
 import pickle
 import sys
 
@@ -34,7 +35,8 @@ from kiln.plugins.aot import compile_cubin
 from scripts.gpu_timing import graph_us
 
 L2_ROTATION = 200_000_000
-ROWS = (1, 8, 64, 256, 4096)
+# KILN_BENCH_ROWS=1,64,448 times other row counts (the compile and run calls must agree).
+ROWS = tuple(int(r) for r in os.environ.get("KILN_BENCH_ROWS", "1,8,64,256,4096").split(","))
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 EPS = 1e-5
 # projection: (plugin, compile shapes, weight rows, K)

@@ -75,8 +75,10 @@ def profile(ex: CudaExecutor, batch: int, context: int) -> None:
                     roles = [i for i, m in enumerate(op.metas) if "role" in m]
                     q = args[0]
                     attn = ex.scratch["attention_o_proj_attn"][:q.numel() * q.element_size()].view(q.dtype)
-                    attention.launch([op.kernels[i] for i in roles], [op.metas[i] for i in roles], args[:8],
-                                     op.attrs, attn.view(q.shape), dims, stream, ex.scratch)
+                    # attention_o_proj's inputs: attention's first 8, w_o, b_o, residual, kv_scales.
+                    kv_scales = args[11] if len(args) > 11 else None
+                    attention.launch([op.kernels[i] for i in roles], [op.metas[i] for i in roles],
+                                     args[:8] + [kv_scales], op.attrs, attn.view(q.shape), dims, stream, ex.scratch)
                 else:
                     op.launcher.launch(op.kernels, op.metas, args, op.attrs, values[op.output], dims, stream,
                                        ex.scratch)

@@ -12,7 +12,9 @@ row-scale pre-pass included), labelled "engine". `compile` builds each into a cu
 executor does, checks each against torch, and times it in a CUDA graph (weights cycled beyond the
 L2), beside `torch.mm` (cuBLAS) on the same shapes and the GEMM rate measured as bench-engine does
 (bf16 8192^3). Shapes: Llama-3-8B's projections (or those KILN_TUNE_SHAPES names) at T = 256, 1024,
-4096 and 8192 (or KILN_TUNE_ROWS).
+4096 and 8192 (or KILN_TUNE_ROWS). With KILN_TUNE_FP8=1 (compile and run alike) the TMA GEMM is
+swept with e4m3 operands (K tiles twice as long, the same bytes) and per-row scales, beside
+cuBLAS FP8 (torch._scaled_mm) on the same e4m3 tensors; the pointer and engine kernels are left out.
 """
 from __future__ import annotations
 
@@ -37,13 +39,16 @@ ROWS = tuple(int(r) for r in os.environ.get("KILN_TUNE_ROWS", "256,1024,4096,819
 # (block_m, block_n, block_k, warps, stages, group_m)
 TMA_TILES = [(128, 128, 64, 4, 4, 8), (128, 128, 64, 8, 4, 8), (128, 256, 64, 8, 3, 8), (256, 128, 64, 8, 3, 8),
              (64, 128, 64, 4, 4, 8), (64, 256, 64, 4, 4, 8), (128, 256, 64, 8, 3, 16), (128, 256, 64, 8, 3, 4)]
+FP8 = os.environ.get("KILN_TUNE_FP8") == "1"
 POINTER_TILES = [(128, 128, 64, 8, 4), (64, 64, 64, 4, 4), (128, 256, 64, 8, 3)]
 
 
 def configs() -> list[tuple[str, dict, AotKernel]]:
     out = []
+    operand, scale = ("*fp8e4nv", "*fp32") if FP8 else ("*bf16", "constexpr")
     for (name, (n, k)), (bm, bn, bk, warps, stages, group) in itertools.product(SHAPES.items(), TMA_TILES):
-        signature = {"x_ptr": "*bf16", "x_scale_ptr": "constexpr", "w_ptr": "*bf16", "w_scale_ptr": "constexpr",
+        bk *= 2 if FP8 else 1
+        signature = {"x_ptr": operand, "x_scale_ptr": scale, "w_ptr": operand, "w_scale_ptr": scale,
                      "bias_ptr": "constexpr", "residual_ptr": "constexpr", "out_ptr": "*bf16", "T": "i32",
                      "N": "constexpr", "K": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
                      "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "UPCAST_DOT": "constexpr"}
@@ -52,7 +57,7 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
                            "label": f"tma bm{bm} bn{bn} bk{bk} w{warps} s{stages} g{group}"},
                     AotKernel(tma_linear_kernel, signature, absent_as_none(signature, constexprs), num_warps=warps,
                               num_stages=stages, aligned=pointer_params(signature))))
-    for (name, (n, k)), (bm, bn, bk, warps, stages) in itertools.product(SHAPES.items(), POINTER_TILES):
+    for (name, (n, k)), (bm, bn, bk, warps, stages) in itertools.product(SHAPES.items(), [] if FP8 else POINTER_TILES):
         signature = {"x_ptr": "*bf16", "x_scale_ptr": "constexpr", "w_ptr": "*bf16", "w_scale_ptr": "constexpr",
                      "bias_ptr": "constexpr", "residual_ptr": "constexpr",
                      "out_ptr": "*bf16", "part_ptr": "constexpr", "count_ptr": "constexpr", "T": "i32",
@@ -78,7 +83,7 @@ def engine_configs() -> list[tuple[str, dict, list[AotKernel]]]:
     import importlib
     out = []
     for name, (plugin, shapes) in ENGINE.items():
-        if name not in SHAPES:
+        if name not in SHAPES or FP8:
             continue
         kernels = importlib.import_module(f"kiln.plugins.{plugin}.kernels").aot_kernels("bfloat16", shapes)
         tma = [k for k in kernels if k.meta.get("tma") and k.meta["bucket"] == "prefill"]
@@ -108,6 +113,7 @@ def compile_all(path: str) -> None:
 def run_all(path: str, every: str | None = None) -> None:
     import torch
 
+    from kiln.plugins.fp8 import dequantize_rows, quantize_rows
     from kiln.runtime.cuda_driver import CudaError, load_kernel
 
     with open(path, "rb") as f:
@@ -120,16 +126,29 @@ def run_all(path: str, every: str | None = None) -> None:
     scratch = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights, results = {}, {}
+    w_scales = {}
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        if FP8:
+            w, w_scales[name] = quantize_rows(w)
         weights[name] = [w] + [w.clone() for _ in range(-(-L2_ROTATION // w.nbytes) - 1)]
     for (name, (n, k)), t in itertools.product(SHAPES.items(), ROWS):
         x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-        ref = (x.float() @ weights[name][0].float().T)
         out = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
         turn = itertools.count()
-        us = graph_us(lambda: torch.mm(x, weights[name][next(turn) % len(weights[name])].T, out=out))
-        results[(name, t)] = [(us, "cuBLAS torch.mm", ((out.float() - ref).norm() / ref.norm()).item())]
+        if FP8:
+            x, x_scale = quantize_rows(x)
+            w_scale = w_scales[name]
+            ref = dequantize_rows(x, x_scale) @ dequantize_rows(weights[name][0], w_scale).T
+            us = graph_us(lambda: out.copy_(torch._scaled_mm(
+                x, weights[name][next(turn) % len(weights[name])].T, scale_a=x_scale[:, None],
+                scale_b=w_scale[None, :], out_dtype=torch.bfloat16)))
+            label = "cuBLAS FP8 torch._scaled_mm"
+        else:
+            ref = (x.float() @ weights[name][0].float().T)
+            us = graph_us(lambda: torch.mm(x, weights[name][next(turn) % len(weights[name])].T, out=out))
+            label = "cuBLAS torch.mm"
+        results[(name, t)] = [(us, label, ((out.float() - ref).norm() / ref.norm()).item())]
         for cname, info, signature, cubin in entries:
             if cname != name:
                 continue
@@ -147,7 +166,11 @@ def run_all(path: str, every: str | None = None) -> None:
             grids = {"persistent": min(tiles, sms), "one tile each": tiles} if info["kind"] == "tma" else {"": None}
             for gname, programs in grids.items():
                 grid = (programs, 1, 1) if programs else (-(-t // info["bm"]), -(-n // info["bn"]), 1)
-                args = ([[x.data_ptr(), w.data_ptr(), out.data_ptr(), t] for w in weights[name]])
+                if FP8:
+                    args = [[x.data_ptr(), x_scale.data_ptr(), w.data_ptr(), w_scale.data_ptr(), out.data_ptr(), t]
+                            for w in weights[name]]
+                else:
+                    args = [[x.data_ptr(), w.data_ptr(), out.data_ptr(), t] for w in weights[name]]
                 turn = itertools.count()
 
                 def call():

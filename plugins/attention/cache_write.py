@@ -93,14 +93,16 @@ def _row_block(width: int) -> int:
 
 def write_kv_aot(ptr: str, cache: str, fp8_kv: bool, row: int, head_dim: int, block_size: int) -> AotKernel:
     """The write kernel of an engine: `ptr` the type of k and v, `cache` the cache's, `row`
-    kv_heads * head_dim; with `fp8_kv` it takes the layer's scales after the slot mapping."""
+    kv_heads * head_dim; with `fp8_kv` it takes the layer's scales after the slot mapping. Only an
+    e4m3 cache's transposed v blocks need the block size: bf16 engines of any block size share one
+    kernel (BLOCK_SIZE 1), as norm_qkv_rope's do."""
     scales = {"scale_ptr": "*fp32" if fp8_kv else "constexpr"}
     signature = {"k_ptr": ptr, "v_ptr": ptr, "k_cache_ptr": cache, "v_cache_ptr": cache, "slot_mapping_ptr": "*i32",
                  **scales, "k_stride": "i32", "v_stride": "i32", "ROW": "constexpr", "BLOCK": "constexpr",
                  "HEAD_DIM": "constexpr", "BLOCK_SIZE": "constexpr"}
     return AotKernel(
         _write_kv_kernel, signature,
-        {"ROW": row, "BLOCK": _row_block(row), "HEAD_DIM": head_dim, "BLOCK_SIZE": block_size,
+        {"ROW": row, "BLOCK": _row_block(row), "HEAD_DIM": head_dim, "BLOCK_SIZE": block_size if fp8_kv else 1,
          **({} if fp8_kv else {"scale_ptr": None})},
         aligned=("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr"),
         meta={"role": "write_kv", "grid": f"(T, {triton.cdiv(row, _row_block(row))}, 1)", "pointer_alignment": 16,

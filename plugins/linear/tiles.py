@@ -29,7 +29,8 @@ class Tile:
     fp32 so the shared-memory footprint does not depend on the dtype; `stages` caps the
     software pipeline's depth; `split_k` programs share each output tile's K range when K
     divides evenly among them (see `gemm_tile`); `tma`: on sm_90 and later the bucket runs the
-    persistent TMA GEMM of `linear.tma` instead (these tiles stay for sm_80 and sm_89)."""
+    persistent TMA GEMM of `linear.tma` instead (these tiles stay for sm_80 and sm_89), with
+    `tma_block_n` weight rows per tile."""
 
     name: str
     max_rows: int | None     # largest T the bucket serves; None: no limit
@@ -40,6 +41,7 @@ class Tile:
     stages: int
     split_k: int = 1
     tma: bool = False
+    tma_block_n: int = 256
 
 
 # Measured on an H200 with scripts/tune_gemm.py (2026-11-29, bf16; BENCHMARKS.md has the table):
@@ -63,6 +65,15 @@ TILES = (
     # 64x64 tiles unsplit (cuBLAS 47.7), o_proj 24.4 against 23.6; from 129 rows on the medium
     # tiles lose (down 67.1 us at 130 rows against 57.6, 2026-12-01).
     Tile("large", 256, 128, 128, 64, 8, stages=4, split_k=2),
+    # Up to 512 rows (decode batches of 257-512, short prefill chunks): 64x256 TMA tiles, so that
+    # a narrow weight's tiles fill the GPU: 128-row tiles give 4 x 16 = 64 tiles for a 4096-row
+    # weight at T = 448 on 132 SMs, 64-row ones 112. On an H200 (session 29,
+    # `KILN_TUNE_ROWS=320,448,512,640 scripts/tune_prefill_gemm.py`, weights cycled beyond the
+    # L2): bf16 down took 84 us at T = 448 against 150 with 128x256 tiles (cuBLAS 76), o_proj 29
+    # against 45; e4m3 down 46 against 73 (cuBLAS FP8 61), o_proj 17 against 26. From 640 rows on
+    # the 64-row tiles run two waves and 128-row ones win again. (sm_80 and sm_89 run the pointer
+    # tile of the same rows.)
+    Tile("xlarge", 512, 64, 128, 64, 4, stages=4, tma=True),
     Tile("prefill", None, 128, 128, 64, 8, stages=4, tma=True),
 )
 # At 256 rows the TMA GEMM takes gate/up (28672x4096) in 100 us against 130 for the pointer

@@ -45,8 +45,13 @@ FP8_TARGETS = fp8.FP8_TARGETS
 # 64-wide K tiles split in 4, 3 stages) took 23.7.
 # From 65 to 256 rows, 64x64 tiles unsplit (with the pre-pass's row scales: 32.3 us at T = 256).
 _MEDIUM_QKV = {"block_m": 64, "block_n": 64, "num_warps": 4, "split_k": 1}
-QKV_TILES = with_bucket(with_bucket(with_bucket(TILES, "small", block_n=64, block_k=128, stages=6, split_k=1),
-                                    "medium", **_MEDIUM_QKV), "large", **_MEDIUM_QKV)
+# The 64-row TMA tiles of the xlarge bucket up to 320 rows only: qkv's 24 tiles of 256 columns
+# (Llama-3-8B) give 5 x 24 = 120 of them there, and at T = 448 168, two waves on 132 SMs (H200,
+# session 29, e4m3: 28.4 us against 26.0 for 128-row tiles; at T = 320 17.6 against 25.9).
+QKV_TILES = with_bucket(with_bucket(with_bucket(with_bucket(TILES, "small", block_n=64, block_k=128, stages=6,
+                                                            split_k=1),
+                                                "medium", **_MEDIUM_QKV), "large", **_MEDIUM_QKV),
+                        "xlarge", max_rows=320)
 # With e4m3 weights and rows (H200, 2026-11-30, `KILN_TUNE_FP8=1 scripts/tune_gemm.py`, Llama-3-8B's
 # qkv, weights cycled beyond the L2): at T = 64 the unsplit 128-deep tile takes 10.8 us against
 # 14.4 for QKV_TILES' (its split-K partials cost more than e4m3's halved weight bytes save); at
@@ -244,10 +249,10 @@ def uses_tma(tile: Tile, shapes: dict) -> bool:
     return tile.tma and not shapes.get("norm_weight", False)
 
 
-def heads_per_tile(heads: int, kv_heads: int, head_dim: int, dtype: str) -> int:
+def heads_per_tile(heads: int, kv_heads: int, head_dim: int, dtype: str, block_n: int = 256) -> int:
     """Heads per TMA tile: two where the pair fills the GEMM's weight tile and never mixes q,
     k and v; else one."""
-    pair = heads % 2 == 0 and kv_heads % 2 == 0 and 2 * head_dim <= tma.tile_shape(dtype)[1]
+    pair = heads % 2 == 0 and kv_heads % 2 == 0 and 2 * head_dim <= tma.tile_shape(dtype, block_n=block_n)[1]
     return 2 if pair else 1
 
 
@@ -283,7 +288,7 @@ def tma_aot(dtype: str, shapes: dict, tile: Tile, optional: dict[str, bool]) -> 
             signature[name] = "constexpr"
     constexprs = {"K": shapes["K"], "H": heads, "KVH": kv_heads, "D": shapes["head_dim"], "BLOCK_M": bm,
                   "BLOCK_K": bk, "GROUP_M": tma.GROUP_M, "UPCAST_DOT": False, "BLOCK_SIZE": cache_block(shapes),
-                  "HEADS": heads_per_tile(heads, kv_heads, shapes["head_dim"], dtype)}
+                  "HEADS": heads_per_tile(heads, kv_heads, shapes["head_dim"], dtype, tile.tma_block_n)}
     meta = tma.tma_meta(tile.name, tile.max_rows, (heads + 2 * kv_heads) // constexprs["HEADS"], bm)
     if fp8_weight:
         meta["fp8"] = True
