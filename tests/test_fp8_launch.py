@@ -67,12 +67,12 @@ def fp8_weight(rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows(torch.randn(rows, k) * k ** -0.5)
 
 
-STEPS = (3, 100, 300)    # decode, medium and prefill buckets
+STEPS = (3, 100, 300)    # decode, medium and xlarge (TMA) buckets
 
 
 def expected(t: int, target: str, gemm: str, tma_gemm: str) -> list[str]:
     """The launches of a step of t rows: the pre-pass, then the pointer GEMM, or on sm_90 in the
-    prefill bucket the persistent TMA GEMM."""
+    TMA buckets (from 257 rows) the persistent TMA GEMM."""
     return ["quantize_rows_kernel", tma_gemm if t > 256 and target == "sm_90" else gemm]
 
 

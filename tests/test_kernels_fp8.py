@@ -33,7 +33,7 @@ pytestmark = interpreted_only()
 EPS = 1e-5
 LINEAR_ATTRS = {"parallel": "none", "heads": 0, "all_reduce": False}
 # One T per bucket: decode, small, medium, large, prefill.
-BUCKET_ROWS = {"decode": 3, "small": 40, "medium": 100, "large": 200, "prefill": 300}
+BUCKET_ROWS = {"decode": 3, "small": 40, "medium": 100, "large": 200, "xlarge": 300, "prefill": 600}
 
 
 def rand(*shape, dtype=torch.float32, scale=1.0) -> torch.Tensor:
@@ -186,13 +186,14 @@ def qkv_inputs(t: int, k: int, d: int, dtype: torch.dtype, folded: bool, bias: b
                heads: int = 4, kv_heads: int = 2) -> list:
     """norm_qkv_rope's inputs in the spec's order, w_qkv in e4m3, no kv_scales, w_qkv's scales last."""
     rows = (heads + 2 * kv_heads) * d
+    blocks = max(80, -(-t // 4))    # of 4 slots: every row gets its own
     wq, ws = fp8_weight(rows, k)
     angles = torch.arange(512)[:, None] * 10000.0 ** (-torch.arange(0, d, 2) / d)
     return [rand(t, k, dtype=dtype), None if folded else (1 + 0.3 * torch.randn(k)).to(dtype), wq,
             rand(rows, dtype=dtype) if bias else None, 1 + 0.2 * torch.randn(d) if qk_norm else None,
             1 + 0.2 * torch.randn(d) if qk_norm else None, torch.randint(0, 512, (t,), dtype=torch.int32),
-            torch.cat([angles.cos(), angles.sin()], dim=1), rand(2, 2, 80, 4, kv_heads, d, dtype=dtype),
-            torch.randperm(320)[:t].to(torch.int32), None, ws]
+            torch.cat([angles.cos(), angles.sin()], dim=1), rand(2, 2, blocks, 4, kv_heads, d, dtype=dtype),
+            torch.randperm(4 * blocks)[:t].to(torch.int32), None, ws]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

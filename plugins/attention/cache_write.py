@@ -80,7 +80,8 @@ def write_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tenso
     block = _row_block(row)
     _write_kv_kernel[(k.shape[0], triton.cdiv(row, block))](
         k, v, kv_cache[layer, 0], kv_cache[layer, 1], slot_mapping, layer_scales(kv_scales, layer),
-        k.stride(0), v.stride(0), ROW=row, BLOCK=block, HEAD_DIM=kv_cache.shape[-1], BLOCK_SIZE=kv_cache.shape[3])
+        k.stride(0), v.stride(0), ROW=row, BLOCK=block, HEAD_DIM=kv_cache.shape[-1],
+        BLOCK_SIZE=kv_cache.shape[3] if kv_scales is not None else 1)
 
 
 def layer_scales(kv_scales: torch.Tensor | None, layer: int) -> torch.Tensor | None:
