@@ -3,9 +3,13 @@ model definitions, whose forward takes them by these names.
 
 Symbolic dims: T = tokens in the step, S = sequences in the step, L = rows whose logits are
 wanted, B = blocks per sequence (max_seq_len / kv_block_size, rounded up). The KV cache is a
-separate state tensor, [layers, 2, num_blocks, block_size, kv_heads, head_dim].
+separate state tensor, [layers, 2, num_blocks, block_size, kv_heads, head_dim]. D (no tensor has
+it) counts the step's leading sequences of one new token each, `decode_rows`: the scheduler puts
+decode rows first, and attention runs them apart from the prompt chunks of a mixed step.
 """
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -26,3 +30,10 @@ STEP_INPUTS: tuple[StepInputSpec, ...] = (
     StepInputSpec("logits_indices", "int32", ("L",), "rows of the step whose logits are returned"),
 )
 KV_CACHE = "kv_cache"
+
+
+def decode_rows(query_lens: torch.Tensor) -> int:
+    """D: how many sequences, from the first, have one new token each (all of them in a pure
+    decode step). Read on the host, from the step inputs before they go to the device."""
+    longer = (query_lens != 1).nonzero()
+    return int(longer[0, 0]) if len(longer) else query_lens.shape[0]

@@ -13,6 +13,7 @@ import torch
 
 from kiln.dtypes import torch_dtype
 from kiln.plugins import STEP_INPUTS
+from kiln.plugins.step_inputs import decode_rows
 from kiln.runtime.arena import Arena
 from kiln.runtime.engine import Engine
 from kiln.runtime.sampler import Picks, SequenceSampler
@@ -114,7 +115,8 @@ class ArenaExecutor:
                 raise ValueError(f"step has {count} {what}; the engine was built for at most {limit}")
         if step.block_tables.shape[1] != m.blocks_per_sequence:
             raise ValueError(f"block tables must have {m.blocks_per_sequence} columns, got {step.block_tables.shape[1]}")
-        return {**m.symbol_bounds, "T": tokens, "S": seqs, "L": rows}
+        return {**m.symbol_bounds, "T": tokens, "S": seqs, "L": rows,
+                "D": seqs if tokens == seqs else decode_rows(step.query_lens)}
 
     def _prepare(self, step: StepInputs, copies: list[tuple[int, int]], feed: Feed | None = None) -> dict[str, int]:
         """Do the copy-on-write copies and put the step inputs in the arena, with the fed token

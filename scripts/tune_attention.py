@@ -54,7 +54,8 @@ def configs(kind: str = "decode") -> list[tuple[dict, AotKernel]]:
     signature = {
         "q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": "*bf16",
         "part_ptr": "*fp32", "stats_ptr": "*fp32", "block_tables_ptr": "*i32", "query_lens_ptr": "*i32",
-        "context_lens_ptr": "*i32", **({"scale_ptr": "*fp32"} if cache == "*fp8e4nv" else {}), "num_seqs": "i32", "q_stride": "i32", "out_stride": "i32",
+        "context_lens_ptr": "*i32", **({"scale_ptr": "*fp32"} if cache == "*fp8e4nv" else {}), "num_seqs": "i32", "first_seq": "i32",
+        "q_stride": "i32", "out_stride": "i32",
         "table_stride": "i32", "scale": "fp32", "window": "i32",
         **{name: "constexpr" for name in ("NUM_HEADS", "NUM_KV_HEADS", "HEAD_DIM", "BLOCK_SIZE", "BLOCK_M",
                                           "BLOCK_N", "BLOCK_D", "SEQ_CHUNK", "SPLIT", "PURE_DECODE",
@@ -163,7 +164,7 @@ def run_all(path: str, kind: str = "decode") -> None:
                 stream = torch.cuda.current_stream().cuda_stream
                 fn.launch(grid, [q.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(), out.data_ptr(), part.data_ptr(),
                                  stats.data_ptr(), case["tables"].data_ptr(), case["query_lens"].data_ptr(),
-                                 case["context_lens"].data_ptr(), *kv_scales, seqs, q.stride(0), out.stride(0),
+                                 case["context_lens"].data_ptr(), *kv_scales, seqs, 0, q.stride(0), out.stride(0),
                                  case["tables"].stride(0), scale, 0], stream)
                 if splits > 1:
                     combine.launch((seqs, HEADS, 1), [part.data_ptr(), stats.data_ptr(), out.data_ptr(),
@@ -244,7 +245,7 @@ def run_prefill(path: str) -> None:
         for info, fn in [entry for entry in loaded if not entry[0].get("combine")]:
             grid = (tokens * (HEADS // KV_HEADS) // info["block_m"] + seqs, KV_HEADS, 1)
             args = [q.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), out.data_ptr(), 0, 0, tables.data_ptr(),
-                    lens.data_ptr(), lens.data_ptr(), seqs, q.stride(0), out.stride(0), tables.stride(0), scale, 0]
+                    lens.data_ptr(), lens.data_ptr(), seqs, 0, q.stride(0), out.stride(0), tables.stride(0), scale, 0]
             out.zero_()
             fn.launch(grid, args, torch.cuda.current_stream().cuda_stream)
             torch.cuda.synchronize()

@@ -56,6 +56,10 @@ MIXED_STEP = [(0, 7, [5, 2]),                                   # prefill from s
               (9, 5, [7, 1, 12, 3]),                            # prefill chunk after 9 cached
               (13, 1, [0, 9, 4, 14]),                           # decode
               (30, 6, [23, 6, 17, 11, 20, 8, 15, 22, 10])]      # chunk over several key tiles
+# Decode rows first, as the scheduler packs a mixed step: `run` gives them to the decode kernel and
+# the rest (a one-token chunk behind a prompt among them) to the prefill kernel.
+DECODE_FIRST_STEP = [(13, 1, [0, 9, 4, 14]), (20, 1, [1, 2, 3, 5, 6, 7]), (0, 7, [8, 10]),
+                     (30, 6, [11, 12, 13, 15, 16, 17, 18, 19, 20]), (9, 1, [21, 22, 23])]
 DECODE_STEP = [(44, 1, [23, 6, 17, 11, 20, 8, 15, 22, 10, 13, 16, 18]),
                (29, 1, [0, 9, 4, 14, 19, 21, 2, 5]), (16, 1, [7, 1, 12, 3, 11]), (2, 1, [20])]
 LLAMA3_8B = {"hidden": 4096, "vocab": 128256, "heads": 32, "kv_heads": 8, "head_dim": 128,
@@ -108,8 +112,9 @@ def reference_attention(data: dict, attrs: dict, with_kv: bool) -> tuple[torch.T
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("with_kv", [True, False])
-def test_attention_matches_reference(dtype, window, with_kv):
-    data = make_step(MIXED_STEP, 4, dtype)
+@pytest.mark.parametrize("spec", [MIXED_STEP, DECODE_FIRST_STEP], ids=["mixed", "decode first"])
+def test_attention_matches_reference(dtype, window, with_kv, spec):
+    data = make_step(spec, 4, dtype)
     attrs = attention_attrs(4, window)
     ref, ref_cache = reference_attention(data, attrs, with_kv)
 

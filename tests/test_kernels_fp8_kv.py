@@ -23,7 +23,7 @@ from kiln.plugins.fp8 import FP8, FP8_TARGETS, to_e4m3  # noqa: E402
 from kiln.plugins.norm_qkv_rope import kernels as norm_qkv_rope_kernels  # noqa: E402
 from kiln.runtime.step import SequenceChunk, pack_step  # noqa: E402
 
-from test_kernels_attention import (DECODE_STEP, LLAMA3_8B, MIXED_STEP, SMALL_TILES, attention_attrs,  # noqa: E402
+from test_kernels_attention import (DECODE_FIRST_STEP, DECODE_STEP, LLAMA3_8B, MIXED_STEP, SMALL_TILES, attention_attrs,  # noqa: E402
                                     close, make_step)
 
 INTERPRETED = all(isinstance(k, InterpretedFunction) for k in (
@@ -59,7 +59,7 @@ def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("spec", [MIXED_STEP, DECODE_STEP], ids=["mixed", "decode"])
+@pytest.mark.parametrize("spec", [MIXED_STEP, DECODE_FIRST_STEP, DECODE_STEP], ids=["mixed", "decode first", "decode"])
 def test_fp8_attention_writes_the_reference_bytes_and_reads_them_back_scaled(dtype, spec):
     data, scales = fp8_step(spec, 4, dtype, seed=5)
     attrs = attention_attrs(4, 0)

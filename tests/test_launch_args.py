@@ -361,9 +361,10 @@ def test_launchers_pass_what_run_passes(engines, family, dtype, max_seq_len, hid
     unused = UNUSED_OPS.get(family, LLAMA_UNUSED_OPS)
     assert {name.removesuffix(" variant") for name in checked} == set(LAUNCHED_OPS) - unused
     assert all(steps == {"prefill", "mixed", "decode"} for steps in checked.values()), checked
-    # attention (then the GEMM, fused); a split-KV decode adds the combine kernel.
+    # attention (then the GEMM, fused); a split-KV decode adds the combine kernel, and the mixed
+    # step's two leading decode rows the decode kernel before the prefill one.
     kernels = 1 if "attention_o_proj" in unused else 2
-    assert attention_paths == ({kernels, kernels + 1} if max_seq_len > 256 else {kernels})
+    assert attention_paths == ({kernels, kernels + 1, kernels + 2} if max_seq_len > 256 else {kernels, kernels + 1})
     split_buckets = {k.launch["bucket"] for k in manifest.kernels.values() if k.launch.get("split_k", 1) > 1}
     if hidden >= 512:
         assert split_buckets == {"decode", "small", "medium", "large"}

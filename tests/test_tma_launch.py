@@ -36,9 +36,11 @@ EPS = 1e-5
 
 
 def launch(plugin: str, shapes: dict, inputs: list, attrs: dict, out: torch.Tensor,
-           views: list[torch.Tensor] = (), rows: int = T, sms: int = SMS) -> list[tuple[str, tuple]]:
+           views: list[torch.Tensor] = (), rows: int = T, sms: int = SMS,
+           dims: dict[str, int] | None = None) -> list[tuple[str, tuple]]:
     """Run the plugin's sm_90 launcher on a step of `rows` rows, on a GPU of `sms` SMs; returns its
-    launches in order. `views`: tensors whose addresses the launcher passes besides its inputs'."""
+    launches in order. `views`: tensors whose addresses the launcher passes besides its inputs';
+    `dims`: the step's, as the executor gives them (default: T only)."""
     launcher = LAUNCHERS[plugin]
     kernels = targeted(KERNELS[plugin].aot_kernels("float32", shapes), "sm_90")
     limits = {"T": rows, "S": 8, "B": 64, "block_size": 16, "element_bytes": 4}
@@ -49,7 +51,7 @@ def launch(plugin: str, shapes: dict, inputs: list, attrs: dict, out: torch.Tens
     log: list = []
     with mock.patch("kiln.plugins.driver_launch.sm_count", lambda: sms):
         launcher.launch([Running(k, tensors, log) for k in kernels], [k.meta for k in kernels], inputs, attrs, out,
-                        {"T": rows}, 0, scratch)
+                        dims or {"T": rows}, 0, scratch)
     return log
 
 
@@ -182,4 +184,28 @@ def test_attention_launches_the_128_row_prefill_kernel():
     log = launch("attention", shapes, inputs, attrs, out, views=[kv_cache[layer, 0], kv_cache[layer, 1]])
     # Rows are (query token, head of its kv group) pairs, 128 to a program: T * 4 / 128 + S.
     assert log == [("_attention_kernel", (T * heads // kv_heads // 128 + 2, kv_heads, 1))]
+    close(out, get_plugin("attention").call_reference(inputs, attrs))
+
+
+def test_a_mixed_steps_decode_rows_take_the_decode_kernel():
+    """Three decode rows first (D = 3, as the scheduler packs them), then a prompt chunk after 20
+    cached tokens and a one-token chunk: the decode kernel over the first three sequences, the
+    prefill kernel over the other two, counted from sequence 3."""
+    torch.manual_seed(4)
+    heads, kv_heads, d, bs, layer = 8, 2, 32, 16, 1
+    lens, cached = [1, 1, 1, 100, 1], [49, 69, 32, 20, 39]
+    tokens = sum(lens)
+    kv_cache = torch.randn(2, 2, 40, bs, kv_heads, d)
+    tables = torch.randperm(40)[:40].view(5, 8).to(torch.int32)
+    inputs = [torch.randn(tokens, heads * d), None, None, kv_cache, torch.zeros(tokens, dtype=torch.int32), tables,
+              torch.tensor(lens, dtype=torch.int32), torch.tensor([n + c for n, c in zip(lens, cached)],
+                                                                    dtype=torch.int32)]
+    attrs = {"layer": layer, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d, "scale": d ** -0.5,
+             "window": 0}
+    shapes = {"heads": heads, "kv_heads": kv_heads, "head_dim": d, "block_size": bs}
+    out = torch.full((tokens, heads * d), float("nan"))
+    log = launch("attention", shapes, inputs, attrs, out, views=[kv_cache[layer, 0], kv_cache[layer, 1]],
+                 rows=tokens, dims={"T": tokens, "S": 5, "D": 3})
+    # Decode: one 16-row program per sequence and kv head. Prefill: (101 * 4) // 128 + 2 programs.
+    assert log == [("_attention_kernel", (3, kv_heads, 1)), ("_attention_kernel", (101 * 4 // 128 + 2, kv_heads, 1))]
     close(out, get_plugin("attention").call_reference(inputs, attrs))

@@ -33,7 +33,7 @@ def kv_scales_split(first: int, count: int) -> Split:
 
 
 SPEC = register(PluginSpec(
-    name="attention", version=2, package=__name__,
+    name="attention", version=3, package=__name__,
     inputs=("q", "k?", "v?") + CACHE_INPUTS + (KV_SCALES,), attrs=ATTRS,
     shape=lambda s, a: s["q"],
     dtype="q", reference=attention, mutates=("kv_cache",),

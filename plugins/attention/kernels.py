@@ -6,7 +6,12 @@ sequence s owns the program ids from `cu[s] * G // BLOCK_M + s` on (cu = packed 
 queries, G = query heads per kv head), which leaves room for its `ceil(n * G / BLOCK_M)` query
 blocks; each program finds its sequence by a prefix sum over `query_lens` (O(S) int loads).
 The decode kernels (`PURE_DECODE`: T == S, one query per sequence) skip that search: sequence
-s owns the `decode_blocks` program ids from s * decode_blocks on. A block's rows are (query
+s owns the `decode_blocks` program ids from s * decode_blocks on. A mixed step runs both: the
+decode kernel over its D leading one-token sequences (the decode rows, which the scheduler
+puts first: `step_inputs.decode_rows`), then the prefill kernel over the rest, its programs
+counted from sequence `first_seq` = D (whose queries start at row D). In the prefill kernel's
+128-row tiles a decode row fills 4 rows of 128, and an H200 ran a step of 448 decode rows of
+3,072-token contexts and one 3,072-token prompt in 170 ms against 36 for the decode rows alone. A block's rows are (query
 token, head of the group) pairs in that order, so every program shares one kv head's K/V tiles
 across its whole GQA group. Grid axis 1 is the kv head; axis 2
 splits the key range of each block (split-KV, for decode steps with few sequences), the parts
@@ -21,6 +26,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from kiln.plugins.aot import FP8_POINTER, POINTER_TYPES, TARGET_CC, AotKernel, pointer_params
 from kiln.plugins.attention.cache_write import check_layout, layer_scales, write_kv, write_kv_aot
+from kiln.plugins.step_inputs import decode_rows
 
 MAX_SPLITS = 32             # S=1, 8192 keys on an H200: 16 splits give 1.7 TB/s, 32 give 2.1
 SPLIT_MIN_KEYS = 256        # fewer keys per split than this cost more to merge than they save
@@ -51,17 +57,18 @@ def _dot(a, b, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
-def _find_sequence(query_lens_ptr, num_seqs, pid, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+def _find_sequence(query_lens_ptr, first_seq, num_seqs, pid, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                    SEQ_CHUNK: tl.constexpr):
-    """(sequence, first packed query row, query count) of the sequence that owns program `pid`."""
+    """(sequence, first packed query row, query count) of the sequence that owns program `pid`,
+    counting sequences and query rows from `first_seq` (0 for the sequence first_seq)."""
     count = tl.full([], 0, tl.int32)
     q_start = tl.full([], 0, tl.int32)
     q_end = tl.full([], 0, tl.int32)
     carry = tl.full([], 0, tl.int32)
-    for base in range(0, num_seqs, SEQ_CHUNK):
+    for base in range(0, num_seqs - first_seq, SEQ_CHUNK):
         idx = base + tl.arange(0, SEQ_CHUNK)
-        valid = idx < num_seqs
-        lens = tl.load(query_lens_ptr + idx, mask=valid, other=0)
+        valid = idx < num_seqs - first_seq
+        lens = tl.load(query_lens_ptr + first_seq + idx, mask=valid, other=0)
         incl = tl.cumsum(lens, 0) + carry
         excl = incl - lens
         owned = valid & (excl * GROUP // BLOCK_M + idx <= pid)
@@ -139,7 +146,7 @@ def _load_v_transposed(v_cache_ptr, table, start, hi, kv_head, d, d_ok, NUM_KV_H
 @triton.jit
 def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_ptr,
                       block_tables_ptr, query_lens_ptr, context_lens_ptr, scale_ptr,
-                      num_seqs, q_stride, out_stride, table_stride, scale, window,
+                      num_seqs, first_seq, q_stride, out_stride, table_stride, scale, window,
                       NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr, SEQ_CHUNK: tl.constexpr, SPLIT: tl.constexpr,
@@ -164,10 +171,13 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_
         q_start = seq
         q_len = 1
     else:
-        seq, q_start, q_len = _find_sequence(query_lens_ptr, num_seqs, pid, GROUP, BLOCK_M, SEQ_CHUNK)
+        seq, q_start, q_len = _find_sequence(query_lens_ptr, first_seq, num_seqs, pid, GROUP, BLOCK_M, SEQ_CHUNK)
         block = pid - (q_start * GROUP // BLOCK_M + seq)
         if block * BLOCK_M >= q_len * GROUP:
             return  # spare program: the grid is sized for the worst packing
+        # The sequences before first_seq have one query row each.
+        seq += first_seq
+        q_start += first_seq
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = rows // GROUP
     head = kv_head * GROUP + rows % GROUP
@@ -281,9 +291,10 @@ def choose_num_splits(num_tokens: int, num_seqs: int, kv_heads: int, max_keys: i
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_lens: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor,
                     attrs: dict, num_splits: int = 1, config: dict | None = None,
-                    kv_scales: torch.Tensor | None = None) -> None:
+                    kv_scales: torch.Tensor | None = None, first_seq: int = 0) -> None:
     """Attention of q over the cache into out; `num_splits` > 1 takes the split-KV path;
-    `kv_scales` [layers, 2, kv_heads] for an e4m3 cache."""
+    `kv_scales` [layers, 2, kv_heads] for an e4m3 cache; `first_seq`: a prefill launch for the
+    sequences from this one on, the ones before it having one query row each (`run`)."""
     heads, kv_heads, head_dim = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be within 1..{MAX_SPLITS}, got {num_splits}")
@@ -292,8 +303,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     cfg = config or (PREFILL if tokens > seqs else DECODE_FP8_KV if kv_scales is not None else DECODE)
     block_m, group = cfg["BLOCK_M"], heads // kv_heads
     decode = tokens == seqs
-    grid = (seqs * decode_blocks(heads, kv_heads, block_m) if decode else tokens * group // block_m + seqs, kv_heads,
-            num_splits)
+    grid = (seqs * decode_blocks(heads, kv_heads, block_m) if decode
+            else (tokens - first_seq) * group // block_m + seqs - first_seq, kv_heads, num_splits)
     split = num_splits > 1
     part = stats = None
     if split:
@@ -303,7 +314,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     _attention_kernel[grid](
         q, kv_cache[layer, 0], kv_cache[layer, 1], out, part, stats,
         block_tables, query_lens, context_lens, layer_scales(kv_scales, attrs["layer"]),
-        seqs, q.stride(0), out.stride(0), block_tables.stride(0), attrs["scale"], attrs["window"],
+        seqs, first_seq, q.stride(0), out.stride(0), block_tables.stride(0), attrs["scale"], attrs["window"],
         NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[3],
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=_head_block(head_dim), SEQ_CHUNK=SEQ_CHUNK,
         SPLIT=split, PURE_DECODE=decode, INTERPRETER=isinstance(_attention_kernel, InterpretedFunction),
@@ -322,13 +333,25 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     if k is not None and v is not None:
         write_kv(kv_cache, attrs["layer"], k, v, slot_mapping, kv_scales)
     max_keys = block_tables.shape[1] * kv_cache.shape[3]
-    splits = choose_num_splits(q.shape[0], query_lens.shape[0], attrs["num_kv_heads"], max_keys)
-    paged_attention(q, kv_cache, block_tables, query_lens, context_lens, out, attrs, splits, kv_scales=kv_scales)
+    tokens, seqs = q.shape[0], query_lens.shape[0]
+    first = decode_rows(query_lens) if tokens > seqs else 0
+    if first:   # a mixed step's decode rows, by the decode kernel (see the module docstring)
+        paged_attention(q[:first], kv_cache, block_tables[:first], query_lens[:first], context_lens[:first],
+                        out[:first], attrs, choose_num_splits(first, first, attrs["num_kv_heads"], max_keys),
+                        kv_scales=kv_scales)
+    splits = choose_num_splits(tokens, seqs, attrs["num_kv_heads"], max_keys)
+    paged_attention(q, kv_cache, block_tables, query_lens, context_lens, out, attrs, splits, kv_scales=kv_scales,
+                    first_seq=first)
 
 
 def padded(inputs: list, count: int) -> list:
     """`inputs` with absent trailing optional inputs (None) up to `count`."""
     return list(inputs) + [None] * (count - len(inputs))
+
+
+# The launch rules the metas state (plugins/attention/launch.py follows them).
+MIXED = "T > S: over the sequences from first_seq = D on, with T - D and S - D for T and S"
+DECODE_WHEN = "T == S, or T > S and D > 0 over the first D sequences (T = S = D), and choose_num_splits(...)"
 
 
 def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
@@ -352,7 +375,8 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     attention_sig = {
         "q_ptr": ptr, "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": ptr,
         "part_ptr": "*fp32", "stats_ptr": "*fp32", "block_tables_ptr": "*i32",
-        "query_lens_ptr": "*i32", "context_lens_ptr": "*i32", **scales, "num_seqs": "i32", "q_stride": "i32",
+        "query_lens_ptr": "*i32", "context_lens_ptr": "*i32", **scales, "num_seqs": "i32", "first_seq": "i32",
+        "q_stride": "i32",
         "out_stride": "i32", "table_stride": "i32", "scale": "fp32", "window": "i32",
         **{name: "constexpr" for name in ("NUM_HEADS", "NUM_KV_HEADS", "HEAD_DIM", "BLOCK_SIZE",
                                           "BLOCK_M", "BLOCK_N", "BLOCK_D", "SEQ_CHUNK", "SPLIT",
@@ -362,11 +386,11 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     kernels = [write_kv_aot(ptr, cache, fp8_kv, kv_heads * head_dim, head_dim, shapes["block_size"])]
     group = heads // kv_heads
     for role, cfg, split, when, targets in (
-            ("prefill", PREFILL, False, "T > S", tuple(t for t in TARGET_CC if t not in SM90_TARGETS)),
-            ("prefill", PREFILL_SM90, False, "T > S", SM90_TARGETS),
-            ("decode", DECODE_FP8_KV if fp8_kv else DECODE, False, "T == S and choose_num_splits(...) == 1", None),
+            ("prefill", PREFILL, False, MIXED, tuple(t for t in TARGET_CC if t not in SM90_TARGETS)),
+            ("prefill", PREFILL_SM90, False, MIXED, SM90_TARGETS),
+            ("decode", DECODE_FP8_KV if fp8_kv else DECODE, False, DECODE_WHEN + " == 1", None),
             ("decode_split", DECODE_FP8_KV if fp8_kv else DECODE, True,
-             "T == S and num_splits = choose_num_splits(...) > 1", None)):
+             DECODE_WHEN.replace("choose", "num_splits = choose") + " > 1", None)):
         decode = role != "prefill"
         rows = (f"S * {decode_blocks(heads, kv_heads, cfg['BLOCK_M'])}" if decode
                 else f"T * {group} // {cfg['BLOCK_M']} + S")

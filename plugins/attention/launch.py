@@ -55,24 +55,36 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
         kernels[i].launch(grid(metas[i]["grid"], names),
                           [k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                            slot_mapping.data_ptr(), *scales, k.stride(0), v.stride(0)], stream)
-    splits = choose_num_splits(tokens, seqs, attrs["num_kv_heads"], block_tables.shape[1] * kv_cache.shape[3])
-    part = stats = None
-    if tokens > seqs:
-        i = roles["prefill"]
-    elif splits == 1:
-        i = roles["decode"]
-    else:
-        i = roles["decode_split"]
-        count = tokens * attrs["num_heads"] * splits
-        part = scratch["attention_part"][:count * attrs["head_dim"] * FP32_BYTES]
-        stats = scratch["attention_stats"][:count * 2 * FP32_BYTES]
-    check_aligned(metas[i], q, k_cache, v_cache, out)
-    kernels[i].launch(grid(metas[i]["grid"], {**names, "num_splits": splits}),
-                      [q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), ptr(part), ptr(stats),
-                       block_tables.data_ptr(), query_lens.data_ptr(), context_lens.data_ptr(), *scales, seqs,
-                       q.stride(0),
-                       out.stride(0), block_tables.stride(0), attrs["scale"], attrs["window"]], stream)
-    if part is not None:
-        i = roles["combine_splits"]
-        kernels[i].launch(grid(metas[i]["grid"], names),
-                          [part.data_ptr(), stats.data_ptr(), out.data_ptr(), out.stride(0), splits], stream)
+    max_keys = block_tables.shape[1] * kv_cache.shape[3]
+
+    def attend(role: str, names: dict[str, int], num_seqs: int, first_seq: int, splits: int) -> None:
+        part = stats = None
+        if role == "decode_split":
+            count = names["T"] * attrs["num_heads"] * splits
+            part = scratch["attention_part"][:count * attrs["head_dim"] * FP32_BYTES]
+            stats = scratch["attention_stats"][:count * 2 * FP32_BYTES]
+        i = roles[role]
+        check_aligned(metas[i], q, k_cache, v_cache, out)
+        kernels[i].launch(grid(metas[i]["grid"], {**names, "num_splits": splits}),
+                          [q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), ptr(part),
+                           ptr(stats), block_tables.data_ptr(), query_lens.data_ptr(), context_lens.data_ptr(),
+                           *scales, num_seqs, first_seq, q.stride(0), out.stride(0), block_tables.stride(0),
+                           attrs["scale"], attrs["window"]], stream)
+        if part is not None:
+            i = roles["combine_splits"]
+            kernels[i].launch(grid(metas[i]["grid"], names),
+                              [part.data_ptr(), stats.data_ptr(), out.data_ptr(), out.stride(0), splits], stream)
+
+    def decode(rows: int) -> None:
+        splits = choose_num_splits(rows, rows, attrs["num_kv_heads"], max_keys)
+        attend("decode" if splits == 1 else "decode_split", {"T": rows, "S": rows}, rows, 0, splits)
+
+    if tokens == seqs:
+        decode(seqs)
+        return
+    # A mixed step: its D leading decode rows by the decode kernel, the rest by the prefill
+    # kernel (see `kernels`' docstring); dims without D (a caller of its own) run all as prefill.
+    first = dims.get("D", 0)
+    if first:
+        decode(first)
+    attend("prefill", {"T": tokens - first, "S": seqs - first}, seqs, first, 1)

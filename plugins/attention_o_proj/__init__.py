@@ -24,7 +24,7 @@ def shard(shapes: dict, attrs: dict, rank: int, world: int, source: str) -> Shar
 
 
 SPEC = register(PluginSpec(
-    name="attention_o_proj", version=2, package=__name__,
+    name="attention_o_proj", version=3, package=__name__,
     inputs=("q", "k?", "v?") + attention.CACHE_INPUTS + ("w_o", "b_o?", "residual", attention.KV_SCALES, "w_o_scale?", "w_o_input_scale?"),
     attrs={**attention.ATTRS, "all_reduce": bool},
     shape=lambda s, a: s["residual"],
