@@ -10,12 +10,12 @@ s owns the `decode_blocks` program ids from s * decode_blocks on. A mixed step r
 decode kernel over its D leading one-token sequences (the decode rows, which the scheduler
 puts first: `step_inputs.decode_rows`), then the prefill kernel over the rest, its programs
 counted from sequence `first_seq` = D (whose queries start at row D). In the prefill kernel's
-128-row tiles a decode row fills 4 rows of 128, and an H200 ran a step of 448 decode rows of
-3,072-token contexts and one 3,072-token prompt in 170 ms against 36 for the decode rows alone. A block's rows are (query
-token, head of the group) pairs in that order, so every program shares one kv head's K/V tiles
-across its whole GQA group. Grid axis 1 is the kv head; axis 2
-splits the key range of each block (split-KV, for decode steps with few sequences), the parts
-being merged by `_combine_splits_kernel`.
+128-row tiles a decode row fills 4 rows of 128: on an H200 a step of 448 decode rows of
+3,072-token contexts and one 3,072-token prompt took 170 ms that way, against 36 for the decode
+rows alone (BENCHMARKS.md, session 29). A block's rows are (query token, head of the group)
+pairs in that order, so every program shares one kv head's K/V tiles across its whole GQA group.
+Grid axis 1 is the kv head; axis 2 splits the key range of each block (split-KV, for decode
+steps with few sequences), the parts being merged by `_combine_splits_kernel`.
 """
 from __future__ import annotations
 
