@@ -165,26 +165,35 @@ def test_wide_norm_swiglu_takes_64_row_tiles_where_128_would_pad_most(rows, bloc
     close(out, get_plugin("norm_swiglu").call_reference(inputs, attrs))
 
 
-def test_attention_launches_the_128_row_prefill_kernel():
-    """Two sequences' prefill chunks, the second continuing 40 cached tokens, through paged
-    blocks in scrambled order."""
-    torch.manual_seed(3)
-    heads, kv_heads, d, bs, layer = 8, 2, 32, 16, 1
-    lens = [180, 120]
-    cached = [0, 40]
-    kv_cache = torch.randn(2, 2, 40, bs, kv_heads, d)
-    tables = torch.randperm(40)[:32].view(2, 16).to(torch.int32)
-    inputs = [torch.randn(T, heads * d), None, None, kv_cache, torch.zeros(T, dtype=torch.int32), tables,
+ATTENTION = {"heads": 8, "kv_heads": 2, "head_dim": 32, "block_size": 16}
+
+
+def run_attention(lens: list[int], cached: list[int], dims: dict[str, int] | None = None) -> list[tuple[str, tuple]]:
+    """Attention over sequences of `lens` new tokens after `cached` ones (256 at most), through 16
+    paged blocks each in scrambled order (layer 1 of 2), by the sm_90 launcher; checks the output against the
+    reference and returns the launches."""
+    heads, kv_heads, d, bs, layer = (*ATTENTION.values(), 1)
+    tokens = sum(lens)
+    kv_cache = torch.randn(2, 2, 16 * len(lens), bs, kv_heads, d)
+    tables = torch.randperm(16 * len(lens)).view(len(lens), 16).to(torch.int32)
+    inputs = [torch.randn(tokens, heads * d), None, None, kv_cache, torch.zeros(tokens, dtype=torch.int32), tables,
               torch.tensor(lens, dtype=torch.int32), torch.tensor([n + c for n, c in zip(lens, cached)],
                                                                     dtype=torch.int32)]
     attrs = {"layer": layer, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d, "scale": d ** -0.5,
              "window": 0}
-    shapes = {"heads": heads, "kv_heads": kv_heads, "head_dim": d, "block_size": bs}
-    out = torch.full((T, heads * d), float("nan"))
-    log = launch("attention", shapes, inputs, attrs, out, views=[kv_cache[layer, 0], kv_cache[layer, 1]])
-    # Rows are (query token, head of its kv group) pairs, 128 to a program: T * 4 / 128 + S.
-    assert log == [("_attention_kernel", (T * heads // kv_heads // 128 + 2, kv_heads, 1))]
+    out = torch.full((tokens, heads * d), float("nan"))
+    log = launch("attention", ATTENTION, inputs, attrs, out, views=[kv_cache[layer, 0], kv_cache[layer, 1]],
+                 rows=tokens, dims=dims)
     close(out, get_plugin("attention").call_reference(inputs, attrs))
+    return log
+
+
+def test_attention_launches_the_128_row_prefill_kernel():
+    """Two sequences' prefill chunks, the second continuing 40 cached tokens."""
+    torch.manual_seed(3)
+    log = run_attention([180, 120], [0, 40])
+    # Rows are (query token, head of its kv group) pairs, 128 to a program: T * 4 / 128 + S.
+    assert log == [("_attention_kernel", (300 * 4 // 128 + 2, 2, 1))]
 
 
 def test_a_mixed_steps_decode_rows_take_the_decode_kernel():
@@ -192,20 +201,6 @@ def test_a_mixed_steps_decode_rows_take_the_decode_kernel():
     cached tokens and a one-token chunk: the decode kernel over the first three sequences, the
     prefill kernel over the other two, counted from sequence 3."""
     torch.manual_seed(4)
-    heads, kv_heads, d, bs, layer = 8, 2, 32, 16, 1
-    lens, cached = [1, 1, 1, 100, 1], [49, 69, 32, 20, 39]
-    tokens = sum(lens)
-    kv_cache = torch.randn(2, 2, 40, bs, kv_heads, d)
-    tables = torch.randperm(40)[:40].view(5, 8).to(torch.int32)
-    inputs = [torch.randn(tokens, heads * d), None, None, kv_cache, torch.zeros(tokens, dtype=torch.int32), tables,
-              torch.tensor(lens, dtype=torch.int32), torch.tensor([n + c for n, c in zip(lens, cached)],
-                                                                    dtype=torch.int32)]
-    attrs = {"layer": layer, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d, "scale": d ** -0.5,
-             "window": 0}
-    shapes = {"heads": heads, "kv_heads": kv_heads, "head_dim": d, "block_size": bs}
-    out = torch.full((tokens, heads * d), float("nan"))
-    log = launch("attention", shapes, inputs, attrs, out, views=[kv_cache[layer, 0], kv_cache[layer, 1]],
-                 rows=tokens, dims={"T": tokens, "S": 5, "D": 3})
+    log = run_attention([1, 1, 1, 100, 1], [49, 69, 32, 20, 39], {"T": 104, "S": 5, "D": 3})
     # Decode: one 16-row program per sequence and kv head. Prefill: (101 * 4) // 128 + 2 programs.
-    assert log == [("_attention_kernel", (3, kv_heads, 1)), ("_attention_kernel", (101 * 4 // 128 + 2, kv_heads, 1))]
-    close(out, get_plugin("attention").call_reference(inputs, attrs))
+    assert log == [("_attention_kernel", (3, 2, 1)), ("_attention_kernel", (101 * 4 // 128 + 2, 2, 1))]
