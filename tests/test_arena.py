@@ -53,3 +53,15 @@ def test_input_region_packs_a_step_where_the_arena_holds_it_and_unpacks_it(facto
     assert all(torch.equal(getattr(back, name), value) for name, value in step.as_dict().items())
     ex._stage_inputs(step, ex._dims(step))  # a fresh arena, zeros elsewhere like the buffer
     assert torch.equal(ex.arena[region.start:region.end], buffer)
+
+
+def test_dims_count_a_mixed_steps_leading_decode_rows(factory):
+    """D, the decode rows attention runs apart: the leading one-token sequences only (a
+    one-token chunk behind a prompt is not one of them), and every sequence of a decode step."""
+    engine = load_engine(factory.engine(factory.checkpoint("llama3"), dtype="float32"))
+    ex = CpuExecutor(engine, num_kv_blocks=16)
+    bs, nb = engine.manifest.kv.block_size, engine.manifest.blocks_per_sequence
+    a, b, c, d = (SequenceChunk([5], 3, [0]), SequenceChunk([6], bs + 2, [1, 2]), SequenceChunk([7, 8, 9], 0, [3]),
+                  SequenceChunk([4], 2, [4]))
+    mixed, decode, prefill = (pack_step(chunks, bs, nb) for chunks in ([a, b, c, d], [a, b], [c, d]))
+    assert [ex._dims(s)["D"] for s in (mixed, decode, prefill)] == [2, 2, 0]
