@@ -351,7 +351,7 @@ def padded(inputs: list, count: int) -> list:
 
 # The launch rules the metas state (plugins/attention/launch.py follows them).
 MIXED = "T > S: over the sequences from first_seq = D on, with T - D and S - D for T and S"
-DECODE_WHEN = "T == S, or T > S and D > 0 over the first D sequences (T = S = D), and choose_num_splits(...)"
+DECODE_ROWS = "T == S, or T > S and D > 0 over the first D sequences (T = S = D)"
 
 
 def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
@@ -388,9 +388,10 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     for role, cfg, split, when, targets in (
             ("prefill", PREFILL, False, MIXED, tuple(t for t in TARGET_CC if t not in SM90_TARGETS)),
             ("prefill", PREFILL_SM90, False, MIXED, SM90_TARGETS),
-            ("decode", DECODE_FP8_KV if fp8_kv else DECODE, False, DECODE_WHEN + " == 1", None),
+            ("decode", DECODE_FP8_KV if fp8_kv else DECODE, False, f"{DECODE_ROWS}, and choose_num_splits(...) == 1",
+             None),
             ("decode_split", DECODE_FP8_KV if fp8_kv else DECODE, True,
-             DECODE_WHEN.replace("choose", "num_splits = choose") + " > 1", None)):
+             f"{DECODE_ROWS}, and num_splits = choose_num_splits(...) > 1", None)):
         decode = role != "prefill"
         rows = (f"S * {decode_blocks(heads, kv_heads, cfg['BLOCK_M'])}" if decode
                 else f"T * {group} // {cfg['BLOCK_M']} + S")

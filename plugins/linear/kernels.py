@@ -302,7 +302,7 @@ def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool,
         kernels += pipelined(kernel, tile.block_m, tile.block_n, bk, 1 if fp8_weight else size, tile.stages)
         if tile.tma:
             kernels.append(tma_linear_aot(dtype, n, k, bias, residual, tile.name, tile.max_rows, fp8_weight,
-                                          tile.block_m, tile.tma_block_n))
+                                          tile.block_m))
     if fp8_weight:
         kernels += fp8.quantize_aot(dtype, k, norm=False, norm_weight=False)
     return kernels

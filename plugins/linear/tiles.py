@@ -29,8 +29,7 @@ class Tile:
     fp32 so the shared-memory footprint does not depend on the dtype; `stages` caps the
     software pipeline's depth; `split_k` programs share each output tile's K range when K
     divides evenly among them (see `gemm_tile`); `tma`: on sm_90 and later the bucket runs the
-    persistent TMA GEMM of `linear.tma` instead (these tiles stay for sm_80 and sm_89), with
-    `tma_block_n` weight rows per tile."""
+    persistent TMA GEMM of `linear.tma` instead (these tiles stay for sm_80 and sm_89)."""
 
     name: str
     max_rows: int | None     # largest T the bucket serves; None: no limit
@@ -41,7 +40,6 @@ class Tile:
     stages: int
     split_k: int = 1
     tma: bool = False
-    tma_block_n: int = 256
 
 
 # Measured on an H200 with scripts/tune_gemm.py (2026-11-29, bf16; BENCHMARKS.md has the table):

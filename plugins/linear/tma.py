@@ -53,14 +53,14 @@ ROW_SCALE_WARPS = 8
 LAUNCH = {128: (8, 3), 64: (4, 4)}
 
 
-def tile_shape(dtype: str, fp8: bool = False, block_m: int = BLOCK_M, block_n: int = 256) -> tuple[int, int, int]:
+def tile_shape(dtype: str, fp8: bool = False, block_m: int = BLOCK_M) -> tuple[int, int, int]:
     """(block_m, block_n, block_k) of the TMA GEMM for an engine dtype; e4m3 operands (`fp8`)
     take K tiles of 128 elements, the same 128 bytes per row as bf16's 64. A float32 engine's
-    tiles keep at most 128 weight rows: its FP8 float32 epilogue with a residual took 278,552
-    bytes of shared memory at 256 (sm_90 has 232,448), and the H200 refused to load it."""
-    if dtype == "float32":
-        return block_m, min(block_n, 128), 128 if fp8 else 32
-    return block_m, block_n, 128 if fp8 else 64
+    FP8 tiles keep 128 weight rows: its float32 epilogue with a residual took 278,552 bytes of
+    shared memory at 256 (sm_90 has 232,448), and the H200 refused to load it."""
+    if fp8:
+        return block_m, 256 if dtype != "float32" else 128, 128
+    return (block_m, 256, 64) if dtype != "float32" else (block_m, 128, 32)
 
 
 @triton.jit
@@ -159,10 +159,10 @@ def tma_meta(bucket: str, max_rows: int | None, column_tiles: int, block_m: int 
 
 
 def tma_linear_aot(dtype: str, n: int, k: int, bias: bool, residual: bool, bucket: str,
-                   max_rows: int | None, fp8: bool = False, block_m: int = BLOCK_M, block_n: int = 256) -> AotKernel:
+                   max_rows: int | None, fp8: bool = False, block_m: int = BLOCK_M) -> AotKernel:
     """The persistent TMA GEMM serving a bucket on TMA_TARGETS; `fp8`: e4m3 operands, x from
     the quantize pre-pass (meta "fp8": True)."""
-    bm, bn, bk = tile_shape(dtype, fp8, block_m, block_n)
+    bm, bn, bk = tile_shape(dtype, fp8, block_m)
     warps, stages = LAUNCH[bm]
     ptr = POINTER_TYPES[dtype]
     operand, scale = ("*fp8e4nv", "*fp32") if fp8 else (ptr, "constexpr")

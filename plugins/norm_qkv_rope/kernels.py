@@ -249,10 +249,10 @@ def uses_tma(tile: Tile, shapes: dict) -> bool:
     return tile.tma and not shapes.get("norm_weight", False)
 
 
-def heads_per_tile(heads: int, kv_heads: int, head_dim: int, dtype: str, block_n: int = 256) -> int:
+def heads_per_tile(heads: int, kv_heads: int, head_dim: int, dtype: str) -> int:
     """Heads per TMA tile: two where the pair fills the GEMM's weight tile and never mixes q,
     k and v; else one."""
-    pair = heads % 2 == 0 and kv_heads % 2 == 0 and 2 * head_dim <= tma.tile_shape(dtype, block_n=block_n)[1]
+    pair = heads % 2 == 0 and kv_heads % 2 == 0 and 2 * head_dim <= tma.tile_shape(dtype)[1]
     return 2 if pair else 1
 
 
@@ -288,7 +288,7 @@ def tma_aot(dtype: str, shapes: dict, tile: Tile, optional: dict[str, bool]) -> 
             signature[name] = "constexpr"
     constexprs = {"K": shapes["K"], "H": heads, "KVH": kv_heads, "D": shapes["head_dim"], "BLOCK_M": bm,
                   "BLOCK_K": bk, "GROUP_M": tma.GROUP_M, "UPCAST_DOT": False, "BLOCK_SIZE": cache_block(shapes),
-                  "HEADS": heads_per_tile(heads, kv_heads, shapes["head_dim"], dtype, tile.tma_block_n)}
+                  "HEADS": heads_per_tile(heads, kv_heads, shapes["head_dim"], dtype)}
     meta = tma.tma_meta(tile.name, tile.max_rows, (heads + 2 * kv_heads) // constexprs["HEADS"], bm)
     if fp8_weight:
         meta["fp8"] = True
