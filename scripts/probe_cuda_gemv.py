@@ -6,7 +6,7 @@ GEMMs? (a developer's probe; BENCHMARKS.md, sessions 21 and 22, has its figures)
     PYTHONPATH=. python3 scripts/probe_cuda_gemv.py engine probe.pkl    # on the GPU: the engine's kernels only
 
 `compile` builds `gemv.cu`'s plain GEMV at rows T and weight rows per warp R (VARIANTS) and
-`probe_mma_gemv.cu`'s tensor-core GEMV (weights staged through shared memory, for 1-16 rows) with
+`probe_mma_gemv.cu`'s tensor-core GEMV (weights loaded straight into the MMA's registers, for 1-16 rows) with
 `plugins.nvcc`, the engine's decode-bucket `linear_kernel` for Llama-3-8B's four projection shapes,
 each plugin's whole kernel list at those shapes (ENGINE_CASES) and the GEMVs the engine does not
 build but might (`extra_kernels`), into one pickle. `run` checks every plain kernel against torch,
@@ -32,10 +32,11 @@ RESIDUAL = {"qkv": False, "o_proj": True, "gate_up": False, "down": True}
 LAYERS = 32
 # (T, R) of the plain GEMV: rows of x, weight rows per warp.
 VARIANTS = [(1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (8, 2), (8, 4)]
-# The tensor-core GEMV of probe_mma_gemv.cu: (n-tiles of 8 rows of x, warps taking turns over K, chunks
-# per iteration) as its MMA_GEMV lines instantiate them, and the rows of x each is timed at.
+# The tensor-core GEMV of probe_mma_gemv.cu: (n-tiles of 8 rows of x, 16-row weight groups a block, warps
+# taking turns over K, pieces a row per lane an iteration) as its MMA_GEMV lines instantiate them, and the
+# rows of x each is timed at.
 MMA_SOURCE = Path(__file__).with_name("probe_mma_gemv.cu")
-MMA_ROWS = {1: (1, 2, 4, 8), 2: (16,)}
+MMA_ROWS = {1: (1, 4, 8), 2: (16,)}
 MMA_SIGNATURE = {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "residual": "*bf16", "out": "*bf16", "T": "i32",
                  "N": "i32", "K": "i32"}
 # The engine's plugins at Llama-3-8B's shapes: (compile shapes, attrs). norm_swiglu has no GEMV
@@ -57,16 +58,17 @@ def gemv_kernel(t: int, r: int):
     return NvccKernel(gemv.SOURCE, name, f"KILN_GEMV_LINEAR({name}, {t}, {r})", gemv.LINEAR_SIGNATURE, gemv.WARPS)
 
 
-def mma_variants() -> list[tuple[int, int, int]]:
-    return [tuple(map(int, m)) for m in re.findall(r"^MMA_GEMV\((\d+), (\d+), (\d+)\)", MMA_SOURCE.read_text(), re.M)]
+def mma_variants() -> list[tuple[int, int, int, int]]:
+    return [tuple(map(int, m)) for m in
+            re.findall(r"^MMA_GEMV\((\d+), (\d+), (\d+), (\d+)\)", MMA_SOURCE.read_text(), re.M)]
 
 
-def mma_kernel(nt: int, warps: int, u: int):
+def mma_kernel(nt: int, r: int, warps: int, u: int):
     """The tensor-core GEMV, its source appended to gemv.cu's (whose load helper it shares)."""
     from kiln.plugins.linear import gemv
     from kiln.plugins.nvcc import NvccKernel
 
-    return NvccKernel(gemv.SOURCE, f"mma_gemv_nt{nt}_k{warps}_u{u}", MMA_SOURCE.read_text(), MMA_SIGNATURE, warps)
+    return NvccKernel(gemv.SOURCE, f"mma_gemv_nt{nt}_r{r}_k{warps}_u{u}", MMA_SOURCE.read_text(), MMA_SIGNATURE, warps)
 
 
 def extra_kernels() -> dict[str, object]:
@@ -154,7 +156,7 @@ def plain_kernels(built: dict, copy: float) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
                       for _ in range(LAYERS)] for name, (n, k) in SHAPES.items()}
-    ts = sorted({t for t, _ in VARIANTS} | {t for nt, _, _ in built["mma"] for t in MMA_ROWS[nt]})
+    ts = sorted({t for t, _ in VARIANTS} | {t for nt, *_ in built["mma"] for t in MMA_ROWS[nt]})
     xs = {(name, t): torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
           for (name, (n, k)), t in itertools.product(SHAPES.items(), ts)}
     residuals = {(name, t): torch.randn(t, n, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -181,11 +183,11 @@ def plain_kernels(built: dict, copy: float) -> None:
                                                      outs[name, t].data_ptr(), n, k], stream())
         return launch
 
-    def mma_launch(t: int, v: tuple[int, int, int]):
+    def mma_launch(t: int, v: tuple[int, int, int, int]):
         def launch(name: str, layer: int) -> None:
             n, k = SHAPES[name]
             res = residuals[name, t].data_ptr() if RESIDUAL[name] else 0
-            mma[v].launch((n // 16, 1, 1), [xs[name, t].data_ptr(), weights[name][layer].data_ptr(), 0, res,
+            mma[v].launch((n // (16 * v[1]), 1, 1), [xs[name, t].data_ptr(), weights[name][layer].data_ptr(), 0, res,
                                             outs[name, t].data_ptr(), t, n, k], stream())
         return launch
 
@@ -205,7 +207,7 @@ def plain_kernels(built: dict, copy: float) -> None:
     alone: dict[tuple[str, int], list[tuple[float, str, tuple | None, float]]] = {}
     families = [("triton decode bucket", t, triton_launch(t), None) for t in ts]
     families += [(f"cuda gemv r{r}", t, cuda_launch(t, r), ("cuda gemv", r)) for t, r in VARIANTS]
-    families += [(f"mma gemv nt{v[0]} w{v[1]} u{v[2]}", t, mma_launch(t, v), ("mma gemv", v))
+    families += [(f"mma gemv nt{v[0]} r{v[1]} w{v[2]} u{v[3]}", t, mma_launch(t, v), ("mma gemv", v))
                  for v in built["mma"] for t in MMA_ROWS[v[0]]]
     for label, t, launch, r in families:
         for name, (n, k) in SHAPES.items():
