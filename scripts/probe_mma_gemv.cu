@@ -27,7 +27,7 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-template <int NT, int R, int KW, int U>
+template <int NT, int R, int U>
 struct Pieces {
   uint4 w[R][2][U];   // weight rows 16r + g and 16r + g + 8
   uint4 x[NT][U];     // x row 8j + g
@@ -63,7 +63,7 @@ __device__ __forceinline__ void mma_gemv(const __nv_bfloat16* __restrict__ x, co
       for (int i = 0; i < 4; ++i) d[r][j][i] = 0.0f;
 
   const int iters = K / (32 * U * KW);   // each warp's iterations: 4 lanes x U pieces a row each
-  using P = Pieces<NT, R, KW, U>;
+  using P = Pieces<NT, R, U>;
   auto load = [&](P& p, int it) {
     const int base = (it * KW + warp) * 4 * U;
 #pragma unroll
