@@ -47,3 +47,11 @@ def replay_ms(fn, reps: int = 10) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def copy_rate() -> float:
+    """The device's copy bandwidth in TB/s (bytes read + written), as bench-engine measures it: the figure a
+    memory-bound kernel's bandwidth is compared with in the same run."""
+    from kiln.bench.hardware import copy_bandwidth
+
+    return copy_bandwidth("cuda")[0] / 1e12

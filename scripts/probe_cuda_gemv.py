@@ -120,23 +120,13 @@ def load(entry: tuple):
     return load_kernel(cubin.binary, cubin.name, params, cubin.num_warps, cubin.shared_bytes, cubin.global_scratch), meta
 
 
-def copy_rate() -> float:
-    """The device's copy bandwidth in TB/s (bytes read + written) over 1 GiB."""
-    import torch
-
-    from scripts.gpu_timing import replay_ms
-
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    replay_ms(lambda: dst.copy_(src))   # a fresh process's first copies run below the clocks' speed
-    return 2 * src.numel() / replay_ms(lambda: dst.copy_(src)) / 1e9
-
-
 def run_all(path: str, only_engine: bool = False) -> None:
     import torch
 
     with open(path, "rb") as f:
         built = pickle.load(f)
+    from scripts.gpu_timing import copy_rate
+
     copy = copy_rate()
     print(f"device copy {copy:.2f} TB/s (bytes read + written); torch {torch.__version__}, "
           f"triton (compile) {built['triton_version']}")

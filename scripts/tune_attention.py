@@ -14,7 +14,9 @@ context: the best tilings with the KV bytes they stream per second.
 
 With KILN_TUNE_FP8_KV=1 (at compile and at run) the decode kernels read an e4m3 cache (unit
 scales, v's blocks transposed), as an engine built with --kv-cache-dtype fp8 does, and KV bytes
-count one per element.
+count one per element; the CUDA decode kernel for such a cache (`plugins/attention/decode_fp8.cu`)
+is swept beside Triton's at 2, 4 and 8 warps, at the engine's split count and a few around it. The
+device's copy rate, measured as bench-engine measures it, heads the output.
 
 Prefill (`compile ... prefill`, `run ... prefill`): the same kernel at prefill tilings over whole
 causal prompts of 2k and 8k tokens (one sequence, and four of 2k), each checked against and timed
@@ -32,14 +34,14 @@ from concurrent.futures import ProcessPoolExecutor
 from kiln.plugins.aot import AotKernel, pointer_params
 from kiln.plugins.attention.kernels import (MAX_SPLITS, SEQ_CHUNK, _attention_kernel, _combine_splits_kernel,
                                             _head_block, choose_num_splits, decode_blocks)
-from scripts.gpu_timing import graph_us
+from scripts.gpu_timing import copy_rate, graph_us
 from scripts.sweep import try_compile
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 MAX_KEYS = 4352            # the bench engine's max_seq_len: the launcher's split rule reads it
 # The last two are offline 2048/2048's decode steps: hundreds of sequences at 2-4k context.
-CASES = ((1, 128), (1, 2048), (8, 1024), (64, 128), (64, 1024), (256, 128), (256, 1024), (1024, 256),
-         (256, 3072), (512, 2048))
+CASES = ((1, 128), (1, 2048), (8, 1024), (32, 4096), (64, 128), (64, 1024), (256, 128), (256, 1024), (1024, 256),
+         (256, 3072), (448, 3072), (512, 2048))
 L2_ROTATION = 200_000_000  # bytes of KV cycled through, 4x the H200's L2
 
 
@@ -78,10 +80,28 @@ def configs(kind: str = "decode") -> list[tuple[dict, AotKernel]]:
                               aligned=pointer_params(signature))))
     combine = {"part_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": "*bf16", "out_stride": "i32", "num_splits": "i32",
                "NUM_HEADS": "constexpr", "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "MAX_SPLITS": "constexpr"}
+    if kind == "decode" and FP8_KV:
+        out += cuda_configs()
     out.append(({"combine": True, "label": "combine"},
                 AotKernel(_combine_splits_kernel, combine, {"NUM_HEADS": HEADS, "HEAD_DIM": HEAD_DIM,
                                                             "BLOCK_D": _head_block(HEAD_DIM), "MAX_SPLITS": MAX_SPLITS},
                           aligned=("part_ptr", "stats_ptr", "out_ptr"))))
+    return out
+
+
+def cuda_configs() -> list[tuple[dict, object]]:
+    """The CUDA decode kernel for an e4m3 cache (`plugins/attention/decode_fp8.cu`) at each warp count,
+    split and not."""
+    from kiln.plugins.attention import decode_fp8
+    from kiln.plugins.nvcc import NvccKernel
+
+    out = []
+    for split, warps in itertools.product((False, True), (2, 4, 8)):
+        name = f"tune_decode_fp8_w{warps}{'_split' if split else ''}"
+        instance = (f"KILN_DECODE_FP8_KV({name}, __nv_bfloat16, {HEADS}, {KV_HEADS}, {HEAD_DIM}, {BLOCK_SIZE}, "
+                    f"{warps}, {str(split).lower()})")
+        out.append(({"split": split, "pure": True, "cuda": True, "label": f"cuda w{warps}"},
+                    NvccKernel(decode_fp8.SOURCE, name, instance, decode_fp8.SIGNATURE, warps)))
     return out
 
 
@@ -136,6 +156,8 @@ def run_all(path: str, kind: str = "decode") -> None:
 
     gen = torch.Generator().manual_seed(0)
     loaded = _load(path)
+    copy = copy_rate()
+    print(f"device copy {copy:.2f} TB/s (bytes read + written)")
     combine = next(fn for info, fn in loaded if info.get("combine"))
     part = torch.empty(256 * HEADS * MAX_SPLITS * HEAD_DIM, dtype=torch.float32, device="cuda")
     stats = torch.empty(256 * HEADS * MAX_SPLITS * 2, dtype=torch.float32, device="cuda")
@@ -152,12 +174,11 @@ def run_all(path: str, kind: str = "decode") -> None:
                               case["query_lens"][:check].cpu(), case["context_lens"][:check].cpu(), 0, HEADS,
                               KV_HEADS, HEAD_DIM, scale, 0)
         rows = []
-        for info, fn in loaded:
-            if info.get("combine") or info["split"] != (splits > 1):
-                continue
+        for (info, fn), count in [(entry, n) for entry in loaded if not entry[0].get("combine")
+                                  for n in _split_counts(entry[0], splits)]:
             turn = itertools.count()
             programs = seqs * decode_blocks(HEADS, KV_HEADS, 16) if info["pure"] else seqs * (HEADS // KV_HEADS) // 16 + seqs
-            grid = (programs, KV_HEADS, splits)
+            grid = (programs, KV_HEADS, count)
 
             def call(cache=None):
                 kv = cache if cache is not None else case["caches"][next(turn) % len(case["caches"])]
@@ -166,26 +187,34 @@ def run_all(path: str, kind: str = "decode") -> None:
                                  stats.data_ptr(), case["tables"].data_ptr(), case["query_lens"].data_ptr(),
                                  case["context_lens"].data_ptr(), *kv_scales, seqs, 0, q.stride(0), out.stride(0),
                                  case["tables"].stride(0), scale, 0], stream)
-                if splits > 1:
+                if count > 1:
                     combine.launch((seqs, HEADS, 1), [part.data_ptr(), stats.data_ptr(), out.data_ptr(),
-                                                      out.stride(0), splits], stream)
+                                                      out.stride(0), count], stream)
             us = graph_us(call)
             out.zero_()
             call(case["caches"][0])
             torch.cuda.synchronize()
             err = ((out[:check].float().cpu() - ref).norm() / ref.norm()).item()
-            rows.append((us, info["label"], err))
+            rows.append((us, info["label"] + (f" {count} splits" if count != splits else ""), err))
         rows.sort()
         print(f"batch {seqs}, context {context}: {splits} split(s), KV {case['kv_bytes'] / 1e6:.1f} MB")
         for us, label, err in rows[:6]:
-            print(f"  {us:7.1f} us  {case['kv_bytes'] / us / 1e6:5.2f} TB/s of KV  rel err {err:.1e}  {label}")
-        for label in ("bn64 w4 s2", "bn64 w4 s2 prefix-sum"):
+            rate = case['kv_bytes'] / us / 1e6
+            print(f"  {us:7.1f} us  {rate:5.2f} TB/s of KV ({rate / copy:4.0%} of copy)  rel err {err:.1e}  {label}")
+        for label in ("bn64 w4 s2", "bn128 w2 s2", *(f"cuda w{w}" for w in (2, 4, 8))):
             current = [r for r in rows if r[1] == label]
             if current:
                 print(f"  {label}: {current[0][0]:.1f} us")
         for us, label, err in rows:
             if not err < 2e-2:
                 print(f"  WRONG: {label} rel err {err:.2e}")
+
+
+def _split_counts(info: dict, rule: int) -> list[int]:
+    """The split counts to time an entry at: the engine's rule, and for the CUDA kernel (whose blocks
+    are larger than Triton's programs) a few around it, each where the entry's SPLIT flag serves it."""
+    counts = {rule} if not info.get("cuda") else {rule, max(1, rule // 2), min(MAX_SPLITS, 2 * rule), 2, 4}
+    return sorted(n for n in counts if (n > 1) == info["split"])
 
 
 def _load(path: str) -> list:
@@ -252,7 +281,7 @@ def run_prefill(path: str) -> None:
             err = ((out.float() - ref).norm() / ref.norm()).item()
             # The stream is read at each call: graph_us captures on a stream of its own.
             us = graph_us(lambda: fn.launch(grid, args, torch.cuda.current_stream().cuda_stream))
-            rows.append((us, info["label"], err))
+            rows.append((us, info["label"] + (f" {count} splits" if count != splits else ""), err))
         rows.sort()
         print(f"prefill {seqs} x {length} tokens: SDPA flash {sdpa_us:.0f} us = {flops / sdpa_us / 1e6:.0f} TFLOP/s")
         for us, label, err in rows[:8]:

@@ -1,7 +1,8 @@
 """The FP8 KV cache's GPU kernels: the KV write, paged attention (prefill, decode, split-KV),
 attention_o_proj and norm_qkv_rope's KV-write epilogue against their PyTorch references under
-Triton's interpreter, with per-head scales; each compiled for sm_89, sm_90 and sm_100, and the
-sm_80 build refused."""
+Triton's interpreter, with per-head scales; each compiled for sm_89, sm_90 and sm_100 (the CUDA
+decode kernels too, whose numerics tests/test_decode_fp8_gpu.py checks on a GPU), and the sm_80
+build refused."""
 import os
 
 # Must precede the first `import triton` anywhere: @triton.jit reads it when it decorates.
@@ -163,7 +164,7 @@ def test_fp8_norm_qkv_rope_writes_the_reference_bytes(qk_norm, t):
 
 COMPILE_SCRIPT = """
 import json, sys
-from kiln.plugins.aot import compile_cubin
+from kiln.plugins.aot import compile_cubin, kernel_name
 from kiln.plugins.attention import kernels as attention
 from kiln.plugins.norm_qkv_rope import kernels as norm_qkv_rope
 shapes = json.loads(sys.argv[1])
@@ -178,9 +179,9 @@ for name, kernels in (("attention", attention.aot_kernels("bfloat16", {**shapes,
                 continue
             try:
                 cubin = compile_cubin(kernel, target)
-                result.append([name, kernel.fn.__name__, target, len(cubin.binary), cubin.shared_bytes])
+                result.append([name, kernel_name(kernel), target, len(cubin.binary), cubin.shared_bytes])
             except Exception as exc:
-                result.append([name, kernel.fn.__name__, target, repr(exc)[:400], 0])
+                result.append([name, kernel_name(kernel), target, repr(exc)[:400], 0])
 sys.stdout.write(json.dumps(result))
 """
 
@@ -193,8 +194,10 @@ def test_fp8_kv_kernels_compile_for_the_fp8_targets():
     assert not failed, failed
     assert not [r for r in results if r[4] > MAX_SHARED_BYTES[r[2]]]
     for target in FP8_TARGETS:
-        assert {r[1] for r in results if r[2] == target} >= {"_write_kv_kernel", "_attention_kernel",
-                                                             "norm_qkv_rope_kernel"}
+        built = {r[1] for r in results if r[2] == target}
+        assert built >= {"_write_kv_kernel", "_attention_kernel", "norm_qkv_rope_kernel"}
+        # The CUDA decode kernels (plugins/attention/decode_fp8.cu), plain and split, by nvcc.
+        assert len([name for name in built if name.startswith("kiln_decode_fp8")]) == 2, built
 
 
 def test_fp8_kv_cache_refuses_sm_80_at_build_time():

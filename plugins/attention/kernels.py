@@ -24,7 +24,9 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from kiln.plugins.attention import decode_fp8
 from kiln.plugins.aot import FP8_POINTER, POINTER_TYPES, TARGET_CC, AotKernel, pointer_params
+from kiln.plugins.nvcc import NvccKernel
 from kiln.plugins.attention.cache_write import check_layout, layer_scales, write_kv, write_kv_aot
 from kiln.plugins.step_inputs import decode_rows
 
@@ -354,7 +356,7 @@ MIXED = "T > S: over the sequences from first_seq = D on, with T - D and S - D f
 DECODE_ROWS = "T == S, or T > S and D > 0 over the first D sequences (T = S = D)"
 
 
-def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
+def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
     """Kernels for `shapes` keys heads, kv_heads, head_dim, block_size (cache block) and fp8_kv
     (the cache is e4m3; default False).
 
@@ -362,7 +364,9 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
     head_dim elements as the k and v cache pointers, and step inputs as they are; with fp8_kv,
     kv_scales + layer * 2 * kv_heads as scale_ptr (the kernels built without it take none). With
     num_splits > 1 it also passes fp32 workspaces part [T, heads, num_splits, head_dim] and stats
-    [T, heads, num_splits, 2], and launches the combine kernel after the attention kernel.
+    [T, heads, num_splits, 2], and launches the combine kernel after the attention kernel. An e4m3
+    cache of the shapes `decode_fp8` serves also gets its CUDA decode kernels (roles decode_fp8 and
+    decode_fp8_split), which the launcher takes where they are (the build had nvcc).
     """
     ptr = POINTER_TYPES[dtype]
     fp8_kv = shapes.get("fp8_kv", False)
@@ -404,6 +408,8 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel]:
             targets=targets,
             meta={"role": role, "when": when, "pointer_alignment": 16,
                   "grid": f"({rows}, {kv_heads}, {'num_splits' if split else 1})"}))
+    if decode_fp8.serves(dtype, shapes):
+        kernels += decode_fp8.kernels(dtype, shapes, DECODE_ROWS)
     kernels.append(AotKernel(
         _combine_splits_kernel,
         {"part_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": ptr, "out_stride": "i32",

@@ -1,5 +1,6 @@
 """Driver launch of `attention`'s AOT kernels: KV-cache write, paged attention (prefill,
-decode, or split-KV decode with its combine kernel), picked as `kernels.run` picks them.
+decode, or split-KV decode with its combine kernel), picked as `kernels.run` picks them (an e4m3
+cache's decode by the CUDA kernels of `decode_fp8` where the engine has them).
 
 The split-KV workspaces come from the executor's scratch buffers, allocated once for the
 engine's bounds (`scratch_bytes`), so a step allocates nothing. See `plugins.driver_launch`
@@ -59,7 +60,7 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
 
     def attend(role: str, names: dict[str, int], num_seqs: int, first_seq: int, splits: int) -> None:
         part = stats = None
-        if role == "decode_split":
+        if role.endswith("_split"):
             count = names["T"] * attrs["num_heads"] * splits
             part = scratch["attention_part"][:count * attrs["head_dim"] * FP32_BYTES]
             stats = scratch["attention_stats"][:count * 2 * FP32_BYTES]
@@ -75,9 +76,12 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
             kernels[i].launch(grid(metas[i]["grid"], names),
                               [part.data_ptr(), stats.data_ptr(), out.data_ptr(), out.stride(0), splits], stream)
 
+    # An e4m3 cache's CUDA decode kernels where the build made them (`decode_fp8`), else Triton's.
+    decoder = "decode_fp8" if "decode_fp8" in roles else "decode"
+
     def decode(rows: int) -> None:
         splits = choose_num_splits(rows, rows, attrs["num_kv_heads"], max_keys)
-        attend("decode" if splits == 1 else "decode_split", {"T": rows, "S": rows}, rows, 0, splits)
+        attend(decoder if splits == 1 else f"{decoder}_split", {"T": rows, "S": rows}, rows, 0, splits)
 
     if tokens == seqs:
         decode(seqs)
