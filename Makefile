@@ -25,14 +25,16 @@ install: $(VENV)/.installed
 
 # torch is pinned to the CPU build kept on this machine's disk; the GPU machine brings its own.
 # nvidia-pytriton is only there for the tritonserver binary inside its wheel: --no-deps keeps its
-# Python API's dependencies (and their numpy 2) out. The stamp depends on this Makefile too, so a
-# changed install recipe is rerun in an existing .venv.
+# Python API's dependencies (and their numpy 2) out. nvidia-cutlass is there for CUTLASS's C++
+# headers (the CuTe GEMM nvcc builds); --no-deps keeps its Python generator's scipy and networkx out.
+# The stamp depends on this Makefile too, so a changed install recipe is rerun in an existing .venv.
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps nvidia-pytriton==0.7.0
+	$(PY) -m pip install -q --no-deps nvidia-cutlass==4.2.0.0
 	touch $@
 
 demo: install

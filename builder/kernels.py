@@ -42,7 +42,8 @@ def kernel_key(kernel: AotKernel | nvcc.NvccKernel, target: str) -> str:
     share a kernel may launch it differently, so each keeps its own entry)."""
     if isinstance(kernel, nvcc.NvccKernel):
         ident = json.dumps([nvcc.source_text(kernel), kernel.entry, kernel.signature, kernel.num_warps, target,
-                            nvcc.nvcc_version(), nvcc.FLAGS, kernel.meta], sort_keys=True, default=repr)
+                            nvcc.nvcc_version(), kernel.options(target), kernel.shared_bytes, kernel.meta],
+                           sort_keys=True, default=repr)
         return hashlib.sha256(ident.encode()).hexdigest()[:20]
     import triton
     ident = json.dumps([inspect.getsource(kernel.fn.fn if hasattr(kernel.fn, "fn") else kernel.fn),

@@ -7,9 +7,13 @@ parameters in the Triton spelling the runtime's launch packs (`runtime.cuda_driv
 loads and launches like a Triton one. nvcc comes from KILN_NVCC, the PATH or /usr/local/cuda; a
 build without one (or with KILN_NVCC set empty) leaves these kernels out (`builder.kernels`; the
 build's summary says so) and the Triton kernels serve their shapes.
+
+A kernel written on CUTLASS's CuTe headers (wgmma, TMA, `setmaxnreg`) names `cutlass_include()` in
+its `includes` and is `arch_specific`: it compiles for sm_90a, which runs on Hopper alone.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -33,6 +37,24 @@ class NvccKernel:
     num_warps: int
     meta: dict[str, Any] = field(default_factory=dict)
     targets: tuple[str, ...] | None = None   # None: every GPU target
+    shared_bytes: int = 0            # dynamic shared memory each launch passes
+    includes: tuple[str, ...] = ()   # folders nvcc searches for headers (`cutlass_include`)
+    arch_specific: bool = False      # built for sm_90a, not sm_90: Hopper's own instructions
+
+    def options(self, target: str) -> list[str]:
+        """nvcc's options for `target` (e.g. "sm_90"), the -arch first."""
+        arch = f"{target}a" if self.arch_specific else target
+        return [f"-arch={arch}", *FLAGS, *(f"-I{folder}" for folder in self.includes)]
+
+
+def cutlass_include() -> str:
+    """The folder holding CUTLASS's `cute/` and `cutlass/` headers, from the `nvidia-cutlass`
+    package (`make install` puts it in the venv)."""
+    spec = importlib.util.find_spec("cutlass_library")
+    folder = Path(spec.origin).parent / "source" / "include" if spec and spec.origin else None
+    if folder is None or not (folder / "cute").is_dir():
+        raise RuntimeError("CUTLASS's headers are not installed: pip install --no-deps nvidia-cutlass==4.2.0.0")
+    return str(folder)
 
 
 def nvcc_path() -> str | None:
@@ -70,9 +92,9 @@ def compile_cubin(kernel: NvccKernel, target: str) -> Cubin:
     with tempfile.TemporaryDirectory(prefix="kiln-nvcc-") as tmp:
         src, out = Path(tmp) / f"{kernel.entry}.cu", Path(tmp) / f"{kernel.entry}.cubin"
         src.write_text(source_text(kernel))
-        result = subprocess.run([_nvcc(), "-cubin", f"-arch={target}", *FLAGS, "-o", str(out), str(src)],
+        result = subprocess.run([_nvcc(), "-cubin", *kernel.options(target), "-o", str(out), str(src)],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"nvcc could not compile {kernel.entry} from {kernel.source} for {target}:\n"
                                f"{result.stderr.strip()}")
-        return Cubin(kernel.entry, out.read_bytes(), 0, kernel.num_warps)
+        return Cubin(kernel.entry, out.read_bytes(), kernel.shared_bytes, kernel.num_warps)

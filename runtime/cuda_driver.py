@@ -10,7 +10,9 @@ GPU that has it (sm_90 on), so it starts while the kernel before it finishes; a 
 the attribute as a programmatic edge. KILN_PROGRAMMATIC_LAUNCH=0 turns it off (every launch
 then waits for the kernel before it to finish, as a plain launch does). Memory that other processes map (the custom all-reduce's
 buffers, `runtime.peer_buffers`) is allocated here with `cuMemAlloc`: an IPC handle stands
-for a whole allocation, and torch's caching allocator hands out parts of larger ones.
+for a whole allocation, and torch's caching allocator hands out parts of larger ones. A kernel
+that takes a TMA descriptor by value (signature type "tensormap") gets one the host made with
+`encode_tensor_map`.
 """
 from __future__ import annotations
 
@@ -24,9 +26,17 @@ from functools import cache
 # (pointers are "Q").
 _ARG_FORMATS = {"i1": "b7x", "i8": "b7x", "i16": "h6x", "i32": "i4x", "i64": "q", "u32": "I4x", "u64": "Q",
                 "fp32": "f4x", "fp64": "d"}
+# A TMA descriptor the host made (`encode_tensor_map`), taken by value as a `const __grid_constant__
+# CUtensorMap`: 128 bytes, which the driver wants 64-byte aligned.
+TENSOR_MAP = "tensormap"
+_TENSOR_MAP_BYTES = 128
 # Triton 3.6 kernels take two more pointers after their own parameters: global scratch (where
 # a kernel that makes TMA descriptors on the device keeps them) and profile scratch (null).
 _MAX_STATIC_SHARED = 48 * 1024
+# cuTensorMapEncodeTiled's CUtensorMapDataType of each Triton element type (e4m3 as bytes), and
+# the element's size.
+_TENSOR_MAP_TYPES = {"bf16": (9, 2), "fp16": (6, 2), "fp32": (7, 4), "fp8e4nv": (0, 1)}
+_SWIZZLE_128B, _L2_PROMOTION_256B = 3, 3
 
 
 class CudaError(RuntimeError):
@@ -62,22 +72,31 @@ class CudaKernel:
     # Launched with programmatic stream serialization (`programmatic_launch`): its owner sets it.
     programmatic: bool = False
 
-    # Every parameter (and the two trailing scratch pointers) in an 8-byte slot of one buffer,
-    # and the `void**` array pointing at the slots: made once, refilled by every launch with one
-    # `struct.pack_into`. cuLaunchKernel copies the values before it returns, and an executor
-    # launches from one thread, so the reuse is safe; making them anew cost more host time than
-    # the launch itself on eager (prefill) steps.
+    # Every parameter (and the two trailing scratch pointers) in a slot of one buffer, 8 bytes (a
+    # tensor map: 128, aligned to 128), and the `void**` array pointing at the slots: made once,
+    # refilled by every launch with one `struct.pack_into`. cuLaunchKernel copies the values
+    # before it returns, and an executor launches from one thread, so the reuse is safe; making
+    # them anew cost more host time than the launch itself on eager (prefill) steps.
     _layout: struct.Struct = field(init=False, repr=False)
     _buffer: ctypes.Array = field(init=False, repr=False)
+    _start: int = field(init=False, repr=False)   # the first slot's offset in _buffer (128-byte aligned)
     _pointers: ctypes.Array = field(init=False, repr=False)
     _config: object = field(init=False, repr=False, default=None)   # cuLaunchKernelEx's, made once
 
     def __post_init__(self) -> None:
-        slots = ["Q" if t.startswith("*") else _ARG_FORMATS[t] for t in self.signature] + ["Q", "Q"]
-        self._layout = struct.Struct("<" + "".join(slots))
-        self._buffer = ctypes.create_string_buffer(8 * len(slots))
-        base = ctypes.addressof(self._buffer)
-        self._pointers = (ctypes.c_void_p * len(slots))(*[base + 8 * i for i in range(len(slots))])
+        formats, offsets, end = [], [], 0
+        for kind in [*self.signature, "*", "*"]:
+            size = _TENSOR_MAP_BYTES if kind == TENSOR_MAP else 8
+            offset = -(-end // size) * size
+            formats.append("x" * (offset - end) + (f"{size}s" if kind == TENSOR_MAP else
+                                                   "Q" if kind.startswith("*") else _ARG_FORMATS[kind]))
+            offsets.append(offset)
+            end = offset + size
+        self._layout = struct.Struct("<" + "".join(formats))
+        self._buffer = ctypes.create_string_buffer(end + _TENSOR_MAP_BYTES)
+        address = ctypes.addressof(self._buffer)
+        self._start = -address % _TENSOR_MAP_BYTES
+        self._pointers = (ctypes.c_void_p * len(offsets))(*[address + self._start + o for o in offsets])
 
     def params(self, args: list, global_scratch: int = 0) -> ctypes.Array:
         """The kernel parameter array (`void**`) for `args`, valid until the next call. Pointer
@@ -85,7 +104,7 @@ class CudaKernel:
         the address of the kernel's global scratch, 0 when it needs none."""
         if len(args) != len(self.signature):
             raise ValueError(f"kernel {self.name} takes {len(self.signature)} arguments, got {len(args)}")
-        self._layout.pack_into(self._buffer, 0, *args, global_scratch, 0)
+        self._layout.pack_into(self._buffer, self._start, *args, global_scratch, 0)
         return self._pointers
 
     def launch(self, grid: tuple[int, int, int], args: list, stream: int = 0) -> None:
@@ -166,6 +185,36 @@ def load_kernel(cubin: bytes, name: str, signature: list[str], num_warps: int, s
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         _check(driver.cuFuncSetAttribute(function, attr, shared_bytes), f"cuFuncSetAttribute({name})")
     return CudaKernel(function, name, signature, num_warps, shared_bytes, global_scratch)
+
+
+def encode_tensor_map(address: int, element: str, shape: tuple[int, int], box: tuple[int, int]) -> bytes:
+    """The 128 bytes of a TMA descriptor of the row-major [rows, cols] tensor of `element`s (a Triton
+    type: "bf16", "fp8e4nv", ...) at device `address`, copied in boxes of [box rows, box cols] into
+    shared memory with the 128-byte swizzle (box cols x element size must be 128 bytes or less).
+    Rows past `shape` read as zeros. Made through libcuda itself: the driver wants the descriptor's
+    memory 64-byte aligned, which cuda.bindings' CUtensorMap objects were not always."""
+    kind, size = _TENSOR_MAP_TYPES[element]
+    (rows, cols), (box_rows, box_cols) = shape, box
+    if address % 16 or cols * size % 16 or box_cols * size > 128:
+        raise ValueError(f"no TMA descriptor for a [{rows}, {cols}] {element} tensor at {address:#x} in boxes of "
+                         f"[{box_rows}, {box_cols}]: the address and the row pitch must be 16-byte aligned and a "
+                         "box row at most 128 bytes")
+    memory = ctypes.create_string_buffer(2 * _TENSOR_MAP_BYTES)
+    aligned = ctypes.addressof(memory) + (-ctypes.addressof(memory) % _TENSOR_MAP_BYTES)
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    result = _libcuda().cuTensorMapEncodeTiled(
+        ctypes.c_void_p(aligned), kind, 2, ctypes.c_void_p(address), (u64 * 2)(cols, rows), (u64 * 1)(cols * size),
+        (u32 * 2)(box_cols, box_rows), (u32 * 2)(1, 1), 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0)
+    if result != 0:
+        raise CudaError(f"cuTensorMapEncodeTiled failed: CUresult {result}")
+    return ctypes.string_at(aligned, _TENSOR_MAP_BYTES)
+
+
+@cache
+def _libcuda() -> ctypes.CDLL:
+    library = ctypes.CDLL("libcuda.so.1")
+    library.cuTensorMapEncodeTiled.restype = ctypes.c_int
+    return library
 
 
 def device_arch() -> str:

@@ -7,7 +7,10 @@ Kernels: the persistent TMA GEMM of `plugins.linear.tma` at tilings, depths, war
 with a persistent grid (one program per SM) and a one-tile-per-program grid, the pointer-load
 GEMM `linear_kernel` at its prefill and medium tiles, and the engine's own prefill-bucket kernels
 for each projection (from the plugins' `aot_kernels`, the fused epilogues and the norm's
-row-scale pre-pass included), labelled "engine". `compile` builds each into a cubin with
+row-scale pre-pass included), labelled "engine", and the CUTLASS route: the CuTe GEMM of
+`plugins.linear.cute_gemm` (nvcc, sm_90a, TMA descriptors made on the host) at its tilings,
+labelled "cute" (it needs nvcc and `nvidia-cutlass`'s headers; without them the sweep goes on
+without it). `compile` builds each into a cubin with
 `plugins.aot` as build-engine does; `run` loads them through `runtime.cuda_driver` as the CUDA
 executor does, checks each against torch, and times it in a CUDA graph (weights cycled beyond the
 L2), beside `torch.mm` (cuBLAS) on the same shapes and the GEMM rate measured as bench-engine does
@@ -27,6 +30,8 @@ from concurrent.futures import ProcessPoolExecutor
 from kiln.plugins.aot import AotKernel, absent_as_none, compile_cubin, pointer_params
 from kiln.plugins.linear.kernels import linear_kernel
 from kiln.plugins.linear.tma import tma_linear_kernel
+from kiln.plugins.linear import cute_gemm
+from kiln.plugins.nvcc import NvccKernel, nvcc_path
 from scripts.gpu_timing import graph_us
 from scripts.sweep import try_compile
 
@@ -41,6 +46,8 @@ TMA_TILES = [(128, 128, 64, 4, 4, 8), (128, 128, 64, 8, 4, 8), (128, 256, 64, 8,
              (64, 128, 64, 4, 4, 8), (64, 256, 64, 4, 4, 8), (128, 256, 64, 8, 3, 16), (128, 256, 64, 8, 3, 4)]
 FP8 = os.environ.get("KILN_TUNE_FP8") == "1"
 POINTER_TILES = [(128, 128, 64, 8, 4), (64, 64, 64, 4, 4), (128, 256, 64, 8, 3)]
+# The CuTe GEMM's tilings: (block_n, stages, group_m); its tiles are 128 rows by block_n, K tiles 64.
+CUTE_TILES = [(64, 8, 8), (128, 6, 8), (128, 6, 16), (256, 4, 8)]
 
 
 def configs() -> list[tuple[str, dict, AotKernel]]:
@@ -68,7 +75,21 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
                            "label": f"pointer bm{bm} bn{bn} bk{bk} w{warps} s{stages}"},
                     AotKernel(linear_kernel, signature, absent_as_none(signature, constexprs), num_warps=warps,
                               num_stages=stages, aligned=pointer_params(signature))))
-    return out
+    return out + cute_configs()
+
+
+def cute_configs() -> list[tuple[str, dict, NvccKernel]]:
+    """The CuTe GEMM at each tiling, for every bf16 shape (none without nvcc or CUTLASS's headers)."""
+    if FP8 or nvcc_path() is None:
+        return []
+    try:
+        kernels = {tiling: cute_gemm.kernel(*tiling) for tiling in CUTE_TILES}
+    except RuntimeError:
+        return []
+    return [(name, {"kind": "cute", "n": n, "k": k, "bm": cute_gemm.BLOCK_M, "bn": bn,
+                    "label": f"cute bm{cute_gemm.BLOCK_M} bn{bn} bk{cute_gemm.BLOCK_K} s{stages} g{group}"},
+             kernels[(bn, stages, group)])
+            for (name, (n, k)), (bn, stages, group) in itertools.product(SHAPES.items(), CUTE_TILES)]
 
 
 # The plugin and compile shapes of each projection as a Llama-3-8B engine builds it.
@@ -107,14 +128,16 @@ def compile_all(path: str) -> None:
     with open(path, "wb") as f:
         pickle.dump(([(name, info, kernel.signature, cubins[i]) for i, (name, info, kernel) in enumerate(entries)],
                      engine), f)
-    print(f"{len(entries)} configurations, {sum(isinstance(c, str) for c in cubins.values())} failed to compile")
+    cute = sum(info["kind"] == "cute" for _, info, _ in entries)
+    print(f"{len(entries)} configurations ({cute} of the CuTe GEMM), "
+          f"{sum(isinstance(c, str) for c in cubins.values())} failed to compile")
 
 
 def run_all(path: str, every: str | None = None) -> None:
     import torch
 
     from kiln.plugins.fp8 import dequantize_rows, quantize_rows
-    from kiln.runtime.cuda_driver import CudaError, load_kernel
+    from kiln.runtime.cuda_driver import CudaError, encode_tensor_map, load_kernel
 
     with open(path, "rb") as f:
         entries, engine = pickle.load(f)
@@ -163,10 +186,18 @@ def run_all(path: str, every: str | None = None) -> None:
                 print(f"  {name} {info['label']}: does not load ({e})")
                 continue
             tiles = -(-t // info["bm"]) * -(-n // info["bn"])
-            grids = {"persistent": min(tiles, sms), "one tile each": tiles} if info["kind"] == "tma" else {"": None}
+            grids = {"": None}
+            if info["kind"] == "tma":
+                grids = {"persistent": min(tiles, sms), "one tile each": tiles}
+            elif info["kind"] == "cute":
+                grids = {"persistent": min(tiles, sms)}
             for gname, programs in grids.items():
                 grid = (programs, 1, 1) if programs else (-(-t // info["bm"]), -(-n // info["bn"]), 1)
-                if FP8:
+                if info["kind"] == "cute":
+                    x_map = encode_tensor_map(x.data_ptr(), "bf16", (t, k), (info["bm"], cute_gemm.BLOCK_K))
+                    args = [[x_map, encode_tensor_map(w.data_ptr(), "bf16", (n, k), (info["bn"], cute_gemm.BLOCK_K)),
+                             out.data_ptr(), t, n, k] for w in weights[name]]
+                elif FP8:
                     args = [[x.data_ptr(), x_scale.data_ptr(), w.data_ptr(), w_scale.data_ptr(), out.data_ptr(), t]
                             for w in weights[name]]
                 else:
@@ -190,7 +221,8 @@ def run_all(path: str, every: str | None = None) -> None:
         cublas = next(us for us, label, _ in rows if label.startswith("cuBLAS"))
         print(f"{name} N={n} K={k} T={t}: cuBLAS {cublas:.1f} us = {flops / cublas / 1e6:.0f} TFLOP/s "
               f"({flops / cublas / 1e6 / rate:.0%} of rate)")
-        for us, label, err in rows[:6]:
+        best_cute = next(([r] for r in rows[6:] if r[1].startswith("cute") and r[2] < 2e-2), [])
+        for us, label, err in rows[:6] + best_cute:
             print(f"  {us:8.1f} us {flops / us / 1e6:4.0f} TFLOP/s ({flops / us / 1e6 / rate:4.0%} of rate, "
                   f"{cublas / us:4.2f}x cuBLAS) rel err {err:.1e}  {label}")
         for us, label, err in rows:

@@ -1,6 +1,7 @@
 """A driver launch's parameter array (`runtime.cuda_driver.CudaKernel.params`), on the CPU: each
 kernel keeps one array and refills it for every launch, so each launch must find exactly its own
-arguments there, typed as the kernel's signature says, with the two trailing scratch pointers."""
+arguments there, typed as the kernel's signature says, with the two trailing scratch pointers; a TMA
+descriptor ("tensormap") whole, in a 128-byte slot on a 128-byte boundary."""
 from __future__ import annotations
 
 import ctypes
@@ -30,3 +31,17 @@ def test_a_launch_with_the_wrong_number_of_arguments_is_refused():
     kernel = CudaKernel(None, "k", SIGNATURE, num_warps=4, shared_bytes=0)
     with pytest.raises(ValueError, match="takes 4 arguments, got 2"):
         kernel.params([1, 2])
+
+
+def test_a_tensor_map_travels_whole_in_an_aligned_slot_between_the_others():
+    kernel = CudaKernel(None, "k", ["i32", "tensormap", "tensormap", "*bf16", "i32"], num_warps=12, shared_bytes=0)
+    maps = [bytes(range(128)), bytes(range(255, 127, -1))]
+    pointers = kernel.params([5, *maps, 0x4000, 9])
+    assert ctypes.c_int32.from_address(pointers[0]).value == 5
+    for i, expected in ((1, maps[0]), (2, maps[1])):
+        assert pointers[i] % 128 == 0
+        assert ctypes.string_at(pointers[i], 128) == expected
+    assert ctypes.c_uint64.from_address(pointers[3]).value == 0x4000
+    assert ctypes.c_int32.from_address(pointers[4]).value == 9
+    assert pointers[3] >= pointers[2] + 128   # the second map is not overwritten by what follows
+    assert ctypes.c_uint64.from_address(pointers[5]).value == 0   # no global scratch
