@@ -6,14 +6,16 @@ GEMMs? (a developer's probe; BENCHMARKS.md, sessions 21 and 22, has its figures)
     PYTHONPATH=. python3 scripts/probe_cuda_gemv.py engine probe.pkl    # on the GPU: the engine's kernels only
 
 `compile` builds `gemv.cu`'s plain GEMV at rows T and weight rows per warp R (VARIANTS) and
-`probe_mma_gemv.cu`'s tensor-core GEMV (weights loaded straight into the MMA's registers, for 1-16 rows) with
-`plugins.nvcc`, the engine's decode-bucket `linear_kernel` for Llama-3-8B's four projection shapes,
+`probe_mma_gemv.cu`'s tensor-core GEMV (weights loaded straight into the MMA's registers, for 1-16 rows) and
+the CuTe decode GEMM of `plugins.linear.cute_gemm` (TMA and wgmma with the weights as the 64-row operand,
+K split in parts; needs `nvidia-cutlass`'s headers, else left out) with `plugins.nvcc`, the engine's decode-bucket `linear_kernel` for Llama-3-8B's four projection shapes,
 each plugin's whole kernel list at those shapes (ENGINE_CASES) and the GEMVs the engine does not
 build but might (`extra_kernels`), into one pickle. `run` checks every plain kernel against torch,
 then times (CUDA graphs, weights of 32 distinct layers, 14 GB, so nothing comes from the L2) each
 alone (20 launches over 20 layers' weights) and whole chains of 32 layers x (qkv, o, gate/up, down)
 as a decode step orders them, Triton's against the fastest GEMV of each shape (a kernel whose
-result is off is printed WRONG and left out of them); then, as `engine` does alone, each plugin's
+result is off is printed WRONG and left out of them; kernels built for programmatic dependent launch,
+the GEMVs and the CuTe GEMM, are launched so, as the engine launches them); then, as `engine` does alone, each plugin's
 kernels through its launcher at one and two rows: the engine's buckets against the Triton ones
 alone (the GEMVs left out) and, where `extra_kernels` has one, that GEMV ahead of the Triton
 buckets, weights cycled through 200 MB. The device copy rate is measured in the same run.
@@ -39,6 +41,9 @@ MMA_SOURCE = Path(__file__).with_name("probe_mma_gemv.cu")
 MMA_ROWS = {1: (1, 4, 8), 2: (16,)}
 MMA_SIGNATURE = {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "residual": "*bf16", "out": "*bf16", "T": "i32",
                  "N": "i32", "K": "i32"}
+# The CuTe decode GEMM: (rows of x it serves, stages), each timed at every split of K in CUTE_PARTS.
+CUTE_VARIANTS = [(8, 8), (8, 12), (16, 8)]
+CUTE_PARTS = (1, 2, 4, 8)
 # The engine's plugins at Llama-3-8B's shapes: (compile shapes, attrs). norm_swiglu has no GEMV
 # bucket since session 21 (its pair kernel lost): both of its columns then time the Triton kernel.
 ENGINE_CASES = {
@@ -71,6 +76,17 @@ def mma_kernel(nt: int, r: int, warps: int, u: int):
     return NvccKernel(gemv.SOURCE, f"mma_gemv_nt{nt}_r{r}_k{warps}_u{u}", MMA_SOURCE.read_text(), MMA_SIGNATURE, warps)
 
 
+def cute_kernels() -> dict[tuple[int, int], tuple]:
+    """The CuTe decode GEMM's variants, compiled (none without CUTLASS's headers)."""
+    from kiln.plugins.linear import cute_gemm
+
+    try:
+        return {v: kernel_entry(cute_gemm.decode(*v)) for v in CUTE_VARIANTS}
+    except RuntimeError as e:
+        print(f"no CuTe decode GEMM: {e}")
+        return {}
+
+
 def extra_kernels() -> dict[str, object]:
     """Per plugin, a GEMV the engine does not build, timed ahead of the Triton buckets: o_proj's
     at one row with one weight row a warp (the engine takes two), the SwiGLU GEMV at two rows."""
@@ -98,6 +114,7 @@ def compile_all(path: str) -> None:
 
     cuda = {(t, r): kernel_entry(gemv_kernel(t, r)) for t, r in VARIANTS}
     mma = {v: kernel_entry(mma_kernel(*v)) for v in mma_variants()}
+    cute = cute_kernels()
     triton_kernels = {name: kernel_entry(next(
         kr for kr in linear_aot_kernels("bfloat16", n, k, bias=False, residual=RESIDUAL[name])
         if kr.meta.get("bucket") == "decode" and (kr.targets is None or "sm_90" in kr.targets)))
@@ -106,18 +123,21 @@ def compile_all(path: str) -> None:
                        .aot_kernels("bfloat16", shapes) if kr.targets is None or "sm_90" in kr.targets]
               for plugin, (shapes, _) in ENGINE_CASES.items()}
     with open(path, "wb") as f:
-        pickle.dump({"cuda": cuda, "mma": mma, "triton": triton_kernels, "engine": engine,
+        pickle.dump({"cuda": cuda, "mma": mma, "cute": cute, "triton": triton_kernels, "engine": engine,
                      "extra": {plugin: kernel_entry(k) for plugin, k in extra_kernels().items()},
                      "triton_version": triton.__version__}, f)
-    print(f"{len(cuda)} CUDA GEMVs, {len(mma)} tensor-core GEMVs, {len(triton_kernels)} Triton decode kernels, "
+    print(f"{len(cuda)} CUDA GEMVs, {len(mma)} tensor-core GEMVs, {len(cute)} CuTe decode GEMMs, "
+          f"{len(triton_kernels)} Triton decode kernels, "
           f"{sum(map(len, engine.values()))} engine kernels -> {path}")
 
 
 def load(entry: tuple):
-    from kiln.runtime.cuda_driver import load_kernel
+    from kiln.runtime.cuda_driver import load_kernel, programmatic_launch
 
     cubin, params, meta = entry
-    return load_kernel(cubin.binary, cubin.name, params, cubin.num_warps, cubin.shared_bytes, cubin.global_scratch), meta
+    kernel = load_kernel(cubin.binary, cubin.name, params, cubin.num_warps, cubin.shared_bytes, cubin.global_scratch)
+    kernel.programmatic = programmatic_launch(meta)
+    return kernel, meta
 
 
 def run_all(path: str, only_engine: bool = False) -> None:
@@ -163,6 +183,16 @@ def plain_kernels(built: dict, copy: float) -> None:
 
     cuda = {key: load(entry)[0] for key, entry in built["cuda"].items()}
     mma = {key: load(entry)[0] for key, entry in built["mma"].items()}
+    cute = {key: load(entry)[0] for key, entry in built.get("cute", {}).items()}
+    w_maps, x_maps = {}, {}
+    if cute:
+        from kiln.plugins.linear.cute_gemm import BLOCK_K, WEIGHT_ROWS
+        from kiln.runtime.cuda_driver import encode_tensor_map
+        w_maps = {(name, layer): encode_tensor_map(w.data_ptr(), "bf16", tuple(w.shape), (WEIGHT_ROWS, BLOCK_K))
+                  for name, ws in weights.items() for layer, w in enumerate(ws)}
+        x_maps = {(name, t, rows): encode_tensor_map(xs[name, t].data_ptr(), "bf16", (t, SHAPES[name][1]),
+                                                     (rows, BLOCK_K))
+                  for (name, t), rows in itertools.product(xs, {rows for rows, _ in cute})}
     triton_fns = {name: load(entry) for name, entry in built["triton"].items()}
 
     def cuda_launch(t: int, r: int):
@@ -179,6 +209,17 @@ def plain_kernels(built: dict, copy: float) -> None:
             res = residuals[name, t].data_ptr() if RESIDUAL[name] else 0
             mma[v].launch((n // (16 * v[1]), 1, 1), [xs[name, t].data_ptr(), weights[name][layer].data_ptr(), 0, res,
                                             outs[name, t].data_ptr(), t, n, k], stream())
+        return launch
+
+    def cute_launch(t: int, v: tuple[int, int, int]):
+        rows, _, parts = v
+
+        def launch(name: str, layer: int) -> None:
+            n, k = SHAPES[name]
+            res = residuals[name, t].data_ptr() if RESIDUAL[name] else 0
+            cute[v[:2]].launch((n // 64, parts, 1), [w_maps[name, layer], x_maps[name, t, rows], res,
+                                                    outs[name, t].data_ptr(), part.data_ptr(), count.data_ptr(), t,
+                                                    n, k], stream())
         return launch
 
     def triton_launch(t: int):
@@ -199,6 +240,11 @@ def plain_kernels(built: dict, copy: float) -> None:
     families += [(f"cuda gemv r{r}", t, cuda_launch(t, r), ("cuda gemv", r)) for t, r in VARIANTS]
     families += [(f"mma gemv nt{v[0]} r{v[1]} w{v[2]} u{v[3]}", t, mma_launch(t, v), ("mma gemv", v))
                  for v in built["mma"] for t in MMA_ROWS[v[0]]]
+    # Each CuTe variant at the rows it serves that no smaller variant serves.
+    families += [(f"cute decode t{rows} s{stages} p{parts}", t, cute_launch(t, (rows, stages, parts)),
+                  ("cute decode", (rows, stages, parts)))
+                 for rows, stages in cute for parts in CUTE_PARTS for t in ts
+                 if t <= rows and not any(t <= r < rows for r, _ in cute)]
     for label, t, launch, r in families:
         for name, (n, k) in SHAPES.items():
             outs[name, t].zero_()
@@ -218,7 +264,7 @@ def plain_kernels(built: dict, copy: float) -> None:
     total = sum(w.nbytes for ws in weights.values() for w in ws)
     print(f"chains: {LAYERS} layers x {list(SHAPES)}, {total / 1e9:.2f} GB, limit {total / copy / 1e9:.3f} ms "
           "at the copy rate")
-    make = {"cuda gemv": cuda_launch, "mma gemv": mma_launch}
+    make = {"cuda gemv": cuda_launch, "mma gemv": mma_launch, "cute decode": cute_launch}
     for t in ts:
         chains = {"triton": {name: triton_launch(t) for name in SHAPES}}
         for kind in make:

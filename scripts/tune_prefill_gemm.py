@@ -83,7 +83,7 @@ def cute_configs() -> list[tuple[str, dict, NvccKernel]]:
     if FP8 or nvcc_path() is None:
         return []
     try:
-        kernels = {tiling: cute_gemm.kernel(*tiling) for tiling in CUTE_TILES}
+        kernels = {tiling: cute_gemm.gemm(*tiling) for tiling in CUTE_TILES}
     except RuntimeError:
         return []
     return [(name, {"kind": "cute", "n": n, "k": k, "bm": cute_gemm.BLOCK_M, "bn": bn,

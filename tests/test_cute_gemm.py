@@ -1,9 +1,11 @@
-"""The CuTe GEMM (`plugins.linear.cute_gemm`, the CUTLASS route of the prefill GEMMs) on the CPU:
-nvcc builds it for sm_90a with CUTLASS's headers, its entry point takes exactly the parameters the
-driver launch packs (two 128-byte TMA descriptors by value, then out, M, N, K), it is made of
-Hopper's own instructions (TMA loads, wgmma, register reallocation between warpgroups) at its
-declared block size, and a TMA descriptor the host cannot make is refused before the driver is
-called. Its numerics and speed are measured on an H200 (scripts/tune_prefill_gemm.py)."""
+"""The CuTe kernels of `plugins.linear.cute_gemm` (the CUTLASS route of the linear plugin's GEMMs) on
+the CPU: nvcc builds them for sm_90a with CUTLASS's headers; each entry point takes exactly the
+parameters its signature declares, as the driver launch packs them (128-byte TMA descriptors by
+value, then pointers and sizes); each is made of Hopper's own instructions (TMA loads, wgmma; the
+decode kernel programmatic dependent launch) at its declared block size and shared memory; a tiling
+whose stages outgrow the shared memory it is given does not compile; and a TMA descriptor the host
+cannot make is refused before the driver is called. Their numerics and speed are measured on an H200
+(scripts/tune_prefill_gemm.py, scripts/probe_cuda_gemv.py)."""
 from __future__ import annotations
 
 import re
@@ -20,48 +22,67 @@ from kiln.runtime.cuda_driver import encode_tensor_map
 
 pytestmark = pytest.mark.skipif(nvcc.nvcc_path() is None, reason="nvcc is not installed")
 
-
-@pytest.fixture(scope="module")
-def kernel() -> nvcc.NvccKernel:
-    return cute_gemm.kernel(128, 6, 8)
+PTX_PARAM = {"tensormap": ".param .align 128 .b8[128]", "i32": ".param .u32"}
 
 
 @pytest.fixture(scope="module")
-def ptx(kernel) -> str:
+def kernels() -> dict[str, nvcc.NvccKernel]:
+    return {"gemm": cute_gemm.gemm(128, 6, 8), "decode": cute_gemm.decode(8, 8)}
+
+
+@pytest.fixture(scope="module")
+def ptx(kernels) -> str:
+    """Both kernels' PTX, from one nvcc run over the file with both instances."""
+    source = nvcc.source_text(kernels["gemm"]) + kernels["decode"].instance + "\n"
     with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "k.cu"
-        src.write_text(nvcc.source_text(kernel))
-        subprocess.run([nvcc.nvcc_path(), "-ptx", *kernel.options("sm_90"), "-o", f"{tmp}/k.ptx", str(src)],
-                       check=True, capture_output=True)
+        (Path(tmp) / "k.cu").write_text(source)
+        subprocess.run([nvcc.nvcc_path(), "-ptx", *kernels["gemm"].options("sm_90"), "-o", f"{tmp}/k.ptx",
+                        f"{tmp}/k.cu"], check=True, capture_output=True)
         return (Path(tmp) / "k.ptx").read_text()
 
 
-def test_entry_takes_two_descriptors_by_value_then_out_and_the_sizes(kernel, ptx):
+def entry_ptx(ptx: str, entry: str) -> str:
+    start = ptx.index(f".entry {entry}(")
+    end = ptx.find(".entry ", start + 1)
+    return ptx[start:end if end > 0 else len(ptx)]
+
+
+@pytest.mark.parametrize("name", ["gemm", "decode"])
+def test_entry_takes_its_signature_as_the_launch_packs_it(kernels, ptx, name):
+    kernel = kernels[name]
     params = re.search(rf"\.entry {kernel.entry}\(([^)]*)\)", ptx).group(1)
     kinds = [re.sub(rf"\s*{kernel.entry}_param_\d+", "", p).strip() for p in params.split(",")]
-    assert kinds == [".param .align 128 .b8[128]"] * 2 + [".param .u64"] + [".param .u32"] * 3
-    assert list(kernel.signature.values()) == ["tensormap", "tensormap", "*bf16", "i32", "i32", "i32"]
+    assert kinds == [PTX_PARAM.get(kind, ".param .u64") for kind in kernel.signature.values()]
 
 
-def test_it_is_built_of_hoppers_own_instructions(kernel, ptx):
+@pytest.mark.parametrize("name", ["gemm", "decode"])
+def test_it_is_built_of_hoppers_own_instructions(kernels, ptx, name):
+    kernel, code = kernels[name], entry_ptx(ptx, kernels[name].entry)
     assert re.search(r"^\.target sm_90a", ptx, re.M)
-    assert f".maxntid {32 * kernel.num_warps}, 1, 1" in ptx
-    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.2d" in ptx
-    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    assert f".maxntid {32 * kernel.num_warps}, 1, 1" in code
+    assert "wgmma.mma_async" in code and "cp.async.bulk.tensor.2d" in code
+    if name == "gemm":   # the producer warpgroup gives its registers to the consumers
+        assert "setmaxnreg.dec" in code and "setmaxnreg.inc" in code
+    else:                # programmatic dependent launch, and the split-K count
+        assert kernel.meta["pdl"] and "griddepcontrol.wait" in code and "griddepcontrol.launch_dependents" in code
+        assert "atom.global.add" in code or "red.global.add" in code
 
 
-def test_cubin_builds_within_the_targets_shared_memory(kernel):
+@pytest.mark.parametrize("name, rows", [("gemm", cute_gemm.BLOCK_M + 128), ("decode", cute_gemm.WEIGHT_ROWS + 8)])
+def test_cubin_builds_within_the_targets_shared_memory(kernels, name, rows):
+    kernel = kernels[name]
+    assert kernel.targets == ("sm_90",)
     cubin = compile_cubin(kernel, "sm_90")
     assert cubin.binary.startswith(b"\x7fELF") and kernel.entry.encode() in cubin.binary
-    assert cubin.shared_bytes == cute_gemm.shared_bytes(128, 6) <= MAX_SHARED_BYTES["sm_90"]
-    assert cubin.num_warps == 12
+    assert cubin.shared_bytes == cute_gemm.shared_bytes(rows, 6 if name == "gemm" else 8) <= MAX_SHARED_BYTES["sm_90"]
+    assert cubin.num_warps == kernel.num_warps
 
 
-def test_a_tiling_whose_stages_outgrow_its_shared_memory_does_not_compile():
-    too_small = nvcc.NvccKernel(cute_gemm.SOURCE, "small", "KILN_CUTE_GEMM(small, 128, 6, 8, 100000)",
-                                cute_gemm.SIGNATURE, 12, includes=(nvcc.cutlass_include(),), arch_specific=True)
+def test_a_tiling_whose_stages_outgrow_its_shared_memory_does_not_compile(kernels):
+    small = nvcc.NvccKernel(cute_gemm.SOURCE, "small", "KILN_CUTE_DECODE(small, 8, 8, 40000)",
+                            cute_gemm.DECODE_SIGNATURE, 5, includes=kernels["decode"].includes, arch_specific=True)
     with pytest.raises(RuntimeError, match="too little shared memory"):
-        compile_cubin(too_small, "sm_90")
+        compile_cubin(small, "sm_90")
 
 
 @pytest.mark.parametrize("address, shape, box", [(0x1008, (64, 4096), (128, 64)),   # address not 16-byte aligned

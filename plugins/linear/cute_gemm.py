@@ -1,12 +1,18 @@
-"""The CUTLASS route of the prefill and large-batch GEMMs: a Hopper GEMM on CuTe's building blocks
-(`cute_gemm_sm90.cu`: TMA loads, wgmma, a producer warpgroup and two consumers, persistent tiles),
-built by nvcc for sm_90a with `nvidia-cutlass`'s headers.
+"""The CUTLASS route of the linear plugin's GEMMs: Hopper kernels on CuTe's building blocks
+(`cute_gemm_sm90.cu`: TMA loads into a ring of shared-memory stages, wgmma, a producer and consumer
+warpgroups), built by nvcc for sm_90a with `nvidia-cutlass`'s headers.
 
-A candidate, not yet an engine kernel: scripts/tune_prefill_gemm.py sweeps it beside the Triton TMA
-GEMM that the prefill bucket runs and beside cuBLAS, and the builder takes it for the shapes where it
-measures faster. Its TMA descriptors are parameters the host makes (`runtime.cuda_driver.
-encode_tensor_map`: x as [rows, K] in boxes of [BLOCK_M, BLOCK_K], w as [N, K] in boxes of [block_n,
-BLOCK_K]), so a launch needs no global scratch and no descriptor is made on the device.
+- `gemm`: prefill chunks and large batches, persistent tiles of BLOCK_M rows of x by block_n weight rows;
+- `decode`: decode steps of up to `rows` rows of x, the weights as wgmma's 64-row operand ("swap AB",
+  no MMA spent on padding rows), K split in parts over the grid's y when the weight has too few
+  64-row tiles to fill the GPU, launched for programmatic dependent launch.
+
+Candidates, not yet engine kernels: scripts/tune_prefill_gemm.py sweeps `gemm` beside the Triton TMA
+GEMM that the prefill bucket runs and beside cuBLAS, scripts/probe_cuda_gemv.py `decode` beside the
+decode GEMVs and Triton's decode tiles; the builder will take them for the shapes where they measure
+faster. Their TMA descriptors are parameters the host makes (`runtime.cuda_driver.encode_tensor_map`,
+boxes of [rows, BLOCK_K]: x in boxes of BLOCK_M (`gemm`) or `rows` (`decode`) rows, w of block_n
+(`gemm`) or WEIGHT_ROWS (`decode`)), so a launch needs no global scratch.
 """
 from __future__ import annotations
 
@@ -15,22 +21,40 @@ from pathlib import Path
 from kiln.plugins.nvcc import NvccKernel, cutlass_include
 
 SOURCE = Path(__file__).with_name("cute_gemm_sm90.cu")
-SIGNATURE = {"x_map": "tensormap", "w_map": "tensormap", "out": "*bf16", "M": "i32", "N": "i32", "K": "i32"}
-BLOCK_M, BLOCK_K = 128, 64   # fixed by the kernel: two consumer warpgroups of 64 rows, one 128-byte bf16 row
-WARPS = 12                   # three warpgroups
+GEMM_SIGNATURE = {"x_map": "tensormap", "w_map": "tensormap", "out": "*bf16", "M": "i32", "N": "i32", "K": "i32"}
+# part [N / WEIGHT_ROWS, parts, WEIGHT_ROWS, rows] fp32 and count [N / WEIGHT_ROWS] int32, zeroed once (the
+# kernel leaves them so), when the grid has parts; else unused.
+DECODE_SIGNATURE = {"w_map": "tensormap", "x_map": "tensormap", "residual": "*bf16", "out": "*bf16",
+                    "part": "*fp32", "count": "*i32", "T": "i32", "N": "i32", "K": "i32"}
+BLOCK_M, BLOCK_K = 128, 64   # gemm: two consumer warpgroups of 64 rows; one 128-byte row of bf16
+WEIGHT_ROWS = 64             # decode: weight rows a block (one consumer warpgroup)
 TARGETS = ("sm_90",)         # wgmma and setmaxnreg: Hopper's alone (sm_90a)
 
 
-def shared_bytes(block_n: int, stages: int) -> int:
-    """Dynamic shared memory of a tiling: its stages, and 2 KiB for the barriers and the 1 KiB alignment
-    of the base (the kernel's static_assert checks it is enough)."""
-    return stages * (BLOCK_M + block_n) * BLOCK_K * 2 + 2048
+def shared_bytes(rows: int, stages: int) -> int:
+    """Dynamic shared memory of a kernel whose stages hold `rows` rows of K tile (x's and w's together),
+    and 2 KiB for the barriers and the 1 KiB alignment of the base (the kernel's static_assert checks)."""
+    return stages * rows * BLOCK_K * 2 + 2048
 
 
-def kernel(block_n: int, stages: int, group_m: int) -> NvccKernel:
-    """The GEMM at tiles of BLOCK_M x `block_n`, `stages` K tiles in flight, `group_m` row tiles a group.
+def gemm(block_n: int, stages: int, group_m: int) -> NvccKernel:
+    """`gemm` at tiles of BLOCK_M x `block_n`, `stages` K tiles in flight, `group_m` row tiles a group.
     Launch: grid (min(row tiles x N / block_n, SMs), 1, 1)."""
     entry = f"kiln_cute_gemm_n{block_n}_s{stages}_g{group_m}"
-    shared = shared_bytes(block_n, stages)
-    return NvccKernel(SOURCE, entry, f"KILN_CUTE_GEMM({entry}, {block_n}, {stages}, {group_m}, {shared})", SIGNATURE,
-                      WARPS, targets=TARGETS, shared_bytes=shared, includes=(cutlass_include(),), arch_specific=True)
+    shared = shared_bytes(BLOCK_M + block_n, stages)
+    return _kernel(entry, f"KILN_CUTE_GEMM({entry}, {block_n}, {stages}, {group_m}, {shared})", GEMM_SIGNATURE, 12,
+                   shared)
+
+
+def decode(rows: int, stages: int) -> NvccKernel:
+    """`decode` for up to `rows` rows of x (8, 16, 32 or 64), `stages` K tiles in flight. Launch: grid
+    (N / WEIGHT_ROWS, parts, 1), where parts divide K / BLOCK_K into nearly equal runs."""
+    entry = f"kiln_cute_decode_t{rows}_s{stages}"
+    shared = shared_bytes(WEIGHT_ROWS + rows, stages)
+    return _kernel(entry, f"KILN_CUTE_DECODE({entry}, {rows}, {stages}, {shared})", DECODE_SIGNATURE, 5, shared,
+                   pdl=True)
+
+
+def _kernel(entry: str, instance: str, signature: dict, warps: int, shared: int, pdl: bool = False) -> NvccKernel:
+    return NvccKernel(SOURCE, entry, instance, signature, warps, meta={"pdl": True} if pdl else {}, targets=TARGETS,
+                      shared_bytes=shared, includes=(cutlass_include(),), arch_specific=True)
