@@ -160,6 +160,8 @@ def plain_kernels(built: dict, copy: float) -> None:
     import torch
 
     from kiln.plugins.driver_launch import grid as eval_grid
+    from kiln.plugins.linear.cute_gemm import BLOCK_K, WEIGHT_ROWS, decode_grid
+    from kiln.runtime.cuda_driver import encode_tensor_map
     from scripts.gpu_timing import replay_ms
 
     stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
@@ -186,8 +188,6 @@ def plain_kernels(built: dict, copy: float) -> None:
     cute = {key: load(entry)[0] for key, entry in built.get("cute", {}).items()}
     w_maps, x_maps = {}, {}
     if cute:
-        from kiln.plugins.linear.cute_gemm import BLOCK_K, WEIGHT_ROWS
-        from kiln.runtime.cuda_driver import encode_tensor_map
         w_maps = {(name, layer): encode_tensor_map(w.data_ptr(), "bf16", tuple(w.shape), (WEIGHT_ROWS, BLOCK_K))
                   for name, ws in weights.items() for layer, w in enumerate(ws)}
         x_maps = {(name, t, rows): encode_tensor_map(xs[name, t].data_ptr(), "bf16", (t, SHAPES[name][1]),
@@ -217,7 +217,7 @@ def plain_kernels(built: dict, copy: float) -> None:
         def launch(name: str, layer: int) -> None:
             n, k = SHAPES[name]
             res = residuals[name, t].data_ptr() if RESIDUAL[name] else 0
-            cute[v[:2]].launch((n // 64, parts, 1), [w_maps[name, layer], x_maps[name, t, rows], res,
+            cute[v[:2]].launch(decode_grid(t, n, k, rows, parts), [w_maps[name, layer], x_maps[name, t, rows], res,
                                                     outs[name, t].data_ptr(), part.data_ptr(), count.data_ptr(), t,
                                                     n, k], stream())
         return launch

@@ -190,7 +190,7 @@ def run_all(path: str, every: str | None = None) -> None:
             if info["kind"] == "tma":
                 grids = {"persistent": min(tiles, sms), "one tile each": tiles}
             elif info["kind"] == "cute":
-                grids = {"persistent": min(tiles, sms)}
+                grids = {"persistent": cute_gemm.gemm_grid(t, n, k, info["bn"], sms)[0]}
             for gname, programs in grids.items():
                 grid = (programs, 1, 1) if programs else (-(-t // info["bm"]), -(-n // info["bn"]), 1)
                 if info["kind"] == "cute":

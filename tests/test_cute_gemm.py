@@ -91,3 +91,16 @@ def test_a_tiling_whose_stages_outgrow_its_shared_memory_does_not_compile(kernel
 def test_a_descriptor_the_driver_would_refuse_is_refused_first(address, shape, box):
     with pytest.raises(ValueError, match="no TMA descriptor"):
         encode_tensor_map(address, "bf16", shape, box)
+
+
+def test_grids_refuse_shapes_the_kernels_would_get_wrong():
+    assert cute_gemm.gemm_grid(300, 4096, 4096, 128, 132) == (96, 1, 1)   # 3 row tiles x 32 column tiles
+    assert cute_gemm.gemm_grid(8192, 4096, 4096, 128, 132) == (132, 1, 1)
+    assert cute_gemm.decode_grid(8, 4096, 14336, 8, 4) == (64, 4, 1)
+    with pytest.raises(ValueError, match="multiple of 128 rows"):
+        cute_gemm.gemm_grid(256, 4160, 4096, 128, 132)
+    for rows, n, k, parts in ((9, 4096, 4096, 1),      # more rows than the kernel computes
+                              (8, 4100, 4096, 1),      # a partial 64-row weight tile
+                              (8, 4096, 4096, 65)):    # more parts than K tiles
+        with pytest.raises(ValueError, match="the CuTe decode GEMM built for 8 rows"):
+            cute_gemm.decode_grid(rows, n, k, 8, parts)

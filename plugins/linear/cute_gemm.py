@@ -39,7 +39,7 @@ def shared_bytes(rows: int, stages: int) -> int:
 
 def gemm(block_n: int, stages: int, group_m: int) -> NvccKernel:
     """`gemm` at tiles of BLOCK_M x `block_n`, `stages` K tiles in flight, `group_m` row tiles a group.
-    Launch: grid (min(row tiles x N / block_n, SMs), 1, 1)."""
+    Launch: grid `gemm_grid`."""
     entry = f"kiln_cute_gemm_n{block_n}_s{stages}_g{group_m}"
     shared = shared_bytes(BLOCK_M + block_n, stages)
     return _kernel(entry, f"KILN_CUTE_GEMM({entry}, {block_n}, {stages}, {group_m}, {shared})", GEMM_SIGNATURE, 12,
@@ -48,11 +48,30 @@ def gemm(block_n: int, stages: int, group_m: int) -> NvccKernel:
 
 def decode(rows: int, stages: int) -> NvccKernel:
     """`decode` for up to `rows` rows of x (8, 16, 32 or 64), `stages` K tiles in flight. Launch: grid
-    (N / WEIGHT_ROWS, parts, 1), where parts divide K / BLOCK_K into nearly equal runs."""
+    `decode_grid` (K / BLOCK_K tiles shared by the parts in nearly equal runs)."""
     entry = f"kiln_cute_decode_t{rows}_s{stages}"
     shared = shared_bytes(WEIGHT_ROWS + rows, stages)
     return _kernel(entry, f"KILN_CUTE_DECODE({entry}, {rows}, {stages}, {shared})", DECODE_SIGNATURE, 5, shared,
                    pdl=True)
+
+
+def gemm_grid(rows: int, n: int, k: int, block_n: int, sms: int) -> tuple[int, int, int]:
+    """`gemm`'s grid for `rows` rows of x and an [n, k] weight on a GPU of `sms` SMs; refuses a shape the
+    kernel does not serve (it would leave columns out or read past K)."""
+    if n % block_n or k % BLOCK_K:
+        raise ValueError(f"the CuTe GEMM at {block_n}-column tiles serves weights of a multiple of {block_n} rows "
+                         f"and {BLOCK_K} columns, not [{n}, {k}]")
+    return min(-(-rows // BLOCK_M) * (n // block_n), sms), 1, 1
+
+
+def decode_grid(rows: int, n: int, k: int, served: int, parts: int) -> tuple[int, int, int]:
+    """`decode`'s grid for `rows` rows of x and an [n, k] weight, built for `served` rows, K in `parts`;
+    refuses what it does not serve (rows past `served` would be left out)."""
+    if rows > served or n % WEIGHT_ROWS or k % BLOCK_K or not 1 <= parts <= k // BLOCK_K:
+        raise ValueError(f"the CuTe decode GEMM built for {served} rows serves up to {served} rows of x, weights of a "
+                         f"multiple of {WEIGHT_ROWS} rows and {BLOCK_K} columns and 1 to K / {BLOCK_K} parts, not "
+                         f"{rows} rows, [{n}, {k}] and {parts} parts")
+    return n // WEIGHT_ROWS, parts, 1
 
 
 def _kernel(entry: str, instance: str, signature: dict, warps: int, shared: int, pdl: bool = False) -> NvccKernel:

@@ -19,7 +19,8 @@
 // at once share a few weight tiles and a few x tiles, which the L2 holds. Grid (min(row tiles x N /
 // BN, SMs), 1, 1); x boxes [128, 64], w boxes [BN, 64].
 //
-// KILN_CUTE_DECODE, for decode steps of up to TT rows ("swap AB"): the weights are wgmma's 64-row A
+// KILN_CUTE_DECODE, for decode steps of up to TT rows ("swap AB"; rows past TT are not computed: the
+// launch keeps T <= TT, `cute_gemm.decode_grid`): the weights are wgmma's 64-row A
 // operand and x its TT-column B operand, so no MMA work is spent on padding rows. A block takes 64
 // weight rows over one of gridDim.y equal parts of K; 160 threads, warps 0-3 the consumer, warp 4
 // the producer. With parts (split-K), each block stores its fp32 sums in its slot of `part` and the
@@ -48,6 +49,9 @@ using EmptyBarrier = cutlass::arch::ClusterBarrier;
 
 constexpr int BK = 64;   // one 128-byte swizzle row of bf16
 constexpr uint64_t EVICT_NORMAL = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
+// A decode step reads each weight once and x from every block: the L2 keeps x, not the weights.
+constexpr uint64_t EVICT_FIRST = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_FIRST);
+constexpr uint64_t EVICT_LAST = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_LAST);
 
 // K-major shared tiles of `rows` x BK in 128-byte swizzle atoms of 8 rows, one per stage: what a TMA
 // box of [rows, 64] with the 128-byte swizzle writes, and what wgmma reads.
@@ -254,16 +258,16 @@ __device__ __forceinline__ void decode(const CUtensorMap* w_map, const CUtensorM
     const int early = min(k_count, STAGES);
     for (int i = 0; i < early; ++i) {
       s.ring.acquire(i, D::W_BYTES + D::X_BYTES);
-      SM90_TMA_LOAD_2D::copy(w_map, &s.ring.full[i], EVICT_NORMAL, s.w + i * BW * BK, (k_first + i) * BK, tile * BW);
+      SM90_TMA_LOAD_2D::copy(w_map, &s.ring.full[i], EVICT_FIRST, s.w + i * BW * BK, (k_first + i) * BK, tile * BW);
     }
     wait_inputs();
     for (int i = 0; i < early; ++i)
-      SM90_TMA_LOAD_2D::copy(x_map, &s.ring.full[i], EVICT_NORMAL, s.x + i * TT * BK, (k_first + i) * BK, 0);
+      SM90_TMA_LOAD_2D::copy(x_map, &s.ring.full[i], EVICT_LAST, s.x + i * TT * BK, (k_first + i) * BK, 0);
     for (int i = early; i < k_count; ++i) {
       const int stage = s.ring.acquire(i, D::W_BYTES + D::X_BYTES);
-      SM90_TMA_LOAD_2D::copy(w_map, &s.ring.full[stage], EVICT_NORMAL, s.w + stage * BW * BK, (k_first + i) * BK,
+      SM90_TMA_LOAD_2D::copy(w_map, &s.ring.full[stage], EVICT_FIRST, s.w + stage * BW * BK, (k_first + i) * BK,
                              tile * BW);
-      SM90_TMA_LOAD_2D::copy(x_map, &s.ring.full[stage], EVICT_NORMAL, s.x + stage * TT * BK, (k_first + i) * BK, 0);
+      SM90_TMA_LOAD_2D::copy(x_map, &s.ring.full[stage], EVICT_LAST, s.x + stage * TT * BK, (k_first + i) * BK, 0);
     }
     return;
   }
@@ -277,6 +281,7 @@ __device__ __forceinline__ void decode(const CUtensorMap* w_map, const CUtensorM
   Tensor acc = partition_fragment_C(mma, Shape<Int<BW>, Int<TT>>{});
   Tensor where = thread.partition_C(make_identity_tensor(Shape<Int<BW>, Int<TT>>{}));   // (weight row, token)
   accumulate(mma, w_frag, x_frag, acc, s.ring, 0, k_count, threadIdx.x == 0);
+  if (k_count == 0) clear(acc);   // more parts than K tiles: this one adds nothing, and still counts
   wait_inputs();   // the epilogue reads the residual and writes out: both the kernels before may touch
 
   if (parts > 1) {
@@ -294,11 +299,10 @@ __device__ __forceinline__ void decode(const CUtensorMap* w_map, const CUtensorM
     }
     cutlass::arch::NamedBarrier::arrive_and_wait(128, 0);
     if (!s.last) return;
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc); ++i) {
-      float sum = 0.0f;
-      for (int p = 0; p < parts; ++p) sum += __ldcg(slot + p * (BW * TT) + get<0>(where(i)) * TT + get<1>(where(i)));
-      acc(i) = sum;
+    clear(acc);
+    for (int p = 0; p < parts; ++p) {   // a part's loads in flight together
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc); ++i) acc(i) += __ldcg(slot + p * (BW * TT) + get<0>(where(i)) * TT + get<1>(where(i)));
     }
     if (threadIdx.x == 0) count[tile] = 0;
   }
