@@ -41,8 +41,9 @@ MMA_SOURCE = Path(__file__).with_name("probe_mma_gemv.cu")
 MMA_ROWS = {1: (1, 4, 8), 2: (16,)}
 MMA_SIGNATURE = {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "residual": "*bf16", "out": "*bf16", "T": "i32",
                  "N": "i32", "K": "i32"}
-# The CuTe decode GEMM: (rows of x it serves, stages), each timed at every split of K in CUTE_PARTS.
-CUTE_VARIANTS = [(8, 8), (8, 12), (16, 8)]
+# The CuTe decode GEMM: (rows of x it serves, stages, element), each timed at every split of K in CUTE_PARTS;
+# the e4m3 ones apart (`cute_fp8`), over the same weights quantized per row.
+CUTE_VARIANTS = [(8, 8, "bf16"), (8, 12, "bf16"), (16, 8, "bf16"), (8, 8, "fp8e4nv"), (8, 12, "fp8e4nv")]
 CUTE_PARTS = (1, 2, 4, 8)
 # The engine's plugins at Llama-3-8B's shapes: (compile shapes, attrs). norm_swiglu has no GEMV
 # bucket since session 21 (its pair kernel lost): both of its columns then time the Triton kernel.
@@ -76,7 +77,7 @@ def mma_kernel(nt: int, r: int, warps: int, u: int):
     return NvccKernel(gemv.SOURCE, f"mma_gemv_nt{nt}_r{r}_k{warps}_u{u}", MMA_SOURCE.read_text(), MMA_SIGNATURE, warps)
 
 
-def cute_kernels() -> dict[tuple[int, int], tuple]:
+def cute_kernels() -> dict[tuple[int, int, str], tuple]:
     """The CuTe decode GEMM's variants, compiled (none without CUTLASS's headers)."""
     from kiln.plugins.linear import cute_gemm
 
@@ -160,7 +161,7 @@ def plain_kernels(built: dict, copy: float) -> None:
     import torch
 
     from kiln.plugins.driver_launch import grid as eval_grid
-    from kiln.plugins.linear.cute_gemm import BLOCK_K, WEIGHT_ROWS, decode_grid
+    from kiln.plugins.linear.cute_gemm import WEIGHT_ROWS, decode_grid, k_tile
     from kiln.runtime.cuda_driver import encode_tensor_map
     from scripts.gpu_timing import replay_ms
 
@@ -185,13 +186,13 @@ def plain_kernels(built: dict, copy: float) -> None:
 
     cuda = {key: load(entry)[0] for key, entry in built["cuda"].items()}
     mma = {key: load(entry)[0] for key, entry in built["mma"].items()}
-    cute = {key: load(entry)[0] for key, entry in built.get("cute", {}).items()}
+    cute = {key[:2]: load(entry)[0] for key, entry in built.get("cute", {}).items() if key[2] == "bf16"}
     w_maps, x_maps = {}, {}
     if cute:
-        w_maps = {(name, layer): encode_tensor_map(w.data_ptr(), "bf16", tuple(w.shape), (WEIGHT_ROWS, BLOCK_K))
+        w_maps = {(name, layer): encode_tensor_map(w.data_ptr(), "bf16", tuple(w.shape), (WEIGHT_ROWS, k_tile()))
                   for name, ws in weights.items() for layer, w in enumerate(ws)}
         x_maps = {(name, t, rows): encode_tensor_map(xs[name, t].data_ptr(), "bf16", (t, SHAPES[name][1]),
-                                                     (rows, BLOCK_K))
+                                                     (rows, k_tile()))
                   for (name, t), rows in itertools.product(xs, {rows for rows, _ in cute})}
     triton_fns = {name: load(entry) for name, entry in built["triton"].items()}
 
@@ -217,9 +218,9 @@ def plain_kernels(built: dict, copy: float) -> None:
         def launch(name: str, layer: int) -> None:
             n, k = SHAPES[name]
             res = residuals[name, t].data_ptr() if RESIDUAL[name] else 0
-            cute[v[:2]].launch(decode_grid(t, n, k, rows, parts), [w_maps[name, layer], x_maps[name, t, rows], res,
-                                                    outs[name, t].data_ptr(), part.data_ptr(), count.data_ptr(), t,
-                                                    n, k], stream())
+            cute[v[:2]].launch(decode_grid(t, n, k, rows, parts), [w_maps[name, layer], x_maps[name, t, rows], 0, 0,
+                                                                    res, outs[name, t].data_ptr(), part.data_ptr(),
+                                                                    count.data_ptr(), t, n, k], stream())
         return launch
 
     def triton_launch(t: int):
@@ -277,6 +278,77 @@ def plain_kernels(built: dict, copy: float) -> None:
         for label, fns in chains.items():
             ms = replay_ms(lambda: [fns[name](name, layer) for layer in range(LAYERS) for name in SHAPES])
             print(f"  {label:12s} {ms:.3f} ms  {total / ms / 1e9:.2f} TB/s ({total / ms / 1e9 / copy:.1%} of copy)")
+    cute_fp8(built, weights, copy)
+
+
+def cute_fp8(built: dict, weights: dict, copy: float) -> None:
+    """The e4m3 CuTe decode GEMM over `weights` quantized per row, x quantized per row: each variant alone
+    at T = 1 to 8 and every split of K, then the 32-layer chain of the best of each shape, against the
+    device's copy rate (the e4m3 bytes: half of bf16's)."""
+    import torch
+
+    from kiln.plugins.fp8 import dequantize_rows, quantize_rows
+    from kiln.plugins.linear.cute_gemm import WEIGHT_ROWS, decode_grid, k_tile
+    from kiln.runtime.cuda_driver import encode_tensor_map
+    from scripts.gpu_timing import replay_ms
+
+    variants = {key[:2]: load(entry)[0] for key, entry in built.get("cute", {}).items() if key[2] == "fp8e4nv"}
+    if not variants:
+        return
+    stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    quantized = {name: [quantize_rows(w) for w in ws] for name, ws in weights.items()}
+    w_maps = {(name, layer): encode_tensor_map(q.data_ptr(), "fp8e4nv", tuple(q.shape), (WEIGHT_ROWS, k_tile("fp8e4nv")))
+              for name, qs in quantized.items() for layer, (q, _) in enumerate(qs)}
+    part = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    count = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
+    total = sum(q.nbytes for qs in quantized.values() for q, _ in qs)
+    print(f"e4m3 CuTe decode: {LAYERS} layers x {list(SHAPES)}, {total / 1e9:.2f} GB, limit {total / copy / 1e9:.3f} ms")
+    for t in (1, 2, 4, 8):
+        xs = {name: quantize_rows(torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen))
+              for name, (n, k) in SHAPES.items()}
+        residuals = {name: torch.randn(t, n, device="cuda", dtype=torch.bfloat16, generator=gen)
+                     for name, (n, k) in SHAPES.items() if RESIDUAL[name]}
+        outs = {name: torch.empty(t, n, device="cuda", dtype=torch.bfloat16) for name, (n, k) in SHAPES.items()}
+        x_maps = {(name, rows): encode_tensor_map(xs[name][0].data_ptr(), "fp8e4nv", (t, SHAPES[name][1]),
+                                                  (rows, k_tile("fp8e4nv")))
+                  for name, (rows, _) in itertools.product(SHAPES, variants)}
+
+        def launcher(v: tuple[int, int], parts: int):
+            def launch(name: str, layer: int) -> None:
+                n, k = SHAPES[name]
+                q, scale = quantized[name][layer]
+                res = residuals[name].data_ptr() if RESIDUAL[name] else 0
+                variants[v].launch(decode_grid(t, n, k, v[0], parts, "fp8e4nv"),
+                                   [w_maps[name, layer], x_maps[name, v[0]], scale.data_ptr(), xs[name][1].data_ptr(),
+                                    res, outs[name].data_ptr(), part.data_ptr(), count.data_ptr(), t, n, k], stream())
+            return launch
+
+        best = {}
+        for name, (n, k) in SHAPES.items():
+            q, scale = quantized[name][LAYERS - 1]
+            ref = dequantize_rows(*xs[name]) @ dequantize_rows(q, scale).T
+            ref = ref + residuals[name].float() if RESIDUAL[name] else ref
+            rows = []
+            for v, parts in itertools.product(variants, CUTE_PARTS):
+                launch = launcher(v, parts)
+                outs[name].zero_()
+                launch(name, LAYERS - 1)
+                torch.cuda.synchronize()
+                err = ((outs[name].float() - ref).norm() / ref.norm()).item()
+                us = replay_ms(lambda: [launch(name, layer) for layer in range(20)]) * 1e3 / 20
+                rows.append((us, f"cute decode fp8 t{v[0]} s{v[1]} p{parts}", launch, err))
+            rows.sort(key=lambda row: row[0])
+            good = [row for row in rows if row[3] < 1e-2]
+            if good:
+                best[name] = good[0][2]
+            print(f"{name} {n}x{k} e4m3 T={t}: weights {n * k / 1e6:.0f} MB, {n * k / copy / 1e6:.1f} us at the copy rate")
+            for us, label, _, err in rows[:4] + [row for row in rows if row[3] >= 1e-2]:
+                flag = "" if err < 1e-2 else "  WRONG"
+                print(f"  {us:7.2f} us  {n * k / us / 1e6:5.2f} TB/s  rel err {err:.1e}  {label}{flag}")
+        if len(best) == len(SHAPES):
+            ms = replay_ms(lambda: [best[name](name, layer) for layer in range(LAYERS) for name in SHAPES])
+            print(f"  T={t} e4m3 chain {ms:.3f} ms  {total / ms / 1e9:.2f} TB/s ({total / ms / 1e9 / copy:.1%} of copy)")
 
 
 def engine_kernels(built: dict, extra: dict) -> None:

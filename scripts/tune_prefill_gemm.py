@@ -87,7 +87,7 @@ def cute_configs() -> list[tuple[str, dict, NvccKernel]]:
     except RuntimeError:
         return []
     return [(name, {"kind": "cute", "n": n, "k": k, "bm": cute_gemm.BLOCK_M, "bn": bn,
-                    "label": f"cute bm{cute_gemm.BLOCK_M} bn{bn} bk{cute_gemm.BLOCK_K} s{stages} g{group}"},
+                    "label": f"cute bm{cute_gemm.BLOCK_M} bn{bn} bk{cute_gemm.k_tile()} s{stages} g{group}"},
              kernels[(bn, stages, group)])
             for (name, (n, k)), (bn, stages, group) in itertools.product(SHAPES.items(), CUTE_TILES)]
 
@@ -194,8 +194,8 @@ def run_all(path: str, every: str | None = None) -> None:
             for gname, programs in grids.items():
                 grid = (programs, 1, 1) if programs else (-(-t // info["bm"]), -(-n // info["bn"]), 1)
                 if info["kind"] == "cute":
-                    x_map = encode_tensor_map(x.data_ptr(), "bf16", (t, k), (info["bm"], cute_gemm.BLOCK_K))
-                    args = [[x_map, encode_tensor_map(w.data_ptr(), "bf16", (n, k), (info["bn"], cute_gemm.BLOCK_K)),
+                    x_map = encode_tensor_map(x.data_ptr(), "bf16", (t, k), (info["bm"], cute_gemm.k_tile()))
+                    args = [[x_map, encode_tensor_map(w.data_ptr(), "bf16", (n, k), (info["bn"], cute_gemm.k_tile())),
                              out.data_ptr(), t, n, k] for w in weights[name]]
                 elif FP8:
                     args = [[x.data_ptr(), x_scale.data_ptr(), w.data_ptr(), w_scale.data_ptr(), out.data_ptr(), t]

@@ -27,13 +27,14 @@ PTX_PARAM = {"tensormap": ".param .align 128 .b8[128]", "i32": ".param .u32"}
 
 @pytest.fixture(scope="module")
 def kernels() -> dict[str, nvcc.NvccKernel]:
-    return {"gemm": cute_gemm.gemm(128, 6, 8), "decode": cute_gemm.decode(8, 8)}
+    return {"gemm": cute_gemm.gemm(128, 6, 8), "decode": cute_gemm.decode(8, 8),
+            "decode_fp8": cute_gemm.decode(8, 8, "fp8e4nv")}
 
 
 @pytest.fixture(scope="module")
 def ptx(kernels) -> str:
-    """Both kernels' PTX, from one nvcc run over the file with both instances."""
-    source = nvcc.source_text(kernels["gemm"]) + kernels["decode"].instance + "\n"
+    """Every kernel's PTX, from one nvcc run over the file with every instance."""
+    source = nvcc.source_text(kernels["gemm"]) + kernels["decode"].instance + "\n" + kernels["decode_fp8"].instance + "\n"
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "k.cu").write_text(source)
         subprocess.run([nvcc.nvcc_path(), "-ptx", *kernels["gemm"].options("sm_90"), "-o", f"{tmp}/k.ptx",
@@ -47,7 +48,7 @@ def entry_ptx(ptx: str, entry: str) -> str:
     return ptx[start:end if end > 0 else len(ptx)]
 
 
-@pytest.mark.parametrize("name", ["gemm", "decode"])
+@pytest.mark.parametrize("name", ["gemm", "decode", "decode_fp8"])
 def test_entry_takes_its_signature_as_the_launch_packs_it(kernels, ptx, name):
     kernel = kernels[name]
     params = re.search(rf"\.entry {kernel.entry}\(([^)]*)\)", ptx).group(1)
@@ -55,12 +56,13 @@ def test_entry_takes_its_signature_as_the_launch_packs_it(kernels, ptx, name):
     assert kinds == [PTX_PARAM.get(kind, ".param .u64") for kind in kernel.signature.values()]
 
 
-@pytest.mark.parametrize("name", ["gemm", "decode"])
-def test_it_is_built_of_hoppers_own_instructions(kernels, ptx, name):
+@pytest.mark.parametrize("name, mma", [("gemm", ".bf16.bf16"), ("decode", "m64n8k16.f32.bf16.bf16"),
+                                       ("decode_fp8", "m64n8k32.f32.e4m3.e4m3")])
+def test_it_is_built_of_hoppers_own_instructions(kernels, ptx, name, mma):
     kernel, code = kernels[name], entry_ptx(ptx, kernels[name].entry)
     assert re.search(r"^\.target sm_90a", ptx, re.M)
     assert f".maxntid {32 * kernel.num_warps}, 1, 1" in code
-    assert "wgmma.mma_async" in code and "cp.async.bulk.tensor.2d" in code
+    assert "wgmma.mma_async" in code and mma in code and "cp.async.bulk.tensor.2d" in code
     if name == "gemm":   # the producer warpgroup gives its registers to the consumers
         assert "setmaxnreg.dec" in code and "setmaxnreg.inc" in code
     else:                # programmatic dependent launch, and the split-K count
@@ -79,7 +81,7 @@ def test_cubin_builds_within_the_targets_shared_memory(kernels, name, rows):
 
 
 def test_a_tiling_whose_stages_outgrow_its_shared_memory_does_not_compile(kernels):
-    small = nvcc.NvccKernel(cute_gemm.SOURCE, "small", "KILN_CUTE_DECODE(small, 8, 8, 40000)",
+    small = nvcc.NvccKernel(cute_gemm.SOURCE, "small", "KILN_CUTE_DECODE(small, kiln_cute::bf16, 8, 8, 40000)",
                             cute_gemm.DECODE_SIGNATURE, 5, includes=kernels["decode"].includes, arch_specific=True)
     with pytest.raises(RuntimeError, match="too little shared memory"):
         compile_cubin(small, "sm_90")

@@ -2,17 +2,19 @@
 (`cute_gemm_sm90.cu`: TMA loads into a ring of shared-memory stages, wgmma, a producer and consumer
 warpgroups), built by nvcc for sm_90a with `nvidia-cutlass`'s headers.
 
-- `gemm`: prefill chunks and large batches, persistent tiles of BLOCK_M rows of x by block_n weight rows;
-- `decode`: decode steps of up to `rows` rows of x, the weights as wgmma's 64-row operand ("swap AB",
-  no MMA spent on padding rows), K split in parts over the grid's y when the weight has too few
-  64-row tiles to fill the GPU, launched for programmatic dependent launch.
+- `gemm`: prefill chunks and large batches in bf16, persistent tiles of BLOCK_M rows of x by block_n
+  weight rows;
+- `decode`: decode steps of up to `rows` rows of x, in bf16 or e4m3 (x and w quantized per row), the
+  weights as wgmma's 64-row operand ("swap AB", no MMA spent on padding rows), K split in parts over
+  the grid's y when the weight has too few 64-row tiles to fill the GPU, launched for programmatic
+  dependent launch.
 
 Candidates, not yet engine kernels: scripts/tune_prefill_gemm.py sweeps `gemm` beside the Triton TMA
 GEMM that the prefill bucket runs and beside cuBLAS, scripts/probe_cuda_gemv.py `decode` beside the
 decode GEMVs and Triton's decode tiles; the builder will take them for the shapes where they measure
-faster. Their TMA descriptors are parameters the host makes (`runtime.cuda_driver.encode_tensor_map`,
-boxes of [rows, BLOCK_K]: x in boxes of BLOCK_M (`gemm`) or `rows` (`decode`) rows, w of block_n
-(`gemm`) or WEIGHT_ROWS (`decode`)), so a launch needs no global scratch.
+faster. Their TMA descriptors are parameters the host makes (`runtime.cuda_driver.encode_tensor_map`):
+boxes one K tile (128 bytes, `k_tile` elements) wide, of BLOCK_M (`gemm`) or `rows` (`decode`) rows of
+x and block_n (`gemm`) or WEIGHT_ROWS (`decode`) rows of w. A launch needs no global scratch.
 """
 from __future__ import annotations
 
@@ -22,19 +24,27 @@ from kiln.plugins.nvcc import NvccKernel, cutlass_include
 
 SOURCE = Path(__file__).with_name("cute_gemm_sm90.cu")
 GEMM_SIGNATURE = {"x_map": "tensormap", "w_map": "tensormap", "out": "*bf16", "M": "i32", "N": "i32", "K": "i32"}
-# part [N / WEIGHT_ROWS, parts, WEIGHT_ROWS, rows] fp32 and count [N / WEIGHT_ROWS] int32, zeroed once (the
-# kernel leaves them so), when the grid has parts; else unused.
-DECODE_SIGNATURE = {"w_map": "tensormap", "x_map": "tensormap", "residual": "*bf16", "out": "*bf16",
-                    "part": "*fp32", "count": "*i32", "T": "i32", "N": "i32", "K": "i32"}
-BLOCK_M, BLOCK_K = 128, 64   # gemm: two consumer warpgroups of 64 rows; one 128-byte row of bf16
+# w_scale [N] and x_scale [T] for e4m3 (else null); part [N / WEIGHT_ROWS, parts, WEIGHT_ROWS, rows] fp32 and
+# count [N / WEIGHT_ROWS] int32, zeroed once (the kernel leaves them so), when the grid has parts.
+DECODE_SIGNATURE = {"w_map": "tensormap", "x_map": "tensormap", "w_scale": "*fp32", "x_scale": "*fp32",
+                    "residual": "*bf16", "out": "*bf16", "part": "*fp32", "count": "*i32", "T": "i32", "N": "i32",
+                    "K": "i32"}
+K_TILE_BYTES = 128           # a K tile is one 128-byte swizzle row
+ELEMENTS = {"bf16": ("kiln_cute::bf16", 2), "fp8e4nv": ("kiln_cute::e4m3", 1)}
+BLOCK_M = 128                # gemm: two consumer warpgroups of 64 rows
 WEIGHT_ROWS = 64             # decode: weight rows a block (one consumer warpgroup)
 TARGETS = ("sm_90",)         # wgmma and setmaxnreg: Hopper's alone (sm_90a)
+
+
+def k_tile(element: str = "bf16") -> int:
+    """Elements of `element` in a K tile (the width of every TMA box)."""
+    return K_TILE_BYTES // ELEMENTS[element][1]
 
 
 def shared_bytes(rows: int, stages: int) -> int:
     """Dynamic shared memory of a kernel whose stages hold `rows` rows of K tile (x's and w's together),
     and 2 KiB for the barriers and the 1 KiB alignment of the base (the kernel's static_assert checks)."""
-    return stages * rows * BLOCK_K * 2 + 2048
+    return stages * rows * K_TILE_BYTES + 2048
 
 
 def gemm(block_n: int, stages: int, group_m: int) -> NvccKernel:
@@ -46,31 +56,32 @@ def gemm(block_n: int, stages: int, group_m: int) -> NvccKernel:
                    shared)
 
 
-def decode(rows: int, stages: int) -> NvccKernel:
-    """`decode` for up to `rows` rows of x (8, 16, 32 or 64), `stages` K tiles in flight. Launch: grid
-    `decode_grid` (K / BLOCK_K tiles shared by the parts in nearly equal runs)."""
-    entry = f"kiln_cute_decode_t{rows}_s{stages}"
+def decode(rows: int, stages: int, element: str = "bf16") -> NvccKernel:
+    """`decode` of `element`s ("bf16" or "fp8e4nv") for up to `rows` rows of x (8, 16, 32 or 64), `stages`
+    K tiles in flight. Launch: grid `decode_grid` (the K tiles shared by the parts in nearly equal runs)."""
+    entry = f"kiln_cute_decode_{element}_t{rows}_s{stages}"
     shared = shared_bytes(WEIGHT_ROWS + rows, stages)
-    return _kernel(entry, f"KILN_CUTE_DECODE({entry}, {rows}, {stages}, {shared})", DECODE_SIGNATURE, 5, shared,
-                   pdl=True)
+    return _kernel(entry, f"KILN_CUTE_DECODE({entry}, {ELEMENTS[element][0]}, {rows}, {stages}, {shared})",
+                   DECODE_SIGNATURE, 5, shared, pdl=True)
 
 
 def gemm_grid(rows: int, n: int, k: int, block_n: int, sms: int) -> tuple[int, int, int]:
     """`gemm`'s grid for `rows` rows of x and an [n, k] weight on a GPU of `sms` SMs; refuses a shape the
     kernel does not serve (it would leave columns out or read past K)."""
-    if n % block_n or k % BLOCK_K:
+    if n % block_n or k % k_tile():
         raise ValueError(f"the CuTe GEMM at {block_n}-column tiles serves weights of a multiple of {block_n} rows "
-                         f"and {BLOCK_K} columns, not [{n}, {k}]")
+                         f"and {k_tile()} columns, not [{n}, {k}]")
     return min(-(-rows // BLOCK_M) * (n // block_n), sms), 1, 1
 
 
-def decode_grid(rows: int, n: int, k: int, served: int, parts: int) -> tuple[int, int, int]:
+def decode_grid(rows: int, n: int, k: int, served: int, parts: int, element: str = "bf16") -> tuple[int, int, int]:
     """`decode`'s grid for `rows` rows of x and an [n, k] weight, built for `served` rows, K in `parts`;
     refuses what it does not serve (rows past `served` would be left out)."""
-    if rows > served or n % WEIGHT_ROWS or k % BLOCK_K or not 1 <= parts <= k // BLOCK_K:
+    tiles = k // k_tile(element)
+    if rows > served or n % WEIGHT_ROWS or k % k_tile(element) or not 1 <= parts <= tiles:
         raise ValueError(f"the CuTe decode GEMM built for {served} rows serves up to {served} rows of x, weights of a "
-                         f"multiple of {WEIGHT_ROWS} rows and {BLOCK_K} columns and 1 to K / {BLOCK_K} parts, not "
-                         f"{rows} rows, [{n}, {k}] and {parts} parts")
+                         f"multiple of {WEIGHT_ROWS} rows and {k_tile(element)} columns and 1 to {max(tiles, 1)} "
+                         f"parts, not {rows} rows, [{n}, {k}] and {parts} parts")
     return n // WEIGHT_ROWS, parts, 1
 
 

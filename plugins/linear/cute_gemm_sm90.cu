@@ -2,10 +2,11 @@
 // the linear plugin's GEMMs (`plugins.linear.cute_gemm` describes them to the build; candidates that
 // scripts/tune_prefill_gemm.py and scripts/probe_cuda_gemv.py sweep, not yet engine kernels).
 //
-//   out[T, N] (bf16) = x[T, K] (bf16, row-major) . w[N, K]^T (bf16, weights row-major), fp32 sums.
+//   out[T, N] (bf16) = x[T, K] (bf16, row-major) . w[N, K]^T (bf16, weights row-major), fp32 sums;
+//   the decode kernel also in e4m3: out = (x_q . w_q^T) * x_scale[t] * w_scale[n], x and w per row.
 //
 // Both kernels read x and w through TMA descriptors the host makes once (`runtime.cuda_driver.
-// encode_tensor_map`, 128-byte swizzle, boxes 64 wide in K): x as [rows, K], where rows may be the
+// encode_tensor_map`, 128-byte swizzle, boxes 128 bytes wide in K): x as [rows, K], where rows may be the
 // whole buffer's (the engine's pointers never move), w as [N, K]. T, the rows of this step, is a plain
 // argument that masks the stores, so rows past T are read (or zero-filled past the descriptor) and
 // never written. N and K are multiples of the tile (weights are fixed at build time). A ring of STAGES
@@ -28,7 +29,7 @@
 // so both need zeroing once) adds the slots in order and writes the tile. It is launched for
 // programmatic dependent launch: the producer issues its first STAGES weight loads before it waits
 // for the kernel before it, and x's loads and the epilogue's reads and writes after. Grid (N / 64,
-// parts, 1); w boxes [64, 64], x boxes [TT, 64].
+// parts, 1); w boxes [64, 128 bytes], x boxes [TT, 128 bytes].
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cute/arch/copy_sm90_desc.hpp>
@@ -44,19 +45,22 @@
 namespace kiln_cute {
 using namespace cute;
 using bf16 = cutlass::bfloat16_t;
+using e4m3 = cutlass::float_e4m3_t;
 using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
 using EmptyBarrier = cutlass::arch::ClusterBarrier;
 
-constexpr int BK = 64;   // one 128-byte swizzle row of bf16
+constexpr int K_TILE_BYTES = 128;   // a K tile: one 128-byte swizzle row
+constexpr int BK = K_TILE_BYTES / sizeof(bf16);
 constexpr uint64_t EVICT_NORMAL = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
 // A decode step reads each weight once and x from every block: the L2 keeps x, not the weights.
 constexpr uint64_t EVICT_FIRST = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_FIRST);
 constexpr uint64_t EVICT_LAST = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_LAST);
 
-// K-major shared tiles of `rows` x BK in 128-byte swizzle atoms of 8 rows, one per stage: what a TMA
-// box of [rows, 64] with the 128-byte swizzle writes, and what wgmma reads.
-template <int ROWS, int STAGES>
-using SmemTile = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16>{}, Shape<Int<ROWS>, Int<BK>, Int<STAGES>>{}));
+// K-major shared tiles of `rows` x 128 bytes in 128-byte swizzle atoms of 8 rows, one per stage: what a
+// TMA box of [rows, 128 bytes] with the 128-byte swizzle writes, and what wgmma reads.
+template <class E, int ROWS, int STAGES>
+using SmemTile = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{},
+                                        Shape<Int<ROWS>, Int<K_TILE_BYTES / sizeof(E)>, Int<STAGES>>{}));
 
 template <int STAGES>
 struct Ring {
@@ -190,8 +194,8 @@ __device__ __forceinline__ void gemm(const CUtensorMap* x_map, const CUtensorMap
 
   cutlass::arch::warpgroup_reg_alloc<232>();
   typename G::Mma mma;
-  Tensor sx = make_tensor(make_smem_ptr(s.x), SmemTile<BM, STAGES>{});   // (BM, BK, STAGES)
-  Tensor sw = make_tensor(make_smem_ptr(s.w), SmemTile<BN, STAGES>{});   // (BN, BK, STAGES)
+  Tensor sx = make_tensor(make_smem_ptr(s.x), SmemTile<bf16, BM, STAGES>{});   // (BM, BK, STAGES)
+  Tensor sw = make_tensor(make_smem_ptr(s.w), SmemTile<bf16, BN, STAGES>{});   // (BN, BK, STAGES)
   auto thread = mma.get_thread_slice(threadIdx.x - 128);
   Tensor x_frag = thread.make_fragment_A(thread.partition_A(sx));     // wgmma shared-memory descriptors
   Tensor w_frag = thread.make_fragment_B(thread.partition_B(sw));
@@ -220,27 +224,30 @@ __device__ __forceinline__ void gemm(const CUtensorMap* x_map, const CUtensorMap
 constexpr int BW = 64;   // weight rows a block: one consumer warpgroup
 constexpr int DECODE_THREADS = 160;
 
-template <int TT, int STAGES>
+template <class E, int TT, int STAGES>
 struct DecodeTiles {
-  using Mma = decltype(make_tiled_mma(SM90::GMMA::ss_op_selector<bf16, bf16, float, Shape<_64, Int<TT>, Int<BK>>>()));
-  static constexpr uint32_t W_BYTES = BW * BK * sizeof(bf16), X_BYTES = TT * BK * sizeof(bf16);
+  static constexpr int KT = K_TILE_BYTES / sizeof(E);   // elements of a K tile
+  using Mma = decltype(make_tiled_mma(SM90::GMMA::ss_op_selector<E, E, float, Shape<_64, Int<TT>, Int<KT>>>()));
+  static constexpr uint32_t W_BYTES = BW * K_TILE_BYTES, X_BYTES = TT * K_TILE_BYTES;
   struct Shared {
-    alignas(1024) bf16 w[STAGES * BW * BK];
-    alignas(1024) bf16 x[STAGES * TT * BK];
+    alignas(1024) E w[STAGES * BW * KT];
+    alignas(1024) E x[STAGES * TT * KT];
     Ring<STAGES> ring;
     int last;   // whether this block is its tile's last part to arrive
   };
   static constexpr int SHARED_BYTES = sizeof(Shared) + 1024;
 };
 
-template <int TT, int STAGES>
-__device__ __forceinline__ void decode(const CUtensorMap* w_map, const CUtensorMap* x_map,
-                                       const __nv_bfloat16* residual, __nv_bfloat16* out, float* part, int* count,
-                                       int T, int N, int K) {
-  using D = DecodeTiles<TT, STAGES>;
+// w_scale and x_scale are e4m3's per-row scales (null for bf16).
+template <class E, int TT, int STAGES>
+__device__ __forceinline__ void decode(const CUtensorMap* w_map, const CUtensorMap* x_map, const float* w_scale,
+                                       const float* x_scale, const __nv_bfloat16* residual, __nv_bfloat16* out,
+                                       float* part, int* count, int T, int N, int K) {
+  using D = DecodeTiles<E, TT, STAGES>;
+  constexpr int KT = D::KT;
   extern __shared__ unsigned char raw[];
   auto& s = aligned_shared<1024, typename D::Shared>(raw);
-  const int tile = blockIdx.x, parts = gridDim.y, k_tiles = K / BK;
+  const int tile = blockIdx.x, parts = gridDim.y, k_tiles = K / KT;
   const int k_first = blockIdx.y * k_tiles / parts, k_count = (blockIdx.y + 1) * k_tiles / parts - k_first;
 
   launch_dependents();
@@ -258,23 +265,23 @@ __device__ __forceinline__ void decode(const CUtensorMap* w_map, const CUtensorM
     const int early = min(k_count, STAGES);
     for (int i = 0; i < early; ++i) {
       s.ring.acquire(i, D::W_BYTES + D::X_BYTES);
-      SM90_TMA_LOAD_2D::copy(w_map, &s.ring.full[i], EVICT_FIRST, s.w + i * BW * BK, (k_first + i) * BK, tile * BW);
+      SM90_TMA_LOAD_2D::copy(w_map, &s.ring.full[i], EVICT_FIRST, s.w + i * BW * KT, (k_first + i) * KT, tile * BW);
     }
     wait_inputs();
     for (int i = 0; i < early; ++i)
-      SM90_TMA_LOAD_2D::copy(x_map, &s.ring.full[i], EVICT_LAST, s.x + i * TT * BK, (k_first + i) * BK, 0);
+      SM90_TMA_LOAD_2D::copy(x_map, &s.ring.full[i], EVICT_LAST, s.x + i * TT * KT, (k_first + i) * KT, 0);
     for (int i = early; i < k_count; ++i) {
       const int stage = s.ring.acquire(i, D::W_BYTES + D::X_BYTES);
-      SM90_TMA_LOAD_2D::copy(w_map, &s.ring.full[stage], EVICT_FIRST, s.w + stage * BW * BK, (k_first + i) * BK,
+      SM90_TMA_LOAD_2D::copy(w_map, &s.ring.full[stage], EVICT_FIRST, s.w + stage * BW * KT, (k_first + i) * KT,
                              tile * BW);
-      SM90_TMA_LOAD_2D::copy(x_map, &s.ring.full[stage], EVICT_LAST, s.x + stage * TT * BK, (k_first + i) * BK, 0);
+      SM90_TMA_LOAD_2D::copy(x_map, &s.ring.full[stage], EVICT_LAST, s.x + stage * TT * KT, (k_first + i) * KT, 0);
     }
     return;
   }
 
   typename D::Mma mma;
-  Tensor sw = make_tensor(make_smem_ptr(s.w), SmemTile<BW, STAGES>{});
-  Tensor sx = make_tensor(make_smem_ptr(s.x), SmemTile<TT, STAGES>{});
+  Tensor sw = make_tensor(make_smem_ptr(s.w), SmemTile<E, BW, STAGES>{});
+  Tensor sx = make_tensor(make_smem_ptr(s.x), SmemTile<E, TT, STAGES>{});
   auto thread = mma.get_thread_slice(threadIdx.x);
   Tensor w_frag = thread.make_fragment_A(thread.partition_A(sw));
   Tensor x_frag = thread.make_fragment_B(thread.partition_B(sx));
@@ -312,6 +319,7 @@ __device__ __forceinline__ void decode(const CUtensorMap* w_map, const CUtensorM
     if (t < T) {
       const size_t at = size_t(t) * N + n;
       float v = acc(i);
+      if constexpr (sizeof(E) == 1) v *= w_scale[n] * x_scale[t];
       if (residual != nullptr) v += __bfloat162float(residual[at]);
       out[at] = __float2bfloat16_rn(v);
     }
@@ -329,11 +337,14 @@ __device__ __forceinline__ void decode(const CUtensorMap* w_map, const CUtensorM
     kiln_cute::gemm<BN, STAGES, GROUP_M>(&x_map, &w_map, out, M, N, K);                                              \
   }
 
-// KILN_CUTE_DECODE: up to TT rows of x (8, 16, 32 or 64), STAGES K tiles in flight.
-#define KILN_CUTE_DECODE(NAME, TT, STAGES, SMEM)                                                                    \
-  static_assert(kiln_cute::DecodeTiles<TT, STAGES>::SHARED_BYTES <= (SMEM), "the launch gives too little shared memory"); \
+// KILN_CUTE_DECODE: x and w of ELEMENT (kiln_cute::bf16 or kiln_cute::e4m3), up to TT rows of x (8, 16,
+// 32 or 64), STAGES K tiles in flight.
+#define KILN_CUTE_DECODE(NAME, ELEMENT, TT, STAGES, SMEM)                                                           \
+  static_assert(kiln_cute::DecodeTiles<ELEMENT, TT, STAGES>::SHARED_BYTES <= (SMEM),                              \
+                "the launch gives too little shared memory");                                                       \
   extern "C" __global__ void __launch_bounds__(kiln_cute::DECODE_THREADS)                                           \
       NAME(const __grid_constant__ CUtensorMap w_map, const __grid_constant__ CUtensorMap x_map,                    \
-           const __nv_bfloat16* residual, __nv_bfloat16* out, float* part, int* count, int T, int N, int K) {       \
-    kiln_cute::decode<TT, STAGES>(&w_map, &x_map, residual, out, part, count, T, N, K);                              \
+           const float* w_scale, const float* x_scale, const __nv_bfloat16* residual, __nv_bfloat16* out,           \
+           float* part, int* count, int T, int N, int K) {                                                           \
+    kiln_cute::decode<ELEMENT, TT, STAGES>(&w_map, &x_map, w_scale, x_scale, residual, out, part, count, T, N, K);  \
   }
