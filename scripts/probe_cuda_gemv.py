@@ -1,46 +1,41 @@
-"""Are the CUDA C++ decode GEMVs (`plugins/linear/gemv.cu`) faster than the engine's Triton decode
-GEMMs? (a developer's probe; BENCHMARKS.md, sessions 21 and 22, has its figures)
+"""Are the CUDA C++ decode GEMVs (`plugins/linear/gemv.cu`) and the CuTe decode GEMM
+(`plugins/linear/cute_gemm.py`) faster than the engine's Triton decode GEMMs? (a developer's probe;
+BENCHMARKS.md, sessions 21 and 22, has the GEMVs' figures)
 
     PYTHONPATH=. python3 scripts/probe_cuda_gemv.py compile probe.pkl   # anywhere: nvcc and Triton AOT
     PYTHONPATH=. python3 scripts/probe_cuda_gemv.py run probe.pkl       # on the GPU
     PYTHONPATH=. python3 scripts/probe_cuda_gemv.py engine probe.pkl    # on the GPU: the engine's kernels only
 
-`compile` builds `gemv.cu`'s plain GEMV at rows T and weight rows per warp R (VARIANTS) and
-`probe_mma_gemv.cu`'s tensor-core GEMV (weights loaded straight into the MMA's registers, for 1-16 rows) and
-the CuTe decode GEMM of `plugins.linear.cute_gemm` (TMA and wgmma with the weights as the 64-row operand,
-K split in parts; needs `nvidia-cutlass`'s headers, else left out) with `plugins.nvcc`, the engine's decode-bucket `linear_kernel` for Llama-3-8B's four projection shapes,
-each plugin's whole kernel list at those shapes (ENGINE_CASES) and the GEMVs the engine does not
-build but might (`extra_kernels`), into one pickle. `run` checks every plain kernel against torch,
-then times (CUDA graphs, weights of 32 distinct layers, 14 GB, so nothing comes from the L2) each
-alone (20 launches over 20 layers' weights) and whole chains of 32 layers x (qkv, o, gate/up, down)
-as a decode step orders them, Triton's against the fastest GEMV of each shape (a kernel whose
-result is off is printed WRONG and left out of them; kernels built for programmatic dependent launch,
-the GEMVs and the CuTe GEMM, are launched so, as the engine launches them); then, as `engine` does alone, each plugin's
-kernels through its launcher at one and two rows: the engine's buckets against the Triton ones
-alone (the GEMVs left out) and, where `extra_kernels` has one, that GEMV ahead of the Triton
-buckets, weights cycled through 200 MB. The device copy rate is measured in the same run.
+`compile` builds, with `plugins.nvcc`, `gemv.cu`'s plain GEMV at rows T and weight rows per warp R
+(VARIANTS) and the CuTe decode GEMM (TMA and wgmma with the weights as the 64-row operand, K split in
+parts; bf16 and e4m3, CUTE_VARIANTS; left out without `nvidia-cutlass`'s headers), then the engine's
+decode-bucket `linear_kernel` for Llama-3-8B's four projection shapes, each plugin's whole kernel
+list at those shapes (ENGINE_CASES) and the GEMVs the engine does not build but might
+(`extra_kernels`), into one pickle. `run` checks every plain kernel against torch, then times (CUDA
+graphs, weights of 32 distinct layers, 14 GB, so nothing comes from the L2) each alone (20 launches
+over 20 layers' weights) and whole chains of 32 layers x (qkv, o, gate/up, down) as a decode step
+orders them, Triton's against the fastest GEMV and CuTe kernel of each shape (a kernel whose result
+is off is printed WRONG and left out of them; kernels built for programmatic dependent launch are
+launched so, as the engine launches them); then the e4m3 CuTe kernel over the same weights
+quantized (`cute_fp8`); then, as `engine` does alone, each plugin's kernels through its launcher at
+one and two rows: the engine's buckets against the Triton ones alone (the GEMVs left out) and, where
+`extra_kernels` has one, that GEMV ahead of the Triton buckets, weights cycled through 200 MB. The
+device copy rate is measured in the same run.
 """
 from __future__ import annotations
 
 import importlib
 import itertools
 import pickle
-import re
 import sys
-from pathlib import Path
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 RESIDUAL = {"qkv": False, "o_proj": True, "gate_up": False, "down": True}
 LAYERS = 32
 # (T, R) of the plain GEMV: rows of x, weight rows per warp.
 VARIANTS = [(1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (8, 2), (8, 4)]
-# The tensor-core GEMV of probe_mma_gemv.cu: (n-tiles of 8 rows of x, 16-row weight groups a block, warps
-# taking turns over K, pieces a row per lane an iteration) as its MMA_GEMV lines instantiate them, and the
-# rows of x each is timed at.
-MMA_SOURCE = Path(__file__).with_name("probe_mma_gemv.cu")
-MMA_ROWS = {1: (1, 4, 8), 2: (16,)}
-MMA_SIGNATURE = {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "residual": "*bf16", "out": "*bf16", "T": "i32",
-                 "N": "i32", "K": "i32"}
+# Rows of x every family is timed at (each where it serves them).
+ROWS = (1, 2, 4, 8, 16)
 # The CuTe decode GEMM: (rows of x it serves, stages, element), each timed at every split of K in CUTE_PARTS;
 # the e4m3 ones apart (`cute_fp8`), over the same weights quantized per row.
 CUTE_VARIANTS = [(8, 8, "bf16"), (8, 12, "bf16"), (16, 8, "bf16"), (8, 8, "fp8e4nv"), (8, 12, "fp8e4nv")]
@@ -62,19 +57,6 @@ def gemv_kernel(t: int, r: int):
 
     name = f"probe_gemv_t{t}_r{r}"
     return NvccKernel(gemv.SOURCE, name, f"KILN_GEMV_LINEAR({name}, {t}, {r})", gemv.LINEAR_SIGNATURE, gemv.WARPS)
-
-
-def mma_variants() -> list[tuple[int, int, int, int]]:
-    return [tuple(map(int, m)) for m in
-            re.findall(r"^MMA_GEMV\((\d+), (\d+), (\d+), (\d+)\)", MMA_SOURCE.read_text(), re.M)]
-
-
-def mma_kernel(nt: int, r: int, warps: int, u: int):
-    """The tensor-core GEMV, its source appended to gemv.cu's (whose load helper it shares)."""
-    from kiln.plugins.linear import gemv
-    from kiln.plugins.nvcc import NvccKernel
-
-    return NvccKernel(gemv.SOURCE, f"mma_gemv_nt{nt}_r{r}_k{warps}_u{u}", MMA_SOURCE.read_text(), MMA_SIGNATURE, warps)
 
 
 def cute_kernels() -> dict[tuple[int, int, str], tuple]:
@@ -114,7 +96,6 @@ def compile_all(path: str) -> None:
     from kiln.plugins.linear.kernels import linear_aot_kernels
 
     cuda = {(t, r): kernel_entry(gemv_kernel(t, r)) for t, r in VARIANTS}
-    mma = {v: kernel_entry(mma_kernel(*v)) for v in mma_variants()}
     cute = cute_kernels()
     triton_kernels = {name: kernel_entry(next(
         kr for kr in linear_aot_kernels("bfloat16", n, k, bias=False, residual=RESIDUAL[name])
@@ -124,10 +105,10 @@ def compile_all(path: str) -> None:
                        .aot_kernels("bfloat16", shapes) if kr.targets is None or "sm_90" in kr.targets]
               for plugin, (shapes, _) in ENGINE_CASES.items()}
     with open(path, "wb") as f:
-        pickle.dump({"cuda": cuda, "mma": mma, "cute": cute, "triton": triton_kernels, "engine": engine,
+        pickle.dump({"cuda": cuda, "cute": cute, "triton": triton_kernels, "engine": engine,
                      "extra": {plugin: kernel_entry(k) for plugin, k in extra_kernels().items()},
                      "triton_version": triton.__version__}, f)
-    print(f"{len(cuda)} CUDA GEMVs, {len(mma)} tensor-core GEMVs, {len(cute)} CuTe decode GEMMs, "
+    print(f"{len(cuda)} CUDA GEMVs, {len(cute)} CuTe decode GEMMs, "
           f"{len(triton_kernels)} Triton decode kernels, "
           f"{sum(map(len, engine.values()))} engine kernels -> {path}")
 
@@ -169,7 +150,7 @@ def plain_kernels(built: dict, copy: float) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
                       for _ in range(LAYERS)] for name, (n, k) in SHAPES.items()}
-    ts = sorted({t for t, _ in VARIANTS} | {t for nt, *_ in built["mma"] for t in MMA_ROWS[nt]})
+    ts = ROWS
     xs = {(name, t): torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
           for (name, (n, k)), t in itertools.product(SHAPES.items(), ts)}
     residuals = {(name, t): torch.randn(t, n, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -185,7 +166,6 @@ def plain_kernels(built: dict, copy: float) -> None:
         return ((outs[name, t].float() - ref).norm() / ref.norm()).item()
 
     cuda = {key: load(entry)[0] for key, entry in built["cuda"].items()}
-    mma = {key: load(entry)[0] for key, entry in built["mma"].items()}
     cute = {key[:2]: load(entry)[0] for key, entry in built.get("cute", {}).items() if key[2] == "bf16"}
     w_maps, x_maps = {}, {}
     if cute:
@@ -202,14 +182,6 @@ def plain_kernels(built: dict, copy: float) -> None:
             res = residuals[name, t].data_ptr() if RESIDUAL[name] else 0
             cuda[t, r].launch((n // (8 * r), 1, 1), [xs[name, t].data_ptr(), weights[name][layer].data_ptr(), 0, res,
                                                      outs[name, t].data_ptr(), n, k], stream())
-        return launch
-
-    def mma_launch(t: int, v: tuple[int, int, int, int]):
-        def launch(name: str, layer: int) -> None:
-            n, k = SHAPES[name]
-            res = residuals[name, t].data_ptr() if RESIDUAL[name] else 0
-            mma[v].launch((n // (16 * v[1]), 1, 1), [xs[name, t].data_ptr(), weights[name][layer].data_ptr(), 0, res,
-                                            outs[name, t].data_ptr(), t, n, k], stream())
         return launch
 
     def cute_launch(t: int, v: tuple[int, int, int]):
@@ -239,8 +211,6 @@ def plain_kernels(built: dict, copy: float) -> None:
     alone: dict[tuple[str, int], list[tuple[float, str, tuple | None, float]]] = {}
     families = [("triton decode bucket", t, triton_launch(t), None) for t in ts]
     families += [(f"cuda gemv r{r}", t, cuda_launch(t, r), ("cuda gemv", r)) for t, r in VARIANTS]
-    families += [(f"mma gemv nt{v[0]} r{v[1]} w{v[2]} u{v[3]}", t, mma_launch(t, v), ("mma gemv", v))
-                 for v in built["mma"] for t in MMA_ROWS[v[0]]]
     # Each CuTe variant at the rows it serves that no smaller variant serves.
     families += [(f"cute decode t{rows} s{stages} p{parts}", t, cute_launch(t, (rows, stages, parts)),
                   ("cute decode", (rows, stages, parts)))
@@ -265,7 +235,7 @@ def plain_kernels(built: dict, copy: float) -> None:
     total = sum(w.nbytes for ws in weights.values() for w in ws)
     print(f"chains: {LAYERS} layers x {list(SHAPES)}, {total / 1e9:.2f} GB, limit {total / copy / 1e9:.3f} ms "
           "at the copy rate")
-    make = {"cuda gemv": cuda_launch, "mma gemv": mma_launch, "cute decode": cute_launch}
+    make = {"cuda gemv": cuda_launch, "cute decode": cute_launch}
     for t in ts:
         chains = {"triton": {name: triton_launch(t) for name in SHAPES}}
         for kind in make:
