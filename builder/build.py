@@ -224,9 +224,9 @@ def build_engine(checkpoint: str | Path, output: str | Path, cfg: BuildConfig, p
     elif kv_scales is not None:
         notes.append("the checkpoint carries FP8 KV-cache scales: --kv-cache-dtype fp8 would use them")
     if any(t != "cpu" for t in cfg.targets) and nvcc.nvcc_path() is None:
-        notes.append("nvcc not found: the CUDA GEMVs for decode steps of 1-2 rows are left out, and Triton's "
-                     "tiles serve them (decode at batch 1 about 3% slower on an H200); install the CUDA "
-                     "toolkit or set KILN_NVCC to build them")
+        notes.append("nvcc not found: the CUDA kernels (GEMVs for decode steps of 1-2 rows, an e4m3 cache's decode "
+                     "attention) are left out, and Triton's serve in their place (decode about 3% slower on an "
+                     "H200); install the CUDA toolkit or set KILN_NVCC to build them")
     summary = build_from_model(model, output, cfg, {"source": str(checkpoint), **mcfg.to_dict()},
                                models.engine_files(checkpoint), progress, models.read_chat_template(checkpoint),
                                kv_scales)

@@ -268,12 +268,14 @@ def cute_fp8(built: dict, weights: dict, copy: float) -> None:
     stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
     gen = torch.Generator(device="cuda").manual_seed(2)
     quantized = {name: [quantize_rows(w) for w in ws] for name, ws in weights.items()}
-    w_maps = {(name, layer): encode_tensor_map(q.data_ptr(), "fp8e4nv", tuple(q.shape), (WEIGHT_ROWS, k_tile("fp8e4nv")))
+    box = (WEIGHT_ROWS, k_tile("fp8e4nv"))
+    w_maps = {(name, layer): encode_tensor_map(q.data_ptr(), "fp8e4nv", tuple(q.shape), box)
               for name, qs in quantized.items() for layer, (q, _) in enumerate(qs)}
     part = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     count = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
     total = sum(q.nbytes for qs in quantized.values() for q, _ in qs)
-    print(f"e4m3 CuTe decode: {LAYERS} layers x {list(SHAPES)}, {total / 1e9:.2f} GB, limit {total / copy / 1e9:.3f} ms")
+    print(f"e4m3 CuTe decode: {LAYERS} layers x {list(SHAPES)}, {total / 1e9:.2f} GB, "
+          f"limit {total / copy / 1e9:.3f} ms")
     for t in (1, 2, 4, 8):
         xs = {name: quantize_rows(torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen))
               for name, (n, k) in SHAPES.items()}
@@ -312,13 +314,15 @@ def cute_fp8(built: dict, weights: dict, copy: float) -> None:
             good = [row for row in rows if row[3] < 1e-2]
             if good:
                 best[name] = good[0][2]
-            print(f"{name} {n}x{k} e4m3 T={t}: weights {n * k / 1e6:.0f} MB, {n * k / copy / 1e6:.1f} us at the copy rate")
+            print(f"{name} {n}x{k} e4m3 T={t}: weights {n * k / 1e6:.0f} MB, "
+                  f"{n * k / copy / 1e6:.1f} us at the copy rate")
             for us, label, _, err in rows[:4] + [row for row in rows if row[3] >= 1e-2]:
                 flag = "" if err < 1e-2 else "  WRONG"
                 print(f"  {us:7.2f} us  {n * k / us / 1e6:5.2f} TB/s  rel err {err:.1e}  {label}{flag}")
         if len(best) == len(SHAPES):
             ms = replay_ms(lambda: [best[name](name, layer) for layer in range(LAYERS) for name in SHAPES])
-            print(f"  T={t} e4m3 chain {ms:.3f} ms  {total / ms / 1e9:.2f} TB/s ({total / ms / 1e9 / copy:.1%} of copy)")
+            rate = total / ms / 1e9
+            print(f"  T={t} e4m3 chain {ms:.3f} ms  {rate:.2f} TB/s ({rate / copy:.1%} of copy)")
 
 
 def engine_kernels(built: dict, extra: dict) -> None:

@@ -34,7 +34,8 @@ def kernels() -> dict[str, nvcc.NvccKernel]:
 @pytest.fixture(scope="module")
 def ptx(kernels) -> str:
     """Every kernel's PTX, from one nvcc run over the file with every instance."""
-    source = nvcc.source_text(kernels["gemm"]) + kernels["decode"].instance + "\n" + kernels["decode_fp8"].instance + "\n"
+    source = nvcc.source_text(kernels["gemm"]) + "".join(kernels[name].instance + "\n"
+                                                         for name in ("decode", "decode_fp8"))
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "k.cu").write_text(source)
         subprocess.run([nvcc.nvcc_path(), "-ptx", *kernels["gemm"].options("sm_90"), "-o", f"{tmp}/k.ptx",

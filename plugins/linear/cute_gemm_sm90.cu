@@ -309,7 +309,8 @@ __device__ __forceinline__ void decode(const CUtensorMap* w_map, const CUtensorM
     clear(acc);
     for (int p = 0; p < parts; ++p) {   // a part's loads in flight together
       CUTE_UNROLL
-      for (int i = 0; i < size(acc); ++i) acc(i) += __ldcg(slot + p * (BW * TT) + get<0>(where(i)) * TT + get<1>(where(i)));
+      for (int i = 0; i < size(acc); ++i)
+        acc(i) += __ldcg(slot + p * (BW * TT) + get<0>(where(i)) * TT + get<1>(where(i)));
     }
     if (threadIdx.x == 0) count[tile] = 0;
   }
@@ -330,7 +331,8 @@ __device__ __forceinline__ void decode(const CUtensorMap* w_map, const CUtensorM
 // One entry point per tiling. SMEM is the dynamic shared memory the launch gives (checked here).
 // KILN_CUTE_GEMM: BN weight rows a tile, STAGES K tiles in flight, GROUP_M row tiles a group.
 #define KILN_CUTE_GEMM(NAME, BN, STAGES, GROUP_M, SMEM)                                                              \
-  static_assert(kiln_cute::GemmTiles<BN, STAGES>::SHARED_BYTES <= (SMEM), "the launch gives too little shared memory"); \
+  static_assert(kiln_cute::GemmTiles<BN, STAGES>::SHARED_BYTES <= (SMEM),                                       \
+                "the launch gives too little shared memory");                                                       \
   extern "C" __global__ void __launch_bounds__(kiln_cute::GEMM_THREADS, 1)                                           \
       NAME(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,                    \
            __nv_bfloat16* out, int M, int N, int K) {                                                                \
