@@ -35,7 +35,7 @@ _TENSOR_MAP_BYTES = 128
 _MAX_STATIC_SHARED = 48 * 1024
 # cuTensorMapEncodeTiled's CUtensorMapDataType of each Triton element type (e4m3 as bytes), and
 # the element's size.
-_TENSOR_MAP_TYPES = {"bf16": (9, 2), "fp16": (6, 2), "fp32": (7, 4), "fp8e4nv": (0, 1)}
+_TENSOR_MAP_TYPES = {"bf16": (9, 2), "fp8e4nv": (0, 1)}
 _SWIZZLE_128B, _L2_PROMOTION_256B = 3, 3
 
 
@@ -188,9 +188,9 @@ def load_kernel(cubin: bytes, name: str, signature: list[str], num_warps: int, s
 
 
 def encode_tensor_map(address: int, element: str, shape: tuple[int, int], box: tuple[int, int]) -> bytes:
-    """The 128 bytes of a TMA descriptor of the row-major [rows, cols] tensor of `element`s (a Triton
-    type: "bf16", "fp8e4nv", ...) at device `address`, copied in boxes of [box rows, box cols] into
-    shared memory with the 128-byte swizzle (box cols x element size must be 128 bytes or less).
+    """The 128 bytes of a TMA descriptor of the row-major [rows, cols] tensor of `element`s ("bf16" or
+    "fp8e4nv") at device `address`, copied in boxes of [box rows, box cols] into shared memory with
+    the 128-byte swizzle (box cols x element size must be 128 bytes or less).
     Rows past `shape` read as zeros. Made through libcuda itself: the driver wants the descriptor's
     memory 64-byte aligned, which cuda.bindings' CUtensorMap objects were not always."""
     kind, size = _TENSOR_MAP_TYPES[element]
