@@ -5,9 +5,10 @@
 
 Kernels: the persistent TMA GEMM of `plugins.linear.tma` at tilings, depths, warps and grouping,
 with a persistent grid (one program per SM) and a one-tile-per-program grid, the pointer-load
-GEMM `linear_kernel` at its prefill and medium tiles, and the engine's own prefill-bucket kernels
-for each projection (from the plugins' `aot_kernels`, the fused epilogues and the norm's
-row-scale pre-pass included), labelled "engine", and the CUTLASS route: the CuTe GEMM of
+GEMM `linear_kernel` at its prefill and medium tiles, and the engine's own kernels for each
+projection (from the plugins' `aot_kernels`, the fused epilogues and the norm's row-scale pre-pass
+included; o_proj and down through linear_residual's launcher, which takes the bucket serving T, the
+fused plugins' prefill bucket), labelled "engine", and the CUTLASS route: the CuTe GEMM of
 `plugins.linear.cute_gemm` (nvcc, sm_90a, TMA descriptors made on the host) at its tilings,
 labelled "cute" (it needs nvcc and `nvidia-cutlass`'s headers; without them the sweep goes on
 without it). `compile` builds each into a cubin with
@@ -100,18 +101,24 @@ ENGINE = {"qkv": ("norm_qkv_rope", {"K": 4096, "num_heads": 32, "num_kv_heads": 
 
 
 def engine_configs() -> list[tuple[str, dict, list[AotKernel]]]:
-    """(shape name, info, [row-scale pre-pass or nothing, the prefill bucket's TMA kernel])."""
+    """(shape name, info, kernels): linear_residual's sm_90 kernels, all of them (its launcher picks the
+    bucket serving T); the fused plugins' row-scale pre-pass or nothing, and their prefill bucket's TMA
+    kernel."""
     import importlib
     out = []
     for name, (plugin, shapes) in ENGINE.items():
         if name not in SHAPES or FP8:
             continue
-        kernels = importlib.import_module(f"kiln.plugins.{plugin}.kernels").aot_kernels("bfloat16", shapes)
-        tma = [k for k in kernels if k.meta.get("tma") and k.meta["bucket"] == "prefill"]
-        pre = [k for k in kernels if k.meta.get("row_scale")]
+        kernels = [k for k in importlib.import_module(f"kiln.plugins.{plugin}.kernels").aot_kernels("bfloat16", shapes)
+                   if k.targets is None or "sm_90" in k.targets]
+        if nvcc_path() is None:
+            kernels = [k for k in kernels if not isinstance(k, NvccKernel)]
+        if plugin != "linear_residual":
+            kernels = ([k for k in kernels if k.meta.get("row_scale")] +
+                       [k for k in kernels if k.meta.get("tma") and k.meta["bucket"] == "prefill"])
         n, k = SHAPES[name]
-        out.append((name, {"kind": plugin, "n": n, "k": k, "grid": tma[0].meta["grid"], "label": f"engine {plugin}"},
-                    pre + tma))
+        out.append((name, {"kind": plugin, "n": n, "k": k, "grid": kernels[-1].meta["grid"],
+                           "label": f"engine {plugin}"}, kernels))
     return out
 
 
@@ -129,7 +136,7 @@ def compile_all(path: str) -> None:
         built = dict(pool.map(_compile, first.values()))
     cubins = {i: built[first[kernel.entry if isinstance(kernel, NvccKernel) else i]]
               for i, (_, _, kernel) in enumerate(entries)}
-    engine = [(name, info, [(k.signature, compile_cubin(k, "sm_90")) for k in kernels])
+    engine = [(name, info, [(k.signature, compile_cubin(k, "sm_90"), k.meta) for k in kernels])
               for name, info, kernels in engine_configs()]
     with open(path, "wb") as f:
         pickle.dump(([(name, info, kernel.signature, cubins[i]) for i, (name, info, kernel) in enumerate(entries)],
@@ -202,7 +209,7 @@ def run_all(path: str, every: str | None = None) -> None:
                 if info["kind"] == "cute":
                     x_map = encode_tensor_map(x.data_ptr(), "bf16", (t, k), (info["bm"], cute_gemm.k_tile()))
                     args = [[x_map, encode_tensor_map(w.data_ptr(), "bf16", (n, k), (info["bn"], cute_gemm.k_tile())),
-                             out.data_ptr(), t, n, k] for w in weights[name]]
+                             0, 0, out.data_ptr(), t, n, k] for w in weights[name]]
                 elif FP8:
                     args = [[x.data_ptr(), x_scale.data_ptr(), w.data_ptr(), w_scale.data_ptr(), out.data_ptr(), t]
                             for w in weights[name]]
@@ -250,13 +257,15 @@ def _time_engine(info: dict, kernels: list, x, weights: list, t: int, scratch) -
     from kiln.runtime.cuda_driver import load_kernel
 
     fns = []
-    for signature, cubin in kernels:
+    for signature, cubin, _ in kernels:
         fn = load_kernel(cubin.binary, cubin.name, [s for s in signature.values() if s != "constexpr"],
                          cubin.num_warps, cubin.shared_bytes, cubin.global_scratch)
         fn.scratch = (scratch.data_ptr(), scratch.numel() // max(cubin.global_scratch, 1))
         fns.append(fn)
-    grid = eval_grid(info["grid"], {"T": t})
     n, kind = info["n"], info["kind"]
+    if kind == "linear_residual":
+        return _time_linear_residual(fns, [meta for _, _, meta in kernels], x, weights, t)
+    grid = eval_grid(info["grid"], {"T": t})
     eps = 1e-5
     scales = torch.empty(t, device="cuda", dtype=torch.float32)
     if kind == "norm_qkv_rope":
@@ -277,11 +286,6 @@ def _time_engine(info: dict, kernels: list, x, weights: list, t: int, scratch) -
         out = torch.empty(t, n // 2, device="cuda", dtype=torch.bfloat16)
         args = [[x.data_ptr(), scales.data_ptr(), w.data_ptr(), out.data_ptr(), t] for w in weights]
         ref = get_plugin(kind).call_reference([x, None, weights[0]], {"eps": eps, "block": 64})
-    else:
-        residual = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
-        out = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
-        args = [[x.data_ptr(), w.data_ptr(), residual.data_ptr(), out.data_ptr(), t] for w in weights]
-        ref = x.float() @ weights[0].float().T + residual.float()
     def call():
         stream = torch.cuda.current_stream().cuda_stream  # the capture stream inside graph_us
         i = next(turn) % len(args)
@@ -292,6 +296,32 @@ def _time_engine(info: dict, kernels: list, x, weights: list, t: int, scratch) -
     call()
     torch.cuda.synchronize()
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    return graph_us(call), err
+
+
+def _time_linear_residual(fns: list, metas: list[dict], x, weights: list, t: int) -> tuple[float, float]:
+    """o_proj or down through linear_residual's launcher, which takes the bucket serving t rows."""
+    import torch
+
+    from kiln.plugins.linear_residual import launch as launcher
+    from kiln.runtime.cuda_executor import op_scratch
+
+    attrs = {"parallel": "row", "heads": 0, "all_reduce": False}
+    limits = {"T": t, "S": 1, "B": 1, "block_size": 16, "element_bytes": 2}
+    scratch = {name: torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+               for name, nbytes in op_scratch(launcher, attrs, metas, limits).items()}
+    residual = torch.randn(t, weights[0].shape[0], device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(residual)
+    turn = itertools.count(0)
+
+    def call():
+        w = weights[next(turn) % len(weights)]
+        launcher.launch(fns, metas, [x, w, None, residual], attrs, out, {"T": t},
+                        torch.cuda.current_stream().cuda_stream, scratch)
+    call()
+    torch.cuda.synchronize()
+    ref = x.float() @ weights[0].float().T + residual.float()
+    err = ((out.float() - ref).norm() / ref.norm()).item()
     return graph_us(call), err
 
 

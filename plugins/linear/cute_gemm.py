@@ -9,21 +9,27 @@ warpgroups), built by nvcc for sm_90a with `nvidia-cutlass`'s headers.
   the grid's y when the weight has too few 64-row tiles to fill the GPU, launched for programmatic
   dependent launch.
 
-Candidates, not yet engine kernels: scripts/tune_prefill_gemm.py sweeps `gemm` beside the Triton TMA
-GEMM that the prefill bucket runs and beside cuBLAS, scripts/probe_cuda_gemv.py `decode` beside the
-decode GEMVs and Triton's decode tiles; the builder will take them for the shapes where they measure
-faster. Their TMA descriptors are parameters the host makes (`runtime.cuda_driver.encode_tensor_map`):
+`linear_kernels` makes `gemm` the sm_90 kernel of linear and linear_residual's "large" bucket (129-256
+rows) for narrow weights, where it measured faster than the pointer tile (`LINEAR_TILING`); the Triton
+kernels serve every other bucket and target, and this one where nvcc is missing. `decode` is a
+candidate: scripts/probe_cuda_gemv.py sweeps it beside the decode GEMVs and Triton's decode tiles
+(session 33: equal to Triton's at T = 8, slower than the GEMVs at T = 1), and
+scripts/tune_prefill_gemm.py sweeps `gemm`'s tilings beside the Triton TMA GEMM and cuBLAS. Their TMA descriptors are parameters the host makes (`runtime.cuda_driver.encode_tensor_map`):
 boxes one K tile (128 bytes, `k_tile` elements) wide, of BLOCK_M (`gemm`) or `rows` (`decode`) rows of
 x and block_n (`gemm`) or WEIGHT_ROWS (`decode`) rows of w. A launch needs no global scratch.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
+from kiln.plugins.linear.tiles import Tile
 from kiln.plugins.nvcc import NvccKernel, cutlass_include
 
 SOURCE = Path(__file__).with_name("cute_gemm_sm90.cu")
-GEMM_SIGNATURE = {"x_map": "tensormap", "w_map": "tensormap", "out": "*bf16", "M": "i32", "N": "i32", "K": "i32"}
+# bias [N] and residual [M, N] may be null.
+GEMM_SIGNATURE = {"x_map": "tensormap", "w_map": "tensormap", "bias": "*bf16", "residual": "*bf16", "out": "*bf16",
+                  "M": "i32", "N": "i32", "K": "i32"}
 # w_scale [N] and x_scale [T] for e4m3 (else null); part [N / WEIGHT_ROWS, parts, WEIGHT_ROWS, rows] fp32 and
 # count [N / WEIGHT_ROWS] int32, zeroed once (the kernel leaves them so), when the grid has parts.
 DECODE_SIGNATURE = {"w_map": "tensormap", "x_map": "tensormap", "w_scale": "*fp32", "x_scale": "*fp32",
@@ -34,6 +40,12 @@ ELEMENTS = {"bf16": ("kiln_cute::bf16", 2), "fp8e4nv": ("kiln_cute::e4m3", 1)}
 BLOCK_M = 128                # gemm: two consumer warpgroups of 64 rows
 WEIGHT_ROWS = 64             # decode: weight rows a block (one consumer warpgroup)
 TARGETS = ("sm_90",)         # wgmma and setmaxnreg: Hopper's alone (sm_90a)
+# `gemm`'s tiling in the engine (block_n, stages, group_m). On an H200 (session 33,
+# scripts/tune_prefill_gemm.py, weights cycled beyond the L2) o_proj (4096x4096) at T = 256 took 16.5 us
+# against 23.8 for the pointer tile the bucket ran before and 16.4 for cuBLAS; 128-column tiles (64 of
+# them on 132 SMs) took 24.8.
+LINEAR_TILING = (64, 8, 8)
+BUCKET = "large"
 
 
 def k_tile(element: str = "bf16") -> int:
@@ -83,6 +95,20 @@ def decode_grid(rows: int, n: int, k: int, served: int, parts: int, element: str
                          f"multiple of {WEIGHT_ROWS} rows and {k_tile(element)} columns and 1 to {max(tiles, 1)} "
                          f"parts, not {rows} rows, [{n}, {k}] and {parts} parts")
     return n // WEIGHT_ROWS, parts, 1
+
+
+def linear_kernels(dtype: str, n: int, k: int, tile: Tile, fp8_weight: bool = False) -> list[NvccKernel]:
+    """`gemm` as the sm_90 kernel of `tile`'s bucket for out = x W^T (+ bias) (+ residual) with W [n, k],
+    where it serves: bucket BUCKET of the pointer tiles (not a TMA one), bf16, n and k whole tiles; bias
+    and residual are passed or null. Its meta names the bucket and the persistent grid as linear's
+    launcher reads them, and "cute"."""
+    block_n = LINEAR_TILING[0]
+    if tile.name != BUCKET or tile.tma or fp8_weight or dtype != "bfloat16" or n % block_n or k % k_tile():
+        return []
+    kernel = gemm(*LINEAR_TILING)
+    meta = {"bucket": tile.name, "max_rows": tile.max_rows, "cute": True, "block_n": block_n,
+            "pointer_alignment": 16, "split_k": 1, "grid": f"min(cdiv(T, {BLOCK_M}) * {n // block_n}, SMS)"}
+    return [dataclasses.replace(kernel, meta=meta)]
 
 
 def _kernel(entry: str, instance: str, signature: dict, warps: int, shared: int, pdl: bool = False) -> NvccKernel:

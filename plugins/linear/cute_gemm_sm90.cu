@@ -1,8 +1,10 @@
 // Hopper GEMMs on CUTLASS's CuTe building blocks, compiled by nvcc for sm_90a: the CUTLASS route of
-// the linear plugin's GEMMs (`plugins.linear.cute_gemm` describes them to the build; candidates that
-// scripts/tune_prefill_gemm.py and scripts/probe_cuda_gemv.py sweep, not yet engine kernels).
+// the linear plugin's GEMMs (`plugins.linear.cute_gemm` describes them to the build). KILN_CUTE_GEMM
+// serves linear and linear_residual's 129-256-row bucket for narrow weights; KILN_CUTE_DECODE is a
+// candidate that scripts/probe_cuda_gemv.py sweeps, not an engine kernel.
 //
-//   out[T, N] (bf16) = x[T, K] (bf16, row-major) . w[N, K]^T (bf16, weights row-major), fp32 sums;
+//   out[T, N] (bf16) = x[T, K] (bf16, row-major) . w[N, K]^T (bf16, weights row-major) (+ bias[N])
+//   (+ residual[T, N]), fp32 sums, bias and residual optional (null);
 //   the decode kernel also in e4m3: out = (x_q . w_q^T) * x_scale[t] * w_scale[n], x and w per row.
 //
 // Both kernels read x and w through TMA descriptors the host makes once (`runtime.cuda_driver.
@@ -161,8 +163,8 @@ __device__ __forceinline__ void tile_of(int t, int m_tiles, int n_tiles, int& m_
 }
 
 template <int BN, int STAGES, int GROUP_M>
-__device__ __forceinline__ void gemm(const CUtensorMap* x_map, const CUtensorMap* w_map, __nv_bfloat16* out, int M,
-                                     int N, int K) {
+__device__ __forceinline__ void gemm(const CUtensorMap* x_map, const CUtensorMap* w_map, const __nv_bfloat16* bias,
+                                     const __nv_bfloat16* residual, __nv_bfloat16* out, int M, int N, int K) {
   using G = GemmTiles<BN, STAGES>;
   extern __shared__ unsigned char raw[];
   auto& s = aligned_shared<1024, typename G::Shared>(raw);
@@ -208,13 +210,28 @@ __device__ __forceinline__ void gemm(const CUtensorMap* x_map, const CUtensorMap
     int m_tile, n_tile;
     tile_of<GROUP_M>(t, m_tiles, n_tiles, m_tile, n_tile);
     it = accumulate(mma, x_frag, w_frag, acc, s.ring, it, k_tiles, signals);
-    // A thread's sums come in column pairs (n, n + 1): one 4-byte store each.
+    // A thread's sums come in column pairs (n, n + 1): one 4-byte load of bias and residual and one
+    // 4-byte store each. The residual may be `out` itself: each element is read before it is written,
+    // by the thread that writes it.
     const int row0 = m_tile * BM, col0 = n_tile * BN;
     CUTE_UNROLL
     for (int i = 0; i < size(acc); i += 2) {
       const int row = row0 + get<0>(where(i)), col = col0 + get<1>(where(i));
-      if (row < M)
-        *reinterpret_cast<__nv_bfloat162*>(out + size_t(row) * N + col) = __floats2bfloat162_rn(acc(i), acc(i + 1));
+      if (row < M) {
+        float2 v = make_float2(acc(i), acc(i + 1));
+        if (bias != nullptr) {
+          const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bias + col));
+          v.x += b.x;
+          v.y += b.y;
+        }
+        const size_t at = size_t(row) * N + col;
+        if (residual != nullptr) {
+          const float2 r = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(residual + at));
+          v.x += r.x;
+          v.y += r.y;
+        }
+        *reinterpret_cast<__nv_bfloat162*>(out + at) = __floats2bfloat162_rn(v.x, v.y);
+      }
     }
   }
 }
@@ -335,8 +352,8 @@ __device__ __forceinline__ void decode(const CUtensorMap* w_map, const CUtensorM
                 "the launch gives too little shared memory");                                                       \
   extern "C" __global__ void __launch_bounds__(kiln_cute::GEMM_THREADS, 1)                                           \
       NAME(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,                    \
-           __nv_bfloat16* out, int M, int N, int K) {                                                                \
-    kiln_cute::gemm<BN, STAGES, GROUP_M>(&x_map, &w_map, out, M, N, K);                                              \
+           const __nv_bfloat16* bias, const __nv_bfloat16* residual, __nv_bfloat16* out, int M, int N, int K) {       \
+    kiln_cute::gemm<BN, STAGES, GROUP_M>(&x_map, &w_map, bias, residual, out, M, N, K);                              \
   }
 
 // KILN_CUTE_DECODE: x and w of ELEMENT (kiln_cute::bf16 or kiln_cute::e4m3), up to TT rows of x (8, 16,

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from kiln import dtypes
 from kiln.plugins.aot import POINTER_TYPES, AotKernel, absent_as_none, pointer_params
-from kiln.plugins.linear import fp8, gemv
+from kiln.plugins.linear import cute_gemm, fp8, gemv
 from kiln.plugins.linear.tiles import Tile, block_k, num_stages, pick_tile, pipelined, split_k, tiles_for
 from kiln.plugins.linear.tma import POINTER_TARGETS, row_scales, tma_linear_aot
 from kiln.plugins.nvcc import NvccKernel
@@ -271,12 +271,14 @@ def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool,
                        fp8_weight: bool = False) -> list[AotKernel | NvccKernel]:
     """The CUDA GEMVs for one and two rows where they serve the shape (`linear.gemv`), then one
     linear_kernel per shape bucket of TILES, and for the TMA buckets the persistent TMA GEMM for
-    sm_90 and later beside it (the pointer kernel then serves sm_80 and sm_89). FP8
+    sm_90 and later beside it (the pointer kernel then serves sm_80 and sm_89); ahead of the
+    "large" bucket's pointer kernel the CuTe GEMM for sm_90 where it serves (`linear.cute_gemm`). FP8
     (`fp8_weight`): kernels for fp8.FP8_TARGETS only, the TMA buckets' e4m3 TMA GEMM beside
     sm_89's pointer kernel, and the quantize pre-pass whose rows they all read."""
     ptr, size = POINTER_TYPES[dtype], dtypes.element_bytes(dtype)
     kernels: list[AotKernel | NvccKernel] = gemv.linear_kernels(dtype, n, k, fp8_weight)
     for tile in tiles_for(n):
+        kernels += cute_gemm.linear_kernels(dtype, n, k, tile, fp8_weight)
         bk = block_k(tile, 1 if fp8_weight else size)
         split = split_k(tile, k, bk)
         x_ptr, x_scale, w_ptr, w_scale = ptr, "constexpr", ptr, "constexpr"

@@ -4,10 +4,21 @@ their kernels share `linear.kernels`' tiles. See `plugins.driver_launch` for the
 contract."""
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from kiln.plugins.driver_launch import check_aligned, grid
+from kiln.plugins.linear import cute_gemm
 from kiln.plugins.linear.gemv import address, scale_arg
+from kiln.runtime.cuda_driver import encode_tensor_map
+
+
+@lru_cache(maxsize=4096)
+def tensor_map(address: int, element: str, shape: tuple[int, int], box: tuple[int, int]) -> bytes:
+    """`cuda_driver.encode_tensor_map`, remembered: the engine's buffers never move, so a CuTe GEMM's
+    operands repeat from step to step (a weight's always, x's once per row count)."""
+    return encode_tensor_map(address, element, shape, box)
 
 
 def pick_bucket(metas: list[dict], rows: int) -> int:
@@ -96,7 +107,8 @@ def launch_gemm(kernels: list, metas: list[dict], x: torch.Tensor, weight: torch
                 stream: int, scratch: dict[str, torch.Tensor], w_scale: torch.Tensor | None = None) -> None:
     """out = x weight^T (+ bias) (+ residual) with the bucket kernel for x's row count, W8A8 when
     the kernels were built for FP8 (w_scale: the weight's scales). `linear_kernel` takes bias
-    and residual pointers only when built with them."""
+    and residual pointers only when built with them; the GEMVs and the CuTe GEMM always (0 when
+    absent), the CuTe GEMM x and the weight as TMA descriptors."""
     rows = x.shape[0]
     i = pick_bucket(metas, rows)
     check_fp8(metas[i], w_scale)
@@ -105,6 +117,13 @@ def launch_gemm(kernels: list, metas: list[dict], x: torch.Tensor, weight: torch
         args = [x.data_ptr(), weight.data_ptr(), *scale_arg(w_scale), address(bias), address(residual), out.data_ptr(),
                 *weight.shape]
         kernels[i].launch(grid(metas[i]["grid"], {}), args, stream)
+        return
+    if metas[i].get("cute"):
+        n, k = weight.shape
+        args = [tensor_map(x.data_ptr(), "bf16", (rows, k), (cute_gemm.BLOCK_M, cute_gemm.k_tile())),
+                tensor_map(weight.data_ptr(), "bf16", (n, k), (metas[i]["block_n"], cute_gemm.k_tile())),
+                address(bias), address(residual), out.data_ptr(), rows, n, k]
+        kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)
         return
     args = gemm_input_args(kernels, metas, i, x, None, 0.0, stream, scratch) + [weight.data_ptr()]
     args += [t.data_ptr() for t in (w_scale, bias, residual) if t is not None]

@@ -1,0 +1,91 @@
+"""The CuTe GEMM as linear and linear_residual's sm_90 kernel of the 129-256-row bucket
+(`plugins.linear.cute_gemm.linear_kernels`), on the CPU: an sm_90 engine holds it ahead of that
+bucket's pointer kernel, so steps of 129 to 256 rows take it and every other row count keeps its
+bucket; other targets, FP8 weights, fp32, wide weights and shapes that are not whole tiles keep the
+pointer kernel; and the launcher passes what the kernel's signature declares: TMA descriptors of x
+([T, K] in boxes of 128 rows) and of the weight (in boxes of the tile's rows), then bias, residual
+(0 when absent), out, T, N and K, on the persistent grid. The descriptors are libcuda's to make, so
+here a recorder stands in for `encode_tensor_map`; tests/test_cute_linear_gpu.py runs the real one
+and the kernel on an H200."""
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+from kiln.plugins.linear import cute_gemm, launch as linear_launch
+from kiln.plugins.linear.launch import pick_bucket
+from kiln.plugins.linear.tiles import WIDE_N
+from kiln.plugins.linear_residual import kernels as linear_residual
+
+O_PROJ = {"K": 4096, "N": 4096}
+
+
+def targeted(shapes: dict, target: str, dtype: str = "bfloat16") -> list:
+    return [k for k in linear_residual.aot_kernels(dtype, shapes) if k.targets is None or target in k.targets]
+
+
+def served_by(kernels: list, rows: int) -> dict:
+    return kernels[pick_bucket([k.meta for k in kernels], rows)].meta
+
+
+@pytest.mark.parametrize("rows, cute", [(128, False), (129, True), (200, True), (256, True), (257, False)])
+def test_sm90_steps_of_129_to_256_rows_take_the_cute_gemm(rows, cute):
+    meta = served_by(targeted(O_PROJ, "sm_90"), rows)
+    assert bool(meta.get("cute")) == cute
+    assert meta["bucket"] == ("large" if cute else "medium" if rows <= 128 else "xlarge")
+
+
+@pytest.mark.parametrize("target", ["sm_80", "sm_89", "sm_100"])
+def test_other_targets_keep_the_pointer_kernel(target):
+    assert not served_by(targeted(O_PROJ, target), 256).get("cute")
+
+
+@pytest.mark.parametrize("shapes, dtype", [({**O_PROJ, "fp8": True}, "bfloat16"), (O_PROJ, "float32"),
+                                           ({"K": 4096, "N": 4160 + 32}, "bfloat16"),
+                                           ({"K": 4096 + 8, "N": 4096}, "bfloat16"),
+                                           ({"K": 4096, "N": WIDE_N}, "bfloat16")])
+def test_shapes_it_does_not_serve_keep_the_pointer_kernel(shapes, dtype):
+    assert not any(k.meta.get("cute") for k in linear_residual.aot_kernels(dtype, shapes))
+
+
+class Recorder:
+    def __init__(self):
+        self.launches = []
+
+    def launch(self, grid, args, stream):
+        self.launches.append((grid, args))
+
+
+@pytest.mark.parametrize("bias, residual", [(False, True), (True, False)])
+def test_the_launcher_passes_descriptors_then_pointers_and_sizes(bias, residual):
+    rows, n, k = 200, 6144, 1024
+    kernels = targeted({"K": k, "N": n}, "sm_90")
+    metas = [kn.meta for kn in kernels]
+    recorders = [Recorder() for _ in kernels]
+    x, w, out = torch.empty(rows, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.bfloat16), \
+        torch.empty(rows, n, dtype=torch.bfloat16)
+    b = torch.empty(n, dtype=torch.bfloat16) if bias else None
+    r = torch.empty(rows, n, dtype=torch.bfloat16) if residual else None
+    encoded = []
+
+    def encode(address, element, shape, box):
+        encoded.append((address, element, shape, box))
+        return bytes([len(encoded)]) * 128
+
+    linear_launch.tensor_map.cache_clear()
+    with mock.patch.object(linear_launch, "encode_tensor_map", encode), \
+            mock.patch("kiln.plugins.driver_launch.sm_count", lambda: 132):
+        linear_launch.launch_gemm(recorders, metas, x, w, b, r, out, 7, {})
+    linear_launch.tensor_map.cache_clear()
+    used = [i for i, rec in enumerate(recorders) if rec.launches]
+    assert [metas[i].get("cute") for i in used] == [True]
+    grid, args = recorders[used[0]].launches[0]
+    assert grid == (132, 1, 1)   # 2 row tiles x 96 column tiles, persistent over the SMs
+    kt, block_n = cute_gemm.k_tile(), cute_gemm.LINEAR_TILING[0]
+    assert encoded == [(x.data_ptr(), "bf16", (rows, k), (cute_gemm.BLOCK_M, kt)),
+                       (w.data_ptr(), "bf16", (n, k), (block_n, kt))]
+    assert args == [bytes([1]) * 128, bytes([2]) * 128, b.data_ptr() if bias else 0, r.data_ptr() if residual else 0,
+                    out.data_ptr(), rows, n, k]
+    assert len(args) == len(kernels[used[0]].signature)
