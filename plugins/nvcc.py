@@ -57,6 +57,15 @@ def cutlass_include() -> str:
     return str(folder)
 
 
+def cutlass_available() -> bool:
+    """Whether CUTLASS's headers are installed (`cutlass_include` finds them)."""
+    try:
+        cutlass_include()
+    except RuntimeError:
+        return False
+    return True
+
+
 def nvcc_path() -> str | None:
     """The nvcc this build uses, or None when there is none. KILN_NVCC names it; set empty, it
     says to build without (the Triton kernels alone)."""

@@ -310,6 +310,8 @@ def _time_linear_residual(fns: list, metas: list[dict], x, weights: list, t: int
     limits = {"T": t, "S": 1, "B": 1, "block_size": 16, "element_bytes": 2}
     scratch = {name: torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
                for name, nbytes in op_scratch(launcher, attrs, metas, limits).items()}
+    # x in a buffer of whole 128-row tiles, as the engine's activations are (`linear.launch.map_rows`).
+    x = torch.cat([x, torch.zeros(-t % 128, x.shape[1], device="cuda", dtype=x.dtype)])[:t]
     residual = torch.randn(t, weights[0].shape[0], device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(residual)
     turn = itertools.count(0)

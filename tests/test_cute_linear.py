@@ -3,8 +3,9 @@
 bucket's pointer kernel, so steps of 129 to 256 rows take it and every other row count keeps its
 bucket; other targets, FP8 weights, fp32, wide weights and shapes that are not whole tiles keep the
 pointer kernel; and the launcher passes what the kernel's signature declares: TMA descriptors of x
-([T, K] in boxes of 128 rows) and of the weight (in boxes of the tile's rows), then bias, residual
-(0 when absent), out, T, N and K, on the persistent grid. The descriptors are libcuda's to make, so
+(in boxes of 128 rows, over T rows rounded up to whole boxes where x's buffer holds them) and of the
+weight (in boxes of the tile's rows), then bias, residual (0 when absent), out, T, N and K, on the
+persistent grid. The descriptors are libcuda's to make, so
 here a recorder stands in for `encode_tensor_map`; tests/test_cute_linear_gpu.py runs the real one
 and the kernel on an H200."""
 from __future__ import annotations
@@ -58,13 +59,18 @@ class Recorder:
         self.launches.append((grid, args))
 
 
-@pytest.mark.parametrize("bias, residual", [(False, True), (True, False)])
-def test_the_launcher_passes_descriptors_then_pointers_and_sizes(bias, residual):
+# (bias, residual, rows x's buffer holds, rows of x's descriptor): T = 200 rounded up to whole 128-row tiles
+# where the buffer holds them (as the engine's do), else as many as it holds.
+LAUNCHES = [(False, True, 200, 200), (True, False, 8192, 256), (False, False, 230, 230)]
+
+
+@pytest.mark.parametrize("bias, residual, held, described", LAUNCHES)
+def test_the_launcher_passes_descriptors_then_pointers_and_sizes(bias, residual, held, described):
     rows, n, k = 200, 6144, 1024
     kernels = targeted({"K": k, "N": n}, "sm_90")
     metas = [kn.meta for kn in kernels]
     recorders = [Recorder() for _ in kernels]
-    x, w, out = torch.empty(rows, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.bfloat16), \
+    x, w, out = torch.empty(held, k, dtype=torch.bfloat16)[:rows], torch.empty(n, k, dtype=torch.bfloat16), \
         torch.empty(rows, n, dtype=torch.bfloat16)
     b = torch.empty(n, dtype=torch.bfloat16) if bias else None
     r = torch.empty(rows, n, dtype=torch.bfloat16) if residual else None
@@ -84,7 +90,7 @@ def test_the_launcher_passes_descriptors_then_pointers_and_sizes(bias, residual)
     grid, args = recorders[used[0]].launches[0]
     assert grid == (132, 1, 1)   # 2 row tiles x 96 column tiles, persistent over the SMs
     kt, block_n = cute_gemm.k_tile(), cute_gemm.LINEAR_TILING[0]
-    assert encoded == [(x.data_ptr(), "bf16", (rows, k), (cute_gemm.BLOCK_M, kt)),
+    assert encoded == [(x.data_ptr(), "bf16", (described, k), (cute_gemm.BLOCK_M, kt)),
                        (w.data_ptr(), "bf16", (n, k), (block_n, kt))]
     assert args == [bytes([1]) * 128, bytes([2]) * 128, b.data_ptr() if bias else 0, r.data_ptr() if residual else 0,
                     out.data_ptr(), rows, n, k]

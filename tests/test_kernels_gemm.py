@@ -33,7 +33,8 @@ import kiln.plugins.norm_qkv_rope.kernels as norm_qkv_rope_kernels  # noqa: E402
 import kiln.plugins.norm_swiglu.kernels as norm_swiglu_kernels  # noqa: E402
 from kiln.plugins import get_plugin  # noqa: E402
 from kiln.plugins.aot import compile_cubin, kernel_name  # noqa: E402
-from kiln.plugins.nvcc import NvccKernel  # noqa: E402
+from kiln.plugins.linear import cute_gemm  # noqa: E402
+from kiln.plugins.nvcc import NvccKernel, cutlass_available  # noqa: E402
 
 KERNELS = {"linear": linear_kernels, "linear_residual": linear_residual_kernels,
            "norm_swiglu": norm_swiglu_kernels, "norm_qkv_rope": norm_qkv_rope_kernels}
@@ -284,7 +285,13 @@ def check_cubins(name: str, shapes: dict, targets) -> None:
                 "norm_qkv_rope": [] if shapes.get("qk_norm") else ["gemv1"], "norm_swiglu": ["gemv1"]}[name]
         # A wide weight (gate/up) has no xlarge bucket: its 128-row tiles fill the GPU from 257 rows.
         weight_rows = 2 * shapes["I"] if name == "norm_swiglu" else shapes.get("N", 0)
-        assert [k.meta["bucket"] for k in buckets] == gemv + [t.name for t in linear_tiles.tiles_for(weight_rows)]
+        # On sm_90 the plain GEMMs of narrow weights take the CuTe GEMM ahead of the 129-256-row bucket's
+        # pointer kernel, where CUTLASS's headers are installed (`linear.cute_gemm`).
+        cute = ([cute_gemm.BUCKET] if target == "sm_90" and name in ("linear", "linear_residual")
+                and weight_rows < linear_tiles.WIDE_N and cutlass_available() else [])
+        assert [k.meta["bucket"] for k in buckets if k.meta.get("cute")] == cute
+        assert [k.meta["bucket"] for k in buckets] == gemv + [b for t in linear_tiles.tiles_for(weight_rows)
+                                                              for b in [t.name] * (1 + (t.name in cute))]
         uses_tma = any(k.meta.get("tma") for k in buckets)
         # The TMA norm GEMMs need the norm weight folded, and norm_swiglu an interleaved W_gu.
         assert uses_tma == (target in tma.TMA_TARGETS and not shapes.get("norm_weight")
@@ -296,7 +303,7 @@ def check_cubins(name: str, shapes: dict, targets) -> None:
         for kernel in mine:
             # (the CUDA kernels' parameters are checked against their source by test_gemv.py)
             assert isinstance(kernel, NvccKernel) or set(kernel.signature) == set(kernel.fn.arg_names)
-            if "bucket" in kernel.meta and not kernel.meta.get("tma"):
+            if "bucket" in kernel.meta and not kernel.meta.get("tma") and not kernel.meta.get("cute"):
                 assert len(kernel.meta["grid"]) == 3 and kernel.meta["grid"][2] == str(kernel.meta["split_k"])
             cubin = compile_cubin(kernel, target)
             assert cubin.binary.startswith(b"\x7fELF") and cubin.name == kernel_name(kernel)

@@ -24,7 +24,7 @@ import dataclasses
 from pathlib import Path
 
 from kiln.plugins.linear.tiles import Tile
-from kiln.plugins.nvcc import NvccKernel, cutlass_include
+from kiln.plugins.nvcc import NvccKernel, cutlass_available, cutlass_include
 
 SOURCE = Path(__file__).with_name("cute_gemm_sm90.cu")
 # bias [N] and residual [M, N] may be null.
@@ -99,11 +99,13 @@ def decode_grid(rows: int, n: int, k: int, served: int, parts: int, element: str
 
 def linear_kernels(dtype: str, n: int, k: int, tile: Tile, fp8_weight: bool = False) -> list[NvccKernel]:
     """`gemm` as the sm_90 kernel of `tile`'s bucket for out = x W^T (+ bias) (+ residual) with W [n, k],
-    where it serves: bucket BUCKET of the pointer tiles (not a TMA one), bf16, n and k whole tiles; bias
-    and residual are passed or null. Its meta names the bucket and the persistent grid as linear's
+    where it serves: bucket BUCKET of the pointer tiles (not a TMA one), bf16, n and k whole tiles, and
+    CUTLASS's headers installed (without them the pointer kernel serves, as without nvcc); bias and
+    residual are passed or null. Its meta names the bucket and the persistent grid as linear's
     launcher reads them, and "cute"."""
     block_n = LINEAR_TILING[0]
-    if tile.name != BUCKET or tile.tma or fp8_weight or dtype != "bfloat16" or n % block_n or k % k_tile():
+    if (tile.name != BUCKET or tile.tma or fp8_weight or dtype != "bfloat16" or n % block_n or k % k_tile()
+            or not cutlass_available()):
         return []
     kernel = gemm(*LINEAR_TILING)
     meta = {"bucket": tile.name, "max_rows": tile.max_rows, "cute": True, "block_n": block_n,

@@ -211,27 +211,29 @@ __device__ __forceinline__ void gemm(const CUtensorMap* x_map, const CUtensorMap
     tile_of<GROUP_M>(t, m_tiles, n_tiles, m_tile, n_tile);
     it = accumulate(mma, x_frag, w_frag, acc, s.ring, it, k_tiles, signals);
     // A thread's sums come in column pairs (n, n + 1): one 4-byte load of bias and residual and one
-    // 4-byte store each. The residual may be `out` itself: each element is read before it is written,
-    // by the thread that writes it.
+    // 4-byte store each. Every load goes out before the first store: the residual may be `out` itself
+    // (each element is read and written by the same thread), so the compiler would keep a load after
+    // each earlier store, one memory round trip a pair.
     const int row0 = m_tile * BM, col0 = n_tile * BN;
+    float2 add[size(acc) / 2];
     CUTE_UNROLL
     for (int i = 0; i < size(acc); i += 2) {
       const int row = row0 + get<0>(where(i)), col = col0 + get<1>(where(i));
-      if (row < M) {
-        float2 v = make_float2(acc(i), acc(i + 1));
-        if (bias != nullptr) {
-          const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bias + col));
-          v.x += b.x;
-          v.y += b.y;
-        }
-        const size_t at = size_t(row) * N + col;
-        if (residual != nullptr) {
-          const float2 r = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(residual + at));
-          v.x += r.x;
-          v.y += r.y;
-        }
-        *reinterpret_cast<__nv_bfloat162*>(out + at) = __floats2bfloat162_rn(v.x, v.y);
+      add[i / 2] = make_float2(0.f, 0.f);
+      if (row < M && bias != nullptr)
+        add[i / 2] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bias + col));
+      if (row < M && residual != nullptr) {
+        const float2 r = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(residual + size_t(row) * N + col));
+        add[i / 2].x += r.x;
+        add[i / 2].y += r.y;
       }
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); i += 2) {
+      const int row = row0 + get<0>(where(i)), col = col0 + get<1>(where(i));
+      if (row < M)
+        *reinterpret_cast<__nv_bfloat162*>(out + size_t(row) * N + col) =
+            __floats2bfloat162_rn(acc(i) + add[i / 2].x, acc(i + 1) + add[i / 2].y);
     }
   }
 }
