@@ -42,8 +42,12 @@ def decode_plan(info: EngineInfo, batch: int, context: int, steps: int) -> tuple
 
 
 def kv_tokens_needed(info: EngineInfo, batch: int, context: int, steps: int) -> int:
+    """The KV pool that runs `batch` sequences together: each one's tokens, and a block more. The
+    projected-peak admission rounds each sequence's last block up on its own (`Scheduler._peak_fits`),
+    so a pool of exactly their blocks left the last few admitted prompts waiting until the others
+    finished, and the timed steps decoded those few alone (on an H200, b=256: 4-5 rows a step)."""
     max_tokens, why = decode_plan(info, batch, context, steps)
-    return 0 if why else batch * info.kv_tokens(context + max_tokens)
+    return 0 if why else batch * (info.kv_tokens(context + max_tokens) + info.manifest.kv.block_size)
 
 
 def measure_decode(run: EngineRun, batch: int, context: int, steps: int, seed: int = 0) -> Figure:
@@ -51,7 +55,7 @@ def measure_decode(run: EngineRun, batch: int, context: int, steps: int, seed: i
     info, core = run.info, run.core
     name, key = f"decode b={batch}", ("decode", batch)
     max_tokens, why = decode_plan(info, batch, context, steps)
-    if why is None and batch * info.kv_tokens(context + max_tokens) > run.kv_pool_tokens:
+    if why is None and kv_tokens_needed(info, batch, context, steps) > run.kv_pool_tokens:
         why = f"{batch} sequences of {context + max_tokens} tokens do not fit in the KV pool"
     if why:
         return skipped("decode", name, "tok/s", why, key, batch=batch)

@@ -209,6 +209,18 @@ def test_plain_loop_is_measured_with_no_overlap(tiny_run):
     assert data["options"]["no_overlap"] is True and data["decode"][0]["value"] > 0
 
 
+def test_a_batch_whose_prefill_takes_several_steps_decodes_whole(tiny_run):
+    # 8 prompts of 12 tokens take two steps of 64 tokens: the decode pool must admit all of them
+    # under the projected-peak policy (which rounds each sequence's last block up), or the leftover
+    # requests wait until the others finish and the timed steps decode those few alone.
+    root, _, _ = tiny_run
+    result = invoke(*TINY, "--only", "decode", "--batch-sizes", "8", "--decode-steps", "12", "--no-baseline",
+                    "--work-dir", root / "work", "--json", root / "whole.json")
+    assert result.exit_code == 0, result.output
+    figure = json.loads((root / "whole.json").read_text())["decode"][0]
+    assert figure["note"] == "" and figure["tokens"] == 8 * 12
+
+
 def test_batches_the_engine_cannot_hold_are_skipped_with_a_note(tiny_run):
     root, _, _ = tiny_run
     result = invoke(*TINY, "--only", "decode,offline,prefix", "--batch-sizes", "1,16", "--offline", "40/40",
