@@ -57,8 +57,9 @@ def cutlass_include() -> str:
     return str(folder)
 
 
+@cache
 def cutlass_available() -> bool:
-    """Whether CUTLASS's headers are installed (`cutlass_include` finds them)."""
+    """Whether CUTLASS's headers are installed (`cutlass_include` finds them); asked once per process."""
     try:
         cutlass_include()
     except RuntimeError:

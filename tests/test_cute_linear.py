@@ -15,6 +15,7 @@ from unittest import mock
 import pytest
 import torch
 
+from interpreted_launch import targeted
 from kiln.plugins.linear import cute_gemm, launch as linear_launch
 from kiln.plugins.linear.launch import pick_bucket
 from kiln.plugins.linear.tiles import WIDE_N
@@ -26,8 +27,8 @@ O_PROJ = {"K": 4096, "N": 4096}
 needs_cutlass = pytest.mark.skipif(not cutlass_available(), reason="CUTLASS's headers are not installed")
 
 
-def targeted(shapes: dict, target: str, dtype: str = "bfloat16") -> list:
-    return [k for k in linear_residual.aot_kernels(dtype, shapes) if k.targets is None or target in k.targets]
+def sm_kernels(shapes: dict, target: str) -> list:
+    return targeted(linear_residual.aot_kernels("bfloat16", shapes), target)
 
 
 def served_by(kernels: list, rows: int) -> dict:
@@ -37,14 +38,14 @@ def served_by(kernels: list, rows: int) -> dict:
 @needs_cutlass
 @pytest.mark.parametrize("rows, cute", [(128, False), (129, True), (200, True), (256, True), (257, False)])
 def test_sm90_steps_of_129_to_256_rows_take_the_cute_gemm(rows, cute):
-    meta = served_by(targeted(O_PROJ, "sm_90"), rows)
+    meta = served_by(sm_kernels(O_PROJ, "sm_90"), rows)
     assert bool(meta.get("cute")) == cute
     assert meta["bucket"] == ("large" if cute else "medium" if rows <= 128 else "xlarge")
 
 
 @pytest.mark.parametrize("target", ["sm_80", "sm_89", "sm_100"])
 def test_other_targets_keep_the_pointer_kernel(target):
-    assert not served_by(targeted(O_PROJ, target), 256).get("cute")
+    assert not served_by(sm_kernels(O_PROJ, target), 256).get("cute")
 
 
 @pytest.mark.parametrize("shapes, dtype", [({**O_PROJ, "fp8": True}, "bfloat16"), (O_PROJ, "float32"),
@@ -72,7 +73,7 @@ LAUNCHES = [(False, True, 200, 200), (True, False, 8192, 256), (False, False, 23
 @pytest.mark.parametrize("bias, residual, held, described", LAUNCHES)
 def test_the_launcher_passes_descriptors_then_pointers_and_sizes(bias, residual, held, described):
     rows, n, k = 200, 6144, 1024
-    kernels = targeted({"K": k, "N": n}, "sm_90")
+    kernels = sm_kernels({"K": k, "N": n}, "sm_90")
     metas = [kn.meta for kn in kernels]
     recorders = [Recorder() for _ in kernels]
     x, w, out = torch.empty(held, k, dtype=torch.bfloat16)[:rows], torch.empty(n, k, dtype=torch.bfloat16), \
