@@ -31,6 +31,7 @@ from concurrent.futures import ProcessPoolExecutor
 from kiln.plugins.aot import AotKernel, absent_as_none, compile_cubin, pointer_params
 from kiln.plugins.linear import cute_gemm
 from kiln.plugins.linear.kernels import linear_kernel
+from kiln.plugins.linear.launch import map_rows
 from kiln.plugins.linear.tma import tma_linear_kernel
 from kiln.plugins.nvcc import NvccKernel, nvcc_path
 from scripts.gpu_timing import graph_us
@@ -47,8 +48,14 @@ TMA_TILES = [(128, 128, 64, 4, 4, 8), (128, 128, 64, 8, 4, 8), (128, 256, 64, 8,
              (64, 128, 64, 4, 4, 8), (64, 256, 64, 4, 4, 8), (128, 256, 64, 8, 3, 16), (128, 256, 64, 8, 3, 4)]
 FP8 = os.environ.get("KILN_TUNE_FP8") == "1"
 POINTER_TILES = [(128, 128, 64, 8, 4), (64, 64, 64, 4, 4), (128, 256, 64, 8, 3)]
-# The CuTe GEMM's tilings: (block_n, stages, group_m); its tiles are 128 rows by block_n, K tiles 64.
-CUTE_TILES = [(64, 8, 8), (128, 6, 8), (128, 6, 16), (256, 4, 8)]
+# The CuTe GEMM's tilings: (block_m, block_n, stages, group_m), K tiles 64; those whose block_n does not divide a
+# shape's N skip it. At 256 rows 128 tiles of 128x64 or 64x128 fill the GPU once for a 4096-row weight, and
+# 128x96 or 64x192 for qkv's 6144 rows; wider tiles read less shared memory per MMA.
+CUTE_TILES = [(128, 64, 8, 8), (64, 128, 8, 8), (128, 96, 8, 8), (64, 192, 6, 8), (128, 128, 6, 8), (128, 256, 4, 8)]
+# The CuTe qkv GEMM's tilings (block_m, rotary pairs a tile, stages, group_m), with norm_qkv_rope's epilogue,
+# for the qkv shape (Llama-3-8B's heads, `QKV_HEADS`).
+CUTE_QKV_TILES = [(128, 48, 8, 8), (64, 96, 6, 8), (128, 64, 6, 8), (64, 64, 8, 8)]
+QKV_HEADS = {"heads": 32, "kv_heads": 8, "head_dim": 128}
 
 
 def configs() -> list[tuple[str, dict, AotKernel]]:
@@ -80,17 +87,26 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
 
 
 def cute_configs() -> list[tuple[str, dict, NvccKernel]]:
-    """The CuTe GEMM at each tiling, for every bf16 shape (none without nvcc or CUTLASS's headers)."""
+    """The CuTe GEMM at each tiling for every bf16 shape its tiles divide, and the CuTe qkv GEMM at each of its
+    tilings for the qkv shape (none without nvcc or CUTLASS's headers)."""
     if FP8 or nvcc_path() is None:
         return []
     try:
         kernels = {tiling: cute_gemm.gemm(*tiling) for tiling in CUTE_TILES}
+        qkv = {tiling: cute_gemm.qkv(tiling[0], tiling[1], QKV_HEADS["head_dim"], *tiling[2:])
+               for tiling in CUTE_QKV_TILES}
     except RuntimeError:
         return []
-    return [(name, {"kind": "cute", "n": n, "k": k, "bm": cute_gemm.BLOCK_M, "bn": bn,
-                    "label": f"cute bm{cute_gemm.BLOCK_M} bn{bn} bk{cute_gemm.k_tile()} s{stages} g{group}"},
-             kernels[(bn, stages, group)])
-            for (name, (n, k)), (bn, stages, group) in itertools.product(SHAPES.items(), CUTE_TILES)]
+    out = [(name, {"kind": "cute", "n": n, "k": k, "bm": bm, "bn": bn,
+                   "label": f"cute bm{bm} bn{bn} bk{cute_gemm.k_tile()} s{stages} g{group}"},
+            kernels[(bm, bn, stages, group)])
+           for (name, (n, k)), (bm, bn, stages, group) in itertools.product(SHAPES.items(), CUTE_TILES) if n % bn == 0]
+    if "qkv" in SHAPES:
+        n, k = SHAPES["qkv"]
+        out += [("qkv", {"kind": "cute_qkv", "n": n, "k": k, "bm": bm, "pairs": pairs,
+                         "label": f"cute qkv + RoPE + KV write bm{bm} pairs{pairs} s{stages} g{group}"},
+                 qkv[(bm, pairs, stages, group)]) for bm, pairs, stages, group in CUTE_QKV_TILES]
+    return out
 
 
 # The plugin and compile shapes of each projection as a Llama-3-8B engine builds it.
@@ -141,8 +157,8 @@ def compile_all(path: str) -> None:
     with open(path, "wb") as f:
         pickle.dump(([(name, info, kernel.signature, cubins[i]) for i, (name, info, kernel) in enumerate(entries)],
                      engine), f)
-    cute = sum(info["kind"] == "cute" for _, info, _ in entries)
-    print(f"{len(entries)} configurations ({cute} of the CuTe GEMM), "
+    cute = sum(info["kind"].startswith("cute") for _, info, _ in entries)
+    print(f"{len(entries)} configurations ({cute} of the CuTe GEMMs), "
           f"{sum(isinstance(c, str) for c in cubins.values())} failed to compile")
 
 
@@ -185,6 +201,7 @@ def run_all(path: str, every: str | None = None) -> None:
             us = graph_us(lambda: torch.mm(x, weights[name][next(turn) % len(weights[name])].T, out=out))
             label = "cuBLAS torch.mm"
         results[(name, t)] = [(us, label, ((out.float() - ref).norm() / ref.norm()).item())]
+        x_tiles = _in_whole_tiles(x)
         for cname, info, signature, cubin in entries:
             if cname != name:
                 continue
@@ -198,16 +215,21 @@ def run_all(path: str, every: str | None = None) -> None:
             except CudaError as e:
                 print(f"  {name} {info['label']}: does not load ({e})")
                 continue
+            if info["kind"] == "cute_qkv":
+                us, err = _time_cute_qkv(fn, info, x_tiles, weights[name], t, sms)
+                results[(name, t)].append((us, f"{info['label']} persistent", err))
+                continue
             tiles = -(-t // info["bm"]) * -(-n // info["bn"])
             grids = {"": None}
             if info["kind"] == "tma":
                 grids = {"persistent": min(tiles, sms), "one tile each": tiles}
             elif info["kind"] == "cute":
-                grids = {"persistent": cute_gemm.gemm_grid(t, n, k, info["bn"], sms)[0]}
+                grids = {"persistent": cute_gemm.gemm_grid(t, n, k, info["bm"], info["bn"], sms)[0]}
             for gname, programs in grids.items():
                 grid = (programs, 1, 1) if programs else (-(-t // info["bm"]), -(-n // info["bn"]), 1)
                 if info["kind"] == "cute":
-                    x_map = encode_tensor_map(x.data_ptr(), "bf16", (t, k), (info["bm"], cute_gemm.k_tile()))
+                    x_map = encode_tensor_map(x_tiles.data_ptr(), "bf16", (map_rows(x_tiles, info["bm"]), k),
+                                              (info["bm"], cute_gemm.k_tile()))
                     args = [[x_map, encode_tensor_map(w.data_ptr(), "bf16", (n, k), (info["bn"], cute_gemm.k_tile())),
                              0, 0, out.data_ptr(), t, n, k] for w in weights[name]]
                 elif FP8:
@@ -269,19 +291,9 @@ def _time_engine(info: dict, kernels: list, x, weights: list, t: int, scratch) -
     eps = 1e-5
     scales = torch.empty(t, device="cuda", dtype=torch.float32)
     if kind == "norm_qkv_rope":
-        heads, kv_heads, d = 32, 8, 128
-        out = torch.empty(t, heads * d, device="cuda", dtype=torch.bfloat16)
-        pos = torch.arange(t, dtype=torch.int32, device="cuda")
-        angles = pos[:, None].float() * 500000.0 ** (-torch.arange(0, d, 2, device="cuda") / d)
-        rope = torch.cat([angles.cos(), angles.sin()], dim=1).contiguous()
-        kv = torch.zeros(1, 2, -(-t // 16), 16, kv_heads, d, device="cuda", dtype=torch.bfloat16)
-        slots = torch.arange(t, dtype=torch.int32, device="cuda")
-        num_slots = kv.shape[2] * 16
+        out, pos, rope, kv, slots, ref, _ = _qkv_case(x, weights[0], eps)
         args = [[x.data_ptr(), scales.data_ptr(), w.data_ptr(), pos.data_ptr(), rope.data_ptr(), kv.data_ptr(),
-                 slots.data_ptr(), out.data_ptr(), t, num_slots, 0, eps] for w in weights]
-        ref = get_plugin(kind).call_reference([x, None, weights[0], None, None, None, pos, rope, kv.clone(), slots],
-                                              {"eps": eps, "layer": 0, "num_heads": heads,
-                                               "num_kv_heads": kv_heads, "head_dim": d})
+                 slots.data_ptr(), out.data_ptr(), t, kv.shape[2] * kv.shape[3], 0, eps] for w in weights]
     elif kind == "norm_swiglu":
         out = torch.empty(t, n // 2, device="cuda", dtype=torch.bfloat16)
         args = [[x.data_ptr(), scales.data_ptr(), w.data_ptr(), out.data_ptr(), t] for w in weights]
@@ -299,6 +311,60 @@ def _time_engine(info: dict, kernels: list, x, weights: list, t: int, scratch) -
     return graph_us(call), err
 
 
+def _in_whole_tiles(x):
+    """x [T, K] as a view of a buffer of whole 128-row tiles, as the engine's activations are
+    (`linear.launch.map_rows`)."""
+    import torch
+    return torch.cat([x, torch.zeros(-x.shape[0] % 128, x.shape[1], device=x.device, dtype=x.dtype)])[:x.shape[0]]
+
+
+def _qkv_case(x, w, eps: float):
+    """norm_qkv_rope's inputs for x's rows at positions 0..T-1 in a bf16 cache of one layer, slot t for
+    token t, and the plugin reference's q and cache: (out, positions, rope, cache, slots, q ref, cache ref)."""
+    import torch
+
+    from kiln.plugins import get_plugin
+    t, heads, kv_heads, d = x.shape[0], QKV_HEADS["heads"], QKV_HEADS["kv_heads"], QKV_HEADS["head_dim"]
+    out = torch.empty(t, heads * d, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(t, dtype=torch.int32, device="cuda")
+    angles = pos[:, None].float() * 500000.0 ** (-torch.arange(0, d, 2, device="cuda") / d)
+    rope = torch.cat([angles.cos(), angles.sin()], dim=1).contiguous()
+    kv = torch.zeros(1, 2, -(-t // 16), 16, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+    slots = torch.arange(t, dtype=torch.int32, device="cuda")
+    kv_ref = kv.clone()
+    ref = get_plugin("norm_qkv_rope").call_reference([x, None, w, None, None, None, pos, rope, kv_ref, slots],
+                                                     {"eps": eps, "layer": 0, "num_heads": heads,
+                                                      "num_kv_heads": kv_heads, "head_dim": d})
+    return out, pos, rope, kv, slots, ref, kv_ref
+
+
+def _time_cute_qkv(fn, info: dict, x, weights: list, t: int, sms: int) -> tuple[float, float]:
+    """The CuTe qkv GEMM as norm_qkv_rope's launcher would run it (the row scales as the pre-pass makes them,
+    x in whole tiles) over the weight copies; returns (us, the larger relative error of q and the cache)."""
+    import torch
+
+    from kiln.runtime.cuda_driver import encode_tensor_map
+    eps = 1e-5
+    out, pos, rope, kv, slots, ref, kv_ref = _qkv_case(x, weights[0], eps)
+    scales = torch.rsqrt(x.float().pow(2).mean(dim=1) + eps)
+    box = cute_gemm.qkv_box(info["pairs"], QKV_HEADS["head_dim"])
+    x_map = encode_tensor_map(x.data_ptr(), "bf16", (map_rows(x, info["bm"]), x.shape[1]),
+                              (info["bm"], cute_gemm.k_tile()))
+    args = [[x_map, encode_tensor_map(w.data_ptr(), "bf16", tuple(w.shape), (box, cute_gemm.k_tile())),
+             scales.data_ptr(), 0, pos.data_ptr(), rope.data_ptr(), kv.data_ptr(), slots.data_ptr(), out.data_ptr(),
+             t, kv.shape[2] * kv.shape[3], 0, QKV_HEADS["heads"], QKV_HEADS["kv_heads"], x.shape[1]] for w in weights]
+    grid = cute_gemm.qkv_grid(t, *QKV_HEADS.values(), x.shape[1], info["bm"], info["pairs"], sms)
+    turn = itertools.count(0)
+
+    def call():
+        fn.launch(grid, args[next(turn) % len(args)], torch.cuda.current_stream().cuda_stream)
+    call()
+    torch.cuda.synchronize()
+    err = max(((out.float() - ref.float()).norm() / ref.float().norm()).item(),
+              ((kv.float() - kv_ref.float()).norm() / kv_ref.float().norm()).item())
+    return graph_us(call), err
+
+
 def _time_linear_residual(fns: list, metas: list[dict], x, weights: list, t: int) -> tuple[float, float]:
     """o_proj or down through linear_residual's launcher, which takes the bucket serving t rows."""
     import torch
@@ -310,8 +376,7 @@ def _time_linear_residual(fns: list, metas: list[dict], x, weights: list, t: int
     limits = {"T": t, "S": 1, "B": 1, "block_size": 16, "element_bytes": 2}
     scratch = {name: torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
                for name, nbytes in op_scratch(launcher, attrs, metas, limits).items()}
-    # x in a buffer of whole 128-row tiles, as the engine's activations are (`linear.launch.map_rows`).
-    x = torch.cat([x, torch.zeros(-t % 128, x.shape[1], device="cuda", dtype=x.dtype)])[:t]
+    x = _in_whole_tiles(x)
     residual = torch.randn(t, weights[0].shape[0], device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(residual)
     turn = itertools.count(0)

@@ -95,8 +95,8 @@ def test_the_launcher_passes_descriptors_then_pointers_and_sizes(bias, residual,
     assert [metas[i].get("cute") for i in used] == [True]
     grid, args = recorders[used[0]].launches[0]
     assert grid == (132, 1, 1)   # 2 row tiles x 96 column tiles, persistent over the SMs
-    kt, block_n = cute_gemm.k_tile(), cute_gemm.LINEAR_TILING[0]
-    assert encoded == [(x.data_ptr(), "bf16", (described, k), (cute_gemm.BLOCK_M, kt)),
+    kt, (block_m, block_n) = cute_gemm.k_tile(), cute_gemm.LINEAR_TILING[:2]
+    assert encoded == [(x.data_ptr(), "bf16", (described, k), (block_m, kt)),
                        (w.data_ptr(), "bf16", (n, k), (block_n, kt))]
     assert args == [bytes([1]) * 128, bytes([2]) * 128, b.data_ptr() if bias else 0, r.data_ptr() if residual else 0,
                     out.data_ptr(), rows, n, k]

@@ -1,35 +1,48 @@
 """The CUTLASS route of the linear plugin's GEMMs: Hopper kernels on CuTe's building blocks
-(`cute_gemm_sm90.cu`: TMA loads into a ring of shared-memory stages, wgmma, a producer and consumer
+(`cute_sm90.cu`: TMA loads into a ring of shared-memory stages, wgmma, a producer and consumer
 warpgroups), built by nvcc for sm_90a with `nvidia-cutlass`'s headers.
 
-- `gemm`: prefill chunks and large batches in bf16, persistent tiles of BLOCK_M rows of x by block_n
-  weight rows;
-- `decode`: decode steps of up to `rows` rows of x, in bf16 or e4m3 (x and w quantized per row), the
-  weights as wgmma's 64-row operand ("swap AB", no MMA spent on padding rows), K split in parts over
-  the grid's y when the weight has too few 64-row tiles to fill the GPU, launched for programmatic
-  dependent launch.
+- `gemm` (`cute_gemm_sm90.cu`): prefill chunks and large batches in bf16, persistent tiles of block_m
+  (64 or 128: one or two consumer warpgroups) rows of x by block_n weight rows;
+- `qkv` (the same file): that GEMM with norm_qkv_rope's epilogue (row scale, bias, RoPE, q to the
+  output and k and v into the paged cache), its weight tiles made of rotary pairs (`pairs` first-half
+  rows of heads, then their second-half rows);
+- `decode` (`cute_decode_sm90.cu`): decode steps of up to `rows` rows of x, in bf16 or e4m3 (x and w
+  quantized per row), the weights as wgmma's 64-row operand ("swap AB", no MMA spent on padding rows), K
+  split in parts over the grid's y when the weight has too few 64-row tiles to fill the GPU, launched
+  for programmatic dependent launch.
 
 `linear_kernels` makes `gemm` the sm_90 kernel of linear and linear_residual's "large" bucket (129-256
 rows) for narrow weights, where it measured faster than the pointer tile (`LINEAR_TILING`); the Triton
-kernels serve every other bucket and target, and this one where nvcc is missing. `decode` is a
-candidate: scripts/probe_cuda_gemv.py sweeps it beside the decode GEMVs and Triton's decode tiles
-(session 33: equal to Triton's at T = 8, slower than the GEMVs at T = 1), and
-scripts/tune_prefill_gemm.py sweeps `gemm`'s tilings beside the Triton TMA GEMM and cuBLAS. Their TMA descriptors are parameters the host makes (`runtime.cuda_driver.encode_tensor_map`):
-boxes one K tile (128 bytes, `k_tile` elements) wide, of BLOCK_M (`gemm`) or `rows` (`decode`) rows of
-x and block_n (`gemm`) or WEIGHT_ROWS (`decode`) rows of w. A launch needs no global scratch.
+kernels serve every other bucket and target, and this one where nvcc is missing. `qkv` and `decode` are
+candidates: scripts/tune_prefill_gemm.py sweeps `gemm`'s and `qkv`'s tilings beside the Triton kernels
+and cuBLAS, scripts/probe_cuda_gemv.py `decode` beside the decode GEMVs and Triton's decode tiles
+(session 33: equal to Triton's at T = 8, slower than the GEMVs at T = 1). Their TMA descriptors are
+parameters the host makes (`runtime.cuda_driver.encode_tensor_map`): boxes one K tile (128 bytes,
+`k_tile` elements) wide, of block_m (`gemm`, `qkv`) or `rows` (`decode`) rows of x and block_n
+(`gemm`), `qkv_box` (`qkv`) or WEIGHT_ROWS (`decode`) rows of w. A launch needs no global scratch.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 from kiln.plugins.linear.tiles import Tile
 from kiln.plugins.nvcc import NvccKernel, cutlass_available, cutlass_include
 
-SOURCE = Path(__file__).with_name("cute_gemm_sm90.cu")
+SOURCE = Path(__file__).with_name("cute_sm90.cu")             # every kernel is compiled appended to it
+GEMM_SOURCE = Path(__file__).with_name("cute_gemm_sm90.cu")
+DECODE_SOURCE = Path(__file__).with_name("cute_decode_sm90.cu")
 # bias [N] and residual [M, N] may be null.
 GEMM_SIGNATURE = {"x_map": "tensormap", "w_map": "tensormap", "bias": "*bf16", "residual": "*bf16", "out": "*bf16",
                   "M": "i32", "N": "i32", "K": "i32"}
+# row_scale [M] (fp32, the row-scale pre-pass's), bias [rows of w_qkv] or null, positions and slots [M], rope
+# [positions, head_dim] (cos, then sin), the bf16 cache [layers, 2, num_slots, kv_heads, head_dim], q out
+# [M, heads x head_dim].
+QKV_SIGNATURE = {"x_map": "tensormap", "w_map": "tensormap", "row_scale": "*fp32", "bias": "*bf16",
+                 "positions": "*i32", "rope": "*fp32", "kv": "*bf16", "slots": "*i32", "out": "*bf16", "M": "i32",
+                 "num_slots": "i32", "layer": "i32", "heads": "i32", "kv_heads": "i32", "K": "i32"}
 # w_scale [N] and x_scale [T] for e4m3 (else null); part [N / WEIGHT_ROWS, parts, WEIGHT_ROWS, rows] fp32 and
 # count [N / WEIGHT_ROWS] int32, zeroed once (the kernel leaves them so), when the grid has parts.
 DECODE_SIGNATURE = {"w_map": "tensormap", "x_map": "tensormap", "w_scale": "*fp32", "x_scale": "*fp32",
@@ -37,14 +50,13 @@ DECODE_SIGNATURE = {"w_map": "tensormap", "x_map": "tensormap", "w_scale": "*fp3
                     "K": "i32"}
 K_TILE_BYTES = 128           # a K tile is one 128-byte swizzle row
 ELEMENTS = {"bf16": ("kiln_cute::bf16", 2), "fp8e4nv": ("kiln_cute::e4m3", 1)}
-BLOCK_M = 128                # gemm: two consumer warpgroups of 64 rows
 WEIGHT_ROWS = 64             # decode: weight rows a block (one consumer warpgroup)
 TARGETS = ("sm_90",)         # wgmma and setmaxnreg: Hopper's alone (sm_90a)
-# `gemm`'s tiling in the engine (block_n, stages, group_m). On an H200 (session 33,
+# `gemm`'s tiling in the engine (block_m, block_n, stages, group_m). On an H200 (session 33,
 # scripts/tune_prefill_gemm.py, weights cycled beyond the L2) o_proj (4096x4096) at T = 256 took 16.5 us
 # against 23.8 for the pointer tile the bucket ran before and 16.4 for cuBLAS; 128-column tiles (64 of
 # them on 132 SMs) took 24.8.
-LINEAR_TILING = (64, 8, 8)
+LINEAR_TILING = (128, 64, 8, 8)
 BUCKET = "large"
 
 
@@ -59,13 +71,33 @@ def shared_bytes(rows: int, stages: int) -> int:
     return stages * rows * K_TILE_BYTES + 2048
 
 
-def gemm(block_n: int, stages: int, group_m: int) -> NvccKernel:
-    """`gemm` at tiles of BLOCK_M x `block_n`, `stages` K tiles in flight, `group_m` row tiles a group.
-    Launch: grid `gemm_grid`."""
-    entry = f"kiln_cute_gemm_n{block_n}_s{stages}_g{group_m}"
-    shared = shared_bytes(BLOCK_M + block_n, stages)
-    return _kernel(entry, f"KILN_CUTE_GEMM({entry}, {block_n}, {stages}, {group_m}, {shared})", GEMM_SIGNATURE, 12,
-                   shared)
+def gemm(block_m: int, block_n: int, stages: int, group_m: int) -> NvccKernel:
+    """`gemm` at tiles of `block_m` (64 or 128) x `block_n`, `stages` K tiles in flight, `group_m` row tiles
+    a group. Launch: grid `gemm_grid`."""
+    entry = f"kiln_cute_gemm_m{block_m}_n{block_n}_s{stages}_g{group_m}"
+    shared = shared_bytes(block_m + block_n, stages)
+    call = f"KILN_CUTE_GEMM({entry}, {_warpgroups(block_m)}, {block_n}, {stages}, {group_m}, {shared})"
+    return _kernel(GEMM_SOURCE, entry, call, GEMM_SIGNATURE, 4 * (_warpgroups(block_m) + 1), shared)
+
+
+def qkv_box(pairs: int, head_dim: int) -> int:
+    """Rows of each of the qkv GEMM's weight boxes: the most that divide both `pairs` and head_dim / 2 (a box
+    never straddles a head); refuses a shape whose boxes would not fill whole 8-row swizzle atoms."""
+    box = math.gcd(pairs, head_dim // 2)
+    if head_dim % 2 or box % 8:
+        raise ValueError(f"the CuTe qkv GEMM serves heads of an even dimension whose halves and {pairs} pairs a "
+                         f"tile share a multiple of 8 rows, not head_dim {head_dim}")
+    return box
+
+
+def qkv(block_m: int, pairs: int, head_dim: int, stages: int, group_m: int) -> NvccKernel:
+    """`qkv` at tiles of `block_m` (64 or 128) rows x `pairs` rotary pairs of heads of `head_dim`, `stages` K
+    tiles in flight, `group_m` row tiles a group. Launch: grid `qkv_grid`."""
+    box = qkv_box(pairs, head_dim)
+    entry = f"kiln_cute_qkv_m{block_m}_p{pairs}_d{head_dim}_s{stages}_g{group_m}"
+    shared = shared_bytes(block_m + 2 * pairs, stages)
+    call = f"KILN_CUTE_QKV({entry}, {_warpgroups(block_m)}, {pairs}, {box}, {head_dim}, {stages}, {group_m}, {shared})"
+    return _kernel(GEMM_SOURCE, entry, call, QKV_SIGNATURE, 4 * (_warpgroups(block_m) + 1), shared)
 
 
 def decode(rows: int, stages: int, element: str = "bf16") -> NvccKernel:
@@ -73,17 +105,29 @@ def decode(rows: int, stages: int, element: str = "bf16") -> NvccKernel:
     K tiles in flight. Launch: grid `decode_grid` (the K tiles shared by the parts in nearly equal runs)."""
     entry = f"kiln_cute_decode_{element}_t{rows}_s{stages}"
     shared = shared_bytes(WEIGHT_ROWS + rows, stages)
-    return _kernel(entry, f"KILN_CUTE_DECODE({entry}, {ELEMENTS[element][0]}, {rows}, {stages}, {shared})",
-                   DECODE_SIGNATURE, 5, shared, pdl=True)
+    call = f"KILN_CUTE_DECODE({entry}, {ELEMENTS[element][0]}, {rows}, {stages}, {shared})"
+    return _kernel(DECODE_SOURCE, entry, call, DECODE_SIGNATURE, 5, shared, pdl=True)
 
 
-def gemm_grid(rows: int, n: int, k: int, block_n: int, sms: int) -> tuple[int, int, int]:
+def gemm_grid(rows: int, n: int, k: int, block_m: int, block_n: int, sms: int) -> tuple[int, int, int]:
     """`gemm`'s grid for `rows` rows of x and an [n, k] weight on a GPU of `sms` SMs; refuses a shape the
     kernel does not serve (it would leave columns out or read past K)."""
     if n % block_n or k % k_tile():
         raise ValueError(f"the CuTe GEMM at {block_n}-column tiles serves weights of a multiple of {block_n} rows "
                          f"and {k_tile()} columns, not [{n}, {k}]")
-    return min(-(-rows // BLOCK_M) * (n // block_n), sms), 1, 1
+    return min(-(-rows // block_m) * (n // block_n), sms), 1, 1
+
+
+def qkv_grid(rows: int, heads: int, kv_heads: int, head_dim: int, k: int, block_m: int, pairs: int,
+             sms: int) -> tuple[int, int, int]:
+    """`qkv`'s grid for `rows` rows of x and the heads' w_qkv [(heads + 2 kv_heads) x head_dim, k]; refuses a
+    shape the kernel does not serve (pairs that do not fill whole tiles, K not whole K tiles)."""
+    qkv_box(pairs, head_dim)
+    all_pairs = (heads + 2 * kv_heads) * head_dim // 2
+    if all_pairs % pairs or k % k_tile():
+        raise ValueError(f"the CuTe qkv GEMM at {pairs} pairs a tile serves heads whose rotary pairs fill whole "
+                         f"tiles and K of a multiple of {k_tile()}, not {all_pairs} pairs and K {k}")
+    return min(-(-rows // block_m) * (all_pairs // pairs), sms), 1, 1
 
 
 def decode_grid(rows: int, n: int, k: int, served: int, parts: int, element: str = "bf16") -> tuple[int, int, int]:
@@ -103,16 +147,26 @@ def linear_kernels(dtype: str, n: int, k: int, tile: Tile, fp8_weight: bool = Fa
     CUTLASS's headers installed (without them the pointer kernel serves, as without nvcc); bias and
     residual are passed or null. Its meta names the bucket and the persistent grid as linear's
     launcher reads them, and "cute"."""
-    block_n = LINEAR_TILING[0]
+    block_m, block_n = LINEAR_TILING[:2]
     if (tile.name != BUCKET or tile.tma or fp8_weight or dtype != "bfloat16" or n % block_n or k % k_tile()
             or not cutlass_available()):
         return []
     kernel = gemm(*LINEAR_TILING)
-    meta = {"bucket": tile.name, "max_rows": tile.max_rows, "cute": True, "block_n": block_n,
-            "pointer_alignment": 16, "split_k": 1, "grid": f"min(cdiv(T, {BLOCK_M}) * {n // block_n}, SMS)"}
+    meta = {"bucket": tile.name, "max_rows": tile.max_rows, "cute": True, "block_m": block_m, "block_n": block_n,
+            "pointer_alignment": 16, "split_k": 1, "grid": f"min(cdiv(T, {block_m}) * {n // block_n}, SMS)"}
     return [dataclasses.replace(kernel, meta=meta)]
 
 
-def _kernel(entry: str, instance: str, signature: dict, warps: int, shared: int, pdl: bool = False) -> NvccKernel:
-    return NvccKernel(SOURCE, entry, instance, signature, warps, meta={"pdl": True} if pdl else {}, targets=TARGETS,
-                      shared_bytes=shared, includes=(cutlass_include(),), arch_specific=True)
+def _warpgroups(block_m: int) -> int:
+    """Consumer warpgroups of a tile of `block_m` rows: 64 rows each."""
+    if block_m not in (64, 128):
+        raise ValueError(f"the CuTe GEMM's tiles have 64 or 128 rows, not {block_m}")
+    return block_m // 64
+
+
+def _kernel(source: Path, entry: str, call: str, signature: dict, warps: int, shared: int,
+            pdl: bool = False) -> NvccKernel:
+    """An entry point of `source`, compiled appended to SOURCE (the building blocks) with its macro call."""
+    return NvccKernel(SOURCE, entry, f"{source.read_text()}\n{call}", signature, warps,
+                      meta={"pdl": True} if pdl else {}, targets=TARGETS, shared_bytes=shared,
+                      includes=(cutlass_include(),), arch_specific=True)

@@ -21,15 +21,15 @@ def tensor_map(address: int, element: str, shape: tuple[int, int], box: tuple[in
     return encode_tensor_map(address, element, shape, box)
 
 
-def map_rows(x: torch.Tensor) -> int:
-    """Rows of a CuTe GEMM's TMA descriptor of x [T, K]: T rounded up to whole BLOCK_M-row tiles where x's
+def map_rows(x: torch.Tensor, block_m: int) -> int:
+    """Rows of a CuTe GEMM's TMA descriptor of x [T, K]: T rounded up to whole block_m-row tiles where x's
     buffer holds them (the engine's activation buffers are sized for the most tokens a step takes), else
     T. TMA fills a box's rows past the descriptor with zeros, and on an H200 (session 33) the 64-column
     GEMM took 32.4 us for o_proj at T = 160 against 16.8 at T = 256. Rows past T read whatever the
     buffer holds: a row's sums depend on its own x alone, and the kernel stores none of theirs."""
     rows, k = x.shape
     held = x.untyped_storage().nbytes() // x.element_size() - x.storage_offset()
-    return max(rows, min(-(-rows // cute_gemm.BLOCK_M) * cute_gemm.BLOCK_M, held // k))
+    return max(rows, min(-(-rows // block_m) * block_m, held // k))
 
 
 def pick_bucket(metas: list[dict], rows: int) -> int:
@@ -131,7 +131,8 @@ def launch_gemm(kernels: list, metas: list[dict], x: torch.Tensor, weight: torch
         return
     if metas[i].get("cute"):
         n, k = weight.shape
-        args = [tensor_map(x.data_ptr(), "bf16", (map_rows(x), k), (cute_gemm.BLOCK_M, cute_gemm.k_tile())),
+        block_m = metas[i]["block_m"]
+        args = [tensor_map(x.data_ptr(), "bf16", (map_rows(x, block_m), k), (block_m, cute_gemm.k_tile())),
                 tensor_map(weight.data_ptr(), "bf16", (n, k), (metas[i]["block_n"], cute_gemm.k_tile())),
                 address(bias), address(residual), out.data_ptr(), rows, n, k]
         kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)

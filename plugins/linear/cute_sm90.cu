@@ -1,0 +1,108 @@
+// The CuTe building blocks of the linear plugin's Hopper kernels (`plugins.linear.cute_gemm`), built by
+// nvcc for sm_90a on CUTLASS's headers: each kernel file (cute_gemm_sm90.cu, cute_decode_sm90.cu) is
+// compiled appended to this one.
+//
+// Every kernel reads x and w through TMA descriptors the host makes once (`runtime.cuda_driver.
+// encode_tensor_map`, 128-byte swizzle, boxes 128 bytes wide in K). A ring of STAGES shared-memory
+// stages passes K tiles from a producer (one thread issuing every TMA load) to consumer warpgroups'
+// wgmma on mbarriers: "full" (armed with the stage's bytes, completed by the TMA) and "empty" (one
+// arrival per consumer warpgroup once its MMAs of the stage are done).
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_types.h>
+
+namespace kiln_cute {
+using namespace cute;
+using bf16 = cutlass::bfloat16_t;
+using e4m3 = cutlass::float_e4m3_t;
+using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+using EmptyBarrier = cutlass::arch::ClusterBarrier;
+
+constexpr int K_TILE_BYTES = 128;   // a K tile: one 128-byte swizzle row
+constexpr int BK = K_TILE_BYTES / sizeof(bf16);
+constexpr uint64_t EVICT_NORMAL = static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL);
+
+// K-major shared tiles of `rows` x 128 bytes in 128-byte swizzle atoms of 8 rows, one per stage: what a
+// TMA box of [rows, 128 bytes] with the 128-byte swizzle writes, and what wgmma reads.
+template <class E, int ROWS, int STAGES>
+using SmemTile = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{},
+                                        Shape<Int<ROWS>, Int<K_TILE_BYTES / sizeof(E)>, Int<STAGES>>{}));
+
+template <int STAGES>
+struct Ring {
+  alignas(8) uint64_t full[STAGES];
+  alignas(8) uint64_t empty[STAGES];
+
+  __device__ void init(int consumers) {   // by one thread, before the block's first barrier
+    for (int i = 0; i < STAGES; ++i) {
+      FullBarrier::init(&full[i], 1);
+      EmptyBarrier::init(&empty[i], consumers);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  // The producer's turn `it`: waits until its stage is free (a fresh stage is at once) and arms it for
+  // `bytes` of TMA loads.
+  __device__ int acquire(int it, uint32_t bytes) {
+    const int stage = it % STAGES;
+    EmptyBarrier::wait(&empty[stage], ((it / STAGES) & 1) ^ 1);
+    FullBarrier::arrive_and_expect_tx(&full[stage], bytes);
+    return stage;
+  }
+  __device__ int wait_full(int it) {
+    const int stage = it % STAGES;
+    FullBarrier::wait(&full[stage], (it / STAGES) & 1);
+    return stage;
+  }
+  __device__ void release(int stage) { EmptyBarrier::arrive(&empty[stage]); }
+};
+
+// A consumer warpgroup's sums over `k_tiles` K tiles from ring turn `it` on: each tile's wgmma run
+// while the next stage fills; a stage is released once the MMAs after it are issued and its own are
+// done. Returns the next turn.
+template <class Mma, class FragA, class FragB, class Acc, class R>
+__device__ __forceinline__ int accumulate(Mma& mma, const FragA& a, const FragB& b, Acc& acc, R& ring, int it,
+                                          int k_tiles, bool signals) {
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
+  int pending = -1;   // the stage whose MMAs may still run
+  for (int k = 0; k < k_tiles; ++k, ++it) {
+    const int stage = ring.wait_full(it);
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(a); ++kb) {
+      cute::gemm(mma, a(_, _, kb, stage), b(_, _, kb, stage), acc);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(acc);
+    if (pending >= 0 && signals) ring.release(pending);
+    pending = stage;
+  }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+  if (pending >= 0 && signals) ring.release(pending);
+  return it;
+}
+
+__device__ __forceinline__ void launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+__device__ __forceinline__ void wait_inputs() {   // for the kernel before, under programmatic launch
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+template <uintptr_t ALIGN, class T>
+__device__ __forceinline__ T& aligned_shared(unsigned char* raw) {
+  return *reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(raw) + ALIGN - 1) & ~(ALIGN - 1));
+}
+}  // namespace kiln_cute
