@@ -1,0 +1,71 @@
+"""The CuTe qkv GEMM (`plugins.linear.cute_gemm.qkv`: norm_qkv_rope's projection, row scale, bias, RoPE,
+q out and k and v into the paged cache) on an H200 (GPU only: `pytest -m gpu`): built by nvcc, loaded
+through `runtime.cuda_driver` and launched on TMA descriptors as a launcher would, it matches the
+plugin's reference, q and the cache alike, for Llama-3-8B's heads at both tile heights, with and without
+bias, for heads of 64 columns, for positions and cache slots in no order in the second layer of a
+cache, with more tiles than blocks (the persistent loop), for row counts that leave a tile part empty,
+and it writes nothing past T rows or outside the tokens' slots."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.plugins import get_plugin
+from kiln.plugins.aot import compile_cubin
+from kiln.plugins.linear import cute_gemm
+from kiln.plugins.linear.launch import map_rows
+
+pytestmark = pytest.mark.gpu
+
+EPS = 1e-5
+# (rows, heads, kv_heads, head_dim, K, block_m, pairs, bias, blocks: the grid's cap, as a GPU's SM count)
+CASES = [(200, 32, 8, 128, 4096, 128, 48, False, 132), (256, 32, 8, 128, 4096, 64, 96, True, 132),
+         (130, 4, 2, 64, 512, 128, 32, True, 5), (129, 8, 2, 128, 1024, 64, 64, False, 132),
+         (256, 32, 8, 128, 4096, 128, 64, False, 132)]
+
+
+@pytest.mark.parametrize("rows, heads, kv_heads, d, k, block_m, pairs, bias, blocks", CASES)
+def test_cute_qkv_matches_the_plugin_reference(rows, heads, kv_heads, d, k, block_m, pairs, bias, blocks):
+    from kiln.runtime.cuda_driver import encode_tensor_map, load_kernel
+
+    kernel = cute_gemm.qkv(block_m, pairs, d, 6, 8)
+    cubin = compile_cubin(kernel, "sm_90")
+    fn = load_kernel(cubin.binary, cubin.name, list(kernel.signature.values()), cubin.num_warps, cubin.shared_bytes,
+                     cubin.global_scratch)
+    gen = torch.Generator().manual_seed(rows + heads + d)
+    n, layers, block_size = (heads + 2 * kv_heads) * d, 2, 16
+    # x in a longer buffer whose rows past T hold NaN: the descriptor covers whole tiles, as the engine's do.
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).cuda()
+    x = torch.cat([x, torch.full((block_m, k), float("nan"), dtype=torch.bfloat16, device="cuda")])[:rows]
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16).cuda()
+    b = torch.randn(n, generator=gen).to(torch.bfloat16).cuda() if bias else None
+    positions = torch.randperm(4 * rows, generator=gen)[:rows].to(torch.int32).cuda()
+    angles = torch.arange(4 * rows)[:, None].float() * 10000.0 ** (-torch.arange(0, d, 2) / d)
+    rope = torch.cat([angles.cos(), angles.sin()], dim=1).cuda()
+    blocks_in_cache = -(-2 * rows // block_size)
+    slots = torch.randperm(blocks_in_cache * block_size, generator=gen)[:rows].to(torch.int32).cuda()
+    cache = torch.full((layers, 2, blocks_in_cache, block_size, kv_heads, d), float("nan"), dtype=torch.bfloat16,
+                       device="cuda")
+    ref_cache = cache.clone()
+    ref = get_plugin("norm_qkv_rope").call_reference(
+        [x, None, w, b, None, None, positions, rope, ref_cache, slots],
+        {"eps": EPS, "layer": 1, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d})
+    # Three rows past T that the kernel must leave alone: q out is a view of a longer buffer.
+    buffer = torch.full((rows + 3, heads * d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = buffer[:rows]
+    scales = torch.rsqrt(x.float().pow(2).mean(dim=1) + EPS)
+    box = cute_gemm.qkv_box(pairs, d)
+    args = [encode_tensor_map(x.data_ptr(), "bf16", (map_rows(x, block_m), k), (block_m, cute_gemm.k_tile())),
+            encode_tensor_map(w.data_ptr(), "bf16", (n, k), (box, cute_gemm.k_tile())), scales.data_ptr(),
+            b.data_ptr() if bias else 0, positions.data_ptr(), rope.data_ptr(), cache.data_ptr(), slots.data_ptr(),
+            out.data_ptr(), rows, blocks_in_cache * block_size, 1, heads, kv_heads, k]
+    fn.launch(cute_gemm.qkv_grid(rows, heads, kv_heads, d, k, block_m, pairs, blocks), args,
+              torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < 1e-2, f"q: relative error {err:.2e}"
+    assert torch.isnan(buffer[rows:]).all(), "rows past T were written"
+    written = ~torch.isnan(ref_cache)
+    assert torch.equal(written, ~torch.isnan(cache)), "the cache was written outside the tokens' slots"
+    err = ((cache[written].float() - ref_cache[written].float()).norm() / ref_cache[written].float().norm()).item()
+    assert err < 1e-2, f"k and v: relative error {err:.2e}"
