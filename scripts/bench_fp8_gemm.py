@@ -11,7 +11,9 @@ pre-pass included), as the CUDA executor does. Projections: qkv (norm_qkv_rope, 
 o_proj (the GEMM of attention_o_proj: linear_residual, 4096 -> 4096), gate/up (norm_swiglu,
 4096 -> 2 x 14336) and down (linear_residual, 14336 -> 4096), at T = 1, 8, 64, 256 and 4096.
 
-Variants: "bf16 engine" and "fp8 engine" (the engine's kernels for each dtype), cuBLAS bf16 (torch.mm) and cuBLAS FP8 (torch._scaled_mm with per-row scales, where
+Variants: "bf16 engine" and "fp8 engine" (the engine's kernels for each dtype), each again as ", Triton"
+(its CUDA C++ kernels left out, as in an engine built without nvcc: the Triton tiles of every bucket),
+cuBLAS bf16 (torch.mm) and cuBLAS FP8 (torch._scaled_mm with per-row scales, where
 this torch has it; x quantized by torch outside the timing). Each is checked against the op in
 float32 with the weights it was given (FP8: the dequantized e4m3 weights, so the error shown is
 the activations' quantization, about 2-3%) and against the plugin's own reference on the same
@@ -32,6 +34,7 @@ import pickle
 import sys
 
 from kiln.plugins.aot import compile_cubin
+from kiln.plugins.nvcc import NvccKernel
 from scripts.gpu_timing import graph_us
 
 L2_ROTATION = 200_000_000
@@ -52,11 +55,17 @@ ATTRS = {"linear_residual": {"parallel": "none", "heads": 0, "all_reduce": False
          "norm_qkv_rope": {"eps": EPS, "layer": 0, "num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM}}
 
 
+VARIANTS = ("bf16 engine", "fp8 engine", "bf16 engine, Triton", "fp8 engine, Triton")
+
+
 def variants(plugin: str, shapes: dict) -> dict[str, list]:
-    """Each engine variant's AotKernels for a projection, in aot_kernels order."""
+    """Each engine variant's kernels for a projection, in aot_kernels order (VARIANTS): as an engine holds
+    them, and without the CUDA C++ ones (the GEMVs, the CuTe GEMMs), as one built without nvcc does."""
     kernels = importlib.import_module(f"kiln.plugins.{plugin}.kernels")
-    return {"bf16 engine": kernels.aot_kernels("bfloat16", shapes),
-            "fp8 engine": kernels.aot_kernels("bfloat16", {**shapes, "fp8": True})}
+    engine = {"bf16 engine": kernels.aot_kernels("bfloat16", shapes),
+              "fp8 engine": kernels.aot_kernels("bfloat16", {**shapes, "fp8": True})}
+    return {**engine, **{f"{name}, Triton": [k for k in ks if not isinstance(k, NvccKernel)]
+                         for name, ks in engine.items()}}
 
 
 def compile_all(path: str, target: str = "sm_90") -> None:
@@ -183,7 +192,7 @@ def run_all(path: str, results: str) -> None:
         launcher = importlib.import_module(f"kiln.plugins.{plugin}.launch")
         for t in ROWS:
             rows_out = []
-            for variant in ("bf16 engine", "fp8 engine"):
+            for variant in VARIANTS:
                 fns, metas = loaded[(name, variant)]
                 fp8 = variant.startswith("fp8")
                 weights = copies["fp8" if fp8 else "bf16"]
@@ -218,7 +227,7 @@ def run_all(path: str, results: str) -> None:
     say("one layer's four projections (sum over qkv, o_proj, gate_up, down):")
     for t in ROWS:
         bf16 = totals.get((t, "bf16 engine"))
-        for variant in ("bf16 engine", "fp8 engine"):
+        for variant in VARIANTS:
             if (t, variant) in totals:
                 us = totals[(t, variant)]
                 say(f"  T={t:5d} {variant:26s} {us:9.1f} us  {bf16 / us:5.2f}x bf16")
@@ -255,7 +264,7 @@ def _report(say, name: str, t: int, rows: int, k: int, results: list, copy_tbs: 
                                         f"{'  WRONG' if not (err[0] < 0.06 and err[1] < 1e-2) else ''}")
         say(f"  {us:8.1f} us  {tbs:5.2f} TB/s of weights ({tbs / copy_tbs:4.0%} of copy)  {flops / us / 1e6:6.0f} "
             f"TFLOP/s  {bf16 / us:5.2f}x bf16 engine  {variant}{check}")
-        if variant in ("bf16 engine", "fp8 engine"):
+        if variant in VARIANTS:
             totals[(t, variant)] = totals.get((t, variant), 0.0) + us
 
 
