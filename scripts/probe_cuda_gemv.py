@@ -5,6 +5,7 @@ BENCHMARKS.md, sessions 21 and 22, has the GEMVs' figures)
     PYTHONPATH=. python3 scripts/probe_cuda_gemv.py compile probe.pkl   # anywhere: nvcc and Triton AOT
     PYTHONPATH=. python3 scripts/probe_cuda_gemv.py run probe.pkl       # on the GPU
     PYTHONPATH=. python3 scripts/probe_cuda_gemv.py engine probe.pkl    # on the GPU: the engine's kernels only
+    PYTHONPATH=. python3 scripts/probe_cuda_gemv.py fp8 probe.pkl       # on the GPU: the e4m3 CuTe GEMM only
 
 `compile` builds, with `plugins.nvcc`, `gemv.cu`'s plain GEMV at rows T and weight rows per warp R
 (VARIANTS) and the CuTe decode GEMM (TMA and wgmma with the weights as the 64-row operand, K split in
@@ -38,7 +39,10 @@ VARIANTS = [(1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (8, 2), (8, 4)]
 ROWS = (1, 2, 4, 8, 16)
 # The CuTe decode GEMM: (rows of x it serves, stages, element), each timed at every split of K in CUTE_PARTS;
 # the e4m3 ones apart (`cute_fp8`), over the same weights quantized per row.
-CUTE_VARIANTS = [(8, 8, "bf16"), (8, 12, "bf16"), (16, 8, "bf16"), (8, 8, "fp8e4nv"), (8, 12, "fp8e4nv")]
+CUTE_VARIANTS = [(8, 8, "bf16"), (8, 12, "bf16"), (16, 8, "bf16"), (8, 8, "fp8e4nv"), (8, 12, "fp8e4nv"),
+                 (16, 8, "fp8e4nv"), (32, 8, "fp8e4nv"), (64, 8, "fp8e4nv"), (64, 12, "fp8e4nv")]
+# Rows of x the e4m3 CuTe decode GEMM is timed at (`cute_fp8`): 17-64 rows are an FP8 engine's "small" bucket.
+FP8_ROWS = (1, 2, 4, 8, 16, 32, 64)
 CUTE_PARTS = (1, 2, 4, 8)
 # The engine's plugins at Llama-3-8B's shapes: (compile shapes, attrs). norm_swiglu has no GEMV
 # bucket since session 21 (its pair kernel lost): both of its columns then time the Triton kernel.
@@ -122,7 +126,9 @@ def load(entry: tuple):
     return kernel, meta
 
 
-def run_all(path: str, only_engine: bool = False) -> None:
+def run_all(path: str, mode: str = "all") -> None:
+    """mode "all": every kernel; "engine": the engine's kernels through their launchers alone; "fp8": the e4m3
+    CuTe decode GEMM alone."""
     import torch
 
     with open(path, "rb") as f:
@@ -132,9 +138,21 @@ def run_all(path: str, only_engine: bool = False) -> None:
     copy = copy_rate()
     print(f"device copy {copy:.2f} TB/s (bytes read + written); torch {torch.__version__}, "
           f"triton (compile) {built['triton_version']}")
-    if not only_engine:
+    if mode == "fp8":
+        cute_fp8(built, layer_weights(), copy)
+        return
+    if mode == "all":
         plain_kernels(built, copy)
     engine_kernels(built["engine"], built["extra"])
+
+
+def layer_weights() -> dict:
+    """LAYERS distinct bf16 weights of each shape (14 GB: nothing comes from the L2)."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    return {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+                   for _ in range(LAYERS)] for name, (n, k) in SHAPES.items()}
 
 
 def plain_kernels(built: dict, copy: float) -> None:
@@ -147,9 +165,8 @@ def plain_kernels(built: dict, copy: float) -> None:
     from scripts.gpu_timing import replay_ms
 
     stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    weights = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-                      for _ in range(LAYERS)] for name, (n, k) in SHAPES.items()}
+    weights = layer_weights()
+    gen = torch.Generator(device="cuda").manual_seed(1)
     ts = ROWS
     xs = {(name, t): torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen)
           for (name, (n, k)), t in itertools.product(SHAPES.items(), ts)}
@@ -252,9 +269,10 @@ def plain_kernels(built: dict, copy: float) -> None:
 
 
 def cute_fp8(built: dict, weights: dict, copy: float) -> None:
-    """The e4m3 CuTe decode GEMM over `weights` quantized per row, x quantized per row: each variant alone
-    at T = 1 to 8 and every split of K, then the 32-layer chain of the best of each shape, against the
-    device's copy rate (the e4m3 bytes: half of bf16's)."""
+    """The e4m3 CuTe decode GEMM over `weights` quantized per row, x quantized per row: at each T of FP8_ROWS
+    each variant serving T that no variant for fewer rows serves, alone at every split of K, then the
+    32-layer chain of the best of each shape, against the device's copy rate (the e4m3 bytes: half of
+    bf16's)."""
     import torch
 
     from kiln.plugins.fp8 import dequantize_rows, quantize_rows
@@ -276,7 +294,8 @@ def cute_fp8(built: dict, weights: dict, copy: float) -> None:
     total = sum(q.nbytes for qs in quantized.values() for q, _ in qs)
     print(f"e4m3 CuTe decode: {LAYERS} layers x {list(SHAPES)}, {total / 1e9:.2f} GB, "
           f"limit {total / copy / 1e9:.3f} ms")
-    for t in (1, 2, 4, 8):
+    for t in FP8_ROWS:
+        serving = [v for v in variants if t <= v[0] and not any(t <= r < v[0] for r, _ in variants)]
         xs = {name: quantize_rows(torch.randn(t, k, device="cuda", dtype=torch.bfloat16, generator=gen))
               for name, (n, k) in SHAPES.items()}
         residuals = {name: torch.randn(t, n, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -284,7 +303,7 @@ def cute_fp8(built: dict, weights: dict, copy: float) -> None:
         outs = {name: torch.empty(t, n, device="cuda", dtype=torch.bfloat16) for name, (n, k) in SHAPES.items()}
         x_maps = {(name, rows): encode_tensor_map(xs[name][0].data_ptr(), "fp8e4nv", (t, SHAPES[name][1]),
                                                   (rows, k_tile("fp8e4nv")))
-                  for name, (rows, _) in itertools.product(SHAPES, variants)}
+                  for name, (rows, _) in itertools.product(SHAPES, serving)}
 
         def launcher(v: tuple[int, int], parts: int):
             def launch(name: str, layer: int) -> None:
@@ -302,7 +321,7 @@ def cute_fp8(built: dict, weights: dict, copy: float) -> None:
             ref = dequantize_rows(*xs[name]) @ dequantize_rows(q, scale).T
             ref = ref + residuals[name].float() if RESIDUAL[name] else ref
             rows = []
-            for v, parts in itertools.product(variants, CUTE_PARTS):
+            for v, parts in itertools.product(serving, CUTE_PARTS):
                 launch = launcher(v, parts)
                 outs[name].zero_()
                 launch(name, LAYERS - 1)
@@ -391,4 +410,5 @@ def engine_kernels(built: dict, extra: dict) -> None:
 
 
 if __name__ == "__main__":
-    {"compile": compile_all, "run": run_all, "engine": lambda p: run_all(p, only_engine=True)}[sys.argv[1]](sys.argv[2])
+    {"compile": compile_all, "run": run_all, "engine": lambda p: run_all(p, "engine"),
+     "fp8": lambda p: run_all(p, "fp8")}[sys.argv[1]](sys.argv[2])
