@@ -6,13 +6,12 @@
 Kernels: the persistent TMA GEMM of `plugins.linear.tma` at tilings, depths, warps and grouping,
 with a persistent grid (one program per SM) and a one-tile-per-program grid, the pointer-load
 GEMM `linear_kernel` at its prefill and medium tiles, and the engine's own kernels for each
-projection (from the plugins' `aot_kernels`, the fused epilogues and the norm's row-scale pre-pass
-included; o_proj and down through linear_residual's launcher, which takes the bucket serving T, the
-fused plugins' prefill bucket), labelled "engine", and the CUTLASS route: the CuTe GEMM of
-`plugins.linear.cute_gemm` (nvcc, sm_90a, TMA descriptors made on the host) at its tilings,
-labelled "cute" (it needs nvcc and `nvidia-cutlass`'s headers; without them the sweep goes on
-without it). `compile` builds each into a cubin with
-`plugins.aot` as build-engine does; `run` loads them through `runtime.cuda_driver` as the CUDA
+projection (the plugins' `aot_kernels` through their launchers, which take the bucket serving T and
+run its pre-passes, the fused epilogues included), labelled "engine", and the CUTLASS route: the
+CuTe GEMM of `plugins.linear.cute_gemm` (nvcc, sm_90a, TMA descriptors made on the host) at its
+tilings, and for qkv with norm_qkv_rope's epilogue at its own, labelled "cute" (it needs nvcc and
+`nvidia-cutlass`'s headers; without them the sweep goes on without it). `compile` builds each into
+a cubin with `plugins.aot` as build-engine does; `run` loads them through `runtime.cuda_driver` as the CUDA
 executor does, checks each against torch, and times it in a CUDA graph (weights cycled beyond the
 L2), beside `torch.mm` (cuBLAS) on the same shapes and the GEMM rate measured as bench-engine does
 (bf16 8192^3). Shapes: Llama-3-8B's projections (or those KILN_TUNE_SHAPES names) at T = 256, 1024,
@@ -117,9 +116,8 @@ ENGINE = {"qkv": ("norm_qkv_rope", {"K": 4096, "num_heads": 32, "num_kv_heads": 
 
 
 def engine_configs() -> list[tuple[str, dict, list[AotKernel]]]:
-    """(shape name, info, kernels): linear_residual's sm_90 kernels, all of them (its launcher picks the
-    bucket serving T); the fused plugins' row-scale pre-pass or nothing, and their prefill bucket's TMA
-    kernel."""
+    """(shape name, info, kernels): each projection's plugin's sm_90 kernels, all of them (its launcher picks
+    the bucket serving T and runs the pre-passes)."""
     import importlib
     out = []
     for name, (plugin, shapes) in ENGINE.items():
@@ -129,12 +127,8 @@ def engine_configs() -> list[tuple[str, dict, list[AotKernel]]]:
                    if k.targets is None or "sm_90" in k.targets]
         if nvcc_path() is None:
             kernels = [k for k in kernels if not isinstance(k, NvccKernel)]
-        if plugin != "linear_residual":
-            kernels = ([k for k in kernels if k.meta.get("row_scale")] +
-                       [k for k in kernels if k.meta.get("tma") and k.meta["bucket"] == "prefill"])
         n, k = SHAPES[name]
-        out.append((name, {"kind": plugin, "n": n, "k": k, "grid": kernels[-1].meta["grid"],
-                           "label": f"engine {plugin}"}, kernels))
+        out.append((name, {"kind": plugin, "n": n, "k": k, "label": f"engine {plugin}"}, kernels))
     return out
 
 
@@ -269,45 +263,58 @@ def run_all(path: str, every: str | None = None) -> None:
                              for us, label, err in rows)
 
 
-def _time_engine(info: dict, kernels: list, x, weights: list, t: int, scratch) -> tuple[float, float]:
-    """Time the engine's kernels for one projection (pre-pass and GEMM, as its launcher runs
-    them) over the weight copies; returns (us, relative error against the plugin reference)."""
+def _time_engine(info: dict, kernels: list, x, weights: list, t: int, global_scratch) -> tuple[float, float]:
+    """Time one projection's engine kernels through its plugin's launcher (the bucket serving t rows and its
+    pre-passes, x in whole tiles as the engine's activations are) over the weight copies; returns (us,
+    relative error against the plugin reference, the cache's too for qkv)."""
+    import importlib
+
     import torch
 
     from kiln.plugins import get_plugin
-    from kiln.plugins.driver_launch import grid as eval_grid
     from kiln.runtime.cuda_driver import load_kernel
+    from kiln.runtime.cuda_executor import op_scratch
 
     fns = []
     for signature, cubin, _ in kernels:
         fn = load_kernel(cubin.binary, cubin.name, [s for s in signature.values() if s != "constexpr"],
                          cubin.num_warps, cubin.shared_bytes, cubin.global_scratch)
-        fn.scratch = (scratch.data_ptr(), scratch.numel() // max(cubin.global_scratch, 1))
+        fn.scratch = (global_scratch.data_ptr(), global_scratch.numel() // max(cubin.global_scratch, 1))
         fns.append(fn)
-    n, kind = info["n"], info["kind"]
-    if kind == "linear_residual":
-        return _time_linear_residual(fns, [meta for _, _, meta in kernels], x, weights, t)
-    grid = eval_grid(info["grid"], {"T": t})
-    eps = 1e-5
-    scales = torch.empty(t, device="cuda", dtype=torch.float32)
-    if kind == "norm_qkv_rope":
-        out, pos, rope, kv, slots, ref, _ = _qkv_case(x, weights[0], eps)
-        args = [[x.data_ptr(), scales.data_ptr(), w.data_ptr(), pos.data_ptr(), rope.data_ptr(), kv.data_ptr(),
-                 slots.data_ptr(), out.data_ptr(), t, kv.shape[2] * kv.shape[3], 0, eps] for w in weights]
-    elif kind == "norm_swiglu":
-        out = torch.empty(t, n // 2, device="cuda", dtype=torch.bfloat16)
-        args = [[x.data_ptr(), scales.data_ptr(), w.data_ptr(), out.data_ptr(), t] for w in weights]
-        ref = get_plugin(kind).call_reference([x, None, weights[0]], {"eps": eps, "block": 64})
-    def call():
-        stream = torch.cuda.current_stream().cuda_stream  # the capture stream inside graph_us
-        i = next(turn) % len(args)
-        if len(fns) == 2:
-            fns[0].launch((t, 1, 1), [x.data_ptr(), scales.data_ptr(), t, eps], stream)
-        fns[-1].launch(grid, args[i], stream)
+    metas = [meta for _, _, meta in kernels]
+    plugin, eps = info["kind"], 1e-5
+    launcher = importlib.import_module(f"kiln.plugins.{plugin}.launch")
+    x = _in_whole_tiles(x)
+    kv = kv_ref = None
+    if plugin == "linear_residual":
+        attrs = {"parallel": "row", "heads": 0, "all_reduce": False}
+        residual = torch.randn(t, info["n"], device="cuda", dtype=torch.bfloat16)
+        inputs, out = [x, weights[0], None, residual], torch.empty_like(residual)
+        ref = x.float() @ weights[0].float().T + residual.float()
+    elif plugin == "norm_qkv_rope":
+        attrs = {"eps": eps, "layer": 0, "num_heads": QKV_HEADS["heads"], "num_kv_heads": QKV_HEADS["kv_heads"],
+                 "head_dim": QKV_HEADS["head_dim"]}
+        out, pos, rope, kv, slots, ref, kv_ref = _qkv_case(x, weights[0], eps)
+        inputs = [x, None, weights[0], None, None, None, pos, rope, kv, slots]
+    else:
+        attrs = {"eps": eps, "block": 64, "activation": "silu"}
+        inputs, out = [x, None, weights[0]], torch.empty(t, info["n"] // 2, device="cuda", dtype=torch.bfloat16)
+        ref = get_plugin(plugin).call_reference(inputs, {"eps": eps, "block": 64})
+    limits = {"T": max(t, 128), "S": 1, "B": 1, "block_size": 16, "element_bytes": 2}
+    scratch = {name: torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+               for name, nbytes in op_scratch(launcher, attrs, metas, limits).items()}
+    slot = 1 if plugin == "linear_residual" else 2   # the weight's place among the inputs
     turn = itertools.count(0)
-    call()
+
+    def call():
+        inputs[slot] = weights[next(turn) % len(weights)]
+        launcher.launch(fns, metas, inputs, attrs, out, {"T": t}, torch.cuda.current_stream().cuda_stream, scratch)
+    inputs[slot] = weights[0]
+    launcher.launch(fns, metas, inputs, attrs, out, {"T": t}, torch.cuda.current_stream().cuda_stream, scratch)
     torch.cuda.synchronize()
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    if kv is not None:
+        err = max(err, ((kv.float() - kv_ref.float()).norm() / kv_ref.float().norm()).item())
     return graph_us(call), err
 
 
@@ -362,33 +369,6 @@ def _time_cute_qkv(fn, info: dict, x, weights: list, t: int, sms: int) -> tuple[
     torch.cuda.synchronize()
     err = max(((out.float() - ref.float()).norm() / ref.float().norm()).item(),
               ((kv.float() - kv_ref.float()).norm() / kv_ref.float().norm()).item())
-    return graph_us(call), err
-
-
-def _time_linear_residual(fns: list, metas: list[dict], x, weights: list, t: int) -> tuple[float, float]:
-    """o_proj or down through linear_residual's launcher, which takes the bucket serving t rows."""
-    import torch
-
-    from kiln.plugins.linear_residual import launch as launcher
-    from kiln.runtime.cuda_executor import op_scratch
-
-    attrs = {"parallel": "row", "heads": 0, "all_reduce": False}
-    limits = {"T": t, "S": 1, "B": 1, "block_size": 16, "element_bytes": 2}
-    scratch = {name: torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
-               for name, nbytes in op_scratch(launcher, attrs, metas, limits).items()}
-    x = _in_whole_tiles(x)
-    residual = torch.randn(t, weights[0].shape[0], device="cuda", dtype=torch.bfloat16)
-    out = torch.empty_like(residual)
-    turn = itertools.count(0)
-
-    def call():
-        w = weights[next(turn) % len(weights)]
-        launcher.launch(fns, metas, [x, w, None, residual], attrs, out, {"T": t},
-                        torch.cuda.current_stream().cuda_stream, scratch)
-    call()
-    torch.cuda.synchronize()
-    ref = x.float() @ weights[0].float().T + residual.float()
-    err = ((out.float() - ref).norm() / ref.norm()).item()
     return graph_us(call), err
 
 
