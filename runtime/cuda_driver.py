@@ -17,6 +17,7 @@ that takes a TMA descriptor by value (signature type "tensormap") gets one the h
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import struct
 from dataclasses import dataclass, field
@@ -187,24 +188,28 @@ def load_kernel(cubin: bytes, name: str, signature: list[str], num_warps: int, s
     return CudaKernel(function, name, signature, num_warps, shared_bytes, global_scratch)
 
 
-def encode_tensor_map(address: int, element: str, shape: tuple[int, int], box: tuple[int, int]) -> bytes:
-    """The 128 bytes of a TMA descriptor of the row-major [rows, cols] tensor of `element`s ("bf16" or
-    "fp8e4nv") at device `address`, copied in boxes of [box rows, box cols] into shared memory with
-    the 128-byte swizzle (box cols x element size must be 128 bytes or less).
-    Rows past `shape` read as zeros. Made through libcuda itself: the driver wants the descriptor's
-    memory 64-byte aligned, which cuda.bindings' CUtensorMap objects were not always."""
+def encode_tensor_map(address: int, element: str, shape: tuple[int, ...], box: tuple[int, ...]) -> bytes:
+    """The 128 bytes of a TMA descriptor of the contiguous row-major tensor of `element`s ("bf16" or
+    "fp8e4nv") of `shape` (2 to 5 dimensions, outermost first: [rows, cols] for a matrix) at device
+    `address`, copied in boxes of `box` into shared memory with the 128-byte swizzle (the innermost box
+    dimension x element size must be 128 bytes or less). Elements past `shape` read as zeros. Made through
+    libcuda itself: the driver wants the descriptor's memory 64-byte aligned, which cuda.bindings'
+    CUtensorMap objects were not always."""
     kind, size = _TENSOR_MAP_TYPES[element]
-    (rows, cols), (box_rows, box_cols) = shape, box
-    if address % 16 or cols * size % 16 or box_cols * size > 128:
-        raise ValueError(f"no TMA descriptor for a [{rows}, {cols}] {element} tensor at {address:#x} in boxes of "
-                         f"[{box_rows}, {box_cols}]: the address and the row pitch must be 16-byte aligned and a "
+    rank = len(shape)
+    pitches = [size * math.prod(shape[d + 1:]) for d in range(rank - 1)]   # bytes a step of each outer dim
+    if (not 2 <= rank == len(box) <= 5 or address % 16 or any(pitch % 16 for pitch in pitches)
+            or box[-1] * size > 128):
+        raise ValueError(f"no TMA descriptor for a {list(shape)} {element} tensor at {address:#x} in boxes of "
+                         f"{list(box)}: the address and the row pitch must be 16-byte aligned and a "
                          "box row at most 128 bytes")
     memory = ctypes.create_string_buffer(2 * _TENSOR_MAP_BYTES)
     aligned = ctypes.addressof(memory) + (-ctypes.addressof(memory) % _TENSOR_MAP_BYTES)
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
     result = _libcuda().cuTensorMapEncodeTiled(
-        ctypes.c_void_p(aligned), kind, 2, ctypes.c_void_p(address), (u64 * 2)(cols, rows), (u64 * 1)(cols * size),
-        (u32 * 2)(box_cols, box_rows), (u32 * 2)(1, 1), 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0)
+        ctypes.c_void_p(aligned), kind, rank, ctypes.c_void_p(address), (u64 * rank)(*reversed(shape)),
+        (u64 * (rank - 1))(*reversed(pitches)), (u32 * rank)(*reversed(box)), (u32 * rank)(*[1] * rank), 0,
+        _SWIZZLE_128B, _L2_PROMOTION_256B, 0)
     if result != 0:
         raise CudaError(f"cuTensorMapEncodeTiled failed: CUresult {result}")
     return ctypes.string_at(aligned, _TENSOR_MAP_BYTES)
