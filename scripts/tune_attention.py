@@ -18,10 +18,11 @@ count one per element; the CUDA decode kernel for such a cache (`plugins/attenti
 is swept beside Triton's at 2, 4 and 8 warps, at the engine's split count and a few around it. The
 device's copy rate, measured as bench-engine measures it, heads the output.
 
-Prefill (`compile ... prefill`, `run ... prefill`): the same kernel at prefill tilings over whole
-causal prompts of 2k and 8k tokens (one sequence, and four of 2k), each checked against and timed
-beside `torch.nn.functional.scaled_dot_product_attention` on the flash backend in the same run,
-with TFLOP/s counted over the causal half.
+Prefill (`compile ... prefill`, `run ... prefill`): the same kernel at prefill tilings, and the CuTe
+prefill kernel (`plugins/attention/prefill_sm90.cu`, labelled "cute"; it needs nvcc and
+`nvidia-cutlass`'s headers), over whole causal prompts of 2k and 8k tokens (one sequence, and four of
+2k), each checked against and timed beside `torch.nn.functional.scaled_dot_product_attention` on the
+flash backend in the same run, with TFLOP/s counted over the causal half.
 """
 from __future__ import annotations
 
@@ -82,6 +83,8 @@ def configs(kind: str = "decode") -> list[tuple[dict, AotKernel]]:
                "NUM_HEADS": "constexpr", "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "MAX_SPLITS": "constexpr"}
     if kind == "decode" and FP8_KV:
         out += cuda_configs()
+    if kind == "prefill":
+        out += cute_prefill_configs()
     out.append(({"combine": True, "label": "combine"},
                 AotKernel(_combine_splits_kernel, combine, {"NUM_HEADS": HEADS, "HEAD_DIM": HEAD_DIM,
                                                             "BLOCK_D": _head_block(HEAD_DIM), "MAX_SPLITS": MAX_SPLITS},
@@ -103,6 +106,25 @@ def cuda_configs() -> list[tuple[dict, object]]:
         out.append(({"split": split, "pure": True, "cuda": True, "label": f"cuda w{warps}"},
                     NvccKernel(decode_fp8.SOURCE, name, instance, decode_fp8.SIGNATURE, warps)))
     return out
+
+
+# The CuTe prefill kernel's tilings: (keys a tile, stages).
+CUTE_PREFILL_TILES = [(128, 2)]
+
+
+def cute_prefill_configs() -> list[tuple[dict, object]]:
+    """The CuTe prefill kernel (`plugins/attention/prefill_sm90.cu`) at its tilings (none without nvcc or
+    CUTLASS's headers)."""
+    from kiln.plugins.attention import prefill_sm90
+    from kiln.plugins.nvcc import nvcc_path
+
+    if nvcc_path() is None:
+        return []
+    try:
+        return [({"cute": True, "label": f"cute bm{prefill_sm90.BLOCK_M} bn{bn} s{stages}"},
+                 prefill_sm90.kernel(bn, stages)) for bn, stages in CUTE_PREFILL_TILES]
+    except RuntimeError:
+        return []
 
 
 def _compile(job: tuple[str, int]):
@@ -241,6 +263,8 @@ def run_prefill(path: str) -> None:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from kiln.plugins.attention import prefill_sm90
+
     loaded = _load(path)
     gen = torch.Generator().manual_seed(0)
     scale = HEAD_DIM ** -0.5
@@ -272,6 +296,16 @@ def run_prefill(path: str) -> None:
         out = torch.empty_like(q)
         rows = [(sdpa_us, "SDPA flash", 0.0)]
         for info, fn in [entry for entry in loaded if not entry[0].get("combine")]:
+            if info.get("cute"):
+                def call():
+                    prefill_sm90.launch(fn, q, cache[0], cache[1], out, tables, lens, lens, 0, HEADS, scale,
+                                        torch.cuda.current_stream().cuda_stream)
+                out.zero_()
+                call()
+                torch.cuda.synchronize()
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                rows.append((graph_us(call), info["label"], err))
+                continue
             grid = (tokens * (HEADS // KV_HEADS) // info["block_m"] + seqs, KV_HEADS, 1)
             args = [q.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), out.data_ptr(), 0, 0, tables.data_ptr(),
                     lens.data_ptr(), lens.data_ptr(), seqs, 0, q.stride(0), out.stride(0), tables.stride(0), scale, 0]

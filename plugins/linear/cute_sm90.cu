@@ -36,6 +36,20 @@ template <class E, int ROWS, int STAGES>
 using SmemTile = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{},
                                         Shape<Int<ROWS>, Int<K_TILE_BYTES / sizeof(E)>, Int<STAGES>>{}));
 
+// A thread's sums come in column pairs (n, n + 1) for two rows 8 apart: index i = c + 2 r + 4 g holds
+// column 8 g + c and row 8 r from the thread's first (wgmma's accumulator layout, asserted here).
+template <int BN, class Acc, class Where>
+__device__ __forceinline__ void check_layout(const Acc&, const Where&) {
+  using Shapes = remove_cvref_t<decltype(shape<0>(std::declval<Acc>()))>;
+  static_assert(is_same_v<Shapes, Shape<_2, _2, Int<BN / 8>>> && decltype(size(std::declval<Acc>()))::value == BN / 2,
+                "wgmma's accumulator: column pairs, two rows, BN / 8 column groups a thread");
+  using Strides = remove_cvref_t<decltype(stride<0>(std::declval<Where>()))>;
+  static_assert(is_same_v<remove_cvref_t<decltype(get<0>(Strides{}))>, ScaledBasis<C<1>, 1>> &&
+                    is_same_v<remove_cvref_t<decltype(get<1>(Strides{}))>, ScaledBasis<C<8>, 0>> &&
+                    is_same_v<remove_cvref_t<decltype(get<2>(Strides{}))>, ScaledBasis<C<8>, 1>>,
+                "wgmma's accumulator: index c + 2 r + 4 g is column 8 g + c and row 8 r");
+}
+
 template <int STAGES>
 struct Ring {
   alignas(8) uint64_t full[STAGES];

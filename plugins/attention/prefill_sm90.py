@@ -1,0 +1,83 @@
+"""The CUTLASS route of the attention plugin's prefill: causal paged attention on Hopper's wgmma and TMA
+(`prefill_sm90.cu`, CuTe's building blocks, built by nvcc for sm_90a with `nvidia-cutlass`'s headers),
+for bf16 caches of 16-token blocks, heads of 128 and no sliding window (`serves`).
+
+A candidate: scripts/tune_attention.py times it beside the Triton prefill tilings and SDPA's flash
+attention, and tests/test_cute_prefill_gpu.py checks it against the plugin reference on an H200. Its
+descriptors are parameters the host makes (`runtime.cuda_driver.encode_tensor_map`, `descriptors`): q as
+[rows, q's row pitch] in boxes of 128 rows x 64 dims, the layer's K and V caches each as [slots, kv heads,
+head_dim] in boxes of one cache block x one head x 64 dims.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from kiln.plugins.linear import cute_gemm
+from kiln.plugins.linear.launch import tensor_map
+from kiln.plugins.nvcc import NvccKernel, cutlass_include
+
+SOURCE = Path(__file__).with_name("prefill_sm90.cu")
+SIGNATURE = {"q_map": "tensormap", "k_map": "tensormap", "v_map": "tensormap", "out": "*bf16",
+             "block_tables": "*i32", "query_lens": "*i32", "context_lens": "*i32", "num_seqs": "i32",
+             "first_seq": "i32", "out_stride": "i32", "table_stride": "i32", "num_slots": "i32", "kv_heads": "i32",
+             "scale": "fp32"}
+BLOCK_M = 128      # query tokens a block
+HEAD_DIM = 128
+BLOCK_SIZE = 16    # the cache's tokens a block
+HALF = 64          # head dims a box: one 128-byte swizzle row of bf16
+WARPS = 12         # a producer warpgroup and two consumer warpgroups
+
+
+def kernel(block_n: int, stages: int) -> NvccKernel:
+    """The prefill kernel at key tiles of `block_n` keys, `stages` key and value tiles in flight. Launch:
+    grid `grid`."""
+    entry = f"kiln_cute_prefill_n{block_n}_s{stages}"
+    # bf16 K and V tiles a stage, the query tile, and 2 KiB for the barriers and the 1 KiB alignment of the base
+    shared = stages * 2 * block_n * HEAD_DIM * 2 + BLOCK_M * HEAD_DIM * 2 + 2048
+    return NvccKernel(cute_gemm.SOURCE, entry, f"{SOURCE.read_text()}\nKILN_CUTE_PREFILL({entry}, {block_n}, {stages}, "
+                      f"{shared})", SIGNATURE, WARPS, targets=cute_gemm.TARGETS, shared_bytes=shared,
+                      includes=(cutlass_include(),), arch_specific=True)
+
+
+def serves(dtype: str, cache_dtype: str, head_dim: int, block_size: int, window: int) -> bool:
+    """Whether the kernel serves an attention op of these kinds."""
+    return (dtype == cache_dtype == "bfloat16" and head_dim == HEAD_DIM and block_size == BLOCK_SIZE
+            and window <= 0)
+
+
+def grid(tokens: int, seqs: int, heads: int) -> tuple[int, int, int]:
+    """The grid for a prefill of `tokens` query rows in `seqs` sequences (from first_seq on): as many tile
+    ids as the worst packing needs, every head."""
+    return tokens // BLOCK_M + seqs, heads, 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Descriptors:
+    q: bytes
+    k: bytes
+    v: bytes
+
+
+def descriptors(q_address: int, q_rows: int, q_pitch: int, k_address: int, v_address: int, slots: int,
+                kv_heads: int) -> Descriptors:
+    """The kernel's TMA descriptors (made once per buffer: `linear.launch.tensor_map`): q over `q_rows` rows
+    of `q_pitch` elements (rows past them read as zeros), the layer's K and V caches over their `slots`
+    token slots."""
+    return Descriptors(tensor_map(q_address, "bf16", (q_rows, q_pitch), (BLOCK_M, HALF)),
+                       tensor_map(k_address, "bf16", (slots, kv_heads, HEAD_DIM), (BLOCK_SIZE, 1, HALF)),
+                       tensor_map(v_address, "bf16", (slots, kv_heads, HEAD_DIM), (BLOCK_SIZE, 1, HALF)))
+
+
+def launch(fn, q, k_cache, v_cache, out, block_tables, query_lens, context_lens, first_seq: int, heads: int,
+           scale: float, stream: int) -> None:
+    """Run the loaded kernel `fn` over the step's prefill rows as the attention launcher's prefill role does:
+    q [T, heads x 128] and out with contiguous rows, the layer's caches [blocks, 16, kv heads, 128], the
+    sequences from `first_seq` on (those before it have one query row each)."""
+    slots, kv_heads = k_cache.shape[0] * k_cache.shape[1], k_cache.shape[2]
+    maps = descriptors(q.data_ptr(), q.shape[0], q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slots, kv_heads)
+    seqs = query_lens.shape[0]
+    fn.launch(grid(q.shape[0] - first_seq, seqs - first_seq, heads),
+              [maps.q, maps.k, maps.v, out.data_ptr(), block_tables.data_ptr(), query_lens.data_ptr(),
+               context_lens.data_ptr(), seqs, first_seq, out.stride(0), block_tables.stride(0), slots, kv_heads,
+               scale], stream)

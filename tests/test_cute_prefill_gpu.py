@@ -1,0 +1,63 @@
+"""The CuTe prefill attention (`plugins.attention.prefill_sm90`) on an H200 (GPU only: `pytest -m gpu`):
+built by nvcc, loaded through `runtime.cuda_driver` and launched on its TMA descriptors, it matches the
+attention plugin's reference for Llama-3-8B's heads (GQA 4) and for plain multi-head attention, for prompts
+of one block's tokens to several tiles of keys, with a cached prefix before a chunk, behind a mixed step's
+decode rows (which it leaves alone), with cache blocks in no order, in a cache's second layer, and it writes
+no row of another sequence's or past T."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.plugins.aot import compile_cubin
+from kiln.plugins.attention import prefill_sm90
+from kiln.plugins.attention.reference import paged_attention
+
+pytestmark = pytest.mark.gpu
+
+# (heads, kv_heads, decode rows in front, [(query tokens, cached tokens before them)] of the prompts)
+CASES = [(32, 8, 0, [(2048, 0)]), (32, 8, 2, [(300, 0), (129, 40)]), (8, 8, 0, [(16, 0), (1000, 500)]),
+         (16, 2, 3, [(1, 0), (255, 257), (128, 0)])]
+
+
+@pytest.mark.parametrize("block_n, stages", [(128, 2)])
+@pytest.mark.parametrize("heads, kv_heads, decodes, prompts", CASES)
+def test_cute_prefill_matches_the_reference(heads, kv_heads, decodes, prompts, block_n, stages):
+    from kiln.runtime.cuda_driver import load_kernel
+
+    kernel = prefill_sm90.kernel(block_n, stages)
+    cubin = compile_cubin(kernel, "sm_90")
+    fn = load_kernel(cubin.binary, cubin.name, list(kernel.signature.values()), cubin.num_warps, cubin.shared_bytes,
+                     cubin.global_scratch)
+    gen = torch.Generator().manual_seed(heads + decodes + len(prompts))
+    d, size = prefill_sm90.HEAD_DIM, prefill_sm90.BLOCK_SIZE
+    query_lens = [1] * decodes + [n for n, _ in prompts]
+    context_lens = [int(torch.randint(1, 600, (1,), generator=gen)) for _ in range(decodes)]
+    context_lens += [n + cached for n, cached in prompts]
+    blocks_of = [-(-c // size) for c in context_lens]
+    order = torch.randperm(sum(blocks_of) + 4, generator=gen)
+    width = max(blocks_of)
+    tables = torch.zeros(len(query_lens), width, dtype=torch.int32)
+    used = 0
+    for s, count in enumerate(blocks_of):
+        tables[s, :count] = order[used:used + count]
+        used += count
+    # Finite values in every slot, the unused ones too, as a cache's are (zeroed, then written with keys).
+    cache = torch.randn(2, 2, sum(blocks_of) + 4, size, kv_heads, d, generator=gen).to(torch.bfloat16).cuda()
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, heads * d, generator=gen).to(torch.bfloat16).cuda()
+    tables, qlens, clens = tables.cuda(), torch.tensor(query_lens, dtype=torch.int32).cuda(), \
+        torch.tensor(context_lens, dtype=torch.int32).cuda()
+    scale = d ** -0.5
+    ref = paged_attention(q.cpu(), cache.cpu(), tables.cpu(), qlens.cpu(), clens.cpu(), 1, heads, kv_heads, d, scale,
+                          0).cuda()
+    buffer = torch.full((tokens + 3, heads * d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = buffer[:tokens]
+    prefill_sm90.launch(fn, q, cache[1, 0], cache[1, 1], out, tables, qlens, clens, decodes, heads, scale,
+                        torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert torch.isnan(out[:decodes]).all(), "the decode rows were written"
+    assert torch.isnan(buffer[tokens:]).all(), "rows past T were written"
+    got, want = out[decodes:].float(), ref[decodes:].float()
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < 1e-2, f"relative error {err:.2e}"
