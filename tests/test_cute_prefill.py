@@ -86,7 +86,7 @@ class Recorder:
 
 def test_launch_passes_descriptors_then_pointers_and_sizes():
     heads, kv_heads, tokens, blocks = 32, 8, 2 + 300 + 129, 64
-    q, out = torch.empty(tokens, heads * 128, dtype=torch.bfloat16), torch.empty(tokens, heads * 128, dtype=torch.bfloat16)
+    q, out = (torch.empty(tokens, heads * 128, dtype=torch.bfloat16) for _ in range(2))
     cache = torch.empty(2, blocks, 16, kv_heads, 128, dtype=torch.bfloat16)
     tables = torch.zeros(4, 40, dtype=torch.int32)
     qlens, clens = torch.tensor([1, 1, 300, 129], dtype=torch.int32), torch.tensor([9, 70, 300, 169], dtype=torch.int32)

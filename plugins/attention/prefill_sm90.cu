@@ -40,15 +40,15 @@ struct PrefillTiles {
     alignas(1024) bf16 v[STAGES * BN * ATT_D];
     Ring<STAGES> ring;
     alignas(8) uint64_t q_full;
-    int seq, block;   // this block's sequence (-1: a spare id) and query tile within it
+    int seq, block, first_row;   // this block's sequence (-1: a spare id), query tile, and its first row in q
   };
   static constexpr int SHARED_BYTES = sizeof(Shared) + 1024;
 };
 
-// (sequence, its query tile) owning tile id `pid`, counting sequences and query rows from first_seq; the
-// sequence is -1 for a spare id. By warp 0: 32 sequences a step.
+// (sequence, its query tile, the sequence's first row in q) owning tile id `pid`, counting sequences and
+// query rows from first_seq; the sequence is -1 for a spare id. By warp 0: 32 sequences a step.
 __device__ __forceinline__ void find_tile(const int* query_lens, int first_seq, int num_seqs, int pid, int& seq,
-                                          int& block) {
+                                          int& block, int& first_row) {
   const int lane = threadIdx.x % 32;
   int carry = 0, owner = -1, owner_start = 0, owner_len = 0;
   for (int base = 0; base < num_seqs - first_seq; base += 32) {
@@ -72,6 +72,7 @@ __device__ __forceinline__ void find_tile(const int* query_lens, int first_seq, 
   }
   block = pid - (owner_start / ATT_BM + owner);
   seq = owner >= 0 && block * ATT_BM < owner_len ? first_seq + owner : -1;
+  first_row = first_seq + owner_start;   // the sequences before first_seq have one row each
 }
 
 template <int BN, int STAGES>
@@ -87,11 +88,12 @@ __device__ __forceinline__ void prefill(const CUtensorMap* q_map, const CUtensor
   const int head = launch % heads, pid = gridDim.x - 1 - launch / heads;
 
   if (threadIdx.x < 32) {
-    int seq, block;
-    find_tile(query_lens, first_seq, num_seqs, pid, seq, block);
+    int seq, block, first_row;
+    find_tile(query_lens, first_seq, num_seqs, pid, seq, block, first_row);
     if (threadIdx.x == 0) {
       s.seq = seq;
       s.block = block;
+      s.first_row = first_row;
       prefetch_tma_descriptor(q_map);
       prefetch_tma_descriptor(k_map);
       prefetch_tma_descriptor(v_map);
@@ -101,10 +103,8 @@ __device__ __forceinline__ void prefill(const CUtensorMap* q_map, const CUtensor
     }
   }
   __syncthreads();
-  const int seq = s.seq, block = s.block;
+  const int seq = s.seq, block = s.block, first_row = s.first_row;
   if (seq < 0) return;
-  // The query rows before this sequence's: each earlier sequence's queries, counted by the prefix the
-  // owner search made, is rebuilt here from the lengths (few sequences in a prefill step).
   const int q_len = query_lens[seq];
   const int first_pos = context_lens[seq] - q_len;            // position of the sequence's first query
   const int tile_pos = first_pos + block * ATT_BM;            // position of this tile's first query
@@ -115,12 +115,10 @@ __device__ __forceinline__ void prefill(const CUtensorMap* q_map, const CUtensor
   if (threadIdx.x < 128) {
     cutlass::arch::warpgroup_reg_dealloc<24>();
     if (threadIdx.x != 0) return;
-    int q_row = 0;
-    for (int i = first_seq; i < seq; ++i) q_row += query_lens[i];
-    q_row += first_seq + block * ATT_BM;   // the rows of the sequences before first_seq: one each
     FullBarrier::arrive_and_expect_tx(&s.q_full, P::Q_BYTES);
     for (int h = 0; h < 2; ++h)
-      SM90_TMA_LOAD_2D::copy(q_map, &s.q_full, EVICT_NORMAL, s.q + h * ATT_BM * 64, head * ATT_D + h * 64, q_row);
+      SM90_TMA_LOAD_2D::copy(q_map, &s.q_full, EVICT_NORMAL, s.q + h * ATT_BM * 64, head * ATT_D + h * 64,
+                             first_row + block * ATT_BM);
     const int* table = block_tables + size_t(seq) * table_stride;
     for (int j = 0; j < kv_tiles; ++j) {
       const int stage = s.ring.acquire(j, P::KV_BYTES);
@@ -190,7 +188,8 @@ __device__ __forceinline__ void prefill(const CUtensorMap* q_map, const CUtensor
     for (int r = 0; r < 2; ++r) {
       float m = row_max[r];
       CUTE_UNROLL
-      for (int g = 0; g < BN / 8; ++g) m = fmaxf(m, fmaxf(scores(4 * g + 2 * r), scores(4 * g + 2 * r + 1)) * log2_scale);
+      for (int g = 0; g < BN / 8; ++g)
+        m = fmaxf(m, fmaxf(scores(4 * g + 2 * r), scores(4 * g + 2 * r + 1)) * log2_scale);
       m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 1));   // the row's four threads
       m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 2));
       alpha[r] = exp2f(row_max[r] - m);
@@ -218,9 +217,6 @@ __device__ __forceinline__ void prefill(const CUtensorMap* q_map, const CUtensor
   }
 
   const int q_row_base = block * ATT_BM;   // query index within the sequence of the tile's first row
-  int q_row0 = 0;
-  for (int i = first_seq; i < seq; ++i) q_row0 += query_lens[i];
-  q_row0 += first_seq;
   CUTE_UNROLL
   for (int r = 0; r < 2; ++r) {
     row_sum[r] += __shfl_xor_sync(0xffffffff, row_sum[r], 1);
@@ -231,7 +227,8 @@ __device__ __forceinline__ void prefill(const CUtensorMap* q_map, const CUtensor
   for (int i = 0; i < size(acc); i += 2) {
     const int r = (i / 2) % 2, row = get<0>(where_o(i)), col = get<1>(where_o(i));
     if (q_row_base + row < q_len)
-      *reinterpret_cast<__nv_bfloat162*>(out + size_t(q_row0 + q_row_base + row) * out_stride + head * ATT_D + col) =
+      *reinterpret_cast<__nv_bfloat162*>(out + size_t(first_row + q_row_base + row) * out_stride + head * ATT_D +
+                                         col) =
           __floats2bfloat162_rn(acc(i) * row_sum[r], acc(i + 1) * row_sum[r]);
   }
 }

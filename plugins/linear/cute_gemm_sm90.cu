@@ -143,7 +143,8 @@ struct RotaryQkv {
         float2 hi = make_float2(acc(i + PAIRS / 2) * scale, acc(i + 1 + PAIRS / 2) * scale);
         if (bias != nullptr) {
           const float2 b_lo = __bfloat1622float2(__ldg(reinterpret_cast<const __nv_bfloat162*>(bias + h * D + j)));
-          const float2 b_hi = __bfloat1622float2(__ldg(reinterpret_cast<const __nv_bfloat162*>(bias + h * D + HALF + j)));
+          const float2 b_hi =
+              __bfloat1622float2(__ldg(reinterpret_cast<const __nv_bfloat162*>(bias + h * D + HALF + j)));
           lo = make_float2(lo.x + b_lo.x, lo.y + b_lo.y);
           hi = make_float2(hi.x + b_hi.x, hi.y + b_hi.y);
         }
@@ -159,7 +160,8 @@ struct RotaryQkv {
           head = out + (size_t(t) * heads + h) * D;
         } else {
           const bool v = h >= heads + kv_heads;
-          head = kv + ((size_t(layer) * 2 + v) * num_slots + slot) * kv_heads * D + (h - heads - (v ? kv_heads : 0)) * D;
+          const int kv_head = h - heads - (v ? kv_heads : 0);
+          head = kv + ((size_t(layer) * 2 + v) * num_slots + slot) * kv_heads * D + kv_head * D;
         }
         *reinterpret_cast<__nv_bfloat162*>(head + j) = __floats2bfloat162_rn(lo.x, lo.y);
         *reinterpret_cast<__nv_bfloat162*>(head + HALF + j) = __floats2bfloat162_rn(hi.x, hi.y);
