@@ -15,6 +15,7 @@ from unittest import mock
 import pytest
 import torch
 
+from descriptor_recording import Recorder, recorded_descriptors
 from interpreted_launch import targeted
 from kiln.plugins.linear import cute_gemm, launch as linear_launch
 from kiln.plugins.linear.launch import pick_bucket
@@ -56,14 +57,6 @@ def test_shapes_it_does_not_serve_keep_the_pointer_kernel(shapes, dtype):
     assert not any(k.meta.get("cute") for k in linear_residual.aot_kernels(dtype, shapes))
 
 
-class Recorder:
-    def __init__(self):
-        self.launches = []
-
-    def launch(self, grid, args, stream):
-        self.launches.append((grid, args))
-
-
 # (bias, residual, rows x's buffer holds, rows of x's descriptor): T = 200 rounded up to whole 128-row tiles
 # where the buffer holds them (as the engine's do), else as many as it holds.
 LAUNCHES = [(False, True, 200, 200), (True, False, 8192, 256), (False, False, 230, 230)]
@@ -80,17 +73,8 @@ def test_the_launcher_passes_descriptors_then_pointers_and_sizes(bias, residual,
         torch.empty(rows, n, dtype=torch.bfloat16)
     b = torch.empty(n, dtype=torch.bfloat16) if bias else None
     r = torch.empty(rows, n, dtype=torch.bfloat16) if residual else None
-    encoded = []
-
-    def encode(address, element, shape, box):
-        encoded.append((address, element, shape, box))
-        return bytes([len(encoded)]) * 128
-
-    linear_launch.tensor_map.cache_clear()
-    with mock.patch.object(linear_launch, "encode_tensor_map", encode), \
-            mock.patch("kiln.plugins.driver_launch.sm_count", lambda: 132):
+    with recorded_descriptors() as encoded, mock.patch("kiln.plugins.driver_launch.sm_count", lambda: 132):
         linear_launch.launch_gemm(recorders, metas, x, w, b, r, out, 7, {})
-    linear_launch.tensor_map.cache_clear()
     used = [i for i, rec in enumerate(recorders) if rec.launches]
     assert [metas[i].get("cute") for i in used] == [True]
     grid, args = recorders[used[0]].launches[0]

@@ -12,15 +12,14 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
 
+from descriptor_recording import Recorder, recorded_descriptors
 from kiln.plugins import nvcc
 from kiln.plugins.aot import MAX_SHARED_BYTES, compile_cubin
 from kiln.plugins.attention import prefill_sm90
-from kiln.plugins.linear import launch as linear_launch
 
 needs_cutlass = pytest.mark.skipif(nvcc.nvcc_path() is None or not nvcc.cutlass_available(),
                                    reason="nvcc or CUTLASS's headers are not installed")
@@ -76,30 +75,15 @@ def test_it_serves_bf16_caches_of_16_token_blocks_and_heads_of_128_without_a_win
         assert not prefill_sm90.serves(*args)
 
 
-class Recorder:
-    def __init__(self):
-        self.launches = []
-
-    def launch(self, grid, args, stream):
-        self.launches.append((grid, args))
-
-
 def test_launch_passes_descriptors_then_pointers_and_sizes():
     heads, kv_heads, tokens, blocks = 32, 8, 2 + 300 + 129, 64
     q, out = (torch.empty(tokens, heads * 128, dtype=torch.bfloat16) for _ in range(2))
     cache = torch.empty(2, blocks, 16, kv_heads, 128, dtype=torch.bfloat16)
     tables = torch.zeros(4, 40, dtype=torch.int32)
     qlens, clens = torch.tensor([1, 1, 300, 129], dtype=torch.int32), torch.tensor([9, 70, 300, 169], dtype=torch.int32)
-    encoded, fn = [], Recorder()
-
-    def encode(address, element, shape, box):
-        encoded.append((address, element, shape, box))
-        return bytes([len(encoded)]) * 128
-
-    linear_launch.tensor_map.cache_clear()
-    with mock.patch.object(linear_launch, "encode_tensor_map", encode):
+    fn = Recorder()
+    with recorded_descriptors() as encoded:
         prefill_sm90.launch(fn, q, cache[0], cache[1], out, tables, qlens, clens, 2, heads, 0.125, 7)
-    linear_launch.tensor_map.cache_clear()
     assert encoded == [(q.data_ptr(), "bf16", (tokens, heads * 128), (128, 64)),
                        (cache[0].data_ptr(), "bf16", (blocks * 16, kv_heads, 128), (16, 1, 64)),
                        (cache[1].data_ptr(), "bf16", (blocks * 16, kv_heads, 128), (16, 1, 64))]
