@@ -108,9 +108,9 @@ def cuda_configs() -> list[tuple[dict, object]]:
     return out
 
 
-# The CuTe prefill kernel's tilings: (keys a tile, stages). 64-key tiles waste less of the diagonal's; with 4
-# stages they spill (nvcc 13.0).
-CUTE_PREFILL_TILES = [(128, 2), (64, 3)]
+# The CuTe prefill kernel's tilings: (keys a tile, stages, the warpgroups' turns). 64-key tiles waste less of
+# the diagonal's; with 4 stages they spill (nvcc 13.0).
+CUTE_PREFILL_TILES = [(128, 2, False), (128, 2, True), (64, 3, False), (64, 3, True)]
 
 
 def cute_prefill_configs() -> list[tuple[dict, object]]:
@@ -122,8 +122,8 @@ def cute_prefill_configs() -> list[tuple[dict, object]]:
     if nvcc_path() is None:
         return []
     try:
-        return [({"cute": True, "label": f"cute bm{prefill_sm90.BLOCK_M} bn{bn} s{stages}"},
-                 prefill_sm90.kernel(bn, stages)) for bn, stages in CUTE_PREFILL_TILES]
+        return [({"cute": True, "label": f"cute bm{prefill_sm90.BLOCK_M} bn{bn} s{stages}{' pingpong' * pingpong}"},
+                 prefill_sm90.kernel(bn, stages, pingpong)) for bn, stages, pingpong in CUTE_PREFILL_TILES]
     except RuntimeError:
         return []
 

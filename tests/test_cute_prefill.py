@@ -31,13 +31,17 @@ def kernel() -> nvcc.NvccKernel:
     return prefill_sm90.kernel(128, 2)
 
 
-@pytest.fixture(scope="module")
-def ptx(kernel) -> str:
+def ptx_of(kernel: nvcc.NvccKernel) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "k.cu").write_text(nvcc.source_text(kernel))
         subprocess.run([nvcc.nvcc_path(), "-ptx", *kernel.options("sm_90"), "-o", f"{tmp}/k.ptx", f"{tmp}/k.cu"],
                        check=True, capture_output=True)
         return (Path(tmp) / "k.ptx").read_text()
+
+
+@pytest.fixture(scope="module")
+def ptx(kernel) -> str:
+    return ptx_of(kernel)
 
 
 @needs_cutlass
@@ -58,6 +62,13 @@ def test_it_is_built_of_hoppers_own_instructions(kernel, ptx):
     # Q K^T: both from shared memory, K-major; P V: P from registers, V transposed (its last flag).
     assert from_shared and all(m.replace(" ", "").endswith("p,1,1,0,0") for m in from_shared)
     assert from_registers and all(m.replace(" ", "").endswith("p,1,1,1") for m in from_registers)
+
+
+@needs_cutlass
+def test_with_pingpong_the_warpgroups_take_turns_on_two_named_barriers(ptx):
+    turns = ptx_of(prefill_sm90.kernel(128, 2, pingpong=True))
+    assert "bar.arrive" in turns and re.search(r"bar(rier)?\.sync(\.aligned)? %r", turns)
+    assert "bar.arrive" not in ptx
 
 
 @needs_cutlass

@@ -10,7 +10,9 @@
 // warpgroup computes S = Q K^T by wgmma from shared memory, masks the keys past each query's position on the
 // tiles that cross the diagonal, keeps the online softmax's row max and sum in registers (exp2, the scale
 // folded into log2 units), and adds P V by wgmma with P from registers (its sums' layout is the A operand's)
-// and V from shared memory, read as the MN-major operand (dims contiguous, as the cache holds them).
+// and V from shared memory, read as the MN-major operand (dims contiguous, as the cache holds them). With
+// PINGPONG the two warpgroups take turns issuing their GEMMs (two named barriers), so that one's softmax
+// runs while the other's GEMMs do; without it they share the tensor cores as the warps are scheduled.
 //
 // Work: grid (query tiles, heads): sequence s (counted from first_seq; those before it have one query row
 // each, a mixed step's decode rows) owns the tile ids from (its first query row) / BM + s on, as many as its
@@ -75,7 +77,7 @@ __device__ __forceinline__ void find_tile(const int* query_lens, int first_seq, 
   first_row = first_seq + owner_start;   // the sequences before first_seq have one row each
 }
 
-template <int BN, int STAGES>
+template <int BN, int STAGES, bool PINGPONG>
 __device__ __forceinline__ void prefill(const CUtensorMap* q_map, const CUtensorMap* k_map, const CUtensorMap* v_map,
                                         __nv_bfloat16* out, const int* block_tables, const int* query_lens,
                                         const int* context_lens, int num_seqs, int first_seq, int out_stride,
@@ -154,6 +156,16 @@ __device__ __forceinline__ void prefill(const CUtensorMap* q_map, const CUtensor
   check_layout<ATT_D>(acc, where_o);
   static_assert(decltype(size(p))::value == BN / 2, "P: the thread's sums of its two rows");
 
+  // PINGPONG: warpgroup w issues its GEMMs when named barrier w completes, then lets the other one issue its.
+  const int wg = thread / 128;
+  auto my_turn = [&] {
+    if constexpr (PINGPONG) cutlass::arch::NamedBarrier::arrive_and_wait(256, wg);
+  };
+  auto their_turn = [&] {
+    if constexpr (PINGPONG) cutlass::arch::NamedBarrier::arrive(256, 1 - wg);
+  };
+  if (wg == 1) their_turn();   // warpgroup 0 goes first
+
   const float log2_scale = scale * 1.4426950408889634f;   // exp2 instead of exp
   int pos[2];   // the positions of the thread's two query rows
   float row_max[2], row_sum[2] = {0.f, 0.f};
@@ -166,6 +178,7 @@ __device__ __forceinline__ void prefill(const CUtensorMap* q_map, const CUtensor
   FullBarrier::wait(&s.q_full, 0);
   for (int j = 0; j < kv_tiles; ++j) {
     const int stage = s.ring.wait_full(j);
+    my_turn();
     warpgroup_fence_operand(scores);
     warpgroup_arrive();
     mma_s.accumulate_ = GMMA::ScaleOut::Zero;
@@ -175,6 +188,7 @@ __device__ __forceinline__ void prefill(const CUtensorMap* q_map, const CUtensor
       mma_s.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
+    their_turn();
     warpgroup_wait<0>();
     warpgroup_fence_operand(scores);
 
@@ -206,11 +220,13 @@ __device__ __forceinline__ void prefill(const CUtensorMap* q_map, const CUtensor
     CUTE_UNROLL
     for (int i = 0; i < size(acc); ++i) acc(i) *= alpha[(i / 2) % 2];
 
+    my_turn();
     warpgroup_fence_operand(acc);
     warpgroup_arrive();
     CUTE_UNROLL
     for (int kb = 0; kb < size<2>(p); ++kb) cute::gemm(mma_o, p(_, _, kb), v_frag(_, _, kb, stage), acc);
     warpgroup_commit_batch();
+    their_turn();
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
     if (thread % 128 == 0) s.ring.release(stage);
@@ -234,9 +250,9 @@ __device__ __forceinline__ void prefill(const CUtensorMap* q_map, const CUtensor
 }
 }  // namespace kiln_cute
 
-// KILN_CUTE_PREFILL: BN keys a tile, STAGES key and value tiles in flight. SMEM is the dynamic shared memory
-// the launch gives (checked here).
-#define KILN_CUTE_PREFILL(NAME, BN, STAGES, SMEM)                                                                   \
+// KILN_CUTE_PREFILL: BN keys a tile, STAGES key and value tiles in flight, PINGPONG (true or false) the
+// warpgroups' turns. SMEM is the dynamic shared memory the launch gives (checked here).
+#define KILN_CUTE_PREFILL(NAME, BN, STAGES, PINGPONG, SMEM)                                                         \
   static_assert(kiln_cute::PrefillTiles<BN, STAGES>::SHARED_BYTES <= (SMEM),                                    \
                 "the launch gives too little shared memory");                                                       \
   extern "C" __global__ void __launch_bounds__(384, 1)                                                              \
@@ -244,6 +260,7 @@ __device__ __forceinline__ void prefill(const CUtensorMap* q_map, const CUtensor
            const __grid_constant__ CUtensorMap v_map, __nv_bfloat16* out, const int* block_tables,                  \
            const int* query_lens, const int* context_lens, int num_seqs, int first_seq, int out_stride,             \
            int table_stride, int num_slots, int kv_heads, float scale) {                                            \
-    kiln_cute::prefill<BN, STAGES>(&q_map, &k_map, &v_map, out, block_tables, query_lens, context_lens, num_seqs,  \
-                                   first_seq, out_stride, table_stride, num_slots, kv_heads, scale);               \
+    kiln_cute::prefill<BN, STAGES, PINGPONG>(&q_map, &k_map, &v_map, out, block_tables, query_lens, context_lens,   \
+                                             num_seqs, first_seq, out_stride, table_stride, num_slots, kv_heads,  \
+                                             scale);                                                               \
   }

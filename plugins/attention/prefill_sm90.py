@@ -29,14 +29,14 @@ HALF = 64          # head dims a box: one 128-byte swizzle row of bf16
 WARPS = 12         # a producer warpgroup and two consumer warpgroups
 
 
-def kernel(block_n: int, stages: int) -> NvccKernel:
-    """The prefill kernel at key tiles of `block_n` keys, `stages` key and value tiles in flight. Launch:
-    grid `grid`."""
-    entry = f"kiln_cute_prefill_n{block_n}_s{stages}"
+def kernel(block_n: int, stages: int, pingpong: bool = False) -> NvccKernel:
+    """The prefill kernel at key tiles of `block_n` keys, `stages` key and value tiles in flight, its consumer
+    warpgroups taking turns at the GEMMs with `pingpong`. Launch: grid `grid`."""
+    entry = f"kiln_cute_prefill_n{block_n}_s{stages}{'_pingpong' if pingpong else ''}"
     # bf16 K and V tiles a stage, the query tile, and 2 KiB for the barriers and the 1 KiB alignment of the base
     shared = stages * 2 * block_n * HEAD_DIM * 2 + BLOCK_M * HEAD_DIM * 2 + 2048
-    return NvccKernel(cute_gemm.SOURCE, entry, f"{SOURCE.read_text()}\nKILN_CUTE_PREFILL({entry}, {block_n}, {stages}, "
-                      f"{shared})", SIGNATURE, WARPS, targets=cute_gemm.TARGETS, shared_bytes=shared,
+    call = f"KILN_CUTE_PREFILL({entry}, {block_n}, {stages}, {str(pingpong).lower()}, {shared})"
+    return NvccKernel(cute_gemm.SOURCE, entry, f"{SOURCE.read_text()}\n{call}", SIGNATURE, WARPS, targets=cute_gemm.TARGETS, shared_bytes=shared,
                       includes=(cutlass_include(),), arch_specific=True)
 
 
