@@ -12,10 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
 
 from kiln.plugins.linear import cute_gemm
 from kiln.plugins.linear.launch import tensor_map
 from kiln.plugins.nvcc import NvccKernel, cutlass_include
+
+if TYPE_CHECKING:
+    from kiln.runtime.cuda_driver import CudaKernel
 
 SOURCE = Path(__file__).with_name("prefill_sm90.cu")
 SIGNATURE = {"q_map": "tensormap", "k_map": "tensormap", "v_map": "tensormap", "out": "*bf16",
@@ -36,8 +42,9 @@ def kernel(block_n: int, stages: int, pingpong: bool = False) -> NvccKernel:
     # bf16 K and V tiles a stage, the query tile, and 2 KiB for the barriers and the 1 KiB alignment of the base
     shared = stages * 2 * block_n * HEAD_DIM * 2 + BLOCK_M * HEAD_DIM * 2 + 2048
     call = f"KILN_CUTE_PREFILL({entry}, {block_n}, {stages}, {str(pingpong).lower()}, {shared})"
-    return NvccKernel(cute_gemm.SOURCE, entry, f"{SOURCE.read_text()}\n{call}", SIGNATURE, WARPS, targets=cute_gemm.TARGETS, shared_bytes=shared,
-                      includes=(cutlass_include(),), arch_specific=True)
+    return NvccKernel(cute_gemm.SOURCE, entry, f"{SOURCE.read_text()}\n{call}", SIGNATURE, WARPS,
+                      targets=cute_gemm.TARGETS, shared_bytes=shared, includes=(cutlass_include(),),
+                      arch_specific=True)
 
 
 def serves(dtype: str, cache_dtype: str, head_dim: int, block_size: int, window: int) -> bool:
@@ -69,13 +76,15 @@ def descriptors(q_address: int, q_rows: int, q_pitch: int, k_address: int, v_add
                        tensor_map(v_address, "bf16", (slots, kv_heads, HEAD_DIM), (BLOCK_SIZE, 1, HALF)))
 
 
-def launch(fn, q, k_cache, v_cache, out, block_tables, query_lens, context_lens, first_seq: int, heads: int,
-           scale: float, stream: int) -> None:
+def launch(fn: CudaKernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+           block_tables: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor, first_seq: int,
+           heads: int, scale: float, stream: int) -> None:
     """Run the loaded kernel `fn` over the step's prefill rows as the attention launcher's prefill role does:
     q [T, heads x 128] and out with contiguous rows, the layer's caches [blocks, 16, kv heads, 128], the
     sequences from `first_seq` on (those before it have one query row each)."""
     slots, kv_heads = k_cache.shape[0] * k_cache.shape[1], k_cache.shape[2]
-    maps = descriptors(q.data_ptr(), q.shape[0], q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slots, kv_heads)
+    maps = descriptors(q.data_ptr(), q.shape[0], q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slots,
+                       kv_heads)
     seqs = query_lens.shape[0]
     fn.launch(grid(q.shape[0] - first_seq, seqs - first_seq, heads),
               [maps.q, maps.k, maps.v, out.data_ptr(), block_tables.data_ptr(), query_lens.data_ptr(),
