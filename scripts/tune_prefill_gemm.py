@@ -30,7 +30,7 @@ from concurrent.futures import ProcessPoolExecutor
 from kiln.plugins.aot import AotKernel, absent_as_none, compile_cubin, pointer_params
 from kiln.plugins.linear import cute_gemm
 from kiln.plugins.linear.kernels import linear_kernel
-from kiln.plugins.linear.launch import map_rows
+from kiln.plugins.linear.launch import launch_cute_qkv, map_rows
 from kiln.plugins.linear.tma import tma_linear_kernel
 from kiln.plugins.nvcc import NvccKernel, nvcc_path
 from scripts.gpu_timing import graph_us
@@ -350,21 +350,16 @@ def _time_cute_qkv(fn, info: dict, x, weights: list, t: int, sms: int) -> tuple[
     x in whole tiles) over the weight copies; returns (us, the larger relative error of q and the cache)."""
     import torch
 
-    from kiln.runtime.cuda_driver import encode_tensor_map
     eps = 1e-5
     out, pos, rope, kv, slots, ref, kv_ref = _qkv_case(x, weights[0], eps)
     scales = torch.rsqrt(x.float().pow(2).mean(dim=1) + eps)
-    box = cute_gemm.qkv_box(info["pairs"], QKV_HEADS["head_dim"])
-    x_map = encode_tensor_map(x.data_ptr(), "bf16", (map_rows(x, info["bm"]), x.shape[1]),
-                              (info["bm"], cute_gemm.k_tile()))
-    args = [[x_map, encode_tensor_map(w.data_ptr(), "bf16", tuple(w.shape), (box, cute_gemm.k_tile())),
-             scales.data_ptr(), 0, pos.data_ptr(), rope.data_ptr(), kv.data_ptr(), slots.data_ptr(), out.data_ptr(),
-             t, kv.shape[2] * kv.shape[3], 0, QKV_HEADS["heads"], QKV_HEADS["kv_heads"], x.shape[1]] for w in weights]
     grid = cute_gemm.qkv_grid(t, *QKV_HEADS.values(), x.shape[1], info["bm"], info["pairs"], sms)
     turn = itertools.count(0)
 
     def call():
-        fn.launch(grid, args[next(turn) % len(args)], torch.cuda.current_stream().cuda_stream)
+        launch_cute_qkv(fn, grid, info["bm"], info["pairs"], x, weights[next(turn) % len(weights)],
+                        scales.data_ptr(), None, pos, rope, kv, slots, out, 0, QKV_HEADS["heads"],
+                        QKV_HEADS["kv_heads"], torch.cuda.current_stream().cuda_stream)
     call()
     torch.cuda.synchronize()
     err = max(((out.float() - ref.float()).norm() / ref.float().norm()).item(),

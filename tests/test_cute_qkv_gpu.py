@@ -13,7 +13,7 @@ import torch
 from kiln.plugins import get_plugin
 from kiln.plugins.aot import compile_cubin
 from kiln.plugins.linear import cute_gemm
-from kiln.plugins.linear.launch import map_rows
+from kiln.plugins.linear.launch import launch_cute_qkv
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +26,7 @@ CASES = [(200, 32, 8, 128, 4096, 128, 48, False, 132), (256, 32, 8, 128, 4096, 6
 
 @pytest.mark.parametrize("rows, heads, kv_heads, d, k, block_m, pairs, bias, blocks", CASES)
 def test_cute_qkv_matches_the_plugin_reference(rows, heads, kv_heads, d, k, block_m, pairs, bias, blocks):
-    from kiln.runtime.cuda_driver import encode_tensor_map, load_kernel
+    from kiln.runtime.cuda_driver import load_kernel
 
     kernel = cute_gemm.qkv(block_m, pairs, d, 6, 8)
     cubin = compile_cubin(kernel, "sm_90")
@@ -54,13 +54,9 @@ def test_cute_qkv_matches_the_plugin_reference(rows, heads, kv_heads, d, k, bloc
     buffer = torch.full((rows + 3, heads * d), float("nan"), dtype=torch.bfloat16, device="cuda")
     out = buffer[:rows]
     scales = torch.rsqrt(x.float().pow(2).mean(dim=1) + EPS)
-    box = cute_gemm.qkv_box(pairs, d)
-    args = [encode_tensor_map(x.data_ptr(), "bf16", (map_rows(x, block_m), k), (block_m, cute_gemm.k_tile())),
-            encode_tensor_map(w.data_ptr(), "bf16", (n, k), (box, cute_gemm.k_tile())), scales.data_ptr(),
-            b.data_ptr() if bias else 0, positions.data_ptr(), rope.data_ptr(), cache.data_ptr(), slots.data_ptr(),
-            out.data_ptr(), rows, blocks_in_cache * block_size, 1, heads, kv_heads, k]
-    fn.launch(cute_gemm.qkv_grid(rows, heads, kv_heads, d, k, block_m, pairs, blocks), args,
-              torch.cuda.current_stream().cuda_stream)
+    launch_cute_qkv(fn, cute_gemm.qkv_grid(rows, heads, kv_heads, d, k, block_m, pairs, blocks), block_m, pairs, x,
+                    w, scales.data_ptr(), b, positions, rope, cache, slots, out, 1, heads, kv_heads,
+                    torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     assert err < 1e-2, f"q: relative error {err:.2e}"

@@ -30,7 +30,7 @@ struct PrefillTiles {
       SM90::GMMA::rs_op_selector<bf16, bf16, float, Shape<_64, Int<ATT_D>, _16>, GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<_2, _1, _1>>{}));
   // Q [BM, D] and K [BN, D] K-major; V [D, BN] MN-major (dims contiguous): all three as TMA writes them, one
-  // region of rows x 64 dims per half of D.
+  // region of rows x BK dims (one 128-byte swizzle row) per half of D.
   using LayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16>{}, Shape<Int<ATT_BM>, Int<ATT_D>>{}));
   using LayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bf16>{}, Shape<Int<BN>, Int<ATT_D>, Int<STAGES>>{}));
   using LayoutV = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<bf16>{}, Shape<Int<ATT_D>, Int<BN>, Int<STAGES>>{},
@@ -119,7 +119,7 @@ __device__ __forceinline__ void prefill(const CUtensorMap* q_map, const CUtensor
     if (threadIdx.x != 0) return;
     FullBarrier::arrive_and_expect_tx(&s.q_full, P::Q_BYTES);
     for (int h = 0; h < 2; ++h)
-      SM90_TMA_LOAD_2D::copy(q_map, &s.q_full, EVICT_NORMAL, s.q + h * ATT_BM * 64, head * ATT_D + h * 64,
+      SM90_TMA_LOAD_2D::copy(q_map, &s.q_full, EVICT_NORMAL, s.q + h * ATT_BM * BK, head * ATT_D + h * BK,
                              first_row + block * ATT_BM);
     const int* table = block_tables + size_t(seq) * table_stride;
     for (int j = 0; j < kv_tiles; ++j) {
@@ -128,9 +128,9 @@ __device__ __forceinline__ void prefill(const CUtensorMap* q_map, const CUtensor
         const int key = j * BN + b * ATT_BLOCK;
         const int slot = key < hi ? table[key / ATT_BLOCK] * ATT_BLOCK : num_slots;   // past the cache: zeros
         for (int h = 0; h < 2; ++h) {
-          const int at = stage * BN * ATT_D + h * BN * 64 + b * ATT_BLOCK * 64;
-          SM90_TMA_LOAD_3D::copy(k_map, &s.ring.full[stage], EVICT_NORMAL, s.k + at, h * 64, kv_head, slot);
-          SM90_TMA_LOAD_3D::copy(v_map, &s.ring.full[stage], EVICT_NORMAL, s.v + at, h * 64, kv_head, slot);
+          const int at = stage * BN * ATT_D + h * BN * BK + b * ATT_BLOCK * BK;
+          SM90_TMA_LOAD_3D::copy(k_map, &s.ring.full[stage], EVICT_NORMAL, s.k + at, h * BK, kv_head, slot);
+          SM90_TMA_LOAD_3D::copy(v_map, &s.ring.full[stage], EVICT_NORMAL, s.v + at, h * BK, kv_head, slot);
         }
       }
     }

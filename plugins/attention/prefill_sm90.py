@@ -31,7 +31,6 @@ SIGNATURE = {"q_map": "tensormap", "k_map": "tensormap", "v_map": "tensormap", "
 BLOCK_M = 128      # query tokens a block
 HEAD_DIM = 128
 BLOCK_SIZE = 16    # the cache's tokens a block
-HALF = 64          # head dims a box: one 128-byte swizzle row of bf16
 WARPS = 12         # a producer warpgroup and two consumer warpgroups
 
 
@@ -39,8 +38,8 @@ def kernel(block_n: int, stages: int, pingpong: bool = False) -> NvccKernel:
     """The prefill kernel at key tiles of `block_n` keys, `stages` key and value tiles in flight, its consumer
     warpgroups taking turns at the GEMMs with `pingpong`. Launch: grid `grid`."""
     entry = f"kiln_cute_prefill_n{block_n}_s{stages}{'_pingpong' if pingpong else ''}"
-    # bf16 K and V tiles a stage, the query tile, and 2 KiB for the barriers and the 1 KiB alignment of the base
-    shared = stages * 2 * block_n * HEAD_DIM * 2 + BLOCK_M * HEAD_DIM * 2 + 2048
+    # K and V tiles a stage and the query tile, in rows of one 128-byte K tile (half a head)
+    shared = cute_gemm.shared_bytes(2 * 2 * block_n, stages) + 2 * BLOCK_M * cute_gemm.K_TILE_BYTES
     call = f"KILN_CUTE_PREFILL({entry}, {block_n}, {stages}, {str(pingpong).lower()}, {shared})"
     return NvccKernel(cute_gemm.SOURCE, entry, f"{SOURCE.read_text()}\n{call}", SIGNATURE, WARPS,
                       targets=cute_gemm.TARGETS, shared_bytes=shared, includes=(cutlass_include(),),
@@ -71,9 +70,10 @@ def descriptors(q_address: int, q_rows: int, q_pitch: int, k_address: int, v_add
     """The kernel's TMA descriptors (made once per buffer: `linear.launch.tensor_map`): q over `q_rows` rows
     of `q_pitch` elements (rows past them read as zeros), the layer's K and V caches over their `slots`
     token slots."""
-    return Descriptors(tensor_map(q_address, "bf16", (q_rows, q_pitch), (BLOCK_M, HALF)),
-                       tensor_map(k_address, "bf16", (slots, kv_heads, HEAD_DIM), (BLOCK_SIZE, 1, HALF)),
-                       tensor_map(v_address, "bf16", (slots, kv_heads, HEAD_DIM), (BLOCK_SIZE, 1, HALF)))
+    half = cute_gemm.k_tile()   # head dims a box: one 128-byte swizzle row
+    cache, box = (slots, kv_heads, HEAD_DIM), (BLOCK_SIZE, 1, half)
+    return Descriptors(tensor_map(q_address, "bf16", (q_rows, q_pitch), (BLOCK_M, half)),
+                       tensor_map(k_address, "bf16", cache, box), tensor_map(v_address, "bf16", cache, box))
 
 
 def launch(fn: CudaKernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,

@@ -143,6 +143,23 @@ def launch_gemm(kernels: list, metas: list[dict], x: torch.Tensor, weight: torch
     kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)
 
 
+def launch_cute_qkv(kernel, grid: tuple[int, int, int], block_m: int, pairs: int, x: torch.Tensor,
+                    w_qkv: torch.Tensor, row_scale: int, b_qkv: torch.Tensor | None, positions: torch.Tensor,
+                    rope: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, layer: int,
+                    heads: int, kv_heads: int, stream: int) -> None:
+    """The CuTe qkv GEMM (`cute_gemm.qkv` at tiles of `block_m` rows and `pairs` rotary pairs) on `grid`: x
+    and w_qkv as TMA descriptors (x over whole tiles where its buffer holds them), then the address of x's
+    row scales, bias (0 when absent), positions, rope, the bf16 cache [layers, 2, blocks, block size, kv
+    heads, head_dim], slots, q out and the sizes."""
+    rows, k = x.shape
+    args = [tensor_map(x.data_ptr(), "bf16", (map_rows(x, block_m), k), (block_m, cute_gemm.k_tile())),
+            tensor_map(w_qkv.data_ptr(), "bf16", tuple(w_qkv.shape),
+                       (cute_gemm.qkv_box(pairs, kv_cache.shape[-1]), cute_gemm.k_tile())),
+            row_scale, address(b_qkv), positions.data_ptr(), rope.data_ptr(), kv_cache.data_ptr(), slots.data_ptr(),
+            out.data_ptr(), rows, kv_cache.shape[2] * kv_cache.shape[3], layer, heads, kv_heads, k]
+    kernel.launch(grid, args, stream)
+
+
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
            dims: dict[str, int], stream: int, scratch: dict[str, torch.Tensor]) -> None:
     """inputs: x [T, K], weight [N, K], bias [N] or None, then weight_scale [N] (FP8) and
