@@ -15,6 +15,10 @@
 // TMA tile of it (BN / 8 row groups x BK bytes) is one contiguous box per row group: what prefill GEMMs
 // would read if the engine stored its weights so.
 //
+// BLOCKED false reads row-major weights with the same lanes' k and everything else the same: the control
+// that says whether the layout (a warp's 512 contiguous bytes against a quad's 64 of each of 8 rows) or the
+// kernel's form made the difference.
+//
 // A warp takes R row groups of 8 weight rows over one of `parts` ranges of K; the block's 8 warps are
 // 8 / parts row-group slots x parts, summed through shared memory. U pieces of each row group a lane per
 // iteration, the next iteration's in flight while this one's are multiplied (as gemv.cu's stream_rows).
@@ -63,7 +67,7 @@ __device__ __forceinline__ void mma_piece(float (&c)[4], uint4 lo, uint4 hi, uin
 
 // out[t, n] = (x[t] . W[n]) (* x_scale[t] * w_scale[n] for e4m3) (+ residual[t, n]) for t < T <= 8 * TH.
 // x [T, K] and W blocked, both of the element type (bf16, or e4m3 with FP8); `row_bytes` = K's bytes.
-template <bool FP8, int TH, int R, int U>
+template <bool FP8, bool BLOCKED, int TH, int R, int U>
 __device__ __forceinline__ void blocked_gemv(const uint4* x, const uint4* w, const float* w_scale,
                                              const float* x_scale, const __nv_bfloat16* residual,
                                              __nv_bfloat16* out, int T, int N, int row_bytes, int parts) {
@@ -75,16 +79,20 @@ __device__ __forceinline__ void blocked_gemv(const uint4* x, const uint4* w, con
   const int pieces = row_bytes / 64;                    // a row group's pieces a lane: 512 bytes a warp each
   const int first = part * pieces / parts, end = (part + 1) * pieces / parts;
   const int x_row = row_bytes / 16;                     // x's row in 16-byte pieces
+  // Lane (g, q)'s piece s of row g of a group: block 4s + q of the group's (8 pieces each), or row-major.
+  const int stride = BLOCKED ? 32 : 4;
   const uint4* rows[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r) rows[r] = w + size_t(group0 + r) * (row_bytes / 2) + q * 8 + g;
+  for (int r = 0; r < R; ++r)
+    rows[r] = BLOCKED ? w + size_t(group0 + r) * (row_bytes / 2) + q * 8 + g
+                      : w + (size_t(group0 + r) * 8 + g) * x_row + q;
 
   auto load = [&](uint4(&buf)[R][U], int s0, bool guard) {
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int r = 0; r < R; ++r)
-        buf[r][u] = !guard || s0 + u < end ? stream_load(rows[r] + (s0 + u) * 32) : make_uint4(0, 0, 0, 0);
+        buf[r][u] = !guard || s0 + u < end ? stream_load(rows[r] + (s0 + u) * stride) : make_uint4(0, 0, 0, 0);
   };
   float c[R][4] = {};
   auto multiply = [&](const uint4(&buf)[R][U], int s0, bool guard) {
@@ -155,10 +163,10 @@ __device__ __forceinline__ void blocked_gemv(const uint4* x, const uint4* w, con
 }  // namespace
 
 // Grid (N * parts / (64 * R), 1, 1), 256 threads; x and W 16-byte aligned, K's bytes a multiple of 64.
-#define KILN_PROBE_BLOCKED(NAME, FP8, TH, R, U)                                                                    \
-  extern "C" __global__ void __launch_bounds__(256) NAME(const uint4* x, const uint4* w, const float* w_scale,    \
-                                                         const float* x_scale, const __nv_bfloat16* residual,    \
-                                                         __nv_bfloat16* out, int T, int N, int row_bytes,        \
-                                                         int parts) {                                            \
-    blocked_gemv<FP8, TH, R, U>(x, w, w_scale, x_scale, residual, out, T, N, row_bytes, parts);                  \
+#define KILN_PROBE_BLOCKED(NAME, FP8, BLOCKED, TH, R, U)                                                               \
+  extern "C" __global__ void __launch_bounds__(256) NAME(const uint4* x, const uint4* w, const float* w_scale,         \
+                                                         const float* x_scale, const __nv_bfloat16* residual,          \
+                                                         __nv_bfloat16* out, int T, int N, int row_bytes,              \
+                                                         int parts) {                                                  \
+    blocked_gemv<FP8, BLOCKED, TH, R, U>(x, w, w_scale, x_scale, residual, out, T, N, row_bytes, parts);               \
   }

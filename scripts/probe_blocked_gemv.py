@@ -4,16 +4,17 @@
     PYTHONPATH=. python3 scripts/probe_blocked_gemv.py compile blocked.pkl   # anywhere: nvcc and Triton AOT
     PYTHONPATH=. python3 scripts/probe_blocked_gemv.py run blocked.pkl       # on the GPU
 
-`compile` builds the blocked GEMM's VARIANTS (bf16 and e4m3; 8 or 16 rows of x; row groups a warp;
-pieces in flight) and, as baselines, the engine's Triton decode bucket of each of Llama-3-8B's four
-projections, the CUDA-core GEMV (`plugins/linear/gemv.cu`) at one and two rows, and the FP8 GEMV at
-one row. `run` blocks LAYERS distinct weights of each shape (14 GB in bf16, 7 GB in e4m3: nothing
-comes from the L2), checks every kernel against torch (a kernel whose result is off is printed WRONG
-and left out of the chains), times each alone at every split of K (20 launches over 20 layers) and
-then, at each row count, 32-layer chains of (qkv, o, gate/up, down) as a step orders them: Triton's,
-the GEMV's, the blocked GEMM's best per shape, each against the copy rate measured in the same run.
-The question it answers: at 8 rows, is the blocked GEMM's chain near the GEMV's 3.40 ms at one row
-(BENCHMARKS.md session 33: Triton 3.718, CuTe 3.697; issue 12's batch 8 needs about 3.4)?
+`compile` builds the blocked GEMM's VARIANTS (bf16 and e4m3, and its row-major control in bf16; 8 or
+16 rows of x; row groups a warp; pieces in flight) and, as baselines, the engine's Triton decode bucket of
+each of Llama-3-8B's four projections, the CUDA-core GEMV (`plugins/linear/gemv.cu`) at one and two
+rows, and the FP8 GEMV at one row. `run` blocks LAYERS distinct weights of each shape (14 GB in bf16,
+7 GB in e4m3: nothing comes from the L2), checks every kernel against torch (a kernel whose result is
+off is printed WRONG and left out of the chains), times each alone at every split of K (20 launches
+over 20 layers) and then, at each row count, 32-layer chains of (qkv, o, gate/up, down) as a step
+orders them, each family's best kernel per shape, against the copy rate measured in the same run.
+The questions: at 8 rows, is the blocked GEMM's chain near the GEMV's 3.40 ms at one row (BENCHMARKS.md
+session 33: Triton 3.718, CuTe 3.697; issue 12's batch 8 needs about 3.4)? Is the row-major control
+as fast (then the engine needs no new layout)? Does the e4m3 one beat the FP8 GEMV at one row?
 """
 from __future__ import annotations
 
@@ -27,14 +28,16 @@ SOURCE = Path(__file__).with_name("probe_blocked_gemv.cu")
 WARPS = 8
 SIGNATURE = {"x": "*u8", "w": "*u8", "w_scale": "*fp32", "x_scale": "*fp32", "residual": "*bf16", "out": "*bf16",
              "T": "i32", "N": "i32", "row_bytes": "i32", "parts": "i32"}
-# (e4m3, halves of 8 rows of x, row groups a warp, pieces of each a lane an iteration)
-VARIANTS = [(fp8, th, r, u) for fp8 in (False, True) for th in (1, 2) for r, u in ((1, 4), (1, 8), (2, 4))]
+# (e4m3, blocked weights, halves of 8 rows of x, row groups a warp, pieces of each a lane an iteration); the
+# row-major control in bf16 only
+VARIANTS = [(fp8, is_blocked, th, r, u) for fp8, is_blocked in ((False, True), (False, False), (True, True))
+            for th in (1, 2) for r, u in ((1, 4), (1, 8), (2, 4))]
 PARTS = (1, 2, 4, 8)
 ROWS = (1, 2, 4, 8, 16)
 GEMV_VARIANTS = [(1, 2), (2, 2)]   # the engine's (T, weight rows a warp)
 
 
-def blocked(w):
+def block_weights(w):
     """W [N, K] of a 1- or 2-byte type as the kernel reads it: blocks of 8 rows x 16 bytes, a row group's
     blocks in K order (W[n / 8][k / e][n % 8][k % e], e the values in 16 bytes)."""
     n, k = w.shape
@@ -42,11 +45,15 @@ def blocked(w):
     return w.view(n // 8, 8, k // e, e).transpose(1, 2).contiguous().view(n, k)
 
 
-def kernel(fp8: bool, th: int, r: int, u: int):
+def family(fp8: bool, is_blocked: bool) -> str:
+    return f"{'blocked' if is_blocked else 'row-major'} {'e4m3' if fp8 else 'bf16'}"
+
+
+def kernel(fp8: bool, is_blocked: bool, th: int, r: int, u: int):
     from kiln.plugins.nvcc import NvccKernel
 
-    name = f"probe_blocked_{'e4m3' if fp8 else 'bf16'}_t{8 * th}_r{r}_u{u}"
-    call = f"KILN_PROBE_BLOCKED({name}, {'true' if fp8 else 'false'}, {th}, {r}, {u})"
+    name = f"probe_{family(fp8, is_blocked).replace(' ', '_').replace('-', '_')}_t{8 * th}_r{r}_u{u}"
+    call = f"KILN_PROBE_BLOCKED({name}, {str(fp8).lower()}, {str(is_blocked).lower()}, {th}, {r}, {u})"
     return NvccKernel(SOURCE, name, call, SIGNATURE, WARPS, {"pdl": True})
 
 
@@ -93,8 +100,8 @@ def run_all(path: str) -> None:
     stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
     weights = layer_weights()
     quantized = {name: [quantize_rows(w) for w in ws] for name, ws in weights.items()}
-    packed = {("bf16", name): [blocked(w) for w in ws] for name, ws in weights.items()}
-    packed.update({("e4m3", name): [blocked(q.view(torch.uint8)) for q, _ in qs] for name, qs in quantized.items()})
+    packed = {("bf16", name): [block_weights(w) for w in ws] for name, ws in weights.items()}
+    packed.update({("e4m3", name): [block_weights(q.view(torch.uint8)) for q, _ in qs] for name, qs in quantized.items()})
     kernels = {group: {key: load(entry)[0] for key, entry in built[group].items()}
                for group in ("blocked", "gemv", "fp8_gemv")}
     triton_fns = {name: load(entry) for name, entry in built["triton"].items()}
@@ -115,11 +122,11 @@ def run_all(path: str) -> None:
             return res[name].data_ptr() if RESIDUAL[name] else 0
 
         def blocked_launch(v: tuple, parts: int):
-            fp8, _, r, _ = v
+            fp8, is_blocked, _, r, _ = v
 
             def launch(name: str, layer: int) -> None:
                 n, k = SHAPES[name]
-                w = packed["e4m3" if fp8 else "bf16", name][layer]
+                w = packed["e4m3" if fp8 else "bf16", name][layer] if is_blocked else weights[name][layer]
                 x, x_scale = (xq[name][0], xq[name][1].data_ptr()) if fp8 else (xs[name], ones.data_ptr())
                 w_scale = quantized[name][layer][1].data_ptr() if fp8 else ones.data_ptr()
                 kernels["blocked"][v].launch((n * parts // (64 * r), 1, 1),
@@ -163,9 +170,10 @@ def run_all(path: str) -> None:
         families += [("gemv", f"cuda gemv r{v[1]}", gemv_launch(v), False, lambda n: True)
                      for v in GEMV_VARIANTS if v[0] == t]
         families += [("fp8 gemv", "fp8 gemv", fp8_gemv_launch, True, lambda n: True)] if t == 1 else []
-        families += [(f"blocked {'e4m3' if v[0] else 'bf16'}", f"blocked t{8 * v[1]} r{v[2]} u{v[3]} p{parts}",
-                      blocked_launch(v, parts), v[0], lambda n, r=v[2], parts=parts: serves(n, r, parts))
-                     for v in VARIANTS for parts in PARTS if t <= 8 * v[1] and (v[1] == 1 or t > 8)]
+        families += [(family(fp8, is_blocked), f"{family(fp8, is_blocked)} t{8 * th} r{r} u{u} p{parts}",
+                      blocked_launch((fp8, is_blocked, th, r, u), parts), fp8,
+                      lambda n, r=r, parts=parts: serves(n, r, parts))
+                     for fp8, is_blocked, th, r, u in VARIANTS for parts in PARTS if t <= 8 * th and (th == 1 or t > 8)]
         best: dict[tuple[str, str], tuple[float, object]] = {}
         print(f"T={t}")
         for name, (n, k) in SHAPES.items():

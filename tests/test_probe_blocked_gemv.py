@@ -16,30 +16,34 @@ from scripts import probe_blocked_gemv as probe
 
 def test_blocked_layout_is_a_permutation_of_8_row_blocks():
     w = torch.arange(16 * 64, dtype=torch.int16).view(16, 64)
-    b = probe.blocked(w).flatten()
+    b = probe.block_weights(w).flatten()
     assert sorted(b.tolist()) == list(range(16 * 64))
     # Row group 1, block 2 (k 16..23), row 3 of the group: the 8 values at (1 * 8 * 64 + 2 * 64 + 3 * 8).
     assert b[1 * 512 + 2 * 64 + 3 * 8:][:8].tolist() == w[8 + 3, 16:24].tolist()
     e4m3 = torch.arange(8 * 32, dtype=torch.int16).to(torch.uint8).view(8, 32)
-    assert probe.blocked(e4m3).flatten()[128 + 16:][:16].tolist() == e4m3[1, 16:32].tolist()
+    assert probe.block_weights(e4m3).flatten()[128 + 16:][:16].tolist() == e4m3[1, 16:32].tolist()
 
 
-def emulate(x: np.ndarray, w_blocked: np.ndarray, n: int, fp8: bool) -> np.ndarray:
+def emulate(x: np.ndarray, w: np.ndarray, n: int, fp8: bool, blocked: bool) -> np.ndarray:
     """out [16, n] as the kernel computes it: for each row group and piece, lane (g, q) takes 16 bytes of
-    row g from block 4s + q and the same k of x's tokens g and g + 8, and each half of them is one MMA's
+    row g from block 4s + q (or from row-major w at the same k) and the same k of x's tokens g and g + 8,
+    and each half of them is one MMA's
     fragment (a0 = A[g][slot lo], a1 = A[g + 8][lo], a2 = A[g][hi], a3 = A[g + 8][hi]; b0 = B[lo][g],
     b1 = B[hi][g]; D: lane (g, q) holds rows g and g + 8 of columns 2q, 2q + 1)."""
     per = 8 if not fp8 else 16            # values in a 16-byte piece
     word = per // 4                       # values in a 32-bit register
     k_mma = 4 * per // 2                  # 16 (bf16) or 32 (e4m3)
     k = x.shape[1]
-    groups = w_blocked.reshape(n // 8, 8 * k)
+    groups = w.reshape(n // 8, 8 * k)
     out = np.zeros((16, n))
     g, q = np.arange(32) // 4, np.arange(32) % 4
     for rg in range(n // 8):
         d = np.zeros((16, 8))
         for s in range(k // (4 * per)):
-            at = (s * 32 + q * 8 + g) * per                         # the lane's piece of W, in values
+            if blocked:                                              # the lane's piece of W, in values
+                at = (s * 32 + q * 8 + g) * per
+            else:
+                at = g * k + (4 * s + q) * per
             wp = np.stack([groups[rg, a:a + per] for a in at])       # [lane, per]
             lo = np.stack([x[gi, (4 * s + qi) * per:][:per] for gi, qi in zip(g, q)])
             hi = np.stack([x[gi + 8, (4 * s + qi) * per:][:per] for gi, qi in zip(g, q)])
@@ -60,16 +64,16 @@ def emulate(x: np.ndarray, w_blocked: np.ndarray, n: int, fp8: bool) -> np.ndarr
     return out
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_the_lanes_fragments_sum_to_x_w(fp8):
+@pytest.mark.parametrize("fp8, blocked", [(False, True), (True, True), (False, False)])
+def test_the_lanes_fragments_sum_to_x_w(fp8, blocked):
     rng = np.random.default_rng(0)
     n, k = 16, 128 if fp8 else 64
     x, w = rng.integers(-4, 5, (16, k)).astype(float), rng.integers(-4, 5, (n, k)).astype(float)
     # integers in 1- or 2-byte words, as e4m3 and bf16 weights are: blocked moves words, not values
     words = torch.from_numpy(w.astype(np.int8 if fp8 else np.int16))
-    w_blocked = probe.blocked(words.view(torch.uint8) if fp8 else words)
+    w_blocked = probe.block_weights(words.view(torch.uint8) if fp8 else words)
     w_blocked = (w_blocked.view(torch.int8) if fp8 else w_blocked).numpy().astype(float).flatten()
-    np.testing.assert_array_equal(emulate(x, w_blocked, n, fp8), x @ w.T)
+    np.testing.assert_array_equal(emulate(x, w_blocked if blocked else w.flatten(), n, fp8, blocked), x @ w.T)
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="no nvcc")
