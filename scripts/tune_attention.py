@@ -108,9 +108,10 @@ def cuda_configs() -> list[tuple[dict, object]]:
     return out
 
 
-# The CuTe prefill kernel's tilings: (keys a tile, stages, the warpgroups' turns). 64-key tiles waste less of
-# the diagonal's; with 4 stages they spill (nvcc 13.0).
-CUTE_PREFILL_TILES = [(128, 2, False), (128, 2, True), (64, 3, False), (64, 3, True)]
+# The CuTe prefill kernel's tilings: (keys a tile, stages, what overlaps the softmax: prefill_sm90.SCHEDULES).
+# 64-key tiles waste less of the diagonal's; with 4 stages they spill (nvcc 13.0).
+CUTE_PREFILL_TILES = [(bn, stages, schedule) for bn, stages in ((128, 2), (64, 3))
+                      for schedule in ("plain", "pingpong", "overlap")]
 
 
 def cute_prefill_configs() -> list[tuple[dict, object]]:
@@ -122,8 +123,8 @@ def cute_prefill_configs() -> list[tuple[dict, object]]:
     if nvcc_path() is None:
         return []
     try:
-        return [({"cute": True, "label": f"cute bm{prefill_sm90.BLOCK_M} bn{bn} s{stages}{' pingpong' * pingpong}"},
-                 prefill_sm90.kernel(bn, stages, pingpong)) for bn, stages, pingpong in CUTE_PREFILL_TILES]
+        return [({"cute": True, "label": f"cute bm{prefill_sm90.BLOCK_M} bn{bn} s{stages} {schedule}"},
+                 prefill_sm90.kernel(bn, stages, schedule)) for bn, stages, schedule in CUTE_PREFILL_TILES]
     except RuntimeError:
         return []
 

@@ -2,7 +2,8 @@
 CUTLASS's headers; its entry point takes exactly the parameters its signature declares, as the driver
 launch packs them; it is made of Hopper's own instructions (3D TMA loads of the paged cache, wgmma for Q K^T
 from shared memory and for P V with P from registers and V read transposed, the producer's registers given
-to the consumers) within the target's shared memory; and the launch helper passes the descriptors (q in
+to the consumers) within the target's shared memory, and each schedule of its softmax is what it says (turns
+on named barriers; a wait for the scores alone while P V runs); and the launch helper passes the descriptors (q in
 boxes of 128 rows x 64 dims, the layer's K and V caches as [slots, kv heads, 128] in boxes of one cache
 block x one head x 64 dims) and then the pointers and sizes on a grid of every head's tile ids. Its
 numerics and speed are measured on an H200 (tests/test_cute_prefill_gpu.py, scripts/tune_attention.py)."""
@@ -66,9 +67,23 @@ def test_it_is_built_of_hoppers_own_instructions(kernel, ptx):
 
 @needs_cutlass
 def test_with_pingpong_the_warpgroups_take_turns_on_two_named_barriers(ptx):
-    turns = ptx_of(prefill_sm90.kernel(128, 2, pingpong=True))
+    turns = ptx_of(prefill_sm90.kernel(128, 2, "pingpong"))
     assert "bar.arrive" in turns and re.search(r"bar(rier)?\.sync(\.aligned)? %r", turns)
     assert "bar.arrive" not in ptx
+
+
+@needs_cutlass
+def test_with_overlap_a_warpgroup_takes_its_scores_while_its_p_v_still_runs(ptx):
+    overlap = ptx_of(prefill_sm90.kernel(128, 2, "overlap"))
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", overlap)
+    assert "1" in waits and "0" in waits and "bar.arrive" not in overlap
+    assert re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx) == ["0"] * len(
+        re.findall(r"wgmma\.wait_group", ptx))
+
+
+def test_an_unknown_schedule_is_refused_by_name():
+    with pytest.raises(ValueError, match="no prefill schedule 'fast'; choose one of plain, pingpong, overlap"):
+        prefill_sm90.kernel(128, 2, "fast")
 
 
 @needs_cutlass

@@ -23,20 +23,21 @@ CASES = [(32, 8, 0, [(2048, 0)]), (32, 8, 2, [(300, 0), (129, 40)]), (8, 8, 0, [
 
 
 @functools.cache
-def loaded(block_n: int, stages: int, pingpong: bool):
+def loaded(block_n: int, stages: int, schedule: str):
     """The kernel at a tiling, built and loaded once for every case."""
     from kiln.runtime.cuda_driver import load_kernel
 
-    kernel = prefill_sm90.kernel(block_n, stages, pingpong)
+    kernel = prefill_sm90.kernel(block_n, stages, schedule)
     cubin = compile_cubin(kernel, "sm_90")
     return load_kernel(cubin.binary, cubin.name, list(kernel.signature.values()), cubin.num_warps, cubin.shared_bytes,
                        cubin.global_scratch)
 
 
-@pytest.mark.parametrize("block_n, stages, pingpong", [(128, 2, False), (128, 2, True), (64, 3, True)])
+@pytest.mark.parametrize("block_n, stages, schedule", [(128, 2, "plain"), (128, 2, "pingpong"), (64, 3, "pingpong"),
+                                                       (128, 2, "overlap"), (64, 3, "overlap")])
 @pytest.mark.parametrize("heads, kv_heads, decodes, prompts", CASES)
-def test_cute_prefill_matches_the_reference(heads, kv_heads, decodes, prompts, block_n, stages, pingpong):
-    fn = loaded(block_n, stages, pingpong)
+def test_cute_prefill_matches_the_reference(heads, kv_heads, decodes, prompts, block_n, stages, schedule):
+    fn = loaded(block_n, stages, schedule)
     gen = torch.Generator().manual_seed(heads + decodes + len(prompts))
     d, size = prefill_sm90.HEAD_DIM, prefill_sm90.BLOCK_SIZE
     query_lens = [1] * decodes + [n for n, _ in prompts]

@@ -10,9 +10,12 @@
 // warpgroup computes S = Q K^T by wgmma from shared memory, masks the keys past each query's position on the
 // tiles that cross the diagonal, keeps the online softmax's row max and sum in registers (exp2, the scale
 // folded into log2 units), and adds P V by wgmma with P from registers (its sums' layout is the A operand's)
-// and V from shared memory, read as the MN-major operand (dims contiguous, as the cache holds them). With
-// PINGPONG the two warpgroups take turns issuing their GEMMs (two named barriers), so that one's softmax
-// runs while the other's GEMMs do; without it they share the tensor cores as the warps are scheduled.
+// and V from shared memory, read as the MN-major operand (dims contiguous, as the cache holds them).
+// SCHEDULE says what overlaps the softmax: PLAIN, nothing planned (the two warpgroups share the tensor cores
+// as the warps are scheduled); PINGPONG, the other warpgroup's GEMMs (they take turns issuing theirs, on
+// two named barriers); OVERLAP, the warpgroup's own next GEMMs (FlashAttention-3's pipelining within a
+// warpgroup: tile j's Q K^T and tile j - 1's P V are issued together, and tile j's softmax runs while P V
+// does, on a second set of registers for P).
 //
 // Work: grid (query tiles, heads): sequence s (counted from first_seq; those before it have one query row
 // each, a mixed step's decode rows) owns the tile ids from (its first query row) / BM + s on, as many as its
@@ -21,6 +24,7 @@
 namespace kiln_cute {
 
 constexpr int ATT_D = 128, ATT_BM = 128, ATT_BLOCK = 16;
+enum Schedule { PLAIN = 0, PINGPONG = 1, OVERLAP = 2 };
 
 template <int BN, int STAGES>
 struct PrefillTiles {
@@ -77,7 +81,7 @@ __device__ __forceinline__ void find_tile(const int* query_lens, int first_seq, 
   first_row = first_seq + owner_start;   // the sequences before first_seq have one row each
 }
 
-template <int BN, int STAGES, bool PINGPONG>
+template <int BN, int STAGES, int SCHEDULE>
 __device__ __forceinline__ void prefill(const CUtensorMap* q_map, const CUtensorMap* k_map, const CUtensorMap* v_map,
                                         __nv_bfloat16* out, const int* block_tables, const int* query_lens,
                                         const int* context_lens, int num_seqs, int first_seq, int out_stride,
@@ -159,26 +163,24 @@ __device__ __forceinline__ void prefill(const CUtensorMap* q_map, const CUtensor
   // PINGPONG: warpgroup w issues its GEMMs when named barrier w completes, then lets the other one issue its.
   const int wg = thread / 128;
   auto my_turn = [&] {
-    if constexpr (PINGPONG) cutlass::arch::NamedBarrier::arrive_and_wait(256, wg);
+    if constexpr (SCHEDULE == PINGPONG) cutlass::arch::NamedBarrier::arrive_and_wait(256, wg);
   };
   auto their_turn = [&] {
-    if constexpr (PINGPONG) cutlass::arch::NamedBarrier::arrive(256, 1 - wg);
+    if constexpr (SCHEDULE == PINGPONG) cutlass::arch::NamedBarrier::arrive(256, 1 - wg);
   };
   if (wg == 1) their_turn();   // warpgroup 0 goes first
 
   const float log2_scale = scale * 1.4426950408889634f;   // exp2 instead of exp
   int pos[2];   // the positions of the thread's two query rows
-  float row_max[2], row_sum[2] = {0.f, 0.f};
+  float row_max[2], row_sum[2] = {0.f, 0.f}, alpha[2];
   CUTE_UNROLL
   for (int r = 0; r < 2; ++r) {
     pos[r] = tile_pos + get<0>(where(2 * r));
     row_max[r] = -1.0e30f;   // a finite floor: no inf - inf for rows whose keys are all masked so far
   }
-  clear(acc);
-  FullBarrier::wait(&s.q_full, 0);
-  for (int j = 0; j < kv_tiles; ++j) {
-    const int stage = s.ring.wait_full(j);
-    my_turn();
+
+  // S = Q K^T of the stage's keys, issued (warpgroup_wait to have it).
+  auto issue_s = [&](int stage) {
     warpgroup_fence_operand(scores);
     warpgroup_arrive();
     mma_s.accumulate_ = GMMA::ScaleOut::Zero;
@@ -188,16 +190,31 @@ __device__ __forceinline__ void prefill(const CUtensorMap* q_map, const CUtensor
       mma_s.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
-    their_turn();
-    warpgroup_wait<0>();
+  };
+  // O += P V of the stage's values, issued. P's registers are the MMA's operand until it is done: fenced
+  // after the wait, so that nothing else takes them before.
+  auto issue_pv = [&](int stage) {
+    warpgroup_fence_operand(p);
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(p); ++kb) cute::gemm(mma_o, p(_, _, kb), v_frag(_, _, kb, stage), acc);
+    warpgroup_commit_batch();
+  };
+  auto pv_done = [&] {
+    warpgroup_fence_operand(acc);
+    warpgroup_fence_operand(p);
+  };
+  // Tile j's online softmax: masks the keys past each query's position (and past the context) on the tiles
+  // that cross the diagonal, takes the new row maxima (alpha: the factor the sums so far scale by), and
+  // leaves the exponentials in `scores`, their row sums added.
+  auto softmax = [&](int j) {
     warpgroup_fence_operand(scores);
-
-    if (j >= unmasked) {   // keys past a query's position (and past the context) score nothing
+    if (j >= unmasked) {
       CUTE_UNROLL
       for (int i = 0; i < size(scores); ++i)
         if (j * BN + get<1>(where(i)) > pos[(i / 2) % 2]) scores(i) = -INFINITY;
     }
-    float alpha[2];
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
       float m = row_max[r];
@@ -213,23 +230,58 @@ __device__ __forceinline__ void prefill(const CUtensorMap* q_map, const CUtensor
     CUTE_UNROLL
     for (int i = 0; i < size(scores); ++i) {
       const int r = (i / 2) % 2;
-      const float e = exp2f(scores(i) * log2_scale - row_max[r]);
-      row_sum[r] += e;
-      p(i) = bf16(e);
+      scores(i) = exp2f(scores(i) * log2_scale - row_max[r]);
+      row_sum[r] += scores(i);
     }
+  };
+  // P from the exponentials, and the sums so far rescaled to the new maxima.
+  auto next_p = [&] {
+    CUTE_UNROLL
+    for (int i = 0; i < size(scores); ++i) p(i) = bf16(scores(i));
     CUTE_UNROLL
     for (int i = 0; i < size(acc); ++i) acc(i) *= alpha[(i / 2) % 2];
+  };
 
-    my_turn();
-    warpgroup_fence_operand(acc);
-    warpgroup_arrive();
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(p); ++kb) cute::gemm(mma_o, p(_, _, kb), v_frag(_, _, kb, stage), acc);
-    warpgroup_commit_batch();
-    their_turn();
+  clear(acc);
+  FullBarrier::wait(&s.q_full, 0);
+  if constexpr (SCHEDULE == OVERLAP) {
+    int prev = s.ring.wait_full(0);
+    issue_s(prev);
     warpgroup_wait<0>();
-    warpgroup_fence_operand(acc);
-    if (thread % 128 == 0) s.ring.release(stage);
+    softmax(0);
+    next_p();
+    for (int j = 1; j < kv_tiles; ++j) {
+      const int stage = s.ring.wait_full(j);
+      issue_s(stage);
+      issue_pv(prev);
+      warpgroup_wait<1>();   // S of tile j; P V of tile j - 1 may still run
+      softmax(j);
+      warpgroup_wait<0>();
+      pv_done();
+      if (thread % 128 == 0) s.ring.release(prev);
+      next_p();
+      prev = stage;
+    }
+    issue_pv(prev);
+    warpgroup_wait<0>();
+    pv_done();
+    if (thread % 128 == 0) s.ring.release(prev);
+  } else {
+    for (int j = 0; j < kv_tiles; ++j) {
+      const int stage = s.ring.wait_full(j);
+      my_turn();
+      issue_s(stage);
+      their_turn();
+      warpgroup_wait<0>();
+      softmax(j);
+      next_p();
+      my_turn();
+      issue_pv(stage);
+      their_turn();
+      warpgroup_wait<0>();
+      pv_done();
+      if (thread % 128 == 0) s.ring.release(stage);
+    }
   }
 
   const int q_row_base = block * ATT_BM;   // query index within the sequence of the tile's first row
@@ -250,9 +302,9 @@ __device__ __forceinline__ void prefill(const CUtensorMap* q_map, const CUtensor
 }
 }  // namespace kiln_cute
 
-// KILN_CUTE_PREFILL: BN keys a tile, STAGES key and value tiles in flight, PINGPONG (true or false) the
-// warpgroups' turns. SMEM is the dynamic shared memory the launch gives (checked here).
-#define KILN_CUTE_PREFILL(NAME, BN, STAGES, PINGPONG, SMEM)                                                         \
+// KILN_CUTE_PREFILL: BN keys a tile, STAGES key and value tiles in flight, SCHEDULE (kiln_cute::PLAIN,
+// PINGPONG or OVERLAP) what overlaps the softmax. SMEM is the dynamic shared memory the launch gives (checked here).
+#define KILN_CUTE_PREFILL(NAME, BN, STAGES, SCHEDULE, SMEM)                                                         \
   static_assert(kiln_cute::PrefillTiles<BN, STAGES>::SHARED_BYTES <= (SMEM),                                    \
                 "the launch gives too little shared memory");                                                       \
   extern "C" __global__ void __launch_bounds__(384, 1)                                                              \
@@ -260,7 +312,7 @@ __device__ __forceinline__ void prefill(const CUtensorMap* q_map, const CUtensor
            const __grid_constant__ CUtensorMap v_map, __nv_bfloat16* out, const int* block_tables,                  \
            const int* query_lens, const int* context_lens, int num_seqs, int first_seq, int out_stride,             \
            int table_stride, int num_slots, int kv_heads, float scale) {                                            \
-    kiln_cute::prefill<BN, STAGES, PINGPONG>(&q_map, &k_map, &v_map, out, block_tables, query_lens, context_lens,   \
+    kiln_cute::prefill<BN, STAGES, SCHEDULE>(&q_map, &k_map, &v_map, out, block_tables, query_lens, context_lens,   \
                                              num_seqs, first_seq, out_stride, table_stride, num_slots, kv_heads,  \
                                              scale);                                                               \
   }

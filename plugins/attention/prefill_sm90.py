@@ -32,15 +32,20 @@ BLOCK_M = 128      # query tokens a block
 HEAD_DIM = 128
 BLOCK_SIZE = 16    # the cache's tokens a block
 WARPS = 12         # a producer warpgroup and two consumer warpgroups
+# What overlaps a warpgroup's softmax (prefill_sm90.cu's Schedule): nothing planned, the other warpgroup's
+# GEMMs (the two take turns), or its own next GEMMs (FlashAttention-3's pipelining within a warpgroup).
+SCHEDULES = {"plain": "PLAIN", "pingpong": "PINGPONG", "overlap": "OVERLAP"}
 
 
-def kernel(block_n: int, stages: int, pingpong: bool = False) -> NvccKernel:
-    """The prefill kernel at key tiles of `block_n` keys, `stages` key and value tiles in flight, its consumer
-    warpgroups taking turns at the GEMMs with `pingpong`. Launch: grid `grid`."""
-    entry = f"kiln_cute_prefill_n{block_n}_s{stages}{'_pingpong' if pingpong else ''}"
+def kernel(block_n: int, stages: int, schedule: str = "plain") -> NvccKernel:
+    """The prefill kernel at key tiles of `block_n` keys, `stages` key and value tiles in flight, its softmax
+    overlapped as `schedule` (a key of SCHEDULES) says. Launch: grid `grid`."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"no prefill schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    entry = f"kiln_cute_prefill_n{block_n}_s{stages}{'' if schedule == 'plain' else '_' + schedule}"
     # K and V tiles a stage and the query tile, in rows of one 128-byte K tile (half a head)
     shared = cute_gemm.shared_bytes(2 * 2 * block_n, stages) + 2 * BLOCK_M * cute_gemm.K_TILE_BYTES
-    call = f"KILN_CUTE_PREFILL({entry}, {block_n}, {stages}, {str(pingpong).lower()}, {shared})"
+    call = f"KILN_CUTE_PREFILL({entry}, {block_n}, {stages}, kiln_cute::{SCHEDULES[schedule]}, {shared})"
     return NvccKernel(cute_gemm.SOURCE, entry, f"{SOURCE.read_text()}\n{call}", SIGNATURE, WARPS,
                       targets=cute_gemm.TARGETS, shared_bytes=shared, includes=(cutlass_include(),),
                       arch_specific=True)
