@@ -20,9 +20,10 @@ device's copy rate, measured as bench-engine measures it, heads the output.
 
 Prefill (`compile ... prefill`, `run ... prefill`): the same kernel at prefill tilings, and the CuTe
 prefill kernel (`plugins/attention/prefill_sm90.cu`, labelled "cute"; it needs nvcc and
-`nvidia-cutlass`'s headers), over whole causal prompts of 2k and 8k tokens (one sequence, and four of
-2k), each checked against and timed beside `torch.nn.functional.scaled_dot_product_attention` on the
-flash backend in the same run, with TFLOP/s counted over the causal half.
+`nvidia-cutlass`'s headers; each tiling launched a block a tile and persistent), over whole causal
+prompts of 2k and 8k tokens (one sequence, and four of 2k), each checked against and timed beside
+`torch.nn.functional.scaled_dot_product_attention` on the flash backend in the same run, with TFLOP/s
+counted over the causal half.
 """
 from __future__ import annotations
 
@@ -298,15 +299,16 @@ def run_prefill(path: str) -> None:
         out = torch.empty_like(q)
         rows = [(sdpa_us, "SDPA flash", 0.0)]
         for info, fn in [entry for entry in loaded if not entry[0].get("combine")]:
-            if info.get("cute"):
-                def call():
-                    prefill_sm90.launch(fn, q, cache[0], cache[1], out, tables, lens, lens, 0, HEADS, scale,
-                                        torch.cuda.current_stream().cuda_stream)
-                out.zero_()
-                call()
-                torch.cuda.synchronize()
-                err = ((out.float() - ref).norm() / ref.norm()).item()
-                rows.append((graph_us(call), info["label"], err))
+            if info.get("cute"):   # a block a tile, and persistent
+                for sms in (None, torch.cuda.get_device_properties(0).multi_processor_count):
+                    def call():
+                        prefill_sm90.launch(fn, q, cache[0], cache[1], out, tables, lens, lens, 0, HEADS, scale,
+                                            torch.cuda.current_stream().cuda_stream, sms)
+                    out.zero_()
+                    call()
+                    torch.cuda.synchronize()
+                    err = ((out.float() - ref).norm() / ref.norm()).item()
+                    rows.append((graph_us(call), info["label"] + (" persistent" if sms else ""), err))
                 continue
             grid = (tokens * (HEADS // KV_HEADS) // info["block_m"] + seqs, KV_HEADS, 1)
             args = [q.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), out.data_ptr(), 0, 0, tables.data_ptr(),

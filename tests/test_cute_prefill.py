@@ -90,7 +90,8 @@ def test_an_unknown_schedule_is_refused_by_name():
 def test_cubin_builds_within_the_targets_shared_memory(kernel):
     cubin = compile_cubin(kernel, "sm_90")
     assert cubin.binary.startswith(b"\x7fELF") and kernel.entry.encode() in cubin.binary
-    assert cubin.shared_bytes == 2 * 2 * 128 * 128 * 2 + 128 * 128 * 2 + 2048 <= MAX_SHARED_BYTES["sm_90"]
+    # two stages of K and V tiles, two query tiles (the next one loads while this one runs), the barriers
+    assert cubin.shared_bytes == 2 * 2 * 128 * 128 * 2 + 2 * 128 * 128 * 2 + 2048 <= MAX_SHARED_BYTES["sm_90"]
 
 
 def test_it_serves_bf16_caches_of_16_token_blocks_and_heads_of_128_without_a_window():
@@ -107,14 +108,17 @@ def test_launch_passes_descriptors_then_pointers_and_sizes():
     cache = torch.empty(2, blocks, 16, kv_heads, 128, dtype=torch.bfloat16)
     tables = torch.zeros(4, 40, dtype=torch.int32)
     qlens, clens = torch.tensor([1, 1, 300, 129], dtype=torch.int32), torch.tensor([9, 70, 300, 169], dtype=torch.int32)
-    fn = Recorder()
-    with recorded_descriptors() as encoded:
-        prefill_sm90.launch(fn, q, cache[0], cache[1], out, tables, qlens, clens, 2, heads, 0.125, 7)
-    assert encoded == [(q.data_ptr(), "bf16", (tokens, heads * 128), (128, 64)),
-                       (cache[0].data_ptr(), "bf16", (blocks * 16, kv_heads, 128), (16, 1, 64)),
-                       (cache[1].data_ptr(), "bf16", (blocks * 16, kv_heads, 128), (16, 1, 64))]
-    (grid, args), = fn.launches
-    assert grid == (429 // 128 + 2, heads, 1)   # the prefill rows' tiles, one more per sequence, every head
-    assert args == [bytes([1]) * 128, bytes([2]) * 128, bytes([3]) * 128, out.data_ptr(), tables.data_ptr(),
-                    qlens.data_ptr(), clens.data_ptr(), 4, 2, out.stride(0), 40, blocks * 16, kv_heads, 0.125]
-    assert len(args) == len(prefill_sm90.SIGNATURE)
+    for sms, blocks_launched in ((None, (429 // 128 + 2) * heads), (132, 132)):
+        fn = Recorder()
+        with recorded_descriptors() as encoded:
+            prefill_sm90.launch(fn, q, cache[0], cache[1], out, tables, qlens, clens, 2, heads, 0.125, 7, sms)
+        assert encoded == [(q.data_ptr(), "bf16", (tokens, heads * 128), (128, 64)),
+                           (cache[0].data_ptr(), "bf16", (blocks * 16, kv_heads, 128), (16, 1, 64)),
+                           (cache[1].data_ptr(), "bf16", (blocks * 16, kv_heads, 128), (16, 1, 64))]
+        (grid, args), = fn.launches
+        # the prefill rows' tiles and one more per sequence, every head: a block each, or one per SM
+        assert grid == (blocks_launched, 1, 1)
+        assert args == [bytes([1]) * 128, bytes([2]) * 128, bytes([3]) * 128, out.data_ptr(), tables.data_ptr(),
+                        qlens.data_ptr(), clens.data_ptr(), 4, 2, 429 // 128 + 2, heads, out.stride(0), 40,
+                        blocks * 16, kv_heads, 0.125]
+        assert len(args) == len(prefill_sm90.SIGNATURE)

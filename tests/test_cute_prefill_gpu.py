@@ -2,8 +2,9 @@
 built by nvcc, loaded through `runtime.cuda_driver` and launched on its TMA descriptors, it matches the
 attention plugin's reference for Llama-3-8B's heads (GQA 4) and for plain multi-head attention, for prompts
 of one block's tokens to several tiles of keys, with a cached prefix before a chunk, behind a mixed step's
-decode rows (which it leaves alone), with cache blocks in no order, in a cache's second layer, and it writes
-no row of another sequence's or past T."""
+decode rows (which it leaves alone), with cache blocks in no order, in a cache's second layer, with a block
+a tile or persistent (7 blocks walking every tile, so that each reuses its query buffers and stages many
+times; one per SM), and it writes no row of another sequence's or past T."""
 from __future__ import annotations
 
 import functools
@@ -36,8 +37,11 @@ def loaded(block_n: int, stages: int, schedule: str):
 @pytest.mark.parametrize("block_n, stages, schedule", [(128, 2, "plain"), (128, 2, "pingpong"), (64, 3, "pingpong"),
                                                        (128, 2, "overlap"), (64, 3, "overlap")])
 @pytest.mark.parametrize("heads, kv_heads, decodes, prompts", CASES)
-def test_cute_prefill_matches_the_reference(heads, kv_heads, decodes, prompts, block_n, stages, schedule):
+@pytest.mark.parametrize("sms", [None, 7, "device"])
+def test_cute_prefill_matches_the_reference(heads, kv_heads, decodes, prompts, block_n, stages, schedule, sms):
     fn = loaded(block_n, stages, schedule)
+    if sms == "device":
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator().manual_seed(heads + decodes + len(prompts))
     d, size = prefill_sm90.HEAD_DIM, prefill_sm90.BLOCK_SIZE
     query_lens = [1] * decodes + [n for n, _ in prompts]
@@ -63,7 +67,7 @@ def test_cute_prefill_matches_the_reference(heads, kv_heads, decodes, prompts, b
     buffer = torch.full((tokens + 3, heads * d), float("nan"), dtype=torch.bfloat16, device="cuda")
     out = buffer[:tokens]
     prefill_sm90.launch(fn, q, cache[1, 0], cache[1, 1], out, tables, qlens, clens, decodes, heads, scale,
-                        torch.cuda.current_stream().cuda_stream)
+                        torch.cuda.current_stream().cuda_stream, sms)
     torch.cuda.synchronize()
     assert torch.isnan(out[:decodes]).all(), "the decode rows were written"
     assert torch.isnan(buffer[tokens:]).all(), "rows past T were written"

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 SOURCE = Path(__file__).with_name("prefill_sm90.cu")
 SIGNATURE = {"q_map": "tensormap", "k_map": "tensormap", "v_map": "tensormap", "out": "*bf16",
              "block_tables": "*i32", "query_lens": "*i32", "context_lens": "*i32", "num_seqs": "i32",
-             "first_seq": "i32", "out_stride": "i32", "table_stride": "i32", "num_slots": "i32", "kv_heads": "i32",
-             "scale": "fp32"}
+             "first_seq": "i32", "tiles": "i32", "heads": "i32", "out_stride": "i32", "table_stride": "i32",
+             "num_slots": "i32", "kv_heads": "i32", "scale": "fp32"}
 BLOCK_M = 128      # query tokens a block
 HEAD_DIM = 128
 BLOCK_SIZE = 16    # the cache's tokens a block
@@ -39,12 +39,12 @@ SCHEDULES = {"plain": "PLAIN", "pingpong": "PINGPONG", "overlap": "OVERLAP"}
 
 def kernel(block_n: int, stages: int, schedule: str = "plain") -> NvccKernel:
     """The prefill kernel at key tiles of `block_n` keys, `stages` key and value tiles in flight, its softmax
-    overlapped as `schedule` (a key of SCHEDULES) says. Launch: grid `grid`."""
+    overlapped as `schedule` (a key of SCHEDULES) says. Launch: `launch`."""
     if schedule not in SCHEDULES:
         raise ValueError(f"no prefill schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     entry = f"kiln_cute_prefill_n{block_n}_s{stages}{'' if schedule == 'plain' else '_' + schedule}"
-    # K and V tiles a stage and the query tile, in rows of one 128-byte K tile (half a head)
-    shared = cute_gemm.shared_bytes(2 * 2 * block_n, stages) + 2 * BLOCK_M * cute_gemm.K_TILE_BYTES
+    # K and V tiles a stage and two query tiles, in rows of one 128-byte K tile (half a head)
+    shared = cute_gemm.shared_bytes(2 * 2 * block_n, stages) + 2 * 2 * BLOCK_M * cute_gemm.K_TILE_BYTES
     call = f"KILN_CUTE_PREFILL({entry}, {block_n}, {stages}, kiln_cute::{SCHEDULES[schedule]}, {shared})"
     return NvccKernel(cute_gemm.SOURCE, entry, f"{SOURCE.read_text()}\n{call}", SIGNATURE, WARPS,
                       targets=cute_gemm.TARGETS, shared_bytes=shared, includes=(cutlass_include(),),
@@ -57,10 +57,16 @@ def serves(dtype: str, cache_dtype: str, head_dim: int, block_size: int, window:
             and window <= 0)
 
 
-def grid(tokens: int, seqs: int, heads: int) -> tuple[int, int, int]:
-    """The grid for a prefill of `tokens` query rows in `seqs` sequences (from first_seq on): as many tile
-    ids as the worst packing needs, every head."""
-    return tokens // BLOCK_M + seqs, heads, 1
+def tiles(tokens: int, seqs: int) -> int:
+    """Tile ids a head for a prefill of `tokens` query rows in `seqs` sequences (from first_seq on): as many
+    as the worst packing needs."""
+    return tokens // BLOCK_M + seqs
+
+
+def grid(work: int, sms: int | None) -> tuple[int, int, int]:
+    """The grid for `work` items (tile ids x heads): one block an item, or with `sms` one per SM, each walking
+    the items (persistent)."""
+    return (work if sms is None else min(work, sms)), 1, 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,15 +89,17 @@ def descriptors(q_address: int, q_rows: int, q_pitch: int, k_address: int, v_add
 
 def launch(fn: CudaKernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
            block_tables: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor, first_seq: int,
-           heads: int, scale: float, stream: int) -> None:
+           heads: int, scale: float, stream: int, sms: int | None) -> None:
     """Run the loaded kernel `fn` over the step's prefill rows as the attention launcher's prefill role does:
     q [T, heads x 128] and out with contiguous rows, the layer's caches [blocks, 16, kv heads, 128], the
-    sequences from `first_seq` on (those before it have one query row each)."""
+    sequences from `first_seq` on (those before it have one query row each); persistent on a GPU of `sms`
+    SMs, or one block a tile with None."""
     slots, kv_heads = k_cache.shape[0] * k_cache.shape[1], k_cache.shape[2]
     maps = descriptors(q.data_ptr(), q.shape[0], q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slots,
                        kv_heads)
     seqs = query_lens.shape[0]
-    fn.launch(grid(q.shape[0] - first_seq, seqs - first_seq, heads),
+    count = tiles(q.shape[0] - first_seq, seqs - first_seq)
+    fn.launch(grid(count * heads, sms),
               [maps.q, maps.k, maps.v, out.data_ptr(), block_tables.data_ptr(), query_lens.data_ptr(),
-               context_lens.data_ptr(), seqs, first_seq, out.stride(0), block_tables.stride(0), slots, kv_heads,
-               scale], stream)
+               context_lens.data_ptr(), seqs, first_seq, count, heads, out.stride(0), block_tables.stride(0), slots,
+               kv_heads, scale], stream)
