@@ -9,7 +9,7 @@ GEMM `linear_kernel` at its prefill and medium tiles, and the engine's own kerne
 projection (the plugins' `aot_kernels` through their launchers, which take the bucket serving T and
 run its pre-passes, the fused epilogues included), labelled "engine", and the CUTLASS route: the
 CuTe GEMM of `plugins.linear.cute_gemm` (nvcc, sm_90a, TMA descriptors made on the host) at its
-tilings, and for qkv with norm_qkv_rope's epilogue at its own, labelled "cute" (it needs nvcc and
+tilings (with K split in parts too, where its workspace fits), and for qkv with norm_qkv_rope's epilogue at its own, labelled "cute" (it needs nvcc and
 `nvidia-cutlass`'s headers; without them the sweep goes on without it). `compile` builds each into
 a cubin with `plugins.aot` as build-engine does; `run` loads them through `runtime.cuda_driver` as the CUDA
 executor does, checks each against torch, and times it in a CUDA graph (weights cycled beyond the
@@ -51,6 +51,10 @@ POINTER_TILES = [(128, 128, 64, 8, 4), (64, 64, 64, 4, 4), (128, 256, 64, 8, 3)]
 # shape's N skip it. At 256 rows 128 tiles of 128x64 or 64x128 fill the GPU once for a 4096-row weight, and
 # 128x96 or 64x192 for qkv's 6144 rows; wider tiles read less shared memory per MMA.
 CUTE_TILES = [(128, 64, 8, 8), (64, 128, 8, 8), (128, 96, 8, 8), (64, 192, 6, 8), (128, 128, 6, 8), (128, 256, 4, 8)]
+# ... and with K in parts (block_m, block_n, stages, group_m, parts): at 256 rows 128x128 tiles over halves of K
+# are 128 work items for a 4096-row weight, each reading a third less per MMA than a 128x64 tile (128x256 in 4
+# parts spills).
+CUTE_SPLIT_TILES = [(128, 128, 6, 8, 2), (128, 128, 7, 8, 2)]
 # The CuTe qkv GEMM's tilings (block_m, rotary pairs a tile, stages, group_m), with norm_qkv_rope's epilogue,
 # for the qkv shape (Llama-3-8B's heads, `QKV_HEADS`).
 CUTE_QKV_TILES = [(128, 48, 8, 8), (64, 96, 6, 8), (128, 64, 6, 8), (64, 64, 8, 8)]
@@ -91,15 +95,17 @@ def cute_configs() -> list[tuple[str, dict, NvccKernel]]:
     if FP8 or nvcc_path() is None:
         return []
     try:
-        kernels = {tiling: cute_gemm.gemm(*tiling) for tiling in CUTE_TILES}
+        kernels = {(*tiling, 1)[:5]: cute_gemm.gemm(*tiling) for tiling in CUTE_TILES + CUTE_SPLIT_TILES}
         qkv = {tiling: cute_gemm.qkv(tiling[0], tiling[1], QKV_HEADS["head_dim"], *tiling[2:])
                for tiling in CUTE_QKV_TILES}
     except RuntimeError:
         return []
-    out = [(name, {"kind": "cute", "n": n, "k": k, "bm": bm, "bn": bn,
-                   "label": f"cute bm{bm} bn{bn} bk{cute_gemm.k_tile()} s{stages} g{group}"},
-            kernels[(bm, bn, stages, group)])
-           for (name, (n, k)), (bm, bn, stages, group) in itertools.product(SHAPES.items(), CUTE_TILES) if n % bn == 0]
+    out = [(name, {"kind": "cute", "n": n, "k": k, "bm": bm, "bn": bn, "parts": parts,
+                   "label": f"cute bm{bm} bn{bn} bk{cute_gemm.k_tile()} s{stages} g{group}"
+                            + (f" split-K {parts}" if parts > 1 else "")},
+            kernels[(bm, bn, stages, group, parts)])
+           for (name, (n, k)), (bm, bn, stages, group, parts) in itertools.product(SHAPES.items(), kernels)
+           if n % bn == 0]
     if "qkv" in SHAPES:
         n, k = SHAPES["qkv"]
         out += [("qkv", {"kind": "cute_qkv", "n": n, "k": k, "bm": bm, "pairs": pairs,
@@ -170,6 +176,10 @@ def run_all(path: str, every: str | None = None) -> None:
     print(f"GEMM rate (bf16 8192^3, torch.mm): {rate:.0f} TFLOP/s; {sms} SMs")
     a = None
     scratch = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
+    # the CuTe split-K GEMM's workspaces (`cute_gemm.split_workspace`: 8 MB and 512 bytes for o_proj at 256
+    # rows); the counts zeroed once, as the kernel leaves them
+    split_part = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    split_count = torch.zeros(1 << 20, dtype=torch.int32, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights, results = {}, {}
     w_scales = {}
@@ -213,19 +223,25 @@ def run_all(path: str, every: str | None = None) -> None:
                 us, err = _time_cute_qkv(fn, info, x_tiles, weights[name], t, sms)
                 results[(name, t)].append((us, f"{info['label']} persistent", err))
                 continue
+            if info["kind"] == "cute" and info["parts"] > 1 and any(
+                    size > buffer.nbytes for size, buffer in zip(
+                        cute_gemm.split_workspace(t, n, info["bm"], info["bn"], info["parts"]),
+                        (split_part, split_count))):
+                continue   # split-K is for a few hundred rows; its workspace here would not fit
             tiles = -(-t // info["bm"]) * -(-n // info["bn"])
             grids = {"": None}
             if info["kind"] == "tma":
                 grids = {"persistent": min(tiles, sms), "one tile each": tiles}
             elif info["kind"] == "cute":
-                grids = {"persistent": cute_gemm.gemm_grid(t, n, k, info["bm"], info["bn"], sms)[0]}
+                grids = {"persistent": cute_gemm.gemm_grid(t, n, k, info["bm"], info["bn"], sms, info["parts"])[0]}
             for gname, programs in grids.items():
                 grid = (programs, 1, 1) if programs else (-(-t // info["bm"]), -(-n // info["bn"]), 1)
                 if info["kind"] == "cute":
                     x_map = encode_tensor_map(x_tiles.data_ptr(), "bf16", (map_rows(x_tiles, info["bm"]), k),
                                               (info["bm"], cute_gemm.k_tile()))
+                    split = [split_part.data_ptr(), split_count.data_ptr()] if info["parts"] > 1 else []
                     args = [[x_map, encode_tensor_map(w.data_ptr(), "bf16", (n, k), (info["bn"], cute_gemm.k_tile())),
-                             0, 0, out.data_ptr(), t, n, k] for w in weights[name]]
+                             0, 0, out.data_ptr(), *split, t, n, k] for w in weights[name]]
                 elif FP8:
                     args = [[x.data_ptr(), x_scale.data_ptr(), w.data_ptr(), w_scale.data_ptr(), out.data_ptr(), t]
                             for w in weights[name]]

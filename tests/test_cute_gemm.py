@@ -28,6 +28,7 @@ PTX_PARAM = {"tensormap": ".param .align 128 .b8[128]", "i32": ".param .u32"}
 @pytest.fixture(scope="module")
 def kernels() -> dict[str, nvcc.NvccKernel]:
     return {"gemm": cute_gemm.gemm(128, 128, 6, 8), "gemm_one_warpgroup": cute_gemm.gemm(64, 128, 8, 8),
+            "gemm_split": cute_gemm.gemm(128, 128, 6, 8, 2),
             "qkv": cute_gemm.qkv(128, 48, 128, 8, 8), "decode": cute_gemm.decode(8, 8),
             "decode_fp8": cute_gemm.decode(8, 8, "fp8e4nv")}
 
@@ -51,7 +52,7 @@ def entry_ptx(ptx: str, entry: str) -> str:
     return ptx[start:end if end > 0 else len(ptx)]
 
 
-@pytest.mark.parametrize("name", ["gemm", "gemm_one_warpgroup", "qkv", "decode", "decode_fp8"])
+@pytest.mark.parametrize("name", ["gemm", "gemm_one_warpgroup", "gemm_split", "qkv", "decode", "decode_fp8"])
 def test_entry_takes_its_signature_as_the_launch_packs_it(kernels, ptx, name):
     kernel = kernels[name]
     params = re.search(rf"\.entry {kernel.entry}\(([^)]*)\)", ptx[name]).group(1)
@@ -61,6 +62,7 @@ def test_entry_takes_its_signature_as_the_launch_packs_it(kernels, ptx, name):
 
 @pytest.mark.parametrize("name, mma", [("gemm", "m64n128k16.f32.bf16.bf16"),
                                        ("gemm_one_warpgroup", "m64n128k16.f32.bf16.bf16"),
+                                       ("gemm_split", "m64n128k16.f32.bf16.bf16"),
                                        ("qkv", "m64n96k16.f32.bf16.bf16"), ("decode", "m64n8k16.f32.bf16.bf16"),
                                        ("decode_fp8", "m64n8k32.f32.e4m3.e4m3")])
 def test_it_is_built_of_hoppers_own_instructions(kernels, ptx, name, mma):
@@ -70,12 +72,15 @@ def test_it_is_built_of_hoppers_own_instructions(kernels, ptx, name, mma):
     assert "wgmma.mma_async" in code and mma in code and "cp.async.bulk.tensor.2d" in code
     if not name.startswith("decode"):   # the producer warpgroup gives its registers to the consumers
         assert "setmaxnreg.dec" in code and "setmaxnreg.inc" in code
-    else:                # programmatic dependent launch, and the split-K count
+    else:                # programmatic dependent launch
         assert kernel.meta["pdl"] and "griddepcontrol.wait" in code and "griddepcontrol.launch_dependents" in code
-        assert "atom.global.add" in code or "red.global.add" in code
+    # the split-K count, where K is split
+    assert ("atom.global.add" in code or "red.global.add" in code) == (name == "gemm_split" or
+                                                                       name.startswith("decode"))
 
 
-@pytest.mark.parametrize("name, rows, stages", [("gemm", 128 + 128, 6), ("qkv", 128 + 2 * 48, 8),
+@pytest.mark.parametrize("name, rows, stages", [("gemm", 128 + 128, 6), ("gemm_split", 128 + 128, 6),
+                                                ("qkv", 128 + 2 * 48, 8),
                                                 ("decode", cute_gemm.WEIGHT_ROWS + 8, 8)])
 def test_cubin_builds_within_the_targets_shared_memory(kernels, name, rows, stages):
     kernel = kernels[name]
@@ -106,6 +111,11 @@ def test_grids_refuse_shapes_the_kernels_would_get_wrong():
     assert cute_gemm.gemm_grid(300, 4096, 4096, 128, 128, 132) == (96, 1, 1)   # 3 row tiles x 32 column tiles
     assert cute_gemm.gemm_grid(300, 4096, 4096, 64, 128, 132) == (132, 1, 1)   # 5 x 32, persistent
     assert cute_gemm.gemm_grid(8192, 4096, 4096, 128, 128, 132) == (132, 1, 1)
+    # split-K: o_proj at 256 rows in 128x128 tiles over halves of K, 128 work items; their workspaces
+    assert cute_gemm.gemm_grid(256, 4096, 4096, 128, 128, 132, 2) == (128, 1, 1)
+    assert cute_gemm.split_workspace(256, 4096, 128, 128, 2) == (2 * 32 * 2 * 2 * 64 * 128 * 4, 2 * 32 * 2 * 4)
+    with pytest.raises(ValueError, match="in 1 to K / 64 parts"):
+        cute_gemm.gemm_grid(256, 4096, 4096, 128, 128, 132, 65)
     # Llama-3-8B's 48 heads of 64 rotary pairs: 64 tiles of 48 pairs for each 128-row tile
     assert cute_gemm.qkv_grid(129, 32, 8, 128, 4096, 128, 48, 200) == (128, 1, 1)
     assert cute_gemm.decode_grid(8, 4096, 14336, 8, 4) == (64, 4, 1)

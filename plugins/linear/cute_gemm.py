@@ -3,7 +3,8 @@
 warpgroups), built by nvcc for sm_90a with `nvidia-cutlass`'s headers.
 
 - `gemm` (`cute_gemm_sm90.cu`): prefill chunks and large batches in bf16, persistent tiles of block_m
-  (64 or 128: one or two consumer warpgroups) rows of x by block_n weight rows;
+  (64 or 128: one or two consumer warpgroups) rows of x by block_n weight rows, K in `parts` (split-K: the
+  last part of a tile to finish adds the others' sums from a workspace);
 - `qkv` (the same file): that GEMM with norm_qkv_rope's epilogue (row scale, bias, RoPE, q to the
   output and k and v into the paged cache), its weight tiles made of rotary pairs (`pairs` first-half
   rows of heads, then their second-half rows);
@@ -37,6 +38,10 @@ DECODE_SOURCE = Path(__file__).with_name("cute_decode_sm90.cu")
 # bias [N] and residual [M, N] may be null.
 GEMM_SIGNATURE = {"x_map": "tensormap", "w_map": "tensormap", "bias": "*bf16", "residual": "*bf16", "out": "*bf16",
                   "M": "i32", "N": "i32", "K": "i32"}
+# split-K: part [tiles x warpgroups, parts, block_n / 2, 128] fp32 and count [tiles x warpgroups] int32, zeroed
+# once (the kernel leaves them so; `split_workspace` says how large).
+GEMM_SPLIT_SIGNATURE = {**{name: kind for name, kind in GEMM_SIGNATURE.items() if name not in ("M", "N", "K")},
+                        "part": "*fp32", "count": "*i32", "M": "i32", "N": "i32", "K": "i32"}
 # row_scale [M] (fp32, the row-scale pre-pass's), bias [rows of w_qkv] or null, positions and slots [M], rope
 # [positions, head_dim] (cos, then sin), the bf16 cache [layers, 2, num_slots, kv_heads, head_dim], q out
 # [M, heads x head_dim].
@@ -71,13 +76,25 @@ def shared_bytes(rows: int, stages: int) -> int:
     return stages * rows * K_TILE_BYTES + 2048
 
 
-def gemm(block_m: int, block_n: int, stages: int, group_m: int) -> NvccKernel:
+def gemm(block_m: int, block_n: int, stages: int, group_m: int, parts: int = 1) -> NvccKernel:
     """`gemm` at tiles of `block_m` (64 or 128) x `block_n`, `stages` K tiles in flight, `group_m` row tiles
-    a group. Launch: grid `gemm_grid`."""
-    entry = f"kiln_cute_gemm_m{block_m}_n{block_n}_s{stages}_g{group_m}"
+    a group, K in `parts` (with more than one its signature is GEMM_SPLIT_SIGNATURE). Launch: grid
+    `gemm_grid`."""
+    warpgroups = _warpgroups(block_m)
     shared = shared_bytes(block_m + block_n, stages)
-    call = f"KILN_CUTE_GEMM({entry}, {_warpgroups(block_m)}, {block_n}, {stages}, {group_m}, {shared})"
-    return _kernel(GEMM_SOURCE, entry, call, GEMM_SIGNATURE, 4 * (_warpgroups(block_m) + 1), shared)
+    entry = f"kiln_cute_gemm_m{block_m}_n{block_n}_s{stages}_g{group_m}"
+    if parts == 1:
+        call = f"KILN_CUTE_GEMM({entry}, {warpgroups}, {block_n}, {stages}, {group_m}, {shared})"
+        return _kernel(GEMM_SOURCE, entry, call, GEMM_SIGNATURE, 4 * (warpgroups + 1), shared)
+    entry += f"_p{parts}"
+    call = f"KILN_CUTE_GEMM_SPLIT({entry}, {warpgroups}, {block_n}, {stages}, {group_m}, {parts}, {shared})"
+    return _kernel(GEMM_SOURCE, entry, call, GEMM_SPLIT_SIGNATURE, 4 * (warpgroups + 1), shared)
+
+
+def split_workspace(rows: int, n: int, block_m: int, block_n: int, parts: int) -> tuple[int, int]:
+    """Bytes of `gemm`'s split-K workspaces (part, count) for `rows` rows of x and a weight of `n` rows."""
+    subtiles = -(-rows // block_m) * (n // block_n) * _warpgroups(block_m)
+    return subtiles * parts * (block_n // 2) * 128 * 4, subtiles * 4
 
 
 def qkv_box(pairs: int, head_dim: int) -> int:
@@ -109,13 +126,14 @@ def decode(rows: int, stages: int, element: str = "bf16") -> NvccKernel:
     return _kernel(DECODE_SOURCE, entry, call, DECODE_SIGNATURE, 5, shared, pdl=True)
 
 
-def gemm_grid(rows: int, n: int, k: int, block_m: int, block_n: int, sms: int) -> tuple[int, int, int]:
-    """`gemm`'s grid for `rows` rows of x and an [n, k] weight on a GPU of `sms` SMs; refuses a shape the
-    kernel does not serve (it would leave columns out or read past K)."""
-    if n % block_n or k % k_tile():
+def gemm_grid(rows: int, n: int, k: int, block_m: int, block_n: int, sms: int, parts: int = 1) -> tuple[int, int, int]:
+    """`gemm`'s grid for `rows` rows of x and an [n, k] weight, K in `parts`, on a GPU of `sms` SMs; refuses
+    a shape the kernel does not serve (it would leave columns out or read past K, or split K finer than its
+    tiles)."""
+    if n % block_n or k % k_tile() or not 1 <= parts <= k // k_tile():
         raise ValueError(f"the CuTe GEMM at {block_n}-column tiles serves weights of a multiple of {block_n} rows "
-                         f"and {k_tile()} columns, not [{n}, {k}]")
-    return min(-(-rows // block_m) * (n // block_n), sms), 1, 1
+                         f"and {k_tile()} columns in 1 to K / {k_tile()} parts, not [{n}, {k}] in {parts}")
+    return min(-(-rows // block_m) * (n // block_n) * parts, sms), 1, 1
 
 
 def qkv_grid(rows: int, heads: int, kv_heads: int, head_dim: int, k: int, block_m: int, pairs: int,

@@ -2,7 +2,8 @@
 // cute_sm90.cu, with two epilogues:
 //
 //   KILN_CUTE_GEMM: out[T, N] (bf16) = x[T, K] . w[N, K]^T (+ bias[N]) (+ residual[T, N]), fp32 sums,
-//   bias and residual optional (null): linear and linear_residual;
+//   bias and residual optional (null): linear and linear_residual; KILN_CUTE_GEMM_SPLIT, the same with K
+//   split in PARTS (below);
 //   KILN_CUTE_QKV: norm_qkv_rope with a folded norm weight and a bf16 cache: s = (x[T, K] . w_qkv^T)
 //   * row_scale[t] (+ bias), rotate-half RoPE on q and k, q to out[T, heads * D], k and v into their
 //   slots of the paged KV cache [layers, 2, num_slots, kv_heads, D].
@@ -14,6 +15,13 @@
 // pointers never move) and T, the rows of this step, masks the stores: rows past T are read (or
 // zero-filled past the descriptor) and never written. N and K are multiples of the tile (weights are
 // fixed at build time). Grid (min(row tiles x column tiles, SMs), 1, 1); x boxes [BM, 128 bytes].
+//
+// Split-K (PARTS > 1): a work item is a tile's part of K (parts fastest, so a tile's parts run at once). Each
+// consumer warpgroup stores its fp32 sums in its slot of `part` and the last of the tile's parts to arrive (an
+// atomic count per tile and warpgroup in `count`, reset for the next launch, so both need zeroing once) adds
+// the slots in order and runs the epilogue. At 256 rows a 128x64 tile reads 192 bytes of x and w per 64x64x1
+// MMA and K step, a 128x128 tile 128: wider tiles over halves of K give the same 128 tiles for 132 SMs with a
+// third less to read.
 //
 // The plain GEMM's weight tile is BN consecutive rows of w, one box. The qkv GEMM's holds PAIRS
 // rotary pairs: RoPE rotates column j of a head with column j + D/2, and a thread's wgmma sums come in
@@ -34,6 +42,7 @@ struct GemmTiles {
     alignas(1024) bf16 x[STAGES * BM * BK];
     alignas(1024) bf16 w[STAGES * BN * BK];
     Ring<STAGES> ring;
+    int last[WGS];   // split-K: whether the warpgroup's part of the current tile is the last to arrive
   };
   static constexpr int SHARED_BYTES = sizeof(Shared) + 1024;   // + the slack to align the base to 1 KiB
 };
@@ -170,14 +179,47 @@ struct RotaryQkv {
   }
 };
 
-template <int WGS, int BN, int STAGES, int GROUP_M, class Weights, class Epilogue>
+// Split-K: the warpgroup's sums of tile part `p` into its slot (sub-tile `sub`: tile x WGS + warpgroup); true
+// for the last part to arrive, its acc then the sum of every part's in order (the same whatever the order
+// of arrival).
+template <int PARTS, class Acc>
+__device__ __forceinline__ bool gather_parts(Acc& acc, float* part, int* count, int sub, int p, int wg, int* last) {
+  constexpr int N = decltype(size(acc))::value;
+  const int thread = threadIdx.x % 128;
+  float* slots = part + size_t(sub) * PARTS * N * 128;   // [PARTS][N][128 threads]: coalesced stores and loads
+  CUTE_UNROLL
+  for (int i = 0; i < N; ++i) __stcg(slots + (p * N + i) * 128 + thread, acc(i));
+  __threadfence();
+  cutlass::arch::NamedBarrier::arrive_and_wait(128, wg);
+  if (thread == 0) {
+    last[wg] = atomicAdd(count + sub, 1) == PARTS - 1;
+    __threadfence();
+  }
+  cutlass::arch::NamedBarrier::arrive_and_wait(128, wg);
+  if (!last[wg]) return false;
+  clear(acc);
+  for (int q = 0; q < PARTS; ++q) {   // a part's loads in flight together
+    CUTE_UNROLL
+    for (int i = 0; i < N; ++i) acc(i) += __ldcg(slots + (q * N + i) * 128 + thread);
+  }
+  if (thread == 0) count[sub] = 0;
+  return true;
+}
+
+template <int WGS, int BN, int STAGES, int GROUP_M, int PARTS, class Weights, class Epilogue>
 __device__ __forceinline__ void gemm(const CUtensorMap* x_map, const CUtensorMap* w_map, const Weights& weights,
-                                     const Epilogue& epilogue, int M, int n_tiles, int K) {
+                                     const Epilogue& epilogue, int M, int n_tiles, int K, float* part = nullptr,
+                                     int* count = nullptr) {
   using G = GemmTiles<WGS, BN, STAGES>;
   constexpr int BM = G::BM;
   extern __shared__ unsigned char raw[];
   auto& s = aligned_shared<1024, typename G::Shared>(raw);
-  const int m_tiles = (M + BM - 1) / BM, k_tiles = K / BK, tiles = m_tiles * n_tiles;
+  const int m_tiles = (M + BM - 1) / BM, k_tiles = K / BK, items = m_tiles * n_tiles * PARTS;
+  // Work item t: tile t / PARTS (`tile_of`), K tiles [first, end) of its part t % PARTS.
+  auto k_range = [&](int t, int& first, int& end) {
+    first = (t % PARTS) * k_tiles / PARTS;
+    end = (t % PARTS + 1) * k_tiles / PARTS;
+  };
 
   if (threadIdx.x == 0) {
     prefetch_tma_descriptor(x_map);
@@ -191,10 +233,11 @@ __device__ __forceinline__ void gemm(const CUtensorMap* x_map, const CUtensorMap
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (threadIdx.x != 0) return;
     int it = 0;
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-      int m_tile, n_tile;
-      tile_of<GROUP_M>(t, m_tiles, n_tiles, m_tile, n_tile);
-      for (int k = 0; k < k_tiles; ++k, ++it) {
+    for (int t = blockIdx.x; t < items; t += gridDim.x) {
+      int m_tile, n_tile, first, end;
+      tile_of<GROUP_M>(t / PARTS, m_tiles, n_tiles, m_tile, n_tile);
+      k_range(t, first, end);
+      for (int k = first; k < end; ++k, ++it) {
         const int stage = s.ring.acquire(it, G::STAGE_BYTES);
         SM90_TMA_LOAD_2D::copy(x_map, &s.ring.full[stage], EVICT_NORMAL, s.x + stage * BM * BK, k * BK, m_tile * BM);
         weights.load(w_map, &s.ring.full[stage], s.w + stage * BN * BK, k, n_tile);
@@ -214,11 +257,17 @@ __device__ __forceinline__ void gemm(const CUtensorMap* x_map, const CUtensorMap
   Tensor where = thread.partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{}));   // (row, col) of each sum
   const bool signals = threadIdx.x % 128 == 0;
 
+  const int wg = (threadIdx.x - 128) / 128;
   int it = 0;
-  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    int m_tile, n_tile;
-    tile_of<GROUP_M>(t, m_tiles, n_tiles, m_tile, n_tile);
-    it = accumulate(mma, x_frag, w_frag, acc, s.ring, it, k_tiles, signals);
+  for (int t = blockIdx.x; t < items; t += gridDim.x) {
+    int m_tile, n_tile, first, end;
+    tile_of<GROUP_M>(t / PARTS, m_tiles, n_tiles, m_tile, n_tile);
+    k_range(t, first, end);
+    it = accumulate(mma, x_frag, w_frag, acc, s.ring, it, end - first, signals);
+    if constexpr (PARTS > 1) {
+      if (end == first) clear(acc);   // more parts than K tiles: this one adds nothing, and still counts
+      if (!gather_parts<PARTS>(acc, part, count, t / PARTS * WGS + wg, t % PARTS, wg, s.last)) continue;
+    }
     epilogue.store(acc, where, m_tile * BM, n_tile, M);
   }
 }
@@ -236,8 +285,20 @@ __device__ __forceinline__ void gemm(const CUtensorMap* x_map, const CUtensorMap
   KILN_CUTE_GEMM_ENTRY(NAME, WGS, BN, STAGES, SMEM)(                                                                 \
       const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,                         \
       const __nv_bfloat16* bias, const __nv_bfloat16* residual, __nv_bfloat16* out, int M, int N, int K) {           \
-    kiln_cute::gemm<WGS, BN, STAGES, GROUP_M>(&x_map, &w_map, kiln_cute::WeightRows<BN>{},                           \
-                                              kiln_cute::BiasResidual<BN>{bias, residual, out, N}, M, N / (BN), K);  \
+    kiln_cute::gemm<WGS, BN, STAGES, GROUP_M, 1>(&x_map, &w_map, kiln_cute::WeightRows<BN>{},                        \
+                                                 kiln_cute::BiasResidual<BN>{bias, residual, out, N}, M, N / (BN), K); \
+  }
+
+// KILN_CUTE_GEMM_SPLIT: KILN_CUTE_GEMM with K in PARTS; part [tiles x WGS, PARTS, BN / 2, 128] fp32 and count
+// [tiles x WGS] int32 zeroed once.
+#define KILN_CUTE_GEMM_SPLIT(NAME, WGS, BN, STAGES, GROUP_M, PARTS, SMEM)                                             \
+  KILN_CUTE_GEMM_ENTRY(NAME, WGS, BN, STAGES, SMEM)(                                                                 \
+      const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,                         \
+      const __nv_bfloat16* bias, const __nv_bfloat16* residual, __nv_bfloat16* out, float* part, int* count, int M, \
+      int N, int K) {                                                                                                \
+    kiln_cute::gemm<WGS, BN, STAGES, GROUP_M, PARTS>(&x_map, &w_map, kiln_cute::WeightRows<BN>{},                    \
+                                                     kiln_cute::BiasResidual<BN>{bias, residual, out, N}, M,          \
+                                                     N / (BN), K, part, count);                                     \
   }
 
 // KILN_CUTE_QKV: PAIRS rotary pairs a tile (2 x PAIRS weight rows), loaded in boxes of BOX rows, heads of
@@ -247,7 +308,7 @@ __device__ __forceinline__ void gemm(const CUtensorMap* x_map, const CUtensorMap
       const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map, const float* row_scale,  \
       const __nv_bfloat16* bias, const int* positions, const float* rope, __nv_bfloat16* kv, const int* slots,       \
       __nv_bfloat16* out, int M, int num_slots, int layer, int heads, int kv_heads, int K) {                         \
-    kiln_cute::gemm<WGS, 2 * (PAIRS), STAGES, GROUP_M>(                                                              \
+    kiln_cute::gemm<WGS, 2 * (PAIRS), STAGES, GROUP_M, 1>(                                                           \
         &x_map, &w_map, kiln_cute::RotaryPairRows<PAIRS, BOX, D>{},                                                  \
         kiln_cute::RotaryQkv<PAIRS, D>{row_scale, bias, positions, rope, kv, slots, out, num_slots, layer, heads,   \
                                        kv_heads},                                                                    \
