@@ -4,7 +4,7 @@
     PYTHONPATH=. python3 scripts/probe_blocked_gemv.py compile blocked.pkl   # anywhere: nvcc and Triton AOT
     PYTHONPATH=. python3 scripts/probe_blocked_gemv.py run blocked.pkl       # on the GPU
 
-`compile` builds the blocked GEMM's VARIANTS (bf16 and e4m3, and its row-major control in bf16; 8 or
+`compile` builds the blocked GEMM's VARIANTS (bf16 and e4m3, each beside its row-major control; 8 or
 16 rows of x; row groups a warp; pieces in flight) and, as baselines, the engine's Triton decode bucket of
 each of Llama-3-8B's four projections, the CUDA-core GEMV (`plugins/linear/gemv.cu`) at one and two
 rows, and the FP8 GEMV at one row. `run` blocks LAYERS distinct weights of each shape (14 GB in bf16,
@@ -14,7 +14,8 @@ over 20 layers) and then, at each row count, 32-layer chains of (qkv, o, gate/up
 orders them, each family's best kernel per shape, against the copy rate measured in the same run.
 The questions: at 8 rows, is the blocked GEMM's chain near the GEMV's 3.40 ms at one row (BENCHMARKS.md
 session 33: Triton 3.718, CuTe 3.697; issue 12's batch 8 needs about 3.4)? Is the row-major control
-as fast (then the engine needs no new layout)? Does the e4m3 one beat the FP8 GEMV at one row?
+as fast (then the engine needs no new layout)? Does the e4m3 one beat the FP8 GEMV at one row (whose
+conversions to f16 an MMA of e4m3 does not need; x here is quantized ahead, as a pre-pass would)?
 """
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ SOURCE = Path(__file__).with_name("probe_blocked_gemv.cu")
 WARPS = 8
 SIGNATURE = {"x": "*u8", "w": "*u8", "w_scale": "*fp32", "x_scale": "*fp32", "residual": "*bf16", "out": "*bf16",
              "T": "i32", "N": "i32", "row_bytes": "i32", "parts": "i32"}
-# (e4m3, blocked weights, halves of 8 rows of x, row groups a warp, pieces of each a lane an iteration); the
-# row-major control in bf16 only
-VARIANTS = [(fp8, is_blocked, th, r, u) for fp8, is_blocked in ((False, True), (False, False), (True, True))
+# (e4m3, blocked weights, halves of 8 rows of x, row groups a warp, pieces of each a lane an iteration), each
+# beside its row-major control
+VARIANTS = [(fp8, is_blocked, th, r, u) for fp8 in (False, True) for is_blocked in (True, False)
             for th in (1, 2) for r, u in ((1, 4), (1, 8), (2, 4))]
 PARTS = (1, 2, 4, 8)
 ROWS = (1, 2, 4, 8, 16)
@@ -126,7 +127,10 @@ def run_all(path: str) -> None:
 
             def launch(name: str, layer: int) -> None:
                 n, k = SHAPES[name]
-                w = packed["e4m3" if fp8 else "bf16", name][layer] if is_blocked else weights[name][layer]
+                if is_blocked:
+                    w = packed["e4m3" if fp8 else "bf16", name][layer]
+                else:
+                    w = quantized[name][layer][0] if fp8 else weights[name][layer]
                 x, x_scale = (xq[name][0], xq[name][1].data_ptr()) if fp8 else (xs[name], ones.data_ptr())
                 w_scale = quantized[name][layer][1].data_ptr() if fp8 else ones.data_ptr()
                 kernels["blocked"][v].launch((n * parts // (64 * r), 1, 1),

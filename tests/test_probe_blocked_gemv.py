@@ -64,7 +64,7 @@ def emulate(x: np.ndarray, w: np.ndarray, n: int, fp8: bool, blocked: bool) -> n
     return out
 
 
-@pytest.mark.parametrize("fp8, blocked", [(False, True), (True, True), (False, False)])
+@pytest.mark.parametrize("fp8, blocked", [(False, True), (True, True), (False, False), (True, False)])
 def test_the_lanes_fragments_sum_to_x_w(fp8, blocked):
     rng = np.random.default_rng(0)
     n, k = 16, 128 if fp8 else 64
