@@ -22,24 +22,9 @@
 // A warp takes R row groups of 8 weight rows over one of `parts` ranges of K; the block's 8 warps are
 // 8 / parts row-group slots x parts, summed through shared memory. U pieces of each row group a lane per
 // iteration, the next iteration's in flight while this one's are multiplied (as gemv.cu's stream_rows).
-// Built for programmatic dependent launch: the first weight loads are issued before the wait.
-#include <cuda_bf16.h>
-#include <stdint.h>
-
+// Built for programmatic dependent launch: the first weight loads are issued before the wait. Compiled
+// appended to plugins/linear/gemv.cu, whose WARPS, LANES, stream_load and dependent-launch halves it takes.
 namespace {
-
-constexpr int WARPS = 8, LANES = 32;
-
-__device__ __forceinline__ uint4 stream_load(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-__device__ __forceinline__ void wait_inputs() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
 // c += A B for one m16n8 tile: A's fragment (a0..a3), B's (b0, b1); bf16 k16 or e4m3 k32.
 template <bool FP8>

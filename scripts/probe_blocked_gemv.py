@@ -51,11 +51,13 @@ def family(fp8: bool, is_blocked: bool) -> str:
 
 
 def kernel(fp8: bool, is_blocked: bool, th: int, r: int, u: int):
+    """A variant, compiled appended to the engine's gemv.cu (whose load and launch helpers it uses)."""
+    from kiln.plugins.linear import gemv
     from kiln.plugins.nvcc import NvccKernel
 
     name = f"probe_{family(fp8, is_blocked).replace(' ', '_').replace('-', '_')}_t{8 * th}_r{r}_u{u}"
     call = f"KILN_PROBE_BLOCKED({name}, {str(fp8).lower()}, {str(is_blocked).lower()}, {th}, {r}, {u})"
-    return NvccKernel(SOURCE, name, call, SIGNATURE, WARPS, {"pdl": True})
+    return NvccKernel(gemv.SOURCE, name, f"{SOURCE.read_text()}\n{call}", SIGNATURE, WARPS, {"pdl": True})
 
 
 def serves(n: int, r: int, parts: int) -> bool:

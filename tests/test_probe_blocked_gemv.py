@@ -78,8 +78,9 @@ def test_the_lanes_fragments_sum_to_x_w(fp8, blocked):
 
 @pytest.mark.skipif(nvcc_path() is None, reason="no nvcc")
 def test_the_probe_kernels_compile_for_sm_90_without_spills(tmp_path):
-    source = "\n".join(source_text(probe.kernel(*v)) for v in probe.VARIANTS[:1]) + "".join(
-        f"\n{probe.kernel(*v).instance}" for v in probe.VARIANTS[1:])
+    # one translation unit: the first kernel's source, then the other variants' macro calls
+    calls = [probe.kernel(*v).instance.rsplit("\n", 1)[1] for v in probe.VARIANTS[1:]]
+    source = "\n".join([source_text(probe.kernel(*probe.VARIANTS[0])), *calls])
     (tmp_path / "k.cu").write_text(source)
     result = subprocess.run([nvcc_path(), "-cubin", "-arch=sm_90", "-O3", "-std=c++17", "-Xptxas", "-v", "-o",
                              str(tmp_path / "k.cubin"), str(tmp_path / "k.cu")], capture_output=True, text=True)
