@@ -5,9 +5,9 @@ bucket; other targets, FP8 weights, fp32, wide weights and shapes that are not w
 pointer kernel; and the launcher passes what the kernel's signature declares: TMA descriptors of x
 (in boxes of 128 rows, over T rows rounded up to whole boxes where x's buffer holds them) and of the
 weight (in boxes of the tile's rows), then bias, residual (0 when absent), out, T, N and K, on the
-persistent grid. The descriptors are libcuda's to make, so
-here a recorder stands in for `encode_tensor_map`; tests/test_cute_linear_gpu.py runs the real one
-and the kernel on an H200."""
+persistent grid (with K in parts, linear's split-K workspace before T). The descriptors are libcuda's
+to make, so here a recorder stands in for `encode_tensor_map`; tests/test_cute_linear_gpu.py runs the
+real one and the kernel on an H200."""
 from __future__ import annotations
 
 from unittest import mock
@@ -85,3 +85,27 @@ def test_the_launcher_passes_descriptors_then_pointers_and_sizes(bias, residual,
     assert args == [bytes([1]) * 128, bytes([2]) * 128, b.data_ptr() if bias else 0, r.data_ptr() if residual else 0,
                     out.data_ptr(), rows, n, k]
     assert len(args) == len(kernels[used[0]].signature)
+
+
+@needs_cutlass
+def test_with_k_in_parts_it_asks_for_linears_split_workspace_and_the_launcher_passes_it():
+    from kiln.plugins.linear.tiles import pick_tile
+
+    n, k, rows = 4096, 4096, 256
+    kernel, = cute_gemm.linear_kernels("bfloat16", n, k, pick_tile(rows, n), tiling=(128, 128, 6, 8, 2))
+    meta = kernel.meta
+    assert kernel.signature == cute_gemm.GEMM_SPLIT_SIGNATURE and meta["split_k"] == 2
+    # 2 row tiles x 32 column tiles x 2 warpgroups of 64 rows, each part's 64 x 128 sums a slot
+    assert meta["scratch"] == {"gemm_split_part": 2 * 32 * 2 * 2 * 64 * 128 * 4, "gemm_split_count": 2 * 32 * 2 * 4}
+    scratch = {"gemm_split_part": torch.empty(meta["scratch"]["gemm_split_part"] // 4),
+               "gemm_split_count": torch.zeros(meta["scratch"]["gemm_split_count"] // 4, dtype=torch.int32)}
+    x, w, out = torch.empty(rows, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.bfloat16), \
+        torch.empty(rows, n, dtype=torch.bfloat16)
+    fn = Recorder()
+    with recorded_descriptors(), mock.patch("kiln.plugins.driver_launch.sm_count", lambda: 132):
+        linear_launch.launch_gemm([fn], [meta], x, w, None, None, out, 7, scratch)
+    (grid, args), = fn.launches
+    assert grid == (128, 1, 1)   # 64 tiles x 2 parts
+    assert args[2:] == [0, 0, out.data_ptr(), scratch["gemm_split_part"].data_ptr(),
+                        scratch["gemm_split_count"].data_ptr(), rows, n, k]
+    assert len(args) == len(kernel.signature)

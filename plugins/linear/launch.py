@@ -119,7 +119,8 @@ def launch_gemm(kernels: list, metas: list[dict], x: torch.Tensor, weight: torch
     """out = x weight^T (+ bias) (+ residual) with the bucket kernel for x's row count, W8A8 when
     the kernels were built for FP8 (w_scale: the weight's scales). `linear_kernel` takes bias
     and residual pointers only when built with them; the GEMVs and the CuTe GEMM always (0 when
-    absent), the CuTe GEMM x and the weight as TMA descriptors."""
+    absent), the CuTe GEMM x and the weight as TMA descriptors (and its split-K workspace when it
+    splits K)."""
     rows = x.shape[0]
     i = pick_bucket(metas, rows)
     check_fp8(metas[i], w_scale)
@@ -134,7 +135,7 @@ def launch_gemm(kernels: list, metas: list[dict], x: torch.Tensor, weight: torch
         block_m = metas[i]["block_m"]
         args = [tensor_map(x.data_ptr(), "bf16", (map_rows(x, block_m), k), (block_m, cute_gemm.k_tile())),
                 tensor_map(weight.data_ptr(), "bf16", (n, k), (metas[i]["block_n"], cute_gemm.k_tile())),
-                address(bias), address(residual), out.data_ptr(), rows, n, k]
+                address(bias), address(residual), out.data_ptr(), *split_args(metas[i], scratch), rows, n, k]
         kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)
         return
     args = gemm_input_args(kernels, metas, i, x, None, 0.0, stream, scratch) + [weight.data_ptr()]
