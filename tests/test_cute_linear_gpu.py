@@ -3,13 +3,18 @@ loaded and launched by the plugins' driver launchers as an engine does, for step
 matches x W^T (+ bias) (+ residual) in fp32, for narrow weights of one wave of tiles and for one of more
 tiles than SMs (the persistent loop), K from one to many K tiles, with the residual read from the output
 buffer itself (as the engine sums in place), with x's rows past T read from its buffer (NaN there
-stays out of the rows that count) or filled with zeros past the buffer, and it writes no row past T."""
+stays out of the rows that count) or filled with zeros past the buffer, and it writes no row past T; at
+the engine's tiling and with K in two parts (split-K, the last part adding the other's sums from linear's
+workspace; with one K tile, one part has none)."""
 from __future__ import annotations
+
+from unittest import mock
 
 import pytest
 import torch
 
 from gpu_kernels import load_plugin_kernels
+from kiln.plugins.linear import cute_gemm
 from kiln.plugins.linear.launch import pick_bucket
 
 pytestmark = pytest.mark.gpu
@@ -21,10 +26,12 @@ CASES = [("linear_residual", 129, 4096, 4096, False, True), ("linear_residual", 
          ("linear_residual", 160, 2048, 512, True, True), ("linear_residual", 200, 4096, 4096, False, False)]
 
 
+@pytest.mark.parametrize("tiling", [cute_gemm.LINEAR_TILING, (128, 128, 6, 8, 2)])
 @pytest.mark.parametrize("plugin, rows, n, k, bias, padded", CASES)
-def test_cute_bucket_matches_fp32(plugin, rows, n, k, bias, padded):
+def test_cute_bucket_matches_fp32(plugin, rows, n, k, bias, padded, tiling):
     attrs = {"parallel": "none", "heads": 0, "all_reduce": False}
-    launcher, fns, metas, scratch = load_plugin_kernels(plugin, {"K": k, "N": n, "bias": bias}, attrs, rows)
+    with mock.patch.object(cute_gemm, "LINEAR_TILING", tiling):
+        launcher, fns, metas, scratch = load_plugin_kernels(plugin, {"K": k, "N": n, "bias": bias}, attrs, rows)
     assert metas[pick_bucket(metas, rows)].get("cute"), "an sm_90 build with nvcc should take the CuTe GEMM here"
     gen = torch.Generator().manual_seed(rows + n + k)
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).cuda()

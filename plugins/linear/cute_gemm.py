@@ -160,14 +160,14 @@ def decode_grid(rows: int, n: int, k: int, served: int, parts: int, element: str
 
 
 def linear_kernels(dtype: str, n: int, k: int, tile: Tile, fp8_weight: bool = False,
-                   tiling: tuple[int, ...] = LINEAR_TILING) -> list[NvccKernel]:
-    """`gemm` at `tiling` (block_m, block_n, stages, group_m[, parts]) as the sm_90 kernel of `tile`'s bucket
+                   tiling: tuple[int, ...] | None = None) -> list[NvccKernel]:
+    """`gemm` at `tiling` (block_m, block_n, stages, group_m[, parts]; LINEAR_TILING) as the sm_90 kernel of `tile`'s bucket
     for out = x W^T (+ bias) (+ residual) with W [n, k], where it serves: bucket BUCKET of the pointer tiles
     (not a TMA one), bf16, n and k whole tiles, and CUTLASS's headers installed (without them the pointer
     kernel serves, as without nvcc); bias and residual are passed or null. Its meta names the bucket and the
     persistent grid as linear's launcher reads them, "cute", and with K in parts the split-K workspace
     (linear's `gemm_split_part` and `gemm_split_count`, sized for the bucket's most rows)."""
-    block_m, block_n, stages, group_m, parts = (*tiling, 1)[:5]
+    block_m, block_n, stages, group_m, parts = (*(tiling or LINEAR_TILING), 1)[:5]
     if (tile.name != BUCKET or tile.tma or fp8_weight or dtype != "bfloat16" or n % block_n or k % k_tile()
             or not cutlass_available()):
         return []
