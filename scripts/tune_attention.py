@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 scripts/tune_attention.py compile cubins.pkl   # anywhere: AOT, no GPU needed
     PYTHONPATH=. python3 scripts/tune_attention.py run cubins.pkl       # on the GPU
 
-`compile` builds `_attention_kernel` (decode and split-KV decode) and the split combine kernel
+`compile` builds `attention_kernel` (decode and split-KV decode) and the split combine kernel
 for Llama-3-8B's heads (32 query, 8 KV, head_dim 128, 16-token cache blocks) at each tiling
 into cubins, as build-engine does; `run` loads them through `runtime.cuda_driver`, launches
 them on grids chosen as the engine's launcher chooses them (the split count from the batch
@@ -34,8 +34,8 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 
 from kiln.plugins.aot import AotKernel, pointer_params
-from kiln.plugins.attention.kernels import (MAX_SPLITS, SEQ_CHUNK, _attention_kernel, _combine_splits_kernel,
-                                            _head_block, choose_num_splits, decode_blocks)
+from kiln.plugins.attention.flash import attention_kernel, combine_splits_kernel
+from kiln.plugins.attention.kernels import MAX_SPLITS, SEQ_CHUNK, _head_block, choose_num_splits, decode_blocks
 from scripts.gpu_timing import copy_rate, graph_us
 from scripts.sweep import try_compile
 
@@ -78,7 +78,7 @@ def configs(kind: str = "decode") -> list[tuple[dict, AotKernel]]:
         if kind == "decode" and not pure:
             label += " prefix-sum"
         out.append(({"split": split, "block_m": block_m, "pure": pure, "label": label},
-                    AotKernel(_attention_kernel, signature, constexprs, num_warps=warps, num_stages=stages,
+                    AotKernel(attention_kernel, signature, constexprs, num_warps=warps, num_stages=stages,
                               aligned=pointer_params(signature))))
     combine = {"part_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": "*bf16", "out_stride": "i32", "num_splits": "i32",
                "NUM_HEADS": "constexpr", "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "MAX_SPLITS": "constexpr"}
@@ -87,7 +87,7 @@ def configs(kind: str = "decode") -> list[tuple[dict, AotKernel]]:
     if kind == "prefill":
         out += cute_prefill_configs()
     out.append(({"combine": True, "label": "combine"},
-                AotKernel(_combine_splits_kernel, combine, {"NUM_HEADS": HEADS, "HEAD_DIM": HEAD_DIM,
+                AotKernel(combine_splits_kernel, combine, {"NUM_HEADS": HEADS, "HEAD_DIM": HEAD_DIM,
                                                             "BLOCK_D": _head_block(HEAD_DIM), "MAX_SPLITS": MAX_SPLITS},
                           aligned=("part_ptr", "stats_ptr", "out_ptr"))))
     return out

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # If another module imported these kernels before TRITON_INTERPRET was set, they were built for
 # the GPU: then test_checks_in_fresh_process runs this file's checks in a clean interpreter.
 INTERPRETED = all(isinstance(k, InterpretedFunction) for k in (
-    attention_kernels._attention_kernel, rms_norm_kernels._rms_norm_kernel,
+    attention_kernels.attention_kernel, rms_norm_kernels._rms_norm_kernel,
     take_rows_kernels._gather_rows_kernel, linear_kernels.linear_kernel, softcap_kernels._softcap_kernel,
     add_kernels._add_kernel))
 # The interpreter passes scalar arguments as 1-element arrays and converts them with int()

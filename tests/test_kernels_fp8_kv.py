@@ -28,7 +28,7 @@ from test_kernels_attention import (DECODE_FIRST_STEP, DECODE_STEP, LLAMA3_8B, M
                                     close, make_step)
 
 INTERPRETED = all(isinstance(k, InterpretedFunction) for k in (
-    attention_kernels._attention_kernel, norm_qkv_rope_kernels.norm_qkv_rope_kernel))
+    attention_kernels.attention_kernel, norm_qkv_rope_kernels.norm_qkv_rope_kernel))
 pytestmark = [pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
               pytest.mark.skipif(not INTERPRETED, reason="kernels built before TRITON_INTERPRET was set: "
                                  "test_kernels_attention.py's fresh-process check covers the same setup")]
@@ -195,7 +195,7 @@ def test_fp8_kv_kernels_compile_for_the_fp8_targets():
     assert not [r for r in results if r[4] > MAX_SHARED_BYTES[r[2]]]
     for target in FP8_TARGETS:
         built = {r[1] for r in results if r[2] == target}
-        assert built >= {"_write_kv_kernel", "_attention_kernel", "norm_qkv_rope_kernel"}
+        assert built >= {"_write_kv_kernel", "attention_kernel", "norm_qkv_rope_kernel"}
         # The CUDA decode kernels (plugins/attention/decode_fp8.cu), plain and split, by nvcc.
         assert len([name for name in built if name.startswith("kiln_decode_fp8")]) == 2, built
 

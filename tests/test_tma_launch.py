@@ -193,7 +193,7 @@ def test_attention_launches_the_128_row_prefill_kernel():
     torch.manual_seed(3)
     log = run_attention([180, 120], [0, 40])
     # Rows are (query token, head of its kv group) pairs, 128 to a program: T * 4 / 128 + S.
-    assert log == [("_attention_kernel", (300 * 4 // 128 + 2, 2, 1))]
+    assert log == [("attention_kernel", (300 * 4 // 128 + 2, 2, 1))]
 
 
 def test_a_mixed_steps_decode_rows_take_the_decode_kernel():
@@ -203,4 +203,4 @@ def test_a_mixed_steps_decode_rows_take_the_decode_kernel():
     torch.manual_seed(4)
     log = run_attention([1, 1, 1, 100, 1], [49, 69, 32, 20, 39], {"T": 104, "S": 5, "D": 3})
     # Decode: one 16-row program per sequence and kv head. Prefill: (101 * 4) // 128 + 2 programs.
-    assert log == [("_attention_kernel", (3, 2, 1)), ("_attention_kernel", (101 * 4 // 128 + 2, 2, 1))]
+    assert log == [("attention_kernel", (3, 2, 1)), ("attention_kernel", (101 * 4 // 128 + 2, 2, 1))]
