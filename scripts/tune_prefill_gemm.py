@@ -9,8 +9,9 @@ GEMM `linear_kernel` at its prefill and medium tiles, and the engine's own kerne
 projection (the plugins' `aot_kernels` through their launchers, which take the bucket serving T and
 run its pre-passes, the fused epilogues included), labelled "engine", and the CUTLASS route: the
 CuTe GEMM of `plugins.linear.cute_gemm` (nvcc, sm_90a, TMA descriptors made on the host) at its
-tilings (with K split in parts too, where its workspace fits), and for qkv with norm_qkv_rope's epilogue at its own, labelled "cute" (it needs nvcc and
-`nvidia-cutlass`'s headers; without them the sweep goes on without it). `compile` builds each into
+tilings (with K split in parts too, where its workspace fits), and for qkv with norm_qkv_rope's
+epilogue at its own, labelled "cute" (it needs nvcc and `nvidia-cutlass`'s headers; without them the
+sweep goes on without it). `compile` builds each into
 a cubin with `plugins.aot` as build-engine does; `run` loads them through `runtime.cuda_driver` as the CUDA
 executor does, checks each against torch, and times it in a CUDA graph (weights cycled beyond the
 L2), beside `torch.mm` (cuBLAS) on the same shapes and the GEMM rate measured as bench-engine does
@@ -47,14 +48,13 @@ TMA_TILES = [(128, 128, 64, 4, 4, 8), (128, 128, 64, 8, 4, 8), (128, 256, 64, 8,
              (64, 128, 64, 4, 4, 8), (64, 256, 64, 4, 4, 8), (128, 256, 64, 8, 3, 16), (128, 256, 64, 8, 3, 4)]
 FP8 = os.environ.get("KILN_TUNE_FP8") == "1"
 POINTER_TILES = [(128, 128, 64, 8, 4), (64, 64, 64, 4, 4), (128, 256, 64, 8, 3)]
-# The CuTe GEMM's tilings: (block_m, block_n, stages, group_m), K tiles 64; those whose block_n does not divide a
-# shape's N skip it. At 256 rows 128 tiles of 128x64 or 64x128 fill the GPU once for a 4096-row weight, and
-# 128x96 or 64x192 for qkv's 6144 rows; wider tiles read less shared memory per MMA.
-CUTE_TILES = [(128, 64, 8, 8), (64, 128, 8, 8), (128, 96, 8, 8), (64, 192, 6, 8), (128, 128, 6, 8), (128, 256, 4, 8)]
-# ... and with K in parts (block_m, block_n, stages, group_m, parts): at 256 rows 128x128 tiles over halves of K
-# are 128 work items for a 4096-row weight, each reading a third less per MMA than a 128x64 tile (128x256 in 4
+# The CuTe GEMM's tilings: (block_m, block_n, stages, group_m, parts of K), K tiles 64; those whose block_n does
+# not divide a shape's N skip it. At 256 rows 128 tiles of 128x64 or 64x128 fill the GPU once for a 4096-row
+# weight, and 128x96 or 64x192 for qkv's 6144 rows; wider tiles read less shared memory per MMA. 128x128 tiles
+# over halves of K are 128 work items too, each reading a third less per MMA than a 128x64 tile (128x256 in 4
 # parts spills).
-CUTE_SPLIT_TILES = [(128, 128, 6, 8, 2), (128, 128, 7, 8, 2)]
+CUTE_TILES = [(128, 64, 8, 8, 1), (64, 128, 8, 8, 1), (128, 96, 8, 8, 1), (64, 192, 6, 8, 1), (128, 128, 6, 8, 1),
+              (128, 256, 4, 8, 1), (128, 128, 6, 8, 2), (128, 128, 7, 8, 2)]
 # The CuTe qkv GEMM's tilings (block_m, rotary pairs a tile, stages, group_m), with norm_qkv_rope's epilogue,
 # for the qkv shape (Llama-3-8B's heads, `QKV_HEADS`).
 CUTE_QKV_TILES = [(128, 48, 8, 8), (64, 96, 6, 8), (128, 64, 6, 8), (64, 64, 8, 8)]
@@ -95,7 +95,7 @@ def cute_configs() -> list[tuple[str, dict, NvccKernel]]:
     if FP8 or nvcc_path() is None:
         return []
     try:
-        kernels = {(*tiling, 1)[:5]: cute_gemm.gemm(*tiling) for tiling in CUTE_TILES + CUTE_SPLIT_TILES}
+        kernels = {tiling: cute_gemm.gemm(*tiling) for tiling in CUTE_TILES}
         qkv = {tiling: cute_gemm.qkv(tiling[0], tiling[1], QKV_HEADS["head_dim"], *tiling[2:])
                for tiling in CUTE_QKV_TILES}
     except RuntimeError:

@@ -92,7 +92,8 @@ def test_with_k_in_parts_it_asks_for_linears_split_workspace_and_the_launcher_pa
     from kiln.plugins.linear.tiles import pick_tile
 
     n, k, rows = 4096, 4096, 256
-    kernel, = cute_gemm.linear_kernels("bfloat16", n, k, pick_tile(rows, n), tiling=(128, 128, 6, 8, 2))
+    with mock.patch.object(cute_gemm, "LINEAR_TILING", (128, 128, 6, 8, 2)):
+        kernel, = cute_gemm.linear_kernels("bfloat16", n, k, pick_tile(rows, n))
     meta = kernel.meta
     assert kernel.signature == cute_gemm.GEMM_SPLIT_SIGNATURE and meta["split_k"] == 2
     # 2 row tiles x 32 column tiles x 2 warpgroups of 64 rows, each part's 64 x 128 sums a slot

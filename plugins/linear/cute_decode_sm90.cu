@@ -8,9 +8,8 @@
 // launch keeps T <= TT, `cute_gemm.decode_grid`): the weights are wgmma's 64-row A
 // operand and x its TT-column B operand, so no MMA work is spent on padding rows. A block takes 64
 // weight rows over one of gridDim.y equal parts of K; 160 threads, warps 0-3 the consumer, warp 4
-// the producer. With parts (split-K), each block stores its fp32 sums in its slot of `part` and the
-// last of a tile's blocks to arrive (an atomic count per tile in `count`, reset for the next launch,
-// so both need zeroing once) adds the slots in order and writes the tile. It is launched for
+// the producer. With parts (split-K), each block's sums go to `gather_parts` (a tile is its sub-tile),
+// and the last of a tile's blocks to arrive writes the tile. It is launched for
 // programmatic dependent launch: the producer issues its first STAGES weight loads before it waits
 // for the kernel before it, and x's loads and the epilogue's reads and writes after. Grid (N / 64,
 // parts, 1); w boxes [64, 128 bytes], x boxes [TT, 128 bytes].
@@ -32,7 +31,7 @@ struct DecodeTiles {
     alignas(1024) E w[STAGES * BW * KT];
     alignas(1024) E x[STAGES * TT * KT];
     Ring<STAGES> ring;
-    int last;   // whether this block is its tile's last part to arrive
+    int last[1];   // whether this block is its tile's last part to arrive (`gather_parts`)
   };
   static constexpr int SHARED_BYTES = sizeof(Shared) + 1024;
 };
@@ -90,29 +89,7 @@ __device__ __forceinline__ void decode(const CUtensorMap* w_map, const CUtensorM
   if (k_count == 0) clear(acc);   // more parts than K tiles: this one adds nothing, and still counts
   wait_inputs();   // the epilogue reads the residual and writes out: both the kernels before may touch
 
-  if (parts > 1) {
-    // Every part stores its sums in its own slot; the last to arrive adds the slots in order (the same
-    // sum whatever the arrival order), each thread the elements it holds.
-    float* slot = part + size_t(tile) * parts * (BW * TT);
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc); ++i)
-      __stcg(slot + blockIdx.y * (BW * TT) + get<0>(where(i)) * TT + get<1>(where(i)), acc(i));
-    __threadfence();
-    cutlass::arch::NamedBarrier::arrive_and_wait(128, 0);
-    if (threadIdx.x == 0) {
-      s.last = atomicAdd(count + tile, 1) == parts - 1;
-      __threadfence();
-    }
-    cutlass::arch::NamedBarrier::arrive_and_wait(128, 0);
-    if (!s.last) return;
-    clear(acc);
-    for (int p = 0; p < parts; ++p) {   // a part's loads in flight together
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc); ++i)
-        acc(i) += __ldcg(slot + p * (BW * TT) + get<0>(where(i)) * TT + get<1>(where(i)));
-    }
-    if (threadIdx.x == 0) count[tile] = 0;
-  }
+  if (parts > 1 && !gather_parts(acc, part, count, tile, blockIdx.y, parts, 0, s.last)) return;
   CUTE_UNROLL
   for (int i = 0; i < size(acc); ++i) {
     const int n = tile * BW + get<0>(where(i)), t = get<1>(where(i));

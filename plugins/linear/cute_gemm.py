@@ -38,8 +38,8 @@ DECODE_SOURCE = Path(__file__).with_name("cute_decode_sm90.cu")
 # bias [N] and residual [M, N] may be null.
 GEMM_SIGNATURE = {"x_map": "tensormap", "w_map": "tensormap", "bias": "*bf16", "residual": "*bf16", "out": "*bf16",
                   "M": "i32", "N": "i32", "K": "i32"}
-# split-K: part [tiles x warpgroups, parts, block_n / 2, 128] fp32 and count [tiles x warpgroups] int32, zeroed
-# once (the kernel leaves them so; `split_workspace` says how large).
+# split-K: part [tiles x warpgroups, parts, 64 x block_n] fp32 (in `gather_parts`' order) and count [tiles x
+# warpgroups] int32, zeroed once (the kernel leaves them so; `split_workspace` says how large).
 GEMM_SPLIT_SIGNATURE = {**{name: kind for name, kind in GEMM_SIGNATURE.items() if name not in ("M", "N", "K")},
                         "part": "*fp32", "count": "*i32", "M": "i32", "N": "i32", "K": "i32"}
 # row_scale [M] (fp32, the row-scale pre-pass's), bias [rows of w_qkv] or null, positions and slots [M], rope
@@ -48,8 +48,9 @@ GEMM_SPLIT_SIGNATURE = {**{name: kind for name, kind in GEMM_SIGNATURE.items() i
 QKV_SIGNATURE = {"x_map": "tensormap", "w_map": "tensormap", "row_scale": "*fp32", "bias": "*bf16",
                  "positions": "*i32", "rope": "*fp32", "kv": "*bf16", "slots": "*i32", "out": "*bf16", "M": "i32",
                  "num_slots": "i32", "layer": "i32", "heads": "i32", "kv_heads": "i32", "K": "i32"}
-# w_scale [N] and x_scale [T] for e4m3 (else null); part [N / WEIGHT_ROWS, parts, WEIGHT_ROWS, rows] fp32 and
-# count [N / WEIGHT_ROWS] int32, zeroed once (the kernel leaves them so), when the grid has parts.
+# w_scale [N] and x_scale [T] for e4m3 (else null); part [N / WEIGHT_ROWS, parts, WEIGHT_ROWS x rows] fp32 (in
+# `gather_parts`' order) and count [N / WEIGHT_ROWS] int32, zeroed once (the kernel leaves them so), when the grid
+# has parts.
 DECODE_SIGNATURE = {"w_map": "tensormap", "x_map": "tensormap", "w_scale": "*fp32", "x_scale": "*fp32",
                     "residual": "*bf16", "out": "*bf16", "part": "*fp32", "count": "*i32", "T": "i32", "N": "i32",
                     "K": "i32"}
@@ -57,11 +58,11 @@ K_TILE_BYTES = 128           # a K tile is one 128-byte swizzle row
 ELEMENTS = {"bf16": ("kiln_cute::bf16", 2), "fp8e4nv": ("kiln_cute::e4m3", 1)}
 WEIGHT_ROWS = 64             # decode: weight rows a block (one consumer warpgroup)
 TARGETS = ("sm_90",)         # wgmma and setmaxnreg: Hopper's alone (sm_90a)
-# `gemm`'s tiling in the engine (block_m, block_n, stages, group_m). On an H200 (session 33,
+# `gemm`'s tiling in the engine (block_m, block_n, stages, group_m, parts of K). On an H200 (session 33,
 # scripts/tune_prefill_gemm.py, weights cycled beyond the L2) o_proj (4096x4096) at T = 256 took 16.5 us
 # against 23.8 for the pointer tile the bucket ran before and 16.4 for cuBLAS; 128-column tiles (64 of
 # them on 132 SMs) took 24.8.
-LINEAR_TILING = (128, 64, 8, 8)
+LINEAR_TILING = (128, 64, 8, 8, 1)
 BUCKET = "large"
 
 
@@ -126,7 +127,8 @@ def decode(rows: int, stages: int, element: str = "bf16") -> NvccKernel:
     return _kernel(DECODE_SOURCE, entry, call, DECODE_SIGNATURE, 5, shared, pdl=True)
 
 
-def gemm_grid(rows: int, n: int, k: int, block_m: int, block_n: int, sms: int, parts: int = 1) -> tuple[int, int, int]:
+def gemm_grid(rows: int, n: int, k: int, block_m: int, block_n: int, sms: int,
+              parts: int = 1) -> tuple[int, int, int]:
     """`gemm`'s grid for `rows` rows of x and an [n, k] weight, K in `parts`, on a GPU of `sms` SMs; refuses
     a shape the kernel does not serve (it would leave columns out or read past K, or split K finer than its
     tiles)."""
@@ -159,15 +161,14 @@ def decode_grid(rows: int, n: int, k: int, served: int, parts: int, element: str
     return n // WEIGHT_ROWS, parts, 1
 
 
-def linear_kernels(dtype: str, n: int, k: int, tile: Tile, fp8_weight: bool = False,
-                   tiling: tuple[int, ...] | None = None) -> list[NvccKernel]:
-    """`gemm` at `tiling` (block_m, block_n, stages, group_m[, parts]; LINEAR_TILING) as the sm_90 kernel of `tile`'s bucket
-    for out = x W^T (+ bias) (+ residual) with W [n, k], where it serves: bucket BUCKET of the pointer tiles
-    (not a TMA one), bf16, n and k whole tiles, and CUTLASS's headers installed (without them the pointer
-    kernel serves, as without nvcc); bias and residual are passed or null. Its meta names the bucket and the
-    persistent grid as linear's launcher reads them, "cute", and with K in parts the split-K workspace
-    (linear's `gemm_split_part` and `gemm_split_count`, sized for the bucket's most rows)."""
-    block_m, block_n, stages, group_m, parts = (*(tiling or LINEAR_TILING), 1)[:5]
+def linear_kernels(dtype: str, n: int, k: int, tile: Tile, fp8_weight: bool = False) -> list[NvccKernel]:
+    """`gemm` at LINEAR_TILING as the sm_90 kernel of `tile`'s bucket for out = x W^T (+ bias) (+ residual)
+    with W [n, k], where it serves: bucket BUCKET of the pointer tiles (not a TMA one), bf16, n and k whole
+    tiles, and CUTLASS's headers installed (without them the pointer kernel serves, as without nvcc); bias
+    and residual are passed or null. Its meta names the bucket and the persistent grid as linear's launcher
+    reads them, "cute", and with K in parts the split-K workspace (linear's `gemm_split_part` and
+    `gemm_split_count`, sized for the bucket's most rows)."""
+    block_m, block_n, stages, group_m, parts = LINEAR_TILING
     if (tile.name != BUCKET or tile.tma or fp8_weight or dtype != "bfloat16" or n % block_n or k % k_tile()
             or not cutlass_available()):
         return []

@@ -17,9 +17,8 @@
 // fixed at build time). Grid (min(row tiles x column tiles, SMs), 1, 1); x boxes [BM, 128 bytes].
 //
 // Split-K (PARTS > 1): a work item is a tile's part of K (parts fastest, so a tile's parts run at once). Each
-// consumer warpgroup stores its fp32 sums in its slot of `part` and the last of the tile's parts to arrive (an
-// atomic count per tile and warpgroup in `count`, reset for the next launch, so both need zeroing once) adds
-// the slots in order and runs the epilogue. At 256 rows a 128x64 tile reads 192 bytes of x and w per 64x64x1
+// consumer warpgroup's 64 rows of a tile are a sub-tile of `gather_parts`, whose last part to arrive runs the
+// epilogue. At 256 rows a 128x64 tile reads 192 bytes of x and w per 64x64x1
 // MMA and K step, a 128x128 tile 128: wider tiles over halves of K give the same 128 tiles for 132 SMs with a
 // third less to read.
 //
@@ -179,33 +178,6 @@ struct RotaryQkv {
   }
 };
 
-// Split-K: the warpgroup's sums of tile part `p` into its slot (sub-tile `sub`: tile x WGS + warpgroup); true
-// for the last part to arrive, its acc then the sum of every part's in order (the same whatever the order
-// of arrival).
-template <int PARTS, class Acc>
-__device__ __forceinline__ bool gather_parts(Acc& acc, float* part, int* count, int sub, int p, int wg, int* last) {
-  constexpr int N = decltype(size(acc))::value;
-  const int thread = threadIdx.x % 128;
-  float* slots = part + size_t(sub) * PARTS * N * 128;   // [PARTS][N][128 threads]: coalesced stores and loads
-  CUTE_UNROLL
-  for (int i = 0; i < N; ++i) __stcg(slots + (p * N + i) * 128 + thread, acc(i));
-  __threadfence();
-  cutlass::arch::NamedBarrier::arrive_and_wait(128, wg);
-  if (thread == 0) {
-    last[wg] = atomicAdd(count + sub, 1) == PARTS - 1;
-    __threadfence();
-  }
-  cutlass::arch::NamedBarrier::arrive_and_wait(128, wg);
-  if (!last[wg]) return false;
-  clear(acc);
-  for (int q = 0; q < PARTS; ++q) {   // a part's loads in flight together
-    CUTE_UNROLL
-    for (int i = 0; i < N; ++i) acc(i) += __ldcg(slots + (q * N + i) * 128 + thread);
-  }
-  if (thread == 0) count[sub] = 0;
-  return true;
-}
-
 template <int WGS, int BN, int STAGES, int GROUP_M, int PARTS, class Weights, class Epilogue>
 __device__ __forceinline__ void gemm(const CUtensorMap* x_map, const CUtensorMap* w_map, const Weights& weights,
                                      const Epilogue& epilogue, int M, int n_tiles, int K, float* part = nullptr,
@@ -266,7 +238,7 @@ __device__ __forceinline__ void gemm(const CUtensorMap* x_map, const CUtensorMap
     it = accumulate(mma, x_frag, w_frag, acc, s.ring, it, end - first, signals);
     if constexpr (PARTS > 1) {
       if (end == first) clear(acc);   // more parts than K tiles: this one adds nothing, and still counts
-      if (!gather_parts<PARTS>(acc, part, count, t / PARTS * WGS + wg, t % PARTS, wg, s.last)) continue;
+      if (!gather_parts(acc, part, count, t / PARTS * WGS + wg, t % PARTS, PARTS, wg, s.last)) continue;
     }
     epilogue.store(acc, where, m_tile * BM, n_tile, M);
   }

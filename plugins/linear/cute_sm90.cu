@@ -107,6 +107,36 @@ __device__ __forceinline__ int accumulate(Mma& mma, const FragA& a, const FragB&
   return it;
 }
 
+// Split-K, by one consumer warpgroup (128 threads, named barrier `wg`): its sums of part `p` of `parts` go to
+// its slot of sub-tile `sub` in `part` ([sub-tiles][parts][sums a thread][128 threads]: coalesced stores and
+// loads), and the last part to arrive (an atomic count per sub-tile in `count`, which it resets, so both need
+// zeroing once) adds every part's slot in order, the same sum whatever the order of arrival. True for the last,
+// whose acc then holds the sum; `last[wg]` is shared memory for the verdict.
+template <class Acc>
+__device__ __forceinline__ bool gather_parts(Acc& acc, float* part, int* count, int sub, int p, int parts, int wg,
+                                             int* last) {
+  constexpr int N = decltype(size(acc))::value;
+  const int thread = threadIdx.x % 128;
+  float* slots = part + size_t(sub) * parts * N * 128;
+  CUTE_UNROLL
+  for (int i = 0; i < N; ++i) __stcg(slots + (p * N + i) * 128 + thread, acc(i));
+  __threadfence();
+  cutlass::arch::NamedBarrier::arrive_and_wait(128, wg);
+  if (thread == 0) {
+    last[wg] = atomicAdd(count + sub, 1) == parts - 1;
+    __threadfence();
+  }
+  cutlass::arch::NamedBarrier::arrive_and_wait(128, wg);
+  if (!last[wg]) return false;
+  clear(acc);
+  for (int q = 0; q < parts; ++q) {   // a part's loads in flight together
+    CUTE_UNROLL
+    for (int i = 0; i < N; ++i) acc(i) += __ldcg(slots + (q * N + i) * 128 + thread);
+  }
+  if (thread == 0) count[sub] = 0;
+  return true;
+}
+
 __device__ __forceinline__ void launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
