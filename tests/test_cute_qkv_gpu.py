@@ -4,7 +4,8 @@ through `runtime.cuda_driver` and launched on TMA descriptors as a launcher woul
 plugin's reference, q and the cache alike, for Llama-3-8B's heads at both tile heights, with and without
 bias, for heads of 64 columns, for positions and cache slots in no order in the second layer of a
 cache, with more tiles than blocks (the persistent loop), for row counts that leave a tile part empty,
-and it writes nothing past T rows or outside the tokens' slots."""
+and it writes nothing past T rows or outside the tokens' slots; and norm_qkv_rope's launcher takes it for
+129 to 256 rows, its row-scale pre-pass included, and matches the reference."""
 from __future__ import annotations
 
 import pytest
@@ -65,3 +66,34 @@ def test_cute_qkv_matches_the_plugin_reference(rows, heads, kv_heads, d, k, bloc
     assert torch.equal(written, ~torch.isnan(cache)), "the cache was written outside the tokens' slots"
     err = ((cache[written].float() - ref_cache[written].float()).norm() / ref_cache[written].float().norm()).item()
     assert err < 1e-2, f"k and v: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("rows, bias", [(129, False), (256, True)])
+def test_norm_qkv_rope_launcher_takes_it_and_matches_the_reference(rows, bias):
+    from gpu_kernels import load_plugin_kernels
+    from kiln.plugins.linear.launch import pick_bucket
+
+    heads, kv_heads, d, k = 32, 8, 128, 4096
+    shapes = {"K": k, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d, "block_size": 16, "bias": bias}
+    attrs = {"eps": EPS, "layer": 0, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d}
+    launcher, fns, metas, scratch = load_plugin_kernels("norm_qkv_rope", shapes, attrs, rows)
+    assert metas[pick_bucket(metas, rows)].get("cute"), "an sm_90 build with nvcc should take the CuTe qkv here"
+    gen = torch.Generator().manual_seed(rows)
+    n = (heads + 2 * kv_heads) * d
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).cuda()
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16).cuda()
+    b = torch.randn(n, generator=gen).to(torch.bfloat16).cuda() if bias else None
+    positions = torch.arange(rows, dtype=torch.int32, device="cuda")
+    angles = torch.arange(rows)[:, None].float() * 500000.0 ** (-torch.arange(0, d, 2) / d)
+    rope = torch.cat([angles.cos(), angles.sin()], dim=1).cuda()
+    slots = torch.arange(rows, dtype=torch.int32, device="cuda")
+    cache = torch.zeros(1, 2, -(-rows // 16), 16, kv_heads, d, dtype=torch.bfloat16, device="cuda")
+    inputs = [x, None, w, b, None, None, positions, rope, cache, slots]
+    ref_cache = cache.clone()
+    ref = get_plugin("norm_qkv_rope").call_reference(inputs[:8] + [ref_cache, slots], attrs)
+    out = torch.empty(rows, heads * d, dtype=torch.bfloat16, device="cuda")
+    launcher.launch(fns, metas, inputs, attrs, out, {"T": rows}, torch.cuda.current_stream().cuda_stream, scratch)
+    torch.cuda.synchronize()
+    for got, want in ((out, ref), (cache, ref_cache)):
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        assert err < 1e-2, f"relative error {err:.2e}"

@@ -63,6 +63,9 @@ TARGETS = ("sm_90",)         # wgmma and setmaxnreg: Hopper's alone (sm_90a)
 # against 23.8 for the pointer tile the bucket ran before and 16.4 for cuBLAS; 128-column tiles (64 of
 # them on 132 SMs) took 24.8.
 LINEAR_TILING = (128, 64, 8, 8, 1)
+# `qkv`'s tiling in the engine (block_m, rotary pairs a tile, stages, group_m): at 129-256 rows, 128 tiles for
+# Llama-3-8B's 48 heads of 64 pairs, one wave on 132 SMs. Not yet measured on a GPU.
+QKV_TILING = (128, 48, 8, 8)
 BUCKET = "large"
 
 
@@ -179,6 +182,26 @@ def linear_kernels(dtype: str, n: int, k: int, tile: Tile, fp8_weight: bool = Fa
             "scratch": {"gemm_split_part": part, "gemm_split_count": count} if parts > 1 else {},
             "grid": f"min(cdiv(T, {block_m}) * {n // block_n * parts}, SMS)"}
     return [dataclasses.replace(kernel, meta=meta)]
+
+
+def qkv_kernels(dtype: str, shapes: dict, tile: Tile) -> list[NvccKernel]:
+    """`qkv` as the sm_90 kernel of `tile`'s bucket for norm_qkv_rope (its compile `shapes`), where it serves:
+    bucket BUCKET of the pointer tiles, bf16 weights with the norm weight folded (the row-scale pre-pass
+    gives the scales), no q/k norm (it needs whole heads), a bf16 cache, heads whose rotary pairs fill
+    whole tiles of QKV_TILING's, K whole K tiles, and CUTLASS's headers installed. Its meta names the
+    bucket, the persistent grid, the tile's rows and the weight's box rows, and "cute" and
+    "row_scale_input" as norm_qkv_rope's launcher reads them."""
+    block_m, pairs = QKV_TILING[:2]
+    heads, kv_heads, d, k = shapes["num_heads"], shapes["num_kv_heads"], shapes["head_dim"], shapes["K"]
+    unserved = (tile.name != BUCKET or tile.tma or dtype != "bfloat16" or d % 2 or math.gcd(pairs, d // 2) % 8
+                or any(shapes.get(flag, False) for flag in ("fp8", "fp8_kv", "qk_norm", "norm_weight")))
+    if unserved or (heads + 2 * kv_heads) * d // 2 % pairs or k % k_tile() or not cutlass_available():
+        return []
+    n_tiles = (heads + 2 * kv_heads) * d // 2 // pairs
+    meta = {"bucket": tile.name, "max_rows": tile.max_rows, "cute": True, "row_scale_input": True,
+            "block_m": block_m, "box": qkv_box(pairs, d), "pointer_alignment": 16, "split_k": 1,
+            "grid": f"min(cdiv(T, {block_m}) * {n_tiles}, SMS)"}
+    return [dataclasses.replace(qkv(block_m, pairs, d, *QKV_TILING[2:]), meta=meta)]
 
 
 def _warpgroups(block_m: int) -> int:

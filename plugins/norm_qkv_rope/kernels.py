@@ -27,7 +27,7 @@ from kiln.dtypes import element_bytes
 from kiln.plugins.aot import FP8_POINTER, POINTER_TYPES, AotKernel, absent_as_none, pointer_params
 from kiln.plugins.attention.cache_write import to_e4m3, v_offset
 from kiln.plugins.attention.kernels import padded
-from kiln.plugins.linear import fp8, gemv, tma
+from kiln.plugins.linear import cute_gemm, fp8, gemv, tma
 from kiln.plugins.linear.kernels import (fp8_gemm_tile, gemm_input, gemm_tile, launch_meta, split_buffers,
                                          split_halves, split_k_sum, split_signature, upcast_dot)
 from kiln.plugins.linear.tiles import (TILES, Tile, block_k, num_stages, pick_tile, pipelined, prescaled, split_k,
@@ -306,7 +306,8 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
     num_slots (KV-cache blocks * block size), layer and eps are runtime arguments, positions and
     slot_mapping int32, rope_cache and the q/k norm weights fp32 (as models hold norm weights).
     FP8: pointer kernels for fp8.FP8_TARGETS in every bucket, and the quantize pre-pass (RMSNorm
-    included) whose rows they read."""
+    included) whose rows they read. Ahead of the "large" bucket's pointer kernel the CuTe qkv GEMM
+    for sm_90 where it serves (`linear.cute_gemm.qkv_kernels`)."""
     ptr, size = POINTER_TYPES[dtype], element_bytes(dtype)
     k, heads, kv_heads, d = shapes["K"], shapes["num_heads"], shapes["num_kv_heads"], shapes["head_dim"]
     qk_norm, fp8_weight = shapes.get("qk_norm", False), shapes.get("fp8", False)
@@ -314,6 +315,7 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
                 "q_norm_ptr": qk_norm, "k_norm_ptr": qk_norm, "kv_scale_ptr": shapes.get("fp8_kv", False)}
     kernels: list[AotKernel | NvccKernel] = gemv.qkv_kernels(dtype, shapes)
     for tile in qkv_tiles(fp8_weight):
+        kernels += cute_gemm.qkv_kernels(dtype, shapes, tile)
         bk, split = block_k(tile, 1 if fp8_weight else size), head_split(tile, d, qk_norm)
         ksplit = split_k(tile, k, bk)
         signature = {"x_ptr": FP8_POINTER if fp8_weight else ptr, "x_scale_ptr": "*fp32", "norm_ptr": ptr,

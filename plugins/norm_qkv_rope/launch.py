@@ -7,8 +7,9 @@ import torch
 from kiln.plugins.attention.kernels import padded
 from kiln.plugins.driver_launch import check_aligned, grid
 from kiln.plugins.linear.gemv import address, scale_arg
-from kiln.plugins.linear.launch import (check_fp8, norm_gemm_input_args, pick_bucket, row_scale_bytes,
-                                        split_args)
+from kiln.plugins.linear import cute_gemm
+from kiln.plugins.linear.launch import (check_fp8, launch_row_scale, map_rows, norm_gemm_input_args, pick_bucket,
+                                        row_scale_bytes, split_args, tensor_map)
 
 
 def scratch_bytes(attrs: dict, limits: dict[str, int]) -> dict[str, int]:
@@ -22,7 +23,8 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
     [layers, 2, kv heads]), then w_qkv_scale (FP8) and w_qkv_input_scale (refused by GPU builds)
     when given. The kernels take the optional pointers only when they were built with them (absent
     ones are constexpr None); an FP8 Triton bucket reads e4m3 rows from the quantize pre-pass,
-    which applies the norm weight, and the FP8 GEMV (gemv1) quantizes x itself."""
+    which applies the norm weight, and the FP8 GEMV (gemv1) quantizes x itself. The CuTe qkv GEMM takes
+    x and w_qkv as TMA descriptors and the row-scale pre-pass's scales."""
     x, norm_weight, w_qkv, b_qkv, q_norm, k_norm, positions, rope_cache, kv_cache, slot_mapping, kv_scales, \
         w_scale = padded(inputs, 13)[:12]
     if (q_norm is None) != (k_norm is None):
@@ -44,6 +46,15 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
                 attrs["layer"],
                 attrs["eps"], meta["heads"], meta["kv_heads"], meta["head_dim"], x.shape[1]]
         kernels[i].launch(grid(meta["grid"], {}), args, stream)
+        return
+    if metas[i].get("cute"):
+        block_m, k = metas[i]["block_m"], x.shape[1]
+        args = [tensor_map(x.data_ptr(), "bf16", (map_rows(x, block_m), k), (block_m, cute_gemm.k_tile())),
+                tensor_map(w_qkv.data_ptr(), "bf16", tuple(w_qkv.shape), (metas[i]["box"], cute_gemm.k_tile())),
+                launch_row_scale(kernels, metas, x, attrs["eps"], stream, scratch), address(b_qkv),
+                positions.data_ptr(), rope_cache.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(),
+                out.data_ptr(), rows, num_slots, attrs["layer"], attrs["num_heads"], attrs["num_kv_heads"], k]
+        kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)
         return
     args = norm_gemm_input_args(kernels, metas, i, x, norm_weight, attrs["eps"], stream, scratch)
     args += [t.data_ptr() for t in (w_qkv, w_scale, b_qkv, q_norm, k_norm) if t is not None]
