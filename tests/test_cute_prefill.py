@@ -122,3 +122,53 @@ def test_launch_passes_descriptors_then_pointers_and_sizes():
                         qlens.data_ptr(), clens.data_ptr(), 4, 2, 429 // 128 + 2, heads, out.stride(0), 40,
                         blocks * 16, kv_heads, 0.125]
         assert len(args) == len(prefill_sm90.SIGNATURE)
+
+
+LLAMA = {"heads": 32, "kv_heads": 8, "head_dim": 128, "block_size": 16}
+
+
+@pytest.mark.parametrize("dtype, shapes, served", [
+    ("bfloat16", LLAMA, True), ("bfloat16", {**LLAMA, "fp8_kv": True}, False), ("float16", LLAMA, False),
+    ("bfloat16", {**LLAMA, "head_dim": 64}, False), ("bfloat16", {**LLAMA, "block_size": 32}, False)])
+def test_an_sm90_engine_holds_it_where_it_serves(dtype, shapes, served):
+    from interpreted_launch import targeted
+    from kiln.plugins.attention import kernels
+
+    roles = [k.meta.get("role") for k in targeted(kernels.aot_kernels(dtype, shapes), "sm_90")]
+    assert ("prefill_cute" in roles) == (served and nvcc.cutlass_available())
+    assert "prefill_cute" not in [k.meta.get("role") for k in targeted(kernels.aot_kernels(dtype, shapes), "sm_89")]
+
+
+@needs_cutlass
+@pytest.mark.parametrize("window, cute", [(0, True), (-1, True), (4096, False)])
+def test_the_launcher_takes_it_for_prefill_rows_without_a_window(window, cute):
+    from interpreted_launch import targeted
+    from kiln.plugins.attention import kernels, launch as attention_launch
+
+    aot = targeted(kernels.aot_kernels("bfloat16", LLAMA), "sm_90")
+    metas = [k.meta for k in aot]
+    log = []
+
+    class Named(Recorder):
+        def __init__(self, role):
+            super().__init__()
+            self.role = role
+
+        def launch(self, grid, args, stream):
+            log.append(self.role)
+
+    fns = [Named(m.get("role")) for m in metas]
+    tokens, heads = 2 + 300, 32
+    q, out = (torch.empty(tokens, heads * 128, dtype=torch.bfloat16) for _ in range(2))
+    cache = torch.empty(1, 2, 64, 16, 8, 128, dtype=torch.bfloat16)
+    inputs = [q, None, None, cache, torch.zeros(tokens, dtype=torch.int32), torch.zeros(3, 40, dtype=torch.int32),
+              torch.tensor([1, 1, 300], dtype=torch.int32), torch.tensor([9, 70, 300], dtype=torch.int32)]
+    attrs = {"layer": 0, "num_heads": heads, "num_kv_heads": 8, "head_dim": 128, "scale": 0.125, "window": window}
+    linear_launch.tensor_map.cache_clear()
+    with mock.patch.object(linear_launch, "encode_tensor_map", lambda *args: bytes(128)):
+        attention_launch.launch(fns, metas, inputs, attrs, out, {"T": tokens, "S": 3, "D": 2}, 7,
+                                {name: torch.empty(1 << 20, dtype=torch.uint8)
+                                 for name in ("attention_part", "attention_stats")})
+    linear_launch.tensor_map.cache_clear()
+    # the decode rows (split over their keys), then the prompt
+    assert log == ["decode_split", "combine_splits", "prefill_cute" if cute else "prefill"]

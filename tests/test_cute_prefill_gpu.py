@@ -4,7 +4,8 @@ attention plugin's reference for Llama-3-8B's heads (GQA 4) and for plain multi-
 of one block's tokens to several tiles of keys, with a cached prefix before a chunk, behind a mixed step's
 decode rows (which it leaves alone), with cache blocks in no order, in a cache's second layer, with a block
 a tile or persistent (7 blocks walking every tile, so that each reuses its query buffers and stages many
-times; one per SM), and it writes no row of another sequence's or past T."""
+times; one per SM), and it writes no row of another sequence's or past T; and the attention plugin's
+launcher takes it for a chunk of a prompt and matches the reference."""
 from __future__ import annotations
 
 import functools
@@ -73,4 +74,30 @@ def test_cute_prefill_matches_the_reference(heads, kv_heads, decodes, prompts, b
     assert torch.isnan(buffer[tokens:]).all(), "rows past T were written"
     got, want = out[decodes:].float(), ref[decodes:].float()
     err = ((got - want).norm() / want.norm()).item()
+    assert err < 1e-2, f"relative error {err:.2e}"
+
+
+def test_attention_launcher_takes_it_and_matches_the_reference():
+    from gpu_kernels import load_plugin_kernels
+
+    heads, kv_heads, d, size = 32, 8, 128, 16
+    shapes = {"heads": heads, "kv_heads": kv_heads, "head_dim": d, "block_size": size}
+    attrs = {"layer": 0, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d, "scale": d ** -0.5, "window": 0}
+    query_lens, context_lens = [300], [340]   # a chunk after 40 cached tokens
+    tokens = sum(query_lens)
+    launcher, fns, metas, scratch = load_plugin_kernels("attention", shapes, attrs, tokens)
+    assert any(m.get("role") == "prefill_cute" for m in metas), "an sm_90 build with nvcc should hold the CuTe prefill"
+    gen = torch.Generator().manual_seed(7)
+    tables = torch.randperm(22, generator=gen).view(1, 22).to(torch.int32)
+    cache = torch.randn(1, 2, 22, size, kv_heads, d, generator=gen).to(torch.bfloat16)
+    q = torch.randn(tokens, heads * d, generator=gen).to(torch.bfloat16)
+    qlens, clens = torch.tensor(query_lens, dtype=torch.int32), torch.tensor(context_lens, dtype=torch.int32)
+    ref = paged_attention(q, cache, tables, qlens, clens, 0, heads, kv_heads, d, attrs["scale"], 0)
+    out = torch.empty(tokens, heads * d, dtype=torch.bfloat16, device="cuda")
+    inputs = [q.cuda(), None, None, cache.cuda(), torch.zeros(tokens, dtype=torch.int32).cuda(), tables.cuda(),
+              qlens.cuda(), clens.cuda()]
+    launcher.launch(fns, metas, inputs, attrs, out, {"T": tokens, "S": 1},
+                    torch.cuda.current_stream().cuda_stream, scratch)
+    torch.cuda.synchronize()
+    err = ((out.float().cpu() - ref.float()).norm() / ref.float().norm()).item()
     assert err < 1e-2, f"relative error {err:.2e}"

@@ -10,7 +10,7 @@ import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
-from kiln.plugins.attention import decode_fp8
+from kiln.plugins.attention import decode_fp8, prefill_sm90
 from kiln.plugins.attention.flash import attention_kernel, combine_splits_kernel
 from kiln.plugins.aot import FP8_POINTER, POINTER_TYPES, TARGET_CC, AotKernel, pointer_params
 from kiln.plugins.nvcc import NvccKernel
@@ -130,7 +130,8 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
     num_splits > 1 it also passes fp32 workspaces part [T, heads, num_splits, head_dim] and stats
     [T, heads, num_splits, 2], and launches the combine kernel after the attention kernel. An e4m3
     cache of the shapes `decode_fp8` serves also gets its CUDA decode kernels (roles decode_fp8 and
-    decode_fp8_split), which the launcher takes where they are (the build had nvcc).
+    decode_fp8_split), which the launcher takes where they are (the build had nvcc); a bf16 cache of
+    the shapes `prefill_sm90` serves gets its CuTe prefill for sm_90 (role prefill_cute).
     """
     ptr = POINTER_TYPES[dtype]
     fp8_kv = shapes.get("fp8_kv", False)
@@ -184,4 +185,4 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
         aligned=("part_ptr", "stats_ptr", "out_ptr"),
         meta={"role": "combine_splits", "grid": f"(T, {heads}, 1)", "pointer_alignment": 16,
               "when": "after a decode_split attention kernel"}))
-    return kernels
+    return kernels + prefill_sm90.engine_kernels(dtype, shapes)

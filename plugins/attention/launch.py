@@ -1,6 +1,7 @@
 """Driver launch of `attention`'s AOT kernels: KV-cache write, paged attention (prefill,
 decode, or split-KV decode with its combine kernel), picked as `kernels.run` picks them (an e4m3
-cache's decode by the CUDA kernels of `decode_fp8` where the engine has them).
+cache's decode by the CUDA kernels of `decode_fp8`, and on sm_90 a prefill without a sliding window
+by the CuTe kernel of `prefill_sm90`, where the engine has them).
 
 The split-KV workspaces come from the executor's scratch buffers, allocated once for the
 engine's bounds (`scratch_bytes`), so a step allocates nothing. See `plugins.driver_launch`
@@ -10,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from kiln.plugins.attention import prefill_sm90
 from kiln.plugins.attention.kernels import choose_num_splits, padded
-from kiln.plugins.driver_launch import check_aligned, grid, ptr
+from kiln.plugins.driver_launch import check_aligned, grid, ptr, sm_count
 
 FP32_BYTES = 4
 
@@ -91,4 +93,10 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
     first = dims.get("D", 0)
     if first:
         decode(first)
+    if "prefill_cute" in roles and attrs["window"] <= 0:
+        i = roles["prefill_cute"]
+        check_aligned(metas[i], q, k_cache, v_cache, out)
+        prefill_sm90.launch(kernels[i], q, k_cache, v_cache, out, block_tables, query_lens, context_lens, first,
+                            attrs["num_heads"], attrs["scale"], stream, sm_count())
+        return
     attend("prefill", {"T": tokens - first, "S": seqs - first}, seqs, first, 1)

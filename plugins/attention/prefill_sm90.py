@@ -2,8 +2,9 @@
 (`prefill_sm90.cu`, CuTe's building blocks, built by nvcc for sm_90a with `nvidia-cutlass`'s headers),
 for bf16 caches of 16-token blocks, heads of 128 and no sliding window (`serves`).
 
-A candidate: scripts/tune_attention.py times it beside the Triton prefill tilings and SDPA's flash
-attention, and tests/test_cute_prefill_gpu.py checks it against the plugin reference on an H200. Its
+On sm_90 it is the attention plugin's prefill where it serves (`engine_kernels`); scripts/tune_attention.py
+times it beside the Triton prefill tilings and SDPA's flash attention, and tests/test_cute_prefill_gpu.py
+checks it against the plugin reference on an H200. Its
 descriptors are parameters the host makes (`runtime.cuda_driver.encode_tensor_map`, `descriptors`): q as
 [rows, q's row pitch] in boxes of 128 rows x 64 dims, the layer's K and V caches each as [slots, kv heads,
 head_dim] in boxes of one cache block x one head x 64 dims.
@@ -18,7 +19,7 @@ import torch
 
 from kiln.plugins.linear import cute_gemm
 from kiln.plugins.linear.launch import tensor_map
-from kiln.plugins.nvcc import NvccKernel, cutlass_include
+from kiln.plugins.nvcc import NvccKernel, cutlass_available, cutlass_include
 
 if TYPE_CHECKING:
     from kiln.runtime.cuda_driver import CudaKernel
@@ -49,6 +50,20 @@ def kernel(block_n: int, stages: int, schedule: str = "plain") -> NvccKernel:
     return NvccKernel(cute_gemm.SOURCE, entry, f"{SOURCE.read_text()}\n{call}", SIGNATURE, WARPS,
                       targets=cute_gemm.TARGETS, shared_bytes=shared, includes=(cutlass_include(),),
                       arch_specific=True)
+
+
+# The engine's tiling (keys a tile, stages).
+ENGINE_TILING = (128, 2)
+
+
+def engine_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
+    """The kernel as the sm_90 prefill of the attention plugin's compile `shapes` (role "prefill_cute", which
+    the launcher takes for ops without a sliding window) where it serves and CUTLASS's headers are
+    installed; none elsewhere, where Triton's prefill serves."""
+    cache = "float8_e4m3fn" if shapes.get("fp8_kv", False) else dtype
+    if not serves(dtype, cache, shapes["head_dim"], shapes["block_size"], 0) or not cutlass_available():
+        return []
+    return [dataclasses.replace(kernel(*ENGINE_TILING), meta={"role": "prefill_cute", "pointer_alignment": 16})]
 
 
 def serves(dtype: str, cache_dtype: str, head_dim: int, block_size: int, window: int) -> bool:
