@@ -285,10 +285,12 @@ def check_cubins(name: str, shapes: dict, targets) -> None:
                 "norm_qkv_rope": [] if shapes.get("qk_norm") else ["gemv1"], "norm_swiglu": ["gemv1"]}[name]
         # A wide weight (gate/up) has no xlarge bucket: its 128-row tiles fill the GPU from 257 rows.
         weight_rows = 2 * shapes["I"] if name == "norm_swiglu" else shapes.get("N", 0)
-        # On sm_90 the plain GEMMs of narrow weights take the CuTe GEMM ahead of the 129-256-row bucket's
-        # pointer kernel, where CUTLASS's headers are installed (`linear.cute_gemm`).
-        cute = ([cute_gemm.BUCKET] if target == "sm_90" and name in ("linear", "linear_residual")
-                and weight_rows < linear_tiles.WIDE_N and cutlass_available() else [])
+        # On sm_90 the plain GEMMs of narrow weights, and qkv with a folded norm weight and no q/k norm,
+        # take a CuTe GEMM ahead of the 129-256-row bucket's pointer kernel, where CUTLASS's headers are
+        # installed (`linear.cute_gemm`).
+        served = (name in ("linear", "linear_residual") and weight_rows < linear_tiles.WIDE_N
+                  or name == "norm_qkv_rope" and not shapes.get("qk_norm") and not shapes.get("norm_weight"))
+        cute = [cute_gemm.BUCKET] if target == "sm_90" and served and cutlass_available() else []
         assert [k.meta["bucket"] for k in buckets if k.meta.get("cute")] == cute
         assert [k.meta["bucket"] for k in buckets] == gemv + [b for t in linear_tiles.tiles_for(weight_rows)
                                                               for b in [t.name] * (1 + (t.name in cute))]
