@@ -10,11 +10,10 @@ grid of 64-row weight tiles by K parts. A recorder stands in for libcuda's descr
 kernels; tests/test_cute_fp8_decode_gpu.py runs the real ones on an H200."""
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
 import torch
 
+from descriptor_recording import Recorder, recorded_descriptors
 from interpreted_launch import targeted
 from kiln.plugins.linear import cute_gemm, launch as linear_launch
 from kiln.plugins.linear.launch import pick_bucket
@@ -54,14 +53,6 @@ def test_its_k_parts_workspace_is_in_the_buckets_scratch():
     assert meta["scratch"] == {"gemm_split_part": 4096 * parts * 64 * 4, "gemm_split_count": 4096 // 64 * 4}
 
 
-class Recorder:
-    def __init__(self, log: list, name: str):
-        self.log, self.name = log, name
-
-    def launch(self, grid, args, stream):
-        self.log.append((self.name, grid, args))
-
-
 @needs_cutlass
 @pytest.mark.parametrize("residual, held, described", [(True, 8192, 64), (False, 50, 50)])
 def test_the_launcher_quantizes_then_passes_descriptors_pointers_and_sizes(residual, held, described):
@@ -69,23 +60,15 @@ def test_the_launcher_quantizes_then_passes_descriptors_pointers_and_sizes(resid
     kernels = targeted(linear_residual.aot_kernels("bfloat16", DOWN), "sm_90")
     metas = [kn.meta for kn in kernels]
     log = []
-    fns = [Recorder(log, "quantize" if m.get("quantize") else "cute" if m.get("cute_decode") else "other")
+    fns = [Recorder("quantize" if m.get("quantize") else "cute" if m.get("cute_decode") else "other", log)
            for m in metas]
     x, w = torch.empty(rows, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.float8_e4m3fn)
     w_scale, out = torch.empty(n), torch.empty(rows, n, dtype=torch.bfloat16)
     r = torch.empty(rows, n, dtype=torch.bfloat16) if residual else None
     scratch = {"fp8_x": torch.empty(held * k, dtype=torch.uint8), "fp8_x_scale": torch.empty(held * 4, dtype=torch.uint8),
                "gemm_split_part": torch.empty(8, dtype=torch.uint8), "gemm_split_count": torch.empty(8, dtype=torch.uint8)}
-    encoded = []
-
-    def encode(address, element, shape, box):
-        encoded.append((address, element, shape, box))
-        return bytes([len(encoded)]) * 128
-
-    linear_launch.tensor_map.cache_clear()
-    with mock.patch.object(linear_launch, "encode_tensor_map", encode):
+    with recorded_descriptors() as encoded:
         linear_launch.launch_gemm(fns, metas, x, w, None, r, out, 7, scratch, w_scale)
-    linear_launch.tensor_map.cache_clear()
     assert [name for name, _, _ in log] == ["quantize", "cute"]
     _, grid, args = log[1]
     parts = cute_gemm.FP8_DECODE_TILING[1]

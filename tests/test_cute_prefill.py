@@ -148,27 +148,16 @@ def test_the_launcher_takes_it_for_prefill_rows_without_a_window(window, cute):
     aot = targeted(kernels.aot_kernels("bfloat16", LLAMA), "sm_90")
     metas = [k.meta for k in aot]
     log = []
-
-    class Named(Recorder):
-        def __init__(self, role):
-            super().__init__()
-            self.role = role
-
-        def launch(self, grid, args, stream):
-            log.append(self.role)
-
-    fns = [Named(m.get("role")) for m in metas]
+    fns = [Recorder(m.get("role"), log) for m in metas]
     tokens, heads = 2 + 300, 32
     q, out = (torch.empty(tokens, heads * 128, dtype=torch.bfloat16) for _ in range(2))
     cache = torch.empty(1, 2, 64, 16, 8, 128, dtype=torch.bfloat16)
     inputs = [q, None, None, cache, torch.zeros(tokens, dtype=torch.int32), torch.zeros(3, 40, dtype=torch.int32),
               torch.tensor([1, 1, 300], dtype=torch.int32), torch.tensor([9, 70, 300], dtype=torch.int32)]
     attrs = {"layer": 0, "num_heads": heads, "num_kv_heads": 8, "head_dim": 128, "scale": 0.125, "window": window}
-    linear_launch.tensor_map.cache_clear()
-    with mock.patch.object(linear_launch, "encode_tensor_map", lambda *args: bytes(128)):
+    with recorded_descriptors():
         attention_launch.launch(fns, metas, inputs, attrs, out, {"T": tokens, "S": 3, "D": 2}, 7,
                                 {name: torch.empty(1 << 20, dtype=torch.uint8)
                                  for name in ("attention_part", "attention_stats")})
-    linear_launch.tensor_map.cache_clear()
     # the decode rows (split over their keys), then the prompt
-    assert log == ["decode_split", "combine_splits", "prefill_cute" if cute else "prefill"]
+    assert [role for role, _, _ in log] == ["decode_split", "combine_splits", "prefill_cute" if cute else "prefill"]

@@ -15,8 +15,9 @@ from unittest import mock
 import pytest
 import torch
 
+from descriptor_recording import Recorder, recorded_descriptors
 from interpreted_launch import targeted
-from kiln.plugins.linear import cute_gemm, launch as linear_launch
+from kiln.plugins.linear import cute_gemm
 from kiln.plugins.linear.launch import pick_bucket
 from kiln.plugins.norm_qkv_rope import kernels as norm_qkv_rope, launch as launcher
 from kiln.plugins.nvcc import cutlass_available
@@ -47,14 +48,6 @@ def test_what_it_does_not_serve_keeps_the_pointer_kernel(shapes, target, dtype):
     assert not served_by(shapes, target, 256, dtype).get("cute")
 
 
-class Recorder:
-    def __init__(self, log: list, name: str):
-        self.log, self.name = log, name
-
-    def launch(self, grid, args, stream):
-        self.log.append((self.name, grid, args))
-
-
 @needs_cutlass
 @pytest.mark.parametrize("bias, held, described", [(False, 8192, 256), (True, 230, 230)])
 def test_the_launcher_runs_the_row_scales_then_passes_descriptors_pointers_and_sizes(bias, held, described):
@@ -63,7 +56,7 @@ def test_the_launcher_runs_the_row_scales_then_passes_descriptors_pointers_and_s
     kernels = targeted(norm_qkv_rope.aot_kernels("bfloat16", shapes), "sm_90")
     metas = [kn.meta for kn in kernels]
     log = []
-    fns = [Recorder(log, "row_scale" if m.get("row_scale") else "cute" if m.get("cute") else "other") for m in metas]
+    fns = [Recorder("row_scale" if m.get("row_scale") else "cute" if m.get("cute") else "other", log) for m in metas]
     n = (heads + 2 * kv_heads) * d
     x, w = torch.empty(held, k, dtype=torch.bfloat16)[:rows], torch.empty(n, k, dtype=torch.bfloat16)
     b = torch.empty(n, dtype=torch.bfloat16) if bias else None
@@ -72,18 +65,9 @@ def test_the_launcher_runs_the_row_scales_then_passes_descriptors_pointers_and_s
     out = torch.empty(rows, heads * d, dtype=torch.bfloat16)
     scratch = {"row_scale": torch.empty(rows * 4, dtype=torch.uint8)}
     attrs = {"eps": 1e-5, "layer": 1, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d}
-    encoded = []
-
-    def encode(address, element, shape, box):
-        encoded.append((address, element, shape, box))
-        return bytes([len(encoded)]) * 128
-
-    linear_launch.tensor_map.cache_clear()
-    with mock.patch.object(linear_launch, "encode_tensor_map", encode), \
-            mock.patch("kiln.plugins.driver_launch.sm_count", lambda: 132):
+    with recorded_descriptors() as encoded, mock.patch("kiln.plugins.driver_launch.sm_count", lambda: 132):
         launcher.launch(fns, metas, [x, None, w, b, None, None, positions, rope, cache, slots], attrs, out,
                         {"T": rows}, 7, scratch)
-    linear_launch.tensor_map.cache_clear()
     assert [name for name, _, _ in log] == ["row_scale", "cute"]
     _, grid, args = log[1]
     block_m, pairs = cute_gemm.QKV_TILING[:2]
