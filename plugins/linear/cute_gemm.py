@@ -213,7 +213,7 @@ def qkv_kernels(dtype: str, shapes: dict, tile: Tile) -> list[NvccKernel]:
     bucket BUCKET of the pointer tiles, bf16 weights with the norm weight folded (the row-scale pre-pass
     gives the scales), no q/k norm (it needs whole heads), a bf16 cache, heads whose rotary pairs fill
     whole tiles of QKV_TILING's, K whole K tiles, and CUTLASS's headers installed. Its meta names the
-    bucket, the persistent grid, the tile's rows and the weight's box rows, and "cute" and
+    bucket, the persistent grid, the tile's rows and pairs, and "cute" and
     "row_scale_input" as norm_qkv_rope's launcher reads them."""
     block_m, pairs = QKV_TILING[:2]
     heads, kv_heads, d, k = shapes["num_heads"], shapes["num_kv_heads"], shapes["head_dim"], shapes["K"]
@@ -223,7 +223,7 @@ def qkv_kernels(dtype: str, shapes: dict, tile: Tile) -> list[NvccKernel]:
         return []
     n_tiles = (heads + 2 * kv_heads) * d // 2 // pairs
     meta = {"bucket": tile.name, "max_rows": tile.max_rows, "cute": True, "row_scale_input": True,
-            "block_m": block_m, "box": qkv_box(pairs, d), "pointer_alignment": 16, "split_k": 1,
+            "block_m": block_m, "pairs": pairs, "pointer_alignment": 16, "split_k": 1,
             "grid": f"min(cdiv(T, {block_m}) * {n_tiles}, SMS)"}
     return [dataclasses.replace(qkv(block_m, pairs, d, *QKV_TILING[2:]), meta=meta)]
 

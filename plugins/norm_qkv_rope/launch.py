@@ -7,9 +7,8 @@ import torch
 from kiln.plugins.attention.kernels import padded
 from kiln.plugins.driver_launch import check_aligned, grid
 from kiln.plugins.linear.gemv import address, scale_arg
-from kiln.plugins.linear import cute_gemm
-from kiln.plugins.linear.launch import (check_fp8, launch_row_scale, map_rows, norm_gemm_input_args, pick_bucket,
-                                        row_scale_bytes, split_args, tensor_map)
+from kiln.plugins.linear.launch import (check_fp8, launch_cute_qkv, launch_row_scale, norm_gemm_input_args,
+                                        pick_bucket, row_scale_bytes, split_args)
 
 
 def scratch_bytes(attrs: dict, limits: dict[str, int]) -> dict[str, int]:
@@ -48,13 +47,10 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
         kernels[i].launch(grid(meta["grid"], {}), args, stream)
         return
     if metas[i].get("cute"):
-        block_m, k = metas[i]["block_m"], x.shape[1]
-        args = [tensor_map(x.data_ptr(), "bf16", (map_rows(x, block_m), k), (block_m, cute_gemm.k_tile())),
-                tensor_map(w_qkv.data_ptr(), "bf16", tuple(w_qkv.shape), (metas[i]["box"], cute_gemm.k_tile())),
-                launch_row_scale(kernels, metas, x, attrs["eps"], stream, scratch), address(b_qkv),
-                positions.data_ptr(), rope_cache.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(),
-                out.data_ptr(), rows, num_slots, attrs["layer"], attrs["num_heads"], attrs["num_kv_heads"], k]
-        kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)
+        launch_cute_qkv(kernels[i], grid(metas[i]["grid"], {"T": rows}), metas[i]["block_m"], metas[i]["pairs"], x,
+                        w_qkv, launch_row_scale(kernels, metas, x, attrs["eps"], stream, scratch), b_qkv, positions,
+                        rope_cache, kv_cache, slot_mapping, out, attrs["layer"], attrs["num_heads"],
+                        attrs["num_kv_heads"], stream)
         return
     args = norm_gemm_input_args(kernels, metas, i, x, norm_weight, attrs["eps"], stream, scratch)
     args += [t.data_ptr() for t in (w_qkv, w_scale, b_qkv, q_norm, k_norm) if t is not None]
