@@ -194,7 +194,7 @@ def fp8_decode_kernels(dtype: str, n: int, k: int, tile: Tile, bias: bool) -> li
     64-row tiles and K tiles, no bias, and CUTLASS's headers installed. It reads the quantize pre-pass's
     rows (x described as the bucket's rows, the pre-pass's buffer holding them) and is launched for
     programmatic dependent launch; its K parts share linear's split-K workspace, its partial tiles
-    [n / WEIGHT_ROWS, parts, WEIGHT_ROWS x rows] fp32 (`gather_parts`) and one arrival count per tile."""
+    [n / WEIGHT_ROWS, parts, WEIGHT_ROWS, rows] fp32 and one arrival count per tile."""
     rows, (stages, parts) = tile.max_rows, FP8_DECODE_TILING
     kt = k_tile("fp8e4nv")
     if (tile.name != FP8_DECODE_BUCKET or dtype != "bfloat16" or bias or n >= WIDE_N or n % WEIGHT_ROWS or k % kt
