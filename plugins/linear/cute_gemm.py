@@ -29,7 +29,7 @@ import dataclasses
 import math
 from pathlib import Path
 
-from kiln.plugins.linear.tiles import WIDE_N, Tile
+from kiln.plugins.linear.tiles import Tile
 from kiln.plugins.nvcc import NvccKernel, cutlass_available, cutlass_include
 
 SOURCE = Path(__file__).with_name("cute_sm90.cu")             # every kernel is compiled appended to it
@@ -67,10 +67,6 @@ LINEAR_TILING = (128, 64, 8, 8, 1)
 # Llama-3-8B's 48 heads of 64 pairs, one wave on 132 SMs. Not yet measured on a GPU.
 QKV_TILING = (128, 48, 8, 8)
 BUCKET = "large"
-# `decode`'s tiling in an FP8 engine's bucket FP8_DECODE_BUCKET (17-64 rows): (stages, K parts). At T = 8 on an
-# H200 (session 33) its 32-layer e4m3 chain ran at 82% of the copy rate; not yet measured at 64 rows.
-FP8_DECODE_TILING = (8, 2)
-FP8_DECODE_BUCKET = "small"
 
 
 def k_tile(element: str = "bf16") -> int:
@@ -186,26 +182,6 @@ def linear_kernels(dtype: str, n: int, k: int, tile: Tile, fp8_weight: bool = Fa
             "scratch": {"gemm_split_part": part, "gemm_split_count": count} if parts > 1 else {},
             "grid": f"min(cdiv(T, {block_m}) * {n // block_n * parts}, SMS)"}
     return [dataclasses.replace(kernel, meta=meta)]
-
-
-def fp8_decode_kernels(dtype: str, n: int, k: int, tile: Tile, bias: bool) -> list[NvccKernel]:
-    """`decode` in e4m3 as the sm_90 kernel of an FP8 engine's `tile` bucket for out = x W^T (+ residual),
-    where it serves: bucket FP8_DECODE_BUCKET, a bf16 engine's narrow weight (o_proj, down) of whole
-    64-row tiles and K tiles, no bias, and CUTLASS's headers installed. It reads the quantize pre-pass's
-    rows (x described as the bucket's rows, the pre-pass's buffer holding them) and is launched for
-    programmatic dependent launch; its K parts share linear's split-K workspace, its partial tiles
-    [n / WEIGHT_ROWS, parts, WEIGHT_ROWS, rows] fp32 and one arrival count per tile."""
-    rows, (stages, parts) = tile.max_rows, FP8_DECODE_TILING
-    kt = k_tile("fp8e4nv")
-    if (tile.name != FP8_DECODE_BUCKET or dtype != "bfloat16" or bias or n >= WIDE_N or n % WEIGHT_ROWS or k % kt
-            or not cutlass_available()):
-        return []
-    parts = min(parts, k // kt)
-    scratch = {"gemm_split_part": n * parts * rows * 4, "gemm_split_count": n // WEIGHT_ROWS * 4} if parts > 1 else {}
-    meta = {"bucket": tile.name, "max_rows": rows, "cute_decode": True, "fp8": True, "pdl": True, "rows": rows,
-            "parts": parts, "pointer_alignment": 16, "scratch": scratch,
-            "grid": (str(n // WEIGHT_ROWS), str(parts), "1")}
-    return [dataclasses.replace(decode(rows, stages, "fp8e4nv"), meta=meta)]
 
 
 def qkv_kernels(dtype: str, shapes: dict, tile: Tile) -> list[NvccKernel]:

@@ -274,14 +274,11 @@ def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool,
     sm_90 and later beside it (the pointer kernel then serves sm_80 and sm_89); ahead of the
     "large" bucket's pointer kernel the CuTe GEMM for sm_90 where it serves (`linear.cute_gemm`). FP8
     (`fp8_weight`): kernels for fp8.FP8_TARGETS only, the TMA buckets' e4m3 TMA GEMM beside
-    sm_89's pointer kernel, ahead of the "small" bucket's pointer kernel the e4m3 CuTe decode GEMM for
-    sm_90 where it serves, and the quantize pre-pass whose rows they all read."""
+    sm_89's pointer kernel, and the quantize pre-pass whose rows they all read."""
     ptr, size = POINTER_TYPES[dtype], dtypes.element_bytes(dtype)
     kernels: list[AotKernel | NvccKernel] = gemv.linear_kernels(dtype, n, k, fp8_weight)
     for tile in tiles_for(n):
         kernels += cute_gemm.linear_kernels(dtype, n, k, tile, fp8_weight)
-        if fp8_weight:
-            kernels += cute_gemm.fp8_decode_kernels(dtype, n, k, tile, bias)
         bk = block_k(tile, 1 if fp8_weight else size)
         split = split_k(tile, k, bk)
         x_ptr, x_scale, w_ptr, w_scale = ptr, "constexpr", ptr, "constexpr"

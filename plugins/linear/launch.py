@@ -138,9 +138,6 @@ def launch_gemm(kernels: list, metas: list[dict], x: torch.Tensor, weight: torch
                 address(bias), address(residual), out.data_ptr(), *split_args(metas[i], scratch), rows, n, k]
         kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)
         return
-    if metas[i].get("cute_decode"):
-        launch_cute_decode(kernels, metas, i, x, weight, w_scale, residual, out, stream, scratch)
-        return
     args = gemm_input_args(kernels, metas, i, x, None, 0.0, stream, scratch) + [weight.data_ptr()]
     args += [t.data_ptr() for t in (w_scale, bias, residual) if t is not None]
     args += [out.data_ptr(), *split_args(metas[i], scratch), rows]
@@ -162,24 +159,6 @@ def launch_cute_qkv(kernel, grid: tuple[int, int, int], block_m: int, pairs: int
             row_scale, address(b_qkv), positions.data_ptr(), rope.data_ptr(), kv_cache.data_ptr(), slots.data_ptr(),
             out.data_ptr(), rows, kv_cache.shape[2] * kv_cache.shape[3], layer, heads, kv_heads, k]
     kernel.launch(grid, args, stream)
-
-
-def launch_cute_decode(kernels: list, metas: list[dict], i: int, x: torch.Tensor, weight: torch.Tensor,
-                       w_scale: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor, stream: int,
-                       scratch: dict[str, torch.Tensor]) -> None:
-    """The e4m3 CuTe decode GEMM (bucket kernel i) on the quantize pre-pass's rows (run here first): the
-    weight and those rows as TMA descriptors, x over the bucket's rows where the pre-pass's buffer holds
-    them (rows past T are computed and never stored), the K parts' workspace when it splits K."""
-    meta, (n, k), rows = metas[i], weight.shape, x.shape[0]
-    x_q, x_scale = launch_quantize(kernels, metas, x, None, 0.0, stream, scratch)
-    element, kt = "fp8e4nv", cute_gemm.k_tile("fp8e4nv")
-    described = max(rows, min(meta["rows"], scratch["fp8_x"].numel() // k))
-    parts = [scratch["gemm_split_part"].data_ptr(), scratch["gemm_split_count"].data_ptr()] if meta["parts"] > 1 \
-        else [0, 0]
-    args = [tensor_map(weight.data_ptr(), element, (n, k), (cute_gemm.WEIGHT_ROWS, kt)),
-            tensor_map(x_q, element, (described, k), (meta["rows"], kt)), w_scale.data_ptr(), x_scale,
-            address(residual), out.data_ptr(), *parts, rows, n, k]
-    kernels[i].launch(grid(meta["grid"], {"T": rows}), args, stream)
 
 
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
