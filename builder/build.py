@@ -229,7 +229,7 @@ def build_engine(checkpoint: str | Path, output: str | Path, cfg: BuildConfig, p
                      "H200); install the CUDA toolkit or set KILN_NVCC to build them")
     elif "sm_90" in cfg.targets and not nvcc.cutlass_available():
         notes.append("CUTLASS's headers not found: the CuTe kernels of sm_90 (the GEMMs and qkv of steps of "
-                     "129-256 rows, FP8 engines' GEMMs of 17-64 rows, the prefill attention) are left out and "
+                     "129-256 rows, the prefill attention) are left out and "
                      "Triton's serve in their place; `pip install --no-deps nvidia-cutlass==4.2.0.0` (make install "
                      "does) to build them")
     summary = build_from_model(model, output, cfg, {"source": str(checkpoint), **mcfg.to_dict()},

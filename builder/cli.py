@@ -43,7 +43,7 @@ from kiln.models import CheckpointError, read_config
               help="Hardware to build for; repeat for several. Default: this machine's GPU, else cpu. GPU "
                    "kernels compile here with Triton, no GPU needed; the CUDA C++ ones (decode GEMVs for 1-2 rows, "
                    "the e4m3 cache's decode attention, and for sm_90 with CUTLASS's headers the CuTe GEMMs of "
-                   "steps of 129-256 rows, FP8 engines' of 17-64 rows and the prefill attention) need nvcc too (KILN_NVCC, the PATH or /usr/local/cuda), "
+                   "steps of 129-256 rows and the prefill attention) need nvcc too (KILN_NVCC, the PATH or /usr/local/cuda), "
                    "and without it Triton's kernels serve in their place.")
 @click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto", show_default=True,
               help="KV cache element type. auto: the model's dtype. fp8: e4m3 (float8_e4m3fn), half the bytes "

@@ -13,7 +13,7 @@ import torch
 
 from kiln.plugins.attention import prefill_sm90
 from kiln.plugins.attention.kernels import choose_num_splits, padded
-from kiln.plugins.driver_launch import check_aligned, grid, ptr, sm_count
+from kiln.plugins.driver_launch import check_aligned, grid, ptr
 
 FP32_BYTES = 4
 
@@ -96,7 +96,9 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
     if "prefill_cute" in roles and attrs["window"] <= 0:
         i = roles["prefill_cute"]
         check_aligned(metas[i], q, k_cache, v_cache, out)
+        # A block a tile: on an H200 that ran 1 x 2k, 1 x 8k and 4 x 2k causal tokens 3-6% faster than one
+        # block per SM walking the tiles (BENCHMARKS.md, session 36).
         prefill_sm90.launch(kernels[i], q, k_cache, v_cache, out, block_tables, query_lens, context_lens, first,
-                            attrs["num_heads"], attrs["scale"], stream, sm_count())
+                            attrs["num_heads"], attrs["scale"], stream, None)
         return
     attend("prefill", {"T": tokens - first, "S": seqs - first}, seqs, first, 1)

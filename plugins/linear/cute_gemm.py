@@ -58,11 +58,12 @@ K_TILE_BYTES = 128           # a K tile is one 128-byte swizzle row
 ELEMENTS = {"bf16": ("kiln_cute::bf16", 2), "fp8e4nv": ("kiln_cute::e4m3", 1)}
 WEIGHT_ROWS = 64             # decode: weight rows a block (one consumer warpgroup)
 TARGETS = ("sm_90",)         # wgmma and setmaxnreg: Hopper's alone (sm_90a)
-# `gemm`'s tiling in the engine (block_m, block_n, stages, group_m, parts of K). On an H200 (session 33,
-# scripts/tune_prefill_gemm.py, weights cycled beyond the L2) o_proj (4096x4096) at T = 256 took 16.5 us
-# against 23.8 for the pointer tile the bucket ran before and 16.4 for cuBLAS; 128-column tiles (64 of
-# them on 132 SMs) took 24.8.
-LINEAR_TILING = (128, 64, 8, 8, 1)
+# `gemm`'s tiling in the engine (block_m, block_n, stages, group_m, parts of K). On an H200 (session 36,
+# scripts/tune_prefill_gemm.py, weights cycled beyond the L2) 64x128 tiles took o_proj (4096x4096) 15.5 us at
+# T = 160 and 16.1 at 256, and down (4096x14336) 45.7 and 47.0, against 16.1/16.6 and 48.0/50.2 for 128x64
+# tiles (session 33's choice) and 18.8/16.3 and 39.3/49.2 for cuBLAS; 128x128 tiles (64 of them on 132 SMs)
+# took 24.2/24.5 and 70.7/70.5, and the same in two K parts 20.8/21.0 and 47.9/50.2.
+LINEAR_TILING = (64, 128, 8, 8, 1)
 # `qkv`'s tiling in the engine (block_m, rotary pairs a tile, stages, group_m): at 129-256 rows, 128 tiles for
 # Llama-3-8B's 48 heads of 64 pairs, one wave on 132 SMs. Not yet measured on a GPU.
 QKV_TILING = (128, 48, 8, 8)
