@@ -199,9 +199,10 @@ def qkv_kernels(dtype: str, shapes: dict, tile: Tile) -> list[NvccKernel]:
     heads, kv_heads, d, k = shapes["num_heads"], shapes["num_kv_heads"], shapes["head_dim"], shapes["K"]
     unserved = (tile.name != BUCKET or tile.tma or dtype != "bfloat16" or d % 2 or math.gcd(pairs, d // 2) % 8
                 or any(shapes.get(flag, False) for flag in ("fp8", "fp8_kv", "qk_norm", "norm_weight")))
-    if unserved or (heads + 2 * kv_heads) * d // 2 % pairs or k % k_tile() or not cutlass_available():
+    rotary_pairs = (heads + 2 * kv_heads) * d // 2
+    if unserved or rotary_pairs % pairs or k % k_tile() or not cutlass_available():
         return []
-    n_tiles = (heads + 2 * kv_heads) * d // 2 // pairs
+    n_tiles = rotary_pairs // pairs
     meta = {"bucket": tile.name, "max_rows": tile.max_rows, "cute": True, "row_scale_input": True,
             "block_m": block_m, "pairs": pairs, "pointer_alignment": 16, "split_k": 1,
             "grid": f"min(cdiv(T, {block_m}) * {n_tiles}, SMS)"}
