@@ -19,8 +19,9 @@ import hashlib
 import inspect
 import json
 import os
+import types
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from kiln.atomic import write_bytes
 from kiln.builder.ir import Graph
@@ -37,16 +38,51 @@ def _cache_dir() -> Path:
     return Path(root).expanduser() / "kernels"
 
 
+def _triton_source(fn: Any) -> str:
+    """A Triton kernel's source, with that of every @triton.jit helper it calls (by name or through a
+    module, transitively) and the constants it reads: the kernel's own text stays the same when they change."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    parts: list[str] = []
+    seen: set = set()
+
+    def names(code: types.CodeType) -> set[str]:
+        nested = (names(c) for c in code.co_consts if isinstance(c, types.CodeType))
+        return set(code.co_names).union(*nested)
+
+    def visit(f: Any) -> None:
+        while hasattr(f, "fn"):  # JITFunction, InterpretedFunction, heuristics and autotune wrappers
+            f = f.fn
+        if f in seen:
+            return
+        seen.add(f)
+        parts.append(inspect.getsource(f))
+        used = sorted(names(f.__code__))
+        scopes = [f.__globals__] + [vars(m) for m in map(f.__globals__.get, used) if inspect.ismodule(m)]
+        for name in used:
+            for scope in scopes:
+                value = scope.get(name)
+                if isinstance(value, (JITFunction, InterpretedFunction)):
+                    visit(value)
+                elif isinstance(value, (tl.constexpr, bool, int, float, str)):
+                    parts.append(f"{name} = {value!r}")
+
+    visit(fn)
+    return "\n".join(parts)
+
+
 def kernel_key(kernel: AotKernel | nvcc.NvccKernel, target: str) -> str:
     """Content hash of everything that decides the cubin, and of its launch rule (two ops that
-    share a kernel may launch it differently, so each keeps its own entry)."""
+    share a kernel may launch it differently, so each keeps its own entry). A Triton kernel's text
+    includes the helpers it calls, so a change there never reuses a cached cubin."""
     if isinstance(kernel, nvcc.NvccKernel):
         ident = json.dumps([nvcc.source_text(kernel), kernel.entry, kernel.signature, kernel.num_warps, target,
                             nvcc.nvcc_version(), kernel.options(target), kernel.shared_bytes, kernel.meta],
                            sort_keys=True, default=repr)
         return hashlib.sha256(ident.encode()).hexdigest()[:20]
     import triton
-    ident = json.dumps([inspect.getsource(kernel.fn.fn if hasattr(kernel.fn, "fn") else kernel.fn),
+    ident = json.dumps([_triton_source(kernel.fn),
                         kernel.signature, {k: repr(v) for k, v in kernel.constexprs.items()},
                         kernel.num_warps, kernel.num_stages, target, triton.__version__, kernel.meta,
                         kernel.aligned],
