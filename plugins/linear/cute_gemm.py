@@ -59,13 +59,11 @@ ELEMENTS = {"bf16": ("kiln_cute::bf16", 2), "fp8e4nv": ("kiln_cute::e4m3", 1)}
 WEIGHT_ROWS = 64             # decode: weight rows a block (one consumer warpgroup)
 TARGETS = ("sm_90",)         # wgmma and setmaxnreg: Hopper's alone (sm_90a)
 # `gemm`'s tiling in the engine (block_m, block_n, stages, group_m, parts of K). On an H200 (session 36,
-# scripts/tune_prefill_gemm.py, weights cycled beyond the L2) these 128x64 tiles took o_proj (4096x4096) 16.1 us
-# at T = 160 and 16.6 at 256, and down (4096x14336) 48.0 and 50.2, against 18.8/16.3 and 39.3/49.2 for cuBLAS;
-# 128x128 tiles (64 of them on 132 SMs) took 24.2/24.5 and 70.7/70.5, and in two K parts 20.8/21.0 and
-# 47.9/50.2. 64x128 tiles were faster still (15.5/16.1 and 45.7/47.0); branch linear-64x128 takes them, to
-# land once tests/test_cute_linear_gpu.py has passed at that tiling (the sweep checked the kernel, not the
-# residual epilogue through the engine's launcher).
-LINEAR_TILING = (128, 64, 8, 8, 1)
+# scripts/tune_prefill_gemm.py, weights cycled beyond the L2) 64x128 tiles took o_proj (4096x4096) 15.5 us at
+# T = 160 and 16.1 at 256, and down (4096x14336) 45.7 and 47.0, against 16.1/16.6 and 48.0/50.2 for 128x64
+# tiles (session 33's choice) and 18.8/16.3 and 39.3/49.2 for cuBLAS; 128x128 tiles (64 of them on 132 SMs)
+# took 24.2/24.5 and 70.7/70.5, and the same in two K parts 20.8/21.0 and 47.9/50.2.
+LINEAR_TILING = (64, 128, 8, 8, 1)
 # `qkv`'s tiling in the engine (block_m, rotary pairs a tile, stages, group_m): at 129-256 rows, 128 tiles for
 # Llama-3-8B's 48 heads of 64 pairs, one wave on 132 SMs. On an H200 (session 36) 25.7 us at T = 160 and 26.7 at
 # 256, against 27.6 and 28.4 with 64-row tiles of 96 pairs, and the pointer tile's 30.4 at 160.
