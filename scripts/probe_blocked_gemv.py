@@ -184,7 +184,7 @@ def run_all(path: str) -> None:
         print(f"T={t}")
         for name, (n, k) in SHAPES.items():
             rows = []
-            for family, label, launch, fp8, fits in families:
+            for fam, label, launch, fp8, fits in families:
                 if not fits(n):
                     continue
                 outs[name].zero_()
@@ -195,21 +195,21 @@ def run_all(path: str) -> None:
                 us = replay_ms(lambda: [launch(name, layer) for layer in range(20)]) * 1e3 / 20
                 nbytes = n * k * (1 if fp8 else 2)
                 rows.append((us, label, err, nbytes))
-                if err < 1e-2 and us < best.get((family, name), (float("inf"),))[0]:
-                    best[family, name] = (us, launch)
+                if err < 1e-2 and us < best.get((fam, name), (float("inf"),))[0]:
+                    best[fam, name] = (us, launch)
             print(f"  {name} {n}x{k}: {n * k * 2 / copy / 1e6:.1f} us bf16 / {n * k / copy / 1e6:.1f} e4m3 at copy")
             for us, label, err, nbytes in sorted(rows):
                 flag = "" if err < 1e-2 else "  WRONG"
                 print(f"    {us:7.2f} us  {nbytes / us / 1e6:5.2f} TB/s  rel err {err:.1e}  {label}{flag}")
-        for family in dict.fromkeys(f for f, *_ in families):
-            if not all((family, name) in best for name in SHAPES):
+        for fam in dict.fromkeys(f for f, *_ in families):
+            if not all((fam, name) in best for name in SHAPES):
                 continue
-            fns = {name: best[family, name][1] for name in SHAPES}
+            fns = {name: best[fam, name][1] for name in SHAPES}
             ms = replay_ms(lambda: [fns[name](name, layer) for layer in range(LAYERS) for name in SHAPES])
-            nbytes = sum(n * k for n, k in SHAPES.values()) * LAYERS * (1 if "e4m3" in family or "fp8" in family
+            nbytes = sum(n * k for n, k in SHAPES.values()) * LAYERS * (1 if "e4m3" in fam or "fp8" in fam
                                                                           else 2)
             rate = nbytes / ms / 1e9
-            print(f"  chain T={t} {family:12s} {ms:.3f} ms  {rate:.2f} TB/s ({rate / copy:.1%} of copy)")
+            print(f"  chain T={t} {fam:12s} {ms:.3f} ms  {rate:.2f} TB/s ({rate / copy:.1%} of copy)")
 
 
 if __name__ == "__main__":

@@ -226,7 +226,7 @@ def run_all(path: str, kind: str = "decode") -> None:
         for us, label, err in rows[:6]:
             rate = case['kv_bytes'] / us / 1e6
             print(f"  {us:7.1f} us  {rate:5.2f} TB/s of KV ({rate / copy:4.0%} of copy)  rel err {err:.1e}  {label}")
-        for label in ("bn64 w4 s2", "bn128 w2 s2", *(f"cuda w{w}" for w in (2, 4, 8))):
+        for label in ("bn64 w4 s2", "bn64 w4 s1", "bn128 w2 s2", *(f"cuda w{w}" for w in (2, 4, 8))):
             current = [r for r in rows if r[1] == label]
             if current:
                 print(f"  {label}: {current[0][0]:.1f} us")
