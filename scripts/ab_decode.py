@@ -1,0 +1,188 @@
+"""Decode speed of two or more source revisions, measured side by side (a developer's tool: BENCHMARKS.md
+compares times only within one run, and one engine's figures move by several percent between machines).
+
+    python3 scripts/ab_decode.py prepare DIR REV [NAME=REV ...]   # in the git checkout: a source tree per revision
+    python3 scripts/ab_decode.py run DIR [--batch-sizes 1,8,64] [--rounds 2] [--build-flags "--quantization fp8"]
+
+`prepare` writes each revision's tracked files (`git archive`) to DIR/NAME (NAME: the short commit unless
+given). `run`, on the GPU machine: writes the random checkpoint (`--model`, Llama-3-8B's shape by default)
+once into the work folder, builds every tree's engine from it at the same time (each build with its own
+tree first on PYTHONPATH, so each compiles its own kernels), then runs `bench-engine --only decode` on the
+engines in turn, `--rounds` times. It prints, per batch size, each tree's graph-replay and end-to-end step
+time (medians over the rounds) and their ratios to the first tree's, and writes them with every bench
+result to OUT/ab.json (OUT: --out, else $OUT, else DIR). An 8B engine is as large as its checkpoint
+(16 GB in bf16): a checkpoint and two engines fill most of a 64 GB disk. On a machine without a GPU,
+`--model tiny --build-flags "--max-seq-len 256 --max-num-tokens 256" --bench-flags "--decode-context 16"`
+runs the same path in seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kiln.bench.model import FAMILY, SHAPES
+
+BENCH = "from kiln.bench.cli import bench_engine; bench_engine()"
+BUILD = "from kiln.builder.cli import build_engine; build_engine()"
+ORDER = "trees.txt"   # the trees in `prepare`'s order: the first is the baseline
+
+
+def prepare(folder: Path, revisions: list[str]) -> None:
+    """One source tree per revision under `folder`, from git (run in the checkout)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    names = []
+    for spec in revisions:
+        name, _, rev = spec.rpartition("=")
+        commit = subprocess.run(["git", "rev-parse", "--short", rev], capture_output=True, text=True, check=True)
+        name = name or commit.stdout.strip()
+        tree = folder / name
+        shutil.rmtree(tree, ignore_errors=True)
+        tree.mkdir()
+        archive = subprocess.run(["git", "archive", rev], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        names.append(name)
+        print(f"{name}: {rev} ({commit.stdout.strip()}) -> {tree}")
+    (folder / ORDER).write_text("\n".join(names) + "\n")
+
+
+def _env(tree: Path) -> dict[str, str]:
+    """The environment that runs `tree`'s sources: it first on PYTHONPATH, what was there after."""
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+
+
+def _run(cmd: list[str], tree: Path, log: Path, timeout: float) -> None:
+    """Run `cmd` with `tree`'s sources, its output to `log`; a failure ends the A/B with the log's tail."""
+    with log.open("w") as f:
+        code = subprocess.run(cmd, env=_env(tree), stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+    if code != 0:
+        sys.exit(f"{' '.join(cmd[:3])} ... failed ({code}) for {tree.name}:\n" + "".join(log.read_text().splitlines(True)[-15:]))
+
+
+def checkpoint(tree: Path, work: Path, model: str) -> Path:
+    """The random checkpoint of `model`'s shape in `work`, written with `tree`'s sources if missing."""
+    shape = SHAPES[model]
+    path = work / f"{FAMILY}-{shape.key()}-bfloat16"
+    if not (path / "config.json").is_file():
+        device = "cuda" if shutil.which("nvidia-smi") else "cpu"
+        _run([sys.executable, "-m", "kiln.models.random_checkpoint", "--family", FAMILY, "--output", str(path),
+              "--dtype", "bfloat16", "--hidden-size", str(shape.hidden_size), "--layers", str(shape.num_layers),
+              "--heads", str(shape.num_heads), "--kv-heads", str(shape.num_kv_heads),
+              "--intermediate-size", str(shape.intermediate_size), "--vocab-size", str(shape.vocab_size),
+              "--max-position-embeddings", str(shape.max_position_embeddings), "--device", device],
+             tree, work / "checkpoint.log", 600)
+    return path
+
+
+def build_all(trees: list[Path], ckpt: Path, work: Path, flags: list[str]) -> dict[str, Path]:
+    """Every tree's engine of `ckpt`, built at the same time; returns them by tree name."""
+    engines, jobs = {}, []
+    for tree in trees:
+        engine = work / "engines" / tree.name
+        shutil.rmtree(engine, ignore_errors=True)
+        log = (work / f"build-{tree.name}.log").open("w")
+        jobs.append((tree, log, subprocess.Popen(
+            [sys.executable, "-c", BUILD, "--checkpoint", str(ckpt), "--output", str(engine), "--quiet", *flags],
+            env=_env(tree), stdout=log, stderr=subprocess.STDOUT)))
+        engines[tree.name] = engine
+    for tree, log, job in jobs:
+        code = job.wait()
+        log.close()
+        if code != 0:
+            tail = "".join(Path(log.name).read_text().splitlines(True)[-15:])
+            sys.exit(f"build-engine failed ({code}) for {tree.name}:\n{tail}")
+    return engines
+
+
+def summary(results: dict[str, list[dict]]) -> list[str]:
+    """Per batch size, each tree's median graph-replay (ms, where the executor has graphs) and end-to-end
+    step time, and their ratios to the first tree's."""
+    rows: dict[int, dict[str, list[tuple]]] = {}
+    notes: set[str] = set()
+    for name, runs in results.items():
+        for run in runs:
+            for fig in run["decode"]:
+                if fig.get("ms_per_step") is not None:
+                    rows.setdefault(fig["batch"], {}).setdefault(name, []).append(
+                        (fig.get("replay_ms_per_step"), fig["ms_per_step"]))
+                elif fig.get("note"):
+                    notes.add(f"{name}, {fig['name']}: {fig['note']}")
+    lines = [f"{'batch':>5}  {'tree':<16} {'replay ms':>10} {'vs first':>8} {'end to end ms':>14} {'vs first':>8}"]
+    for batch in sorted(rows):
+        base = None
+        for name in results:
+            if name not in rows[batch]:
+                continue
+            replays = [r for r, _ in rows[batch][name] if r is not None]
+            replay = statistics.median(replays) if replays else None
+            e2e = statistics.median(e for _, e in rows[batch][name])
+            base = base or (replay, e2e)
+            shown = "-".rjust(10) + " " + "-".rjust(8) if replay is None or base[0] is None else \
+                f"{replay:>10.3f} {replay / base[0]:>8.3f}"
+            lines.append(f"{batch:>5}  {name:<16} {shown} {e2e:>14.3f} {e2e / base[1]:>8.3f}")
+    return lines + sorted(notes)
+
+
+def run(folder: Path, args: argparse.Namespace) -> None:
+    order = folder / ORDER
+    trees = [folder / name for name in order.read_text().split()] if order.is_file() else []
+    if len(trees) < 2:
+        sys.exit(f"{folder} holds {len(trees)} source tree(s); `prepare` two or more first")
+    work = Path(args.work).resolve()
+    out = Path(args.out or os.environ.get("OUT") or folder)
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    ckpt = checkpoint(trees[0], work, args.model)
+    print(f"checkpoint {ckpt} ({time.monotonic() - start:.0f} s)", flush=True)
+    flags = ["--dtype", "bfloat16", "--max-batch-size", str(max(map(int, args.batch_sizes.split(",")))),
+             *args.build_flags.split()]
+    engines = build_all(trees, ckpt, work, flags)
+    print(f"built {', '.join(engines)} ({time.monotonic() - start:.0f} s)", flush=True)
+    results: dict[str, list[dict]] = {t.name: [] for t in trees}
+    for round_ in range(args.rounds):
+        for tree in trees:
+            path = work / f"bench-{tree.name}-{round_}.json"
+            _run([sys.executable, "-c", BENCH, "--engine", str(engines[tree.name]), "--only", "decode",
+                  "--batch-sizes", args.batch_sizes, "--no-baseline", "--json", str(path), *args.bench_flags.split()],
+                 tree, work / f"bench-{tree.name}-{round_}.log", 900)
+            results[tree.name].append(json.loads(path.read_text()))
+            print(f"round {round_ + 1}, {tree.name} ({time.monotonic() - start:.0f} s)", flush=True)
+    lines = summary(results)
+    print("\n".join(lines))
+    (out / "ab.json").write_text(json.dumps({"summary": lines, "results": results}, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("action", choices=("prepare", "run"))
+    parser.add_argument("dir", help="the folder of source trees")
+    parser.add_argument("revisions", nargs="*", help="prepare: git revisions, NAME=REV to name a tree")
+    parser.add_argument("--batch-sizes", default="1,8,64,256")
+    parser.add_argument("--rounds", type=int, default=2, help="benches of every engine, alternating")
+    parser.add_argument("--build-flags", default="--max-seq-len 4352 --max-num-tokens 8192",
+                        help="build-engine's flags beside --checkpoint, --output, --dtype and --max-batch-size")
+    parser.add_argument("--bench-flags", default="", help='more bench-engine flags, e.g. "--decode-context 512"')
+    parser.add_argument("--model", default="llama3-8b", help="the random checkpoint's shape (bench.model.SHAPES)")
+    parser.add_argument("--work", default="engines/gpu-work/ab", help="where the checkpoint and engines go")
+    parser.add_argument("--out", help="where ab.json goes (default: $OUT, else DIR)")
+    args = parser.parse_args()
+    folder = Path(args.dir)
+    if args.action == "prepare":
+        if not args.revisions:
+            parser.error("prepare needs one or more revisions")
+        prepare(folder, args.revisions)
+    else:
+        run(folder, args)
+
+
+if __name__ == "__main__":
+    main()
