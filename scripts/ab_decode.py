@@ -1,5 +1,7 @@
-"""Decode speed of two or more source revisions, measured side by side (a developer's tool: BENCHMARKS.md
-compares times only within one run, and one engine's figures move by several percent between machines).
+"""Decode step times of two or more source revisions, side by side on one machine (a developer's tool).
+
+BENCHMARKS.md compares times only within one run, and one engine's figures move by several percent
+between machines: more than most changes gain.
 
     python3 scripts/ab_decode.py prepare DIR REV [NAME=REV ...]   # in the git checkout: a source tree per revision
     python3 scripts/ab_decode.py run DIR [--batch-sizes 1,8,64] [--rounds 2] [--build-flags "--quantization fp8"]
@@ -166,13 +168,15 @@ def main() -> None:
     parser.add_argument("action", choices=("prepare", "run"))
     parser.add_argument("dir", help="the folder of source trees")
     parser.add_argument("revisions", nargs="*", help="prepare: git revisions, NAME=REV to name a tree")
-    parser.add_argument("--batch-sizes", default="1,8,64,256")
-    parser.add_argument("--rounds", type=int, default=2, help="benches of every engine, alternating")
+    parser.add_argument("--batch-sizes", default="1,8,64,256", help="bench-engine's (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=2, help="benches of every engine, alternating (default 2)")
     parser.add_argument("--build-flags", default="--max-seq-len 4352 --max-num-tokens 8192",
-                        help="build-engine's flags beside --checkpoint, --output, --dtype and --max-batch-size")
+                        help="build-engine's flags beside --checkpoint, --output, --dtype and --max-batch-size "
+                             "(default %(default)s)")
     parser.add_argument("--bench-flags", default="", help='more bench-engine flags, e.g. "--decode-context 512"')
     parser.add_argument("--model", default="llama3-8b", help="the random checkpoint's shape (bench.model.SHAPES)")
-    parser.add_argument("--work", default="engines/gpu-work/ab", help="where the checkpoint and engines go")
+    parser.add_argument("--work", default="engines/gpu-work/ab",
+                        help="where the checkpoint and engines go (default %(default)s)")
     parser.add_argument("--out", help="where ab.json goes (default: $OUT, else DIR)")
     args = parser.parse_args()
     folder = Path(args.dir)
