@@ -29,7 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from kiln.bench.model import FAMILY, SHAPES
+import torch
+
+from kiln.bench.model import SHAPES, ensure_checkpoint
 
 BENCH = "from kiln.bench.cli import bench_engine; bench_engine()"
 BUILD = "from kiln.builder.cli import build_engine; build_engine()"
@@ -66,21 +68,6 @@ def _run(cmd: list[str], tree: Path, log: Path, timeout: float) -> None:
         code = subprocess.run(cmd, env=_env(tree), stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
     if code != 0:
         sys.exit(f"{' '.join(cmd[:3])} ... failed ({code}) for {tree.name}:\n" + "".join(log.read_text().splitlines(True)[-15:]))
-
-
-def checkpoint(tree: Path, work: Path, model: str) -> Path:
-    """The random checkpoint of `model`'s shape in `work`, written with `tree`'s sources if missing."""
-    shape = SHAPES[model]
-    path = work / f"{FAMILY}-{shape.key()}-bfloat16"
-    if not (path / "config.json").is_file():
-        device = "cuda" if shutil.which("nvidia-smi") else "cpu"
-        _run([sys.executable, "-m", "kiln.models.random_checkpoint", "--family", FAMILY, "--output", str(path),
-              "--dtype", "bfloat16", "--hidden-size", str(shape.hidden_size), "--layers", str(shape.num_layers),
-              "--heads", str(shape.num_heads), "--kv-heads", str(shape.num_kv_heads),
-              "--intermediate-size", str(shape.intermediate_size), "--vocab-size", str(shape.vocab_size),
-              "--max-position-embeddings", str(shape.max_position_embeddings), "--device", device],
-             tree, work / "checkpoint.log", 600)
-    return path
 
 
 def build_all(trees: list[Path], ckpt: Path, work: Path, flags: list[str]) -> dict[str, Path]:
@@ -142,7 +129,8 @@ def run(folder: Path, args: argparse.Namespace) -> None:
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    ckpt = checkpoint(trees[0], work, args.model)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ckpt, _ = ensure_checkpoint(work, SHAPES[args.model], "bfloat16", device)
     print(f"checkpoint {ckpt} ({time.monotonic() - start:.0f} s)", flush=True)
     flags = ["--dtype", "bfloat16", "--max-batch-size", str(max(map(int, args.batch_sizes.split(",")))),
              *args.build_flags.split()]
