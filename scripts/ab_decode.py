@@ -20,6 +20,7 @@ runs the same path in seconds.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -130,7 +131,10 @@ def run(folder: Path, args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    ckpt, _ = ensure_checkpoint(work, SHAPES[args.model], "bfloat16", device)
+    shape = SHAPES[args.model]
+    if args.layers:
+        shape = dataclasses.replace(shape, num_layers=args.layers)
+    ckpt, _ = ensure_checkpoint(work, shape, "bfloat16", device)
     print(f"checkpoint {ckpt} ({time.monotonic() - start:.0f} s)", flush=True)
     flags = ["--dtype", "bfloat16", "--max-batch-size", str(max(map(int, args.batch_sizes.split(",")))),
              *args.build_flags.split()]
@@ -148,9 +152,9 @@ def run(folder: Path, args: argparse.Namespace) -> None:
                  tree, work / f"bench-{tree.name}-{round_}.log", 900)
             results[tree.name].append(json.loads(path.read_text()))
             print(f"round {round_ + 1}, {tree.name} ({time.monotonic() - start:.0f} s)", flush=True)
-    lines = summary(results)
-    print("\n".join(lines))
-    (out / "ab.json").write_text(json.dumps({"summary": lines, "results": results}, indent=1))
+            # Rewritten after every bench, so a run stopped by a time limit leaves what it measured.
+            (out / "ab.json").write_text(json.dumps({"summary": summary(results), "results": results}, indent=1))
+    print("\n".join(summary(results)))
 
 
 def main() -> None:
@@ -166,6 +170,8 @@ def main() -> None:
                              "(default %(default)s)")
     parser.add_argument("--bench-flags", default="", help='more bench-engine flags, e.g. "--decode-context 512"')
     parser.add_argument("--model", default="llama3-8b", help="the random checkpoint's shape (bench.model.SHAPES)")
+    parser.add_argument("--layers", type=int, help="the model's layers instead of the shape's: fewer make smaller "
+                                                   "engines, so more trees fit a disk")
     parser.add_argument("--work", default="engines/gpu-work/ab",
                         help="where the checkpoint and engines go (default %(default)s)")
     parser.add_argument("--out", help="where ab.json goes (default: $OUT, else DIR)")
