@@ -58,7 +58,9 @@ def prepare(folder: Path, revisions: list[str]) -> None:
 
 
 def _env(tree: Path) -> dict[str, str]:
-    """The environment that runs `tree`'s sources: it first on PYTHONPATH, what was there after."""
+    """The environment that runs `tree`'s sources: it first on PYTHONPATH, what was there after. The
+    commands also run in `tree`: `python -c` puts its working folder ahead of PYTHONPATH, and from the
+    checkout every tree would import the checkout's `kiln` (as session 37's A/Bs did)."""
     path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
 
@@ -66,9 +68,20 @@ def _env(tree: Path) -> dict[str, str]:
 def _run(cmd: list[str], tree: Path, log: Path, timeout: float) -> None:
     """Run `cmd` with `tree`'s sources, its output to `log`; a failure ends the A/B with the log's tail."""
     with log.open("w") as f:
-        code = subprocess.run(cmd, env=_env(tree), stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        code = subprocess.run(cmd, env=_env(tree), cwd=tree, stdout=f, stderr=subprocess.STDOUT,
+                              timeout=timeout).returncode
     if code != 0:
         sys.exit(f"{' '.join(cmd[:3])} ... failed ({code}) for {tree.name}:\n" + "".join(log.read_text().splitlines(True)[-15:]))
+
+
+def check_imports(trees: list[Path]) -> None:
+    """Refuse to compare trees that would not run their own sources."""
+    for tree in trees:
+        found = subprocess.run([sys.executable, "-c", "import kiln.plugins; print(kiln.plugins.__file__)"],
+                               env=_env(tree), cwd=tree, capture_output=True, text=True)
+        where = Path(found.stdout.strip() or "?").resolve()
+        if found.returncode != 0 or tree.resolve() not in where.parents:
+            sys.exit(f"{tree.name}'s commands import kiln from {where}, not from the tree:\n{found.stderr[-2000:]}")
 
 
 def build_all(trees: list[Path], ckpt: Path, work: Path, flags: list[str]) -> dict[str, Path]:
@@ -80,7 +93,7 @@ def build_all(trees: list[Path], ckpt: Path, work: Path, flags: list[str]) -> di
         log = (work / f"build-{tree.name}.log").open("w")
         jobs.append((tree, log, subprocess.Popen(
             [sys.executable, "-c", BUILD, "--checkpoint", str(ckpt), "--output", str(engine), "--quiet", *flags],
-            env=_env(tree), stdout=log, stderr=subprocess.STDOUT)))
+            env=_env(tree), cwd=tree, stdout=log, stderr=subprocess.STDOUT)))
         engines[tree.name] = engine
     for tree, log, job in jobs:
         code = job.wait()
@@ -129,6 +142,7 @@ def run(folder: Path, args: argparse.Namespace) -> None:
     out = Path(args.out or os.environ.get("OUT") or folder)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
+    check_imports(trees)
     start = time.monotonic()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = SHAPES[args.model]
@@ -176,7 +190,7 @@ def main() -> None:
                         help="where the checkpoint and engines go (default %(default)s)")
     parser.add_argument("--out", help="where ab.json goes (default: $OUT, else DIR)")
     args = parser.parse_args()
-    folder = Path(args.dir)
+    folder = Path(args.dir).resolve()
     if args.action == "prepare":
         if not args.revisions:
             parser.error("prepare needs one or more revisions")
