@@ -5,6 +5,7 @@ between machines: more than most changes gain.
 
     python3 scripts/ab_decode.py prepare DIR REV [NAME=REV ...]   # in the git checkout: a source tree per revision
     python3 scripts/ab_decode.py run DIR [--batch-sizes 1,8,64] [--rounds 2] [--build-flags "--quantization fp8"]
+                                         [--profile 8,64]
 
 `prepare` writes each revision's tracked files (`git archive`) to DIR/NAME (NAME: the short commit unless
 given). `run`, on the GPU machine: writes the random checkpoint (`--model`, Llama-3-8B's shape by default)
@@ -12,7 +13,8 @@ once into the work folder, builds every tree's engine from it at the same time (
 tree first on PYTHONPATH, so each compiles its own kernels), then runs `bench-engine --only decode` on the
 engines in turn, `--rounds` times. It prints, per batch size, each tree's graph-replay and end-to-end step
 time (medians over the rounds) and their ratios to the first tree's, and writes them with every bench
-result to OUT/ab.json (OUT: --out, else $OUT, else DIR). An 8B engine is as large as its checkpoint
+result to OUT/ab.json (OUT: --out, else $OUT, else DIR). `--profile` then runs each tree's
+`scripts/profile_decode.py` on its engine at those batch sizes and prints each kind of op's time side by side. An 8B engine is as large as its checkpoint
 (16 GB in bf16): a checkpoint and two engines fill most of a 64 GB disk. On a machine without a GPU,
 `--model tiny --build-flags "--max-seq-len 256 --max-num-tokens 256" --bench-flags "--decode-context 16"`
 runs the same path in seconds.
@@ -133,6 +135,27 @@ def summary(results: dict[str, list[dict]]) -> list[str]:
     return lines + sorted(notes)
 
 
+def profiles(trees: list[Path], engines: dict[str, Path], work: Path, batches: str, context: int) -> list[str]:
+    """Each tree's per-op profile of its engine (`scripts/profile_decode.py`), as a table: us a launch of each
+    kind of op, and the step's ms, by tree."""
+    found: dict[str, list[dict]] = {}
+    for tree in trees:
+        path = work / f"profile-{tree.name}.json"
+        _run([sys.executable, str(tree / "scripts" / "profile_decode.py"), str(engines[tree.name]), "--context",
+              str(context), *[a for b in batches.split(",") for a in ("--batch", b)], "--json", str(path)],
+             tree, work / f"profile-{tree.name}.log", 600)
+        found[tree.name] = json.loads(path.read_text())
+    lines = []
+    for i, first in enumerate(next(iter(found.values()))):
+        lines.append(f"profile, batch {first['batch']}, context {context}: us a launch "
+                     f"({', '.join(found)}); step ms last")
+        for kind in first["us_each"]:
+            lines.append(f"  {kind:18s} " + " ".join(f"{found[t][i]['us_each'].get(kind, float('nan')):9.1f}"
+                                                    for t in found))
+        lines.append(f"  {'step (ms)':18s} " + " ".join(f"{found[t][i]['step_ms']:9.3f}" for t in found))
+    return lines
+
+
 def run(folder: Path, args: argparse.Namespace) -> None:
     order = folder / ORDER
     trees = [folder / name for name in order.read_text().split()] if order.is_file() else []
@@ -168,7 +191,11 @@ def run(folder: Path, args: argparse.Namespace) -> None:
             print(f"round {round_ + 1}, {tree.name} ({time.monotonic() - start:.0f} s)", flush=True)
             # Rewritten after every bench, so a run stopped by a time limit leaves what it measured.
             (out / "ab.json").write_text(json.dumps({"summary": summary(results), "results": results}, indent=1))
-    print("\n".join(summary(results)))
+    lines = summary(results)
+    if args.profile:
+        lines += profiles(trees, engines, work, args.profile, args.context)
+        (out / "ab.json").write_text(json.dumps({"summary": lines, "results": results}, indent=1))
+    print("\n".join(lines))
 
 
 def main() -> None:
@@ -189,6 +216,8 @@ def main() -> None:
     parser.add_argument("--work", default="engines/gpu-work/ab",
                         help="where the checkpoint and engines go (default %(default)s)")
     parser.add_argument("--out", help="where ab.json goes (default: $OUT, else DIR)")
+    parser.add_argument("--profile", help="batch sizes to profile op by op after the benches, e.g. 8,64 (GPU only)")
+    parser.add_argument("--context", type=int, default=160, help="the profiles' context length (default %(default)s)")
     args = parser.parse_args()
     folder = Path(args.dir).resolve()
     if args.action == "prepare":

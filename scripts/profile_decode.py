@@ -1,6 +1,6 @@
 """Where a decode step's time goes, op by op, on the GPU: a developer's profile, not a benchmark.
 
-    PYTHONPATH=. python3 scripts/profile_decode.py ENGINE_DIR [--batch 1 --batch 64] [--context 128]
+    PYTHONPATH=. python3 scripts/profile_decode.py ENGINE_DIR [--batch 1 --batch 64] [--context 128] [--json F]
 
 For each batch size: one prefill puts `context` tokens of every sequence in the cache, then
 the whole decode step is timed as the executor runs it (graph replay), and each plan op is
@@ -11,8 +11,10 @@ give the bandwidth it reaches; the sum over ops shows the launch gaps the graph 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -37,7 +39,8 @@ def time_ms(fn, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
-def profile(ex: CudaExecutor, batch: int, context: int) -> None:
+def profile(ex: CudaExecutor, batch: int, context: int) -> dict:
+    """Prints the step's and each kind of op's time; returns them: step ms, and us a launch by op kind."""
     engine = ex.engine
     bs, nb = engine.manifest.kv.block_size, engine.manifest.blocks_per_sequence
     per_seq = -(-(context + 1) // bs)
@@ -54,6 +57,7 @@ def profile(ex: CudaExecutor, batch: int, context: int) -> None:
     print(f"batch {batch}, context {context}: step {total:.3f} ms ({batch / total * 1e3:.0f} tok/s), "
           f"{weights / total / 1e6:.0f} GB/s of non-embedding weights")
     eager_mixed_step(ex, tables, context, g)
+    result = {"batch": batch, "context": context, "step_ms": total, "us_each": {}}
     kinds: dict[str, list] = {}
     for op in ex.ops:
         kinds.setdefault(op.launcher.__name__.split(".")[-2], []).append(op)
@@ -87,6 +91,8 @@ def profile(ex: CudaExecutor, batch: int, context: int) -> None:
             ex.weights[t].nbytes for op in ops for t in op.inputs if t in ex.weights)
         print(f"  {kind:18s} x{len(ops):<3d} {ms:8.3f} ms  {ms / len(ops) * 1e3:8.1f} us each  "
               f"{nbytes / ms / 1e6 if 'embed' not in kind else 0:7.0f} GB/s of weights")
+        result["us_each"][kind] = ms / len(ops) * 1e3
+    return result
 
 
 def eager_mixed_step(ex: CudaExecutor, tables: list[list[int]], context: int, g: torch.Generator) -> None:
@@ -120,6 +126,7 @@ def main() -> None:
     parser.add_argument("engine")
     parser.add_argument("--batch", type=int, action="append")
     parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     engine = load_engine(args.engine, target=f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}",
                          verify=False)
@@ -127,8 +134,9 @@ def main() -> None:
     bs = engine.manifest.kv.block_size
     # One sequence more than the largest batch: the eager step adds a new prompt.
     ex = CudaExecutor(engine, (max(batches) + 1) * -(-(args.context + 1) // bs))
-    for batch in batches:
-        profile(ex, batch, args.context)
+    results = [profile(ex, batch, args.context) for batch in batches]
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
