@@ -13,9 +13,10 @@ once into the work folder, builds every tree's engine from it at the same time (
 tree first on PYTHONPATH, so each compiles its own kernels), then runs `bench-engine --only decode` on the
 engines in turn, `--rounds` times. It prints, per batch size, each tree's graph-replay and end-to-end step
 time (medians over the rounds) and their ratios to the first tree's, and writes them with every bench
-result to OUT/ab.json (OUT: --out, else $OUT, else DIR). `--profile` then runs each tree's
-`scripts/profile_decode.py` on its engine at those batch sizes and prints each kind of op's time side by side. An 8B engine is as large as its checkpoint
-(16 GB in bf16): a checkpoint and two engines fill most of a 64 GB disk. On a machine without a GPU,
+result to OUT/ab.json (OUT: --out, else $OUT, else DIR). `--profile` then runs each tree's own
+`scripts/profile_decode.py --json` on its engine at those batch sizes and prints each kind of op's time side
+by side. An 8B engine is as large as its checkpoint (16 GB in bf16): a checkpoint and two engines fill most
+of a 64 GB disk (`--layers 16` halves both). On a machine without a GPU,
 `--model tiny --build-flags "--max-seq-len 256 --max-num-tokens 256" --bench-flags "--decode-context 16"`
 runs the same path in seconds.
 """
