@@ -29,7 +29,8 @@ PREFILL_SM90 = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
 SM90_TARGETS = ("sm_90", "sm_100")
 # One pipeline stage: on an H100 (scripts/ab_decode.py, 16 layers of Llama-3-8B's shape, 128-token contexts,
 # BENCHMARKS.md session 38) decode steps took 0.1% less time at b=1, 0.6% at b=8 and 0.5% at b=64 than with two,
-# and 0.2% more at b=256; tune_attention.py had it 1-1.5% slower only past 256 sequences of 256 keys or more.
+# and 0.2% more at b=256 (within that size's spread); tune_attention.py had it 1-1.5% slower only past 256
+# sequences of 256 keys or more.
 DECODE = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
 # An e4m3 cache's decode is bound by converting K and V, not by their bytes, so it takes 2 warps; with
 # v's blocks transposed, 128-key tiles: on an H200 (scripts/tune_attention.py with KILN_TUNE_FP8_KV=1,
