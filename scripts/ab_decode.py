@@ -191,8 +191,8 @@ def run(folder: Path, args: argparse.Namespace) -> None:
             results[tree.name].append(json.loads(path.read_text()))
             print(f"round {round_ + 1}, {tree.name} ({time.monotonic() - start:.0f} s)", flush=True)
             # Rewritten after every bench, so a run stopped by a time limit leaves what it measured.
-            (out / "ab.json").write_text(json.dumps({"summary": summary(results), "results": results}, indent=1))
-    lines = summary(results)
+            lines = summary(results)
+            (out / "ab.json").write_text(json.dumps({"summary": lines, "results": results}, indent=1))
     if args.profile:
         lines += profiles(trees, engines, work, args.profile, args.context)
         (out / "ab.json").write_text(json.dumps({"summary": lines, "results": results}, indent=1))

@@ -49,18 +49,20 @@ def summarize(steps: list[tuple[list[dict], float]], plan: set[str]) -> None:
     inside, outside, idle, span = [], [], [], []
     others: dict[str, list[float]] = defaultdict(list)
     for step, end in steps:
-        busy = 0.0
+        busy = planned = other = 0.0
         cursor = step[0]["ts"]
         for e in step:
-            busy += max(0.0, e["ts"] + e["dur"] - max(cursor, e["ts"]))
+            busy += max(0.0, e["ts"] + e["dur"] - max(cursor, e["ts"]))   # overlapping activities count once
             cursor = max(cursor, e["ts"] + e["dur"])
-        inside.append(sum(e["dur"] for e in step if e["name"] in plan))
-        outside.append(sum(e["dur"] for e in step if e["name"] not in plan))
+            if e["name"] in plan:
+                planned += e["dur"]
+            else:
+                other += e["dur"]
+                others[e["name"]].append(e["dur"])
+        inside.append(planned)
+        outside.append(other)
         span.append(end - step[0]["ts"])
         idle.append(span[-1] - busy)
-        for e in step:
-            if e["name"] not in plan:
-                others[e["name"]].append(e["dur"])
     n = len(steps)
     print(f"{n} steps: span {statistics.median(span):.1f} us, plan kernels {statistics.median(inside):.1f}, "
           f"other GPU work {statistics.median(outside):.1f}, idle {statistics.median(idle):.1f} (medians)")
@@ -76,7 +78,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     args = parser.parse_args()
     core = EngineCore(args.engine, device="cuda")
-    vocab = core.executor.engine.manifest.vocab_size
+    vocab = core.engine.manifest.vocab_size
     params = SamplingParams(max_tokens=args.steps * 3 + 16, temperature=0.0, ignore_eos=True)
     requests = [core.add_request(f"r{i}", prompt, params)
                 for i, prompt in enumerate(random_prompts(args.batch, args.context, vocab, 0))]
@@ -91,7 +93,7 @@ def main() -> None:
         torch.cuda.synchronize()
     timeline = gpu_timeline(prof)
     # The plan's kernels are the graph's: the ones whose names the engine's kernel index holds.
-    plan = {info.entry for info in core.executor.engine.manifest.kernels.values()}
+    plan = {info.entry for info in core.engine.manifest.kernels.values()}
     first = next(e["name"] for e in timeline if e["name"] in plan)
     print(f"batch {args.batch}, context {args.context}")
     summarize(split_steps(timeline, first)[1:-1], plan)
