@@ -6,7 +6,8 @@ with the driver API (`runtime.cuda_driver`), and each plan op is launched by its
 one device allocation made when the executor is built (`runtime.arena.Arena`): the weights,
 the activations and step inputs at the memory plan's offsets, the KV-cache pool, the ops'
 scratch buffers (split-KV workspaces, attention_o_proj's intermediate) sized for the engine's
-bounds, and the float32 logits each step hands back. A step packs its inputs into one pinned
+bounds, and the float32 logits `run` hands back (the engine loop samples from the LM head's output
+as it is: `forward`). A step packs its inputs into one pinned
 host buffer laid out like the arena's input region and copies it over in one transfer; it
 allocates no device memory.
 
@@ -246,33 +247,35 @@ class CudaExecutor(ArenaExecutor):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 self._launch(dims, values)
-                self._copy_logits(dims, batch)
             graphs[batch] = graph
         torch.cuda.synchronize(self.device)
         return graphs
 
-    def run(self, step: StepInputs, copies: list[tuple[int, int]] = (), feed: Feed | None = None) -> torch.Tensor:
+    def forward(self, step: StepInputs, copies: list[tuple[int, int]] = (), feed: Feed | None = None) -> torch.Tensor:
         """Run one step, after the copy-on-write block copies the scheduler asked for, with the
-        `feed` token ids taken from the previous step's sampled ids on the device; returns
-        the logits of the requested rows, [L, vocab] in float32 on the GPU, in a buffer of
-        their own that the next step's kernels do not touch (the next `run` overwrites it).
-        Everything is enqueued on the current stream: nothing here waits for the GPU."""
+        `feed` token ids taken from the previous step's sampled ids on the device; returns the
+        logits of the requested rows, [L, vocab] in the engine's dtype, where the LM head wrote
+        them in the arena. The next step's kernels overwrite them: what reads them must be
+        enqueued before (the sampler is, on the same stream). No float32 copy: the sampler's
+        argmax takes bf16 as it is (exact), and it converts the rows it samples from. Everything is
+        enqueued on the current stream: nothing here waits for the GPU."""
         rows = step.logits_indices.shape[0]
         batch = next((b for b in self.graphs if b >= step.num_tokens), None) if is_pure_decode(step) else None
         if batch is not None:
-            # The graph holds the whole step, the float32 copy of the logits included.
             step = pad_decode(step, batch, self.pad_block, self.engine.manifest.kv.block_size)
-            self._prepare(step, copies, feed)
+            dims = self._prepare(step, copies, feed)
             self.graphs[batch].replay()
-            return self.logits[:rows * self.vocab].view(rows, self.vocab)
-        dims, values = self._begin(step, copies, feed)
-        self._launch(dims, values)
-        return self._copy_logits(dims, rows)
+        else:
+            dims, values = self._begin(step, copies, feed)
+            self._launch(dims, values)
+        return self._view(self.output, dims)[:rows]
 
-    def _copy_logits(self, dims: dict[str, int], rows: int) -> torch.Tensor:
-        """The first `rows` logits rows as float32, in the arena's logits buffer."""
-        out = self.logits[:rows * self.vocab].view(rows, self.vocab)
-        out.copy_(self._view(self.output, dims)[:rows])
+    def run(self, step: StepInputs, copies: list[tuple[int, int]] = (), feed: Feed | None = None) -> torch.Tensor:
+        """`forward`, with the logits as float32 in a buffer of their own that the next step's kernels do
+        not touch (the next `run` overwrites it)."""
+        logits = self.forward(step, copies, feed)
+        out = self.logits[:logits.numel()].view(logits.shape)
+        out.copy_(logits)
         return out
 
     def close(self) -> None:

@@ -86,8 +86,13 @@ class ArenaExecutor:
         """`run` the step, then pick the tokens `picks` asks for where the logits are: the token
         ids (int64 [rows], left on the device, a copy to the host started) and the logprobs
         entries; None without picks. Nothing waits for the device."""
-        logits = self.run(step, copies, feed)
+        logits = self.forward(step, copies, feed)
         return SampledIds(*self.sampler.pick(logits, picks)) if picks is not None else None
+
+    def forward(self, step: StepInputs, copies: list[tuple[int, int]] = (), feed: Feed | None = None) -> torch.Tensor:
+        """The step's logits rows as the sampler may take them, before anything else runs on the device:
+        `run`'s here; an executor that can hand them over without a copy overrides it."""
+        return self.run(step, copies, feed)
 
     def _view(self, name: str, dims: dict[str, int]) -> torch.Tensor:
         # Remembered per tensor and dims (a bounded number of them): making the views anew was a

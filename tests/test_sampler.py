@@ -259,3 +259,22 @@ def test_sequence_sampler_keeps_each_sequence_generator_until_it_finishes():
         assert torch.equal(got, want)
     sampler.pick(logits[0], Picks([1], [8], [0], [[]], [[]], {8: (params, None)}, finished=[7]))
     assert list(sampler.generators) == [8] and list(sampler.params) == [8]
+
+
+def test_bf16_logits_give_what_their_float32_copy_gives():
+    """The CUDA executor hands the sampler the LM head's bf16 output as it is: every mode must pick the
+    same tokens (and logprobs) as from its float32 copy, which is exact."""
+    logits = (torch.randn(6, 500, generator=torch.Generator().manual_seed(3)) * 4).to(torch.bfloat16)
+    logits[0, 7] = logits[0, 9] = logits[0].max() + 1   # a tie: both take the first
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, repetition_penalty=1.3),
+              SamplingParams(temperature=0.8, seed=5), SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=6),
+              SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.0, min_tokens=4)]
+    history = [[1, 2], [3, 7, 7], [], [4], [], []]
+
+    def picks(x: torch.Tensor):
+        gens = [make_generator(p.seed) for p in params]
+        return pick_tokens(x, params, gens, history, [[9]] * 6, [0, 0, 0, 0, 0, 2], (11,))
+
+    (got, got_lp), (want, want_lp) = picks(logits), picks(logits.float())
+    assert got.tolist() == want.tolist() and got[0].item() == 7
+    assert got_lp == want_lp
