@@ -34,12 +34,17 @@ token -inf, which tells the client nothing about the model's preferences.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.step import to_device
+
+# `row_argmax`'s chunks: the shortest width from MIN_CHUNK that divides the vocabulary (256 values
+# for Llama 3's 128,256: 501 chunks a row).
+MIN_CHUNK, MAX_CHUNK = 256, 4096
 
 
 @dataclass
@@ -174,6 +179,24 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return SampleResult(tokens.tolist(), logprobs)
 
 
+def row_argmax(rows: torch.Tensor) -> torch.Tensor:
+    """torch.argmax over the last dim of [n, V] (the first of equal values, NaN above all), in two
+    passes where V splits into chunks: the largest of each chunk, then the best chunk. torch's one
+    pass gives a row of 128,256 values to few blocks: 27 us of an H100's decode step at batch 1."""
+    n, vocab = rows.shape
+    width = _chunk_width(vocab)
+    if width is None:
+        return rows.argmax(dim=-1)
+    best, within = rows.reshape(n, vocab // width, width).max(dim=-1)
+    chunk = best.argmax(dim=-1, keepdim=True)
+    return (chunk * width + within.gather(1, chunk)).squeeze(1)
+
+
+@functools.cache
+def _chunk_width(vocab: int) -> int | None:
+    return next((w for w in range(MIN_CHUNK, min(MAX_CHUNK, vocab - 1) + 1) if vocab % w == 0), None)
+
+
 def pick_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
                 output_tokens: list[list[int]], prompt_tokens: list[list[int]], num_generated: list[int],
                 eos_ids: tuple[int, ...]) -> tuple[torch.Tensor, list[dict | None]]:
@@ -198,11 +221,11 @@ def pick_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: 
     plain = [i for i, p in enumerate(params) if p.argmax_only and num_generated[i] >= p.min_tokens]
     logprobs: list[dict | None] = [None] * batch
     if len(plain) == batch:
-        return logits.argmax(dim=-1), logprobs
+        return row_argmax(logits), logprobs
     tokens = torch.empty(batch, dtype=torch.long, device=device)
     if plain:
         rows = index(plain)
-        tokens.index_copy_(0, rows, logits.index_select(0, rows).argmax(dim=-1))
+        tokens.index_copy_(0, rows, row_argmax(logits.index_select(0, rows)))
     others = sorted(set(range(batch)) - set(plain))
     rows = logits.index_select(0, index(others)).to(torch.float32)
     for j, i in enumerate(others):
@@ -219,13 +242,13 @@ def pick_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: 
     picks = torch.empty(len(others), dtype=torch.long, device=device)
     if greedy:
         at = index(greedy)
-        picks.index_copy_(0, at, rows.index_select(0, at).argmax(dim=-1))
+        picks.index_copy_(0, at, row_argmax(rows.index_select(0, at)))
     if drawn:
         at = index(drawn)
         probs = sampling_distributions(rows.index_select(0, at), [params[others[j]] for j in drawn])
         race = torch.stack([torch.empty(vocab, device=device).exponential_(generator=generators[others[j]])
                             for j in drawn])
-        picks.index_copy_(0, at, (probs / race).argmax(dim=-1))
+        picks.index_copy_(0, at, row_argmax(probs / race))
     tokens.index_copy_(0, index(others), picks)
     wanted = [j for j, i in enumerate(others) if params[i].logprobs is not None]
     if wanted:
