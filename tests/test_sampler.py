@@ -296,3 +296,14 @@ def test_row_argmax_is_torch_argmax(vocab, dtype):
     assert torch.equal(row_argmax(rows), rows.argmax(dim=-1))
     assert torch.equal(row_argmax(rows[2:3]), rows[2:3].argmax(dim=-1))
     assert row_argmax(rows[:0]).shape == (0,)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 256])
+def test_row_argmax_on_the_gpu_is_torch_argmax(rows):
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    logits = torch.randint(-20, 20, (rows, 128256), generator=g, device="cuda").to(torch.bfloat16)
+    logits[0, 100_000] = 50.0
+    logits[-1, [3, 128_000]] = 60.0
+    assert torch.equal(row_argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(row_argmax(logits.float()), logits.float().argmax(dim=-1))
