@@ -42,9 +42,9 @@ import torch
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.step import to_device
 
-# `row_argmax`'s chunks: the shortest width from MIN_CHUNK that divides the vocabulary (256 values
-# for Llama 3's 128,256: 501 chunks a row).
-MIN_CHUNK, MAX_CHUNK = 256, 4096
+# `row_argmax`'s first pass (`_chunk_width`), from an H100 sweep of chunk widths at 1-256 rows of
+# 128,256 values: 256-value chunks won at 1 and 8 rows, 1,002-2,004 at 64 and 4,008 at 256.
+MIN_CHUNK, MAX_CHUNK, FIRST_PASS_OUTPUTS = 256, 4096, 8192
 
 
 @dataclass
@@ -182,19 +182,24 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 def row_argmax(rows: torch.Tensor) -> torch.Tensor:
     """torch.argmax over the last dim of [n, V] (the first of equal values, NaN above all), in two
     passes where V splits into chunks: the largest of each chunk, then the best chunk. torch's one
-    pass gives a row of 128,256 values to few blocks: 27 us of an H100's decode step at batch 1."""
+    pass takes a row of 128,256 values to few blocks: 27 us on an H100 at 1 to 128 rows, where two
+    passes take 9.4 us at 1 row, 11.2 at 8, 17.7 at 64 and 44.1 at 256 (against torch's 47.1;
+    BENCHMARKS.md, session 39)."""
     n, vocab = rows.shape
-    width = _chunk_width(vocab)
+    width = _chunk_width(vocab, n)
     if width is None:
         return rows.argmax(dim=-1)
     best, within = rows.reshape(n, vocab // width, width).max(dim=-1)
     chunk = best.argmax(dim=-1, keepdim=True)
-    return (chunk * width + within.gather(1, chunk)).squeeze(1)
+    return within.gather(1, chunk).add_(chunk, alpha=width).squeeze(1)
 
 
 @functools.cache
-def _chunk_width(vocab: int) -> int | None:
-    return next((w for w in range(MIN_CHUNK, min(MAX_CHUNK, vocab - 1) + 1) if vocab % w == 0), None)
+def _chunk_width(vocab: int, rows: int) -> int | None:
+    """The first pass's chunk: the narrowest that divides V, is at least MIN_CHUNK wide and leaves
+    about FIRST_PASS_OUTPUTS maxima over all rows (more rows, wider chunks); None past MAX_CHUNK."""
+    least = max(MIN_CHUNK, vocab * rows // FIRST_PASS_OUTPUTS)
+    return next((w for w in range(least, min(MAX_CHUNK, vocab - 1) + 1) if vocab % w == 0), None)
 
 
 def pick_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],

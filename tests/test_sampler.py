@@ -282,11 +282,13 @@ def test_bf16_logits_give_what_their_float32_copy_gives():
 
 @pytest.mark.parametrize("vocab", [128256, 32000, 151936, 1009, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_argmax_is_torch_argmax(vocab, dtype):
+@pytest.mark.parametrize("n", [6, 70])
+def test_row_argmax_is_torch_argmax(vocab, dtype, n):
     # Coarse values tie often (bf16 of small integers); ties must go to the first index as torch's do,
-    # across chunks and within one. Whole rows of one value, -inf and NaN rows too.
+    # across chunks and within one. Whole rows of one value, -inf and NaN rows too. 70 rows take
+    # wider chunks than 6.
     g = torch.Generator().manual_seed(vocab)
-    rows = torch.randint(-50, 50, (6, vocab), generator=g).to(dtype)
+    rows = torch.randint(-50, 50, (n, vocab), generator=g).to(dtype)
     rows[1] = 7.0
     rows[2, : vocab // 2] = float("-inf")
     rows[3, vocab - 3] = float("nan")
