@@ -3,8 +3,8 @@
     PYTHONPATH=. python3 scripts/profile_loop.py ENGINE_DIR [--batch 1] [--context 128] [--steps 16]
 
 `batch` requests decode through an EngineCore (the overlapped loop, as bench-engine's decode figures
-run), and torch.profiler records `steps` steady decode steps. Per step, from one start of the plan's
-first kernel to the next: the time in the plan's kernels (the decode graph's), the time in everything
+run), and torch.profiler records `steps` steady decode steps. Per step, from its inputs' upload to
+the next step's: the time in the plan's kernels (the decode graph's), the time in everything
 else the GPU ran (staging copies, the sampler's kernels, the ids' copy to the host) and the idle gaps,
 with each activity outside the plan listed once with its mean duration. bench-engine's host share is
 what this splits up.
@@ -38,10 +38,11 @@ def gpu_timeline(prof) -> list[dict]:
                    for e in events if e.get("cat") in GPU_EVENTS), key=lambda e: e["ts"])
 
 
-def split_steps(timeline: list[dict], first: str) -> list[tuple[list[dict], float]]:
-    """The timeline cut where the plan's first kernel starts: each whole step's activities, and the
-    next step's start."""
-    starts = [i for i, e in enumerate(timeline) if e["name"] == first]
+def split_steps(timeline: list[dict]) -> list[tuple[list[dict], float]]:
+    """The timeline cut where each step's inputs go up (the one host-to-device copy a step makes):
+    each whole step's activities, and the next step's start. The plan's kernels do not mark a
+    step's start: one can run more than once a step."""
+    starts = [i for i, e in enumerate(timeline) if e["name"].startswith("Memcpy HtoD")]
     return [(timeline[a:b], timeline[b]["ts"]) for a, b in zip(starts, starts[1:])]
 
 
@@ -64,7 +65,8 @@ def summarize(steps: list[tuple[list[dict], float]], plan: set[str]) -> None:
         span.append(end - step[0]["ts"])
         idle.append(span[-1] - busy)
     n = len(steps)
-    print(f"{n} steps: span {statistics.median(span):.1f} us, plan kernels {statistics.median(inside):.1f}, "
+    print(f"{n} steps: span {statistics.median(span):.1f} us ({min(span):.1f}-{max(span):.1f}), "
+          f"plan kernels {statistics.median(inside):.1f}, "
           f"other GPU work {statistics.median(outside):.1f}, idle {statistics.median(idle):.1f} (medians)")
     for name, durs in sorted(others.items(), key=lambda kv: -sum(kv[1])):
         print(f"  {len(durs) / n:4.1f}x a step  {statistics.mean(durs):7.1f} us  {name[:110]}")
@@ -94,9 +96,8 @@ def main() -> None:
     timeline = gpu_timeline(prof)
     # The plan's kernels are the graph's: the ones whose names the engine's kernel index holds.
     plan = {info.entry for info in core.engine.manifest.kernels.values()}
-    first = next(e["name"] for e in timeline if e["name"] in plan)
     print(f"batch {args.batch}, context {args.context}")
-    summarize(split_steps(timeline, first)[1:-1], plan)
+    summarize(split_steps(timeline)[1:-1], plan)
     core.close()
 
 

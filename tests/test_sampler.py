@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from kiln.runtime.sampler import (Picks, SequenceSampler, apply_penalties, make_generator, pick_tokens, sample,
-                                  sampling_distribution)
+from kiln.runtime.sampler import (Picks, SequenceSampler, apply_penalties, make_generator, pick_tokens, row_argmax,
+                                  sample, sampling_distribution)
 from kiln.runtime.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0, 1.0])
@@ -278,3 +278,34 @@ def test_bf16_logits_give_what_their_float32_copy_gives():
     (got, got_lp), (want, want_lp) = picks(logits), picks(logits.float())
     assert got.tolist() == want.tolist() and got[0].item() == 7
     assert got_lp == want_lp
+
+
+@pytest.mark.parametrize("vocab", [128256, 32000, 151936, 1009, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [6, 70])
+def test_row_argmax_is_torch_argmax(vocab, dtype, n):
+    # Coarse values tie often (bf16 of small integers); ties must go to the first index as torch's do,
+    # across chunks and within one. Whole rows of one value, -inf and NaN rows too. 70 rows take
+    # wider chunks than 6.
+    g = torch.Generator().manual_seed(vocab)
+    rows = torch.randint(-50, 50, (n, vocab), generator=g).to(dtype)
+    rows[1] = 7.0
+    rows[2, : vocab // 2] = float("-inf")
+    rows[3, vocab - 3] = float("nan")
+    rows[3, vocab // 3] = float("nan")
+    rows[4] = float("-inf")
+    rows[5, [5, vocab - 1]] = 1000.0
+    assert torch.equal(row_argmax(rows), rows.argmax(dim=-1))
+    assert torch.equal(row_argmax(rows[2:3]), rows[2:3].argmax(dim=-1))
+    assert row_argmax(rows[:0]).shape == (0,)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 256])
+def test_row_argmax_on_the_gpu_is_torch_argmax(rows):
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    logits = torch.randint(-20, 20, (rows, 128256), generator=g, device="cuda").to(torch.bfloat16)
+    logits[0, 100_000] = 50.0
+    logits[-1, [3, 128_000]] = 60.0
+    assert torch.equal(row_argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(row_argmax(logits.float()), logits.float().argmax(dim=-1))
