@@ -45,7 +45,10 @@ class Running:
             else:
                 values[name] = arg
         self.log.append((self.kernel.fn.__name__, grid))
-        self.kernel.fn[grid](**values, **self.kernel.constexprs)
+        # The interpreter runs launches one after another and has no griddepcontrol: a kernel built for
+        # programmatic dependent launch runs without it here.
+        pdl = {"PDL": False} if "PDL" in self.kernel.constexprs else {}
+        self.kernel.fn[grid](**values, **{**self.kernel.constexprs, **pdl})
 
 
 def targeted(kernels: list[AotKernel], target: str) -> list[AotKernel]:

@@ -15,12 +15,16 @@ counted from sequence `first_seq` = D (whose queries start at row D). In the pre
 rows alone (BENCHMARKS.md, session 29). A block's rows are (query token, head of the group)
 pairs in that order, so every program shares one kv head's K/V tiles across its whole GQA group.
 Grid axis 1 is the kv head; axis 2 splits the key range of each block (split-KV, for decode
-steps with few sequences), the parts being merged by `combine_splits_kernel`.
+steps with few sequences), the parts being merged by `combine_splits_kernel`. Built with PDL (sm_90 on),
+the decode kernels and the combine are programmatic dependent launches: each waits for the kernel before
+it, then lets the next start, so each launch overlaps the end of the kernel before (o_proj's GEMV
+issues its first weight loads before it waits).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -127,7 +131,12 @@ def attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_p
                       NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr, SEQ_CHUNK: tl.constexpr, SPLIT: tl.constexpr,
-                      PURE_DECODE: tl.constexpr, INTERPRETER: tl.constexpr):
+                      PURE_DECODE: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:
+        # Launched as a programmatic dependent (sm_90 on): wait for the qkv kernel before, then let the
+        # next kernel's programs start.
+        gdc_wait()
+        gdc_launch_dependents()
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
     kv_head = tl.program_id(1)
     pid = tl.program_id(0)
@@ -229,7 +238,11 @@ def attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_p
 @triton.jit
 def combine_splits_kernel(part_ptr, stats_ptr, out_ptr, out_stride, num_splits,
                            NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                           MAX_SPLITS: tl.constexpr):
+                           MAX_SPLITS: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:
+        # The next kernel (o_proj's GEMV) may start now: it waits for this one before reading.
+        gdc_launch_dependents()
+        gdc_wait()
     tok = tl.program_id(0)
     head = tl.program_id(1)
     sp = tl.arange(0, MAX_SPLITS)

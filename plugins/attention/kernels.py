@@ -87,12 +87,12 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         seqs, first_seq, q.stride(0), out.stride(0), block_tables.stride(0), attrs["scale"], attrs["window"],
         NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[3],
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=_head_block(head_dim), SEQ_CHUNK=SEQ_CHUNK,
-        SPLIT=split, PURE_DECODE=decode, INTERPRETER=isinstance(attention_kernel, InterpretedFunction),
+        SPLIT=split, PURE_DECODE=decode, INTERPRETER=isinstance(attention_kernel, InterpretedFunction), PDL=False,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split:
         combine_splits_kernel[(tokens, heads)](
             part, stats, out, out.stride(0), num_splits, NUM_HEADS=heads, HEAD_DIM=head_dim,
-            BLOCK_D=_head_block(head_dim), MAX_SPLITS=MAX_SPLITS)
+            BLOCK_D=_head_block(head_dim), MAX_SPLITS=MAX_SPLITS, PDL=False)
 
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
@@ -168,25 +168,36 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
         decode = role != "prefill"
         rows = (f"S * {decode_blocks(heads, kv_heads, cfg['BLOCK_M'])}" if decode
                 else f"T * {group} // {cfg['BLOCK_M']} + S")
-        kernels.append(AotKernel(
-            attention_kernel, attention_sig,
-            {**common, "BLOCK_SIZE": shapes["block_size"], "BLOCK_M": cfg["BLOCK_M"],
-             "BLOCK_N": cfg["BLOCK_N"], "SEQ_CHUNK": SEQ_CHUNK, "SPLIT": split, "PURE_DECODE": decode,
-             "INTERPRETER": False, **scale_const},
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], aligned=aligned,
-            targets=targets,
-            meta={"role": role, "when": when, "pointer_alignment": 16,
-                  "grid": f"({rows}, {kv_heads}, {'num_splits' if split else 1})"}))
+        meta = {"role": role, "when": when, "pointer_alignment": 16,
+                "grid": f"({rows}, {kv_heads}, {'num_splits' if split else 1})", **({"pdl": True} if decode else {})}
+        constexprs = {**common, "BLOCK_SIZE": shapes["block_size"], "BLOCK_M": cfg["BLOCK_M"],
+                      "BLOCK_N": cfg["BLOCK_N"], "SEQ_CHUNK": SEQ_CHUNK, "SPLIT": split, "PURE_DECODE": decode,
+                      "INTERPRETER": False, **scale_const}
+        kernels += [AotKernel(attention_kernel, {**attention_sig, "PDL": "constexpr"}, {**constexprs, "PDL": pdl},
+                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], aligned=aligned,
+                              targets=group_targets, meta=meta)
+                    for pdl, group_targets in _pdl_groups(decode, targets)]
     if decode_fp8.serves(dtype, shapes):
         kernels += decode_fp8.kernels(dtype, shapes, DECODE_ROWS)
-    kernels.append(AotKernel(
+    kernels += [AotKernel(
         combine_splits_kernel,
         {"part_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": ptr, "out_stride": "i32",
          "num_splits": "i32", "NUM_HEADS": "constexpr", "HEAD_DIM": "constexpr",
-         "BLOCK_D": "constexpr", "MAX_SPLITS": "constexpr"},
+         "BLOCK_D": "constexpr", "MAX_SPLITS": "constexpr", "PDL": "constexpr"},
         {"NUM_HEADS": heads, "HEAD_DIM": head_dim, "BLOCK_D": _head_block(head_dim),
-         "MAX_SPLITS": MAX_SPLITS},
-        aligned=("part_ptr", "stats_ptr", "out_ptr"),
-        meta={"role": "combine_splits", "grid": f"(T, {heads}, 1)", "pointer_alignment": 16,
-              "when": "after a decode_split attention kernel"}))
+         "MAX_SPLITS": MAX_SPLITS, "PDL": pdl},
+        aligned=("part_ptr", "stats_ptr", "out_ptr"), targets=group_targets,
+        meta={"role": "combine_splits", "grid": f"(T, {heads}, 1)", "pointer_alignment": 16, "pdl": True,
+              "when": "after a decode_split attention kernel"})
+        for pdl, group_targets in _pdl_groups(True, None)]
     return kernels + prefill_sm90.engine_kernels(dtype, shapes)
+
+
+def _pdl_groups(decode: bool, targets: tuple[str, ...] | None) -> list[tuple[bool, tuple[str, ...] | None]]:
+    """(PDL, targets) of each build of a kernel built for `targets` (None: all). The decode kernels and the
+    combine take part in programmatic dependent launch where the GPU has it (sm_90 on: meta "pdl"), so their
+    launches overlap the end of the kernel before; the other targets get the plain kernel under the same meta."""
+    if not decode:
+        return [(False, targets)]
+    every = targets or tuple(TARGET_CC)
+    return [(pdl, tuple(t for t in every if (t in SM90_TARGETS) == pdl)) for pdl in (False, True)]
