@@ -181,10 +181,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 def row_argmax(rows: torch.Tensor) -> torch.Tensor:
     """torch.argmax over the last dim of [n, V] (the first of equal values, NaN above all), in two
-    passes where V splits into chunks: the largest of each chunk, then the best chunk. torch's one
-    pass takes a row of 128,256 values to few blocks: 27 us on an H100 at 1 to 128 rows, where two
-    passes take 9.4 us at 1 row, 11.2 at 8, 17.7 at 64 and 44.1 at 256 (against torch's 47.1;
-    BENCHMARKS.md, session 39)."""
+    passes where V splits into chunks: the largest of each chunk, then the best chunk. Over rows of
+    128,256 values on an H100, torch's one pass took 27 us from 1 to 128 rows; two passes take 9.4 us
+    at 1 row, 11.2 at 8, 17.7 at 64 and 44.1 at 256, against torch's 47.1 (BENCHMARKS.md, session 39)."""
     n, vocab = rows.shape
     width = _chunk_width(vocab, n)
     if width is None:
