@@ -11,8 +11,9 @@ between machines: more than most changes gain.
 given). `run`, on the GPU machine: writes the random checkpoint (`--model`, Llama-3-8B's shape by default)
 once into the work folder, builds every tree's engine from it at the same time (each build with its own
 tree first on PYTHONPATH, so each compiles its own kernels), then runs `bench-engine --only decode` on the
-engines in turn, `--rounds` times. It prints, per batch size, each tree's graph-replay and end-to-end step
-time (medians over the rounds) and their ratios to the first tree's, and writes them with every bench
+engines in turn, `--rounds` times, each round starting one tree later than the one before. It prints, per
+batch size, each tree's graph-replay and end-to-end step time (the fastest round's) and their ratios to the
+first tree's, with how far its slowest round was from its fastest, and writes them with every bench
 result to OUT/ab.json (OUT: --out, else $OUT, else DIR). `--profile` then runs each tree's own
 `scripts/profile_decode.py --json` on its engine at those batch sizes and prints each kind of op's time side
 by side. An 8B engine is as large as its checkpoint (16 GB in bf16): a checkpoint and two engines fill most
@@ -27,7 +28,6 @@ import dataclasses
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -108,8 +108,11 @@ def build_all(trees: list[Path], ckpt: Path, work: Path, flags: list[str]) -> di
 
 
 def summary(results: dict[str, list[dict]]) -> list[str]:
-    """Per batch size, each tree's median graph-replay (ms, where the executor has graphs) and end-to-end
-    step time, and their ratios to the first tree's."""
+    """Per batch size, each tree's fastest graph-replay (ms, where the executor has graphs) and end-to-end step
+    time over its rounds, their ratios to the first tree's, and the spread of its replay times (slowest over
+    fastest; of its end-to-end times where there are no graphs). The fastest, not the median: what slows a bench down (another process, a clock, the disk) only
+    adds, and in session 39 two of main's second rounds at b=64 came out 2.5% slow, which a median of two
+    rounds halves into the comparison."""
     rows: dict[int, dict[str, list[tuple]]] = {}
     notes: set[str] = set()
     for name, runs in results.items():
@@ -120,19 +123,22 @@ def summary(results: dict[str, list[dict]]) -> list[str]:
                         (fig.get("replay_ms_per_step"), fig["ms_per_step"]))
                 elif fig.get("note"):
                     notes.add(f"{name}, {fig['name']}: {fig['note']}")
-    lines = [f"{'batch':>5}  {'tree':<16} {'replay ms':>10} {'vs first':>8} {'end to end ms':>14} {'vs first':>8}"]
+    lines = [f"{'batch':>5}  {'tree':<16} {'replay ms':>10} {'vs first':>8} {'spread':>7} "
+             f"{'end to end ms':>14} {'vs first':>8}"]
     for batch in sorted(rows):
         base = None
         for name in results:
             if name not in rows[batch]:
                 continue
             replays = [r for r, _ in rows[batch][name] if r is not None]
-            replay = statistics.median(replays) if replays else None
-            e2e = statistics.median(e for _, e in rows[batch][name])
+            e2es = [e for _, e in rows[batch][name]]
+            replay, e2e = min(replays, default=None), min(e2es)
             base = base or (replay, e2e)
-            shown = "-".rjust(10) + " " + "-".rjust(8) if replay is None or base[0] is None else \
+            times = replays or e2es   # the spread of what the executor has: graph replays, else whole steps
+            shown = f"{'-':>10} {'-':>8}" if replay is None or base[0] is None else \
                 f"{replay:>10.3f} {replay / base[0]:>8.3f}"
-            lines.append(f"{batch:>5}  {name:<16} {shown} {e2e:>14.3f} {e2e / base[1]:>8.3f}")
+            lines.append(f"{batch:>5}  {name:<16} {shown} {max(times) / min(times) - 1:>7.1%} {e2e:>14.3f} "
+                         f"{e2e / base[1]:>8.3f}")
     return lines + sorted(notes)
 
 
@@ -183,7 +189,8 @@ def run(folder: Path, args: argparse.Namespace) -> None:
     print(f"built {', '.join(engines)} ({time.monotonic() - start:.0f} s)", flush=True)
     results: dict[str, list[dict]] = {t.name: [] for t in trees}
     for round_ in range(args.rounds):
-        for tree in trees:
+        # A tree's place in the order moves every round, so no tree always follows the same one.
+        for tree in trees[round_ % len(trees):] + trees[:round_ % len(trees)]:
             path = work / f"bench-{tree.name}-{round_}.json"
             _run([sys.executable, "-c", BENCH, "--engine", str(engines[tree.name]), "--only", "decode",
                   "--batch-sizes", args.batch_sizes, "--no-baseline", "--json", str(path), *args.bench_flags.split()],
