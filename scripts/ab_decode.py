@@ -152,13 +152,23 @@ def profiles(trees: list[Path], engines: dict[str, Path], work: Path, batches: s
               str(context), *[a for b in batches.split(",") for a in ("--batch", b)], "--json", str(path)],
              tree, work / f"profile-{tree.name}.log", 600)
         found[tree.name] = json.loads(path.read_text())
+    return profile_table(found, context)
+
+
+def profile_table(found: dict[str, list[dict]], context: int) -> list[str]:
+    """The profiles of `profiles`, by tree: each kind of op's us a launch alone, then in the step (a tree
+    whose profile_decode predates that figure shows '-')."""
+    def cell(result: dict, key: str, kind: str) -> str:
+        value = result.get(key, {}).get(kind)
+        return f"{value:9.1f}" if value is not None else f"{'-':>9}"
+
     lines = []
     for i, first in enumerate(next(iter(found.values()))):
-        lines.append(f"profile, batch {first['batch']}, context {context}: us a launch "
-                     f"({', '.join(found)}); step ms last")
-        for kind in first["us_each"]:
-            lines.append(f"  {kind:18s} " + " ".join(f"{found[t][i]['us_each'].get(kind, float('nan')):9.1f}"
-                                                    for t in found))
+        for key, what in (("us_each", "alone"), ("us_in_step", "in the step (the step less the step without them)")):
+            lines.append(f"profile, batch {first['batch']}, context {context}: us a launch, {what} "
+                         f"({', '.join(found)})")
+            for kind in first["us_each"]:
+                lines.append(f"  {kind:18s} " + " ".join(cell(found[t][i], key, kind) for t in found))
         lines.append(f"  {'step (ms)':18s} " + " ".join(f"{found[t][i]['step_ms']:9.3f}" for t in found))
     return lines
 

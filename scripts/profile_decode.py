@@ -3,10 +3,14 @@
     PYTHONPATH=. python3 scripts/profile_decode.py ENGINE_DIR [--batch 1 --batch 64] [--context 128] [--json F]
 
 For each batch size: one prefill puts `context` tokens of every sequence in the cache, then
-the whole decode step is timed as the executor runs it (graph replay), and each plan op is
-timed alone with CUDA events around its eager launch. Then one eager (graph-less) step of the
-decode rows plus a new prompt, with the host's time to launch it beside its device time. Each op's weight bytes over its time
-give the bandwidth it reaches; the sum over ops shows the launch gaps the graph removes.
+the whole decode step is timed as the executor runs it (graph replay), and each kind of plan op is
+timed twice, in graphs: alone (its launches one after another), and in the step (the step's graph without
+that kind's launches, subtracted from the whole step's). The two differ where a kernel overlaps its
+neighbours: a kernel launched for programmatic dependent launch overlaps the one before only if that one
+lets it (`plugins.aot.programmatic`), which its own kind does and the step's other kinds may not. Then
+one eager (graph-less) step of the decode rows plus a new prompt, with the host's time to launch it beside
+its device time. Each op's weight bytes over its time give the bandwidth it reaches; the sum over ops shows
+the launch gaps the graph removes.
 """
 from __future__ import annotations
 
@@ -64,35 +68,68 @@ def profile(ex: CudaExecutor, batch: int, context: int) -> dict:
         if op.launcher is attention_o_proj:
             # Its attention stage alone, to tell it apart from the o_proj GEMM.
             kinds.setdefault("(attention part)", []).append(op)
+    # The step's ops in graphs of their own: the whole step, and the step without each kind of op (the skipped
+    # ops' outputs keep what they last held, which costs the ops after them the same to read). Before each
+    # replay the step inputs are put back from a copy on the device: the memory plan lets later activations
+    # reuse an input's bytes once its last reader is done (the token ids' after the embedding).
+    dims, values = ex._begin(step, ())
+    values.update((op.output, ex._view(op.output, dims)) for op in ex.ops)
+    inputs = ex.arena[ex.inputs.start:ex.inputs.end]
+    staged = inputs.clone()
+
+    def in_step_ms(ops: list) -> float:
+        graph = step_graph(ex, values, dims, ops)
+        return time_ms(lambda: (inputs.copy_(staged), graph.replay()))
+
+    whole = in_step_ms(ex.ops)
     for kind, ops in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
-        # One graph launches every op of this kind, right after the step inputs were staged:
+        # One graph launches every op of this kind, right after the step inputs were put back:
         # ops that read step inputs (token ids, slots, block tables) see valid ones, and
         # activations are whatever is there, which costs the same to read.
-        dims, values = ex._begin(step, ())
-        values.update((op.output, ex._view(op.output, dims)) for op in ex.ops)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for op in ops:
-                args = [None if t is None else values[t] if t in values else ex.weights[t] for t in op.inputs]
-                stream = torch.cuda.current_stream().cuda_stream
-                if kind == "(attention part)":
-                    roles = [i for i, m in enumerate(op.metas) if "role" in m]
-                    q = args[0]
-                    attn = ex.scratch["attention_o_proj_attn"][:q.numel() * q.element_size()].view(q.dtype)
-                    # attention_o_proj's inputs: attention's first 8, w_o, b_o, residual, kv_scales.
-                    kv_scales = args[11] if len(args) > 11 else None
-                    attention.launch([op.kernels[i] for i in roles], [op.metas[i] for i in roles],
-                                     args[:8] + [kv_scales], op.attrs, attn.view(q.shape), dims, stream, ex.scratch)
-                else:
-                    op.launcher.launch(op.kernels, op.metas, args, op.attrs, values[op.output], dims, stream,
-                                       ex.scratch)
+        inputs.copy_(staged)
+        graph = (attention_part_graph if kind == "(attention part)" else step_graph)(ex, values, dims, ops)
         ms = time_ms(graph.replay)
         nbytes = 0 if kind == "(attention part)" else sum(
             ex.weights[t].nbytes for op in ops for t in op.inputs if t in ex.weights)
-        print(f"  {kind:18s} x{len(ops):<3d} {ms:8.3f} ms  {ms / len(ops) * 1e3:8.1f} us each  "
+        in_step = None
+        if kind != "(attention part)":   # a part of an op: the step cannot go without it
+            skipped = {id(op) for op in ops}
+            in_step = (whole - in_step_ms([op for op in ex.ops if id(op) not in skipped])) / len(ops) * 1e3
+        print(f"  {kind:18s} x{len(ops):<3d} {ms:8.3f} ms  {ms / len(ops) * 1e3:8.1f} us each alone, "
+              f"{'-' if in_step is None else f'{in_step:.1f}':>6} in the step  "
               f"{nbytes / ms / 1e6 if 'embed' not in kind else 0:7.0f} GB/s of weights")
         result["us_each"][kind] = ms / len(ops) * 1e3
+        result.setdefault("us_in_step", {})[kind] = in_step
     return result
+
+
+def attention_part_graph(ex: CudaExecutor, values: dict, dims: dict[str, int], ops: list) -> torch.cuda.CUDAGraph:
+    """A graph of the attention stage alone of each attention_o_proj op in `ops`, into its scratch buffer."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        stream = torch.cuda.current_stream().cuda_stream
+        for op in ops:
+            args = [None if t is None else values[t] if t in values else ex.weights[t] for t in op.inputs]
+            roles = [i for i, m in enumerate(op.metas) if "role" in m]
+            q = args[0]
+            attn = ex.scratch["attention_o_proj_attn"][:q.numel() * q.element_size()].view(q.dtype)
+            # attention_o_proj's inputs: attention's first 8, w_o, b_o, residual, kv_scales.
+            kv_scales = args[11] if len(args) > 11 else None
+            attention.launch([op.kernels[i] for i in roles], [op.metas[i] for i in roles], args[:8] + [kv_scales],
+                             op.attrs, attn.view(q.shape), dims, stream, ex.scratch)
+    return graph
+
+
+def step_graph(ex: CudaExecutor, values: dict, dims: dict[str, int], ops: list) -> torch.cuda.CUDAGraph:
+    """A graph of `ops` (the plan's, or some of them, in plan order) launched as the executor launches a
+    one-rank step."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        stream = torch.cuda.current_stream().cuda_stream
+        for op in ops:
+            args = [None if t is None else values[t] if t in values else ex.weights[t] for t in op.inputs]
+            op.launcher.launch(op.kernels, op.metas, args, op.attrs, values[op.output], dims, stream, ex.scratch)
+    return graph
 
 
 def eager_mixed_step(ex: CudaExecutor, tables: list[list[int]], context: int, g: torch.Generator) -> None:
