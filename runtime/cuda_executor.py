@@ -6,10 +6,10 @@ with the driver API (`runtime.cuda_driver`), and each plan op is launched by its
 one device allocation made when the executor is built (`runtime.arena.Arena`): the weights,
 the activations and step inputs at the memory plan's offsets, the KV-cache pool, the ops'
 scratch buffers (split-KV workspaces, attention_o_proj's intermediate) sized for the engine's
-bounds, and the float32 logits `run` hands back (the engine loop samples from the LM head's output
-as it is: `forward`). A step packs its inputs into one pinned
-host buffer laid out like the arena's input region and copies it over in one transfer; it
-allocates no device memory.
+bounds. A step packs its inputs into one pinned host buffer laid out like the arena's input region
+and copies it over in one transfer; the engine loop's steps (`forward`, whose logits the sampler
+takes where the LM head wrote them) allocate no device memory, and only `run`'s float32 copy of the
+logits, for tests and tools, does.
 
 Pure decode steps replay CUDA graphs captured when the executor is built, one per batch size
 of `runtime.decode_graphs`, so a decode step costs one graph launch instead of a Python call
@@ -135,18 +135,15 @@ class CudaExecutor(ArenaExecutor):
         # the padding sequences of graph batches write their KV there.
         launchers = [_launcher(op.spec) for op in engine.plan]
         scratch = executor_scratch(engine, launchers, self.arch, sm_count())
-        self.vocab = engine.manifest.vocab_size
         self.all_reduce = all_reduce or AllReduce()
-        logits = engine.manifest.max_batch_size * self.vocab * 4
         super().__init__(engine, num_kv_blocks + 1, self.device,
                          {**{f"weight:{n}": w.nbytes for n, w in engine.weights.items()},
-                          **{f"scratch:{n}": b for n, b in scratch.items()}, "logits": logits,
+                          **{f"scratch:{n}": b for n, b in scratch.items()},
                           "zeros": self._zeros_bytes(engine), "gathered": self._gathered_bytes(engine)})
         self.pad_block = num_kv_blocks
         self.weights = {n: self.memory.view(f"weight:{n}", w.dtype, w.shape).copy_(w)
                         for n, w in engine.weights.items()}
         self.scratch = {n: self.memory.bytes(f"scratch:{n}") for n in scratch}
-        self.logits = self.memory.bytes("logits").view(torch.float32)
         self.zeros = self.memory.bytes("zeros")  # never written: the arena starts zeroed
         self.gathered = self.memory.bytes("gathered")
         self.ops = self._load_ops(launchers)
@@ -271,12 +268,9 @@ class CudaExecutor(ArenaExecutor):
         return self._view(self.output, dims)[:rows]
 
     def run(self, step: StepInputs, copies: list[tuple[int, int]] = (), feed: Feed | None = None) -> torch.Tensor:
-        """`forward`, with the logits as float32 in a buffer of their own that the next step's kernels do
-        not touch (the next `run` overwrites it)."""
-        logits = self.forward(step, copies, feed)
-        out = self.logits[:logits.numel()].view(logits.shape)
-        out.copy_(logits)
-        return out
+        """`forward`, with the logits as float32 in a tensor of their own that the next step's kernels
+        do not touch."""
+        return self.forward(step, copies, feed).to(torch.float32, copy=True)
 
     def close(self) -> None:
         """Release the device arena, KV pool, weights, scratch and graphs (the cubins stay
@@ -284,5 +278,5 @@ class CudaExecutor(ArenaExecutor):
         super().close()
         # Every view of the arena goes: one left behind keeps the whole allocation (the bench
         # ran out of memory opening an engine after closing one that still held `zeros`).
-        self.weights = self.scratch = self.staging = self.logits = self.zeros = self.gathered = None
+        self.weights = self.scratch = self.staging = self.zeros = self.gathered = None
         self.graphs = {}
