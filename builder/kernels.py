@@ -9,8 +9,7 @@ source, signature, constants, options and target) are compiled once per build an
 on-disk cache keyed by their content hash, so rebuilding is quick. An op that has no GPU kernel (no
 `compile_shapes`) is a build error naming it and the module it came from: nothing falls back
 silently: an FP8 op (compile shape `fp8`) needs a kernels module whose `FP8_TARGETS` names every
-GPU target of the build, and one with a static activation scale (`fp8_static`) one that says
-`SUPPORTS_FP8_STATIC = True`. A cubin that needs more shared memory than its target gives a
+GPU target of the build. A cubin that needs more shared memory than its target gives a
 block is a build error too: it would compile, and then fail to load on that GPU.
 """
 from __future__ import annotations
@@ -128,12 +127,6 @@ def compile_kernels(graph: Graph, dtype: str, targets: list[str], block_size: in
         kernels = spec.module("kernels")
         if shapes.get("fp8"):
             _check_fp8_targets(spec.name, getattr(kernels, "FP8_TARGETS", ()), gpu_targets)
-        if shapes.get("fp8_static") and not getattr(kernels, "SUPPORTS_FP8_STATIC", False):
-            raise KernelError(f"plugin {spec.name!r}'s FP8 GPU kernels quantize activations per token and take no "
-                              "static FP8 activation scales (from --calibration-prompts, or a checkpoint's "
-                              "input_scale tensors): build without --calibration-prompts, or from a checkpoint "
-                              "without input_scale (or its bf16 original with --quantization fp8), or for "
-                              "--target cpu")
     _check_compiler()
     has_nvcc = nvcc.nvcc_path() is not None
     for node in graph.nodes:

@@ -27,18 +27,23 @@ SHAPES = {
     # with an e4m3 KV cache too: kv_scale_ptr beside w_scale_ptr
     "norm_qkv_rope_kv": {"K": 4096, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "fp8": True,
                          "fp8_kv": True, "block_size": 16},
+    # a static activation scale: only the pre-pass differs (its GEMMs are those above), so only it is built
+    "linear_static": {"K": 14336, "N": 4096, "fp8": True, "fp8_static": True},
+    "norm_swiglu_static": {"K": 4096, "I": 14336, "block": 64, "fp8": True, "norm_weight": True, "fp8_static": True},
 }
 out = {}
 for name, shapes in SHAPES.items():
-    plugin = importlib.import_module(f"kiln.plugins.{name.removesuffix('_all').removesuffix('_kv')}.kernels")
-    kernels = [k for k in plugin.aot_kernels("bfloat16", shapes) if isinstance(k, AotKernel)]
+    plugin = importlib.import_module(f"kiln.plugins.{re.sub('_(all|kv|static)$', '', name)}.kernels")
+    kernels = [k for k in plugin.aot_kernels("bfloat16", shapes) if isinstance(k, AotKernel)
+               and (k.meta.get("quantize") or not shapes.get("fp8_static"))]
     for target in TARGET_CC:
         rows = []
         for k in kernels:
             if k.targets is not None and target not in k.targets:
                 continue
             row = {"fn": k.fn.__name__, "bucket": k.meta.get("bucket"), "fp8": k.meta.get("fp8"),
-                   "quantize": bool(k.meta.get("quantize")), "round": k.constexprs.get("ROUND_E4M3"),
+                   "quantize": bool(k.meta.get("quantize")), "static": bool(k.meta.get("static")),
+                   "round": k.constexprs.get("ROUND_E4M3"),
                    "params": sorted(k.signature) == sorted(k.fn.arg_names)}
             compiled = compile_kernel(k, target)
             ptx = compiled.asm["ptx"]
@@ -59,12 +64,22 @@ def compiled() -> dict:
 
 
 NAMES = ["linear", "linear_residual", "norm_swiglu", "norm_qkv_rope", "norm_qkv_rope_all", "norm_qkv_rope_kv"]
+STATIC = ["linear_static", "norm_swiglu_static"]
 # The e4m3 KV write adds its own casts (test_kernels_fp8_kv checks those).
-GEMM_INPUT_CASTS = NAMES[:-1]
+GEMM_INPUT_CASTS = NAMES[:-1] + STATIC
 
 
 def test_sm80_gets_no_fp8_kernels(compiled):
-    assert all(compiled[f"{name} sm_80"] == [] for name in NAMES)
+    assert all(compiled[f"{name} sm_80"] == [] for name in NAMES + STATIC)
+
+
+@pytest.mark.parametrize("target", FP8_TARGETS)
+@pytest.mark.parametrize("name", STATIC)
+def test_the_pre_pass_that_takes_a_static_scale_compiles(compiled, name, target):
+    (row,) = compiled[f"{name} {target}"]
+    assert row["fn"] == "quantize_rows_kernel" and row["static"] and row["params"] and row["elf"], row
+    assert row["scratch"] == 0 and row["shared"] <= MAX_SHARED_BYTES[target], row
+    assert row["round"] == (target == "sm_89"), row
 
 
 @pytest.mark.parametrize("target", FP8_TARGETS)

@@ -138,14 +138,28 @@ def test_gemma3_engine_compiles_for_sm_90_and_sm_80(factory, tmp_path):
     assert load_engine(tmp_path / "engine").manifest.model["architecture"] == "Gemma3ForCausalLM"
 
 
-def test_fp8_engine_compiles_for_the_fp8_targets(factory, tmp_path):
+@pytest.fixture(scope="module")
+def fp8_cache(tmp_path_factory):
+    """One cubin cache for the FP8 builds: the static build compiles only its pre-passes anew."""
+    return tmp_path_factory.mktemp("fp8-cache")
+
+
+@pytest.mark.parametrize("activations", ["per-token", "static"])
+def test_fp8_engine_compiles_for_the_fp8_targets(activations, factory, fp8_cache, tmp_path):
     """Every FP8 op of a W8A8 plan with an e4m3 KV cache gets its FP8 kernels for sm_89 and
     sm_90 through the builder (the plan's compile shapes are what the kernels take): one GEMM per
-    bucket and the quantize pre-pass, the weights stored in e4m3."""
+    bucket and the quantize pre-pass, the weights stored in e4m3. With static activation scales
+    (--calibration-prompts here; a checkpoint's input_scale alike) the pre-pass is the one that
+    takes the op's scale, and no op has an FP8 GEMV (those find each row's scale)."""
     from kiln.plugins.fp8 import FP8
     targets = ["sm_89", "sm_90"]
-    result = build_cli(factory.checkpoint("qwen3"), tmp_path / "engine", targets, tmp_path / "cache",
-                       extra=["--quantization", "fp8", "--kv-cache-dtype", "fp8"], timeout=1200)
+    extra = ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]
+    if activations == "static":
+        prompts = tmp_path / "prompts.txt"
+        prompts.write_text("The capital of France is Paris.\nOne, two, three, four.\n")
+        extra += ["--calibration-prompts", str(prompts)]
+    result = build_cli(factory.checkpoint("qwen3"), tmp_path / "engine", targets, fp8_cache, extra=extra,
+                       timeout=1200)
     assert result.returncode == 0, result.stderr + result.stdout
     ef = read_engine_file(tmp_path / "engine" / "rank0.engine")
     m = ef.manifest
@@ -153,8 +167,13 @@ def test_fp8_engine_compiles_for_the_fp8_targets(factory, tmp_path):
     fp8_ops = [op for op in m.plan if any(n.endswith("_scale") and t is not None for n, t in op.inputs.items())]
     assert {op.op for op in fp8_ops} == {"norm_qkv_rope", "attention_o_proj", "norm_swiglu", "linear_residual"}
     for op in fp8_ops:
+        assert any(n.endswith("_input_scale") and t for n, t in op.inputs.items()) == (activations == "static")
         for target in targets:
-            entries = [m.kernels[k].entry for k in op.kernel_keys[target]]
-            assert "quantize_rows_kernel" in entries, (op.op, target, entries)
+            kernels = [m.kernels[k] for k in op.kernel_keys[target]]
+            pre_pass = [k for k in kernels if k.entry == "quantize_rows_kernel"]
+            assert len(pre_pass) == 1, (op.op, target, [k.entry for k in kernels])
+            assert bool(pre_pass[0].launch.get("static")) == (activations == "static")
+            if activations == "static":
+                assert not any(k.launch.get("gemv") for k in kernels), (op.op, target)
     layers = sum(op.op == "norm_qkv_rope" for op in m.plan)
     assert layers and sum(w.dtype == FP8 for w in ef.weights.values()) == 4 * layers

@@ -267,33 +267,3 @@ def test_an_engine_from_before_fp8_still_loads_and_runs(engines, tmp_path):
     ef = read_engine_file(path)
     assert ef.manifest.quantization == "none"
     assert torch.equal(logits(old), logits(engines["bf16"]))
-
-
-@pytest.mark.parametrize("source", ["calibration", "checkpoint"])
-def test_a_gpu_build_with_static_activation_scales_is_refused(source, checkpoints, tmp_path, monkeypatch):
-    """The GPU kernels quantize activations per token; static scales (from --calibration-prompts
-    or a checkpoint's input_scale) would be silently ignored there, so the build stops first."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    args = ["--checkpoint", checkpoints[None]]
-    if source == "calibration":
-        prompts = tmp_path / "prompts.txt"
-        prompts.write_text("The capital of France is Paris.\n")
-        args += ["--calibration-prompts", prompts]
-    else:
-        folder = tmp_path / "mo"
-        shutil.copytree(checkpoints["modelopt"], folder)
-        for path in folder.glob("*.safetensors"):
-            tensors = load_file(str(path))
-            for name in [n for n in tensors if n.endswith("_proj.weight")]:
-                tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(0.05)
-            save_file(tensors, str(path), metadata={"format": "pt"})
-        args = ["--checkpoint", folder]
-    out = tmp_path / "out"
-    result = invoke(build_cli, [*args, "--output", out, *SMALL, "--target", "sm_90", "--quantization", "fp8"])
-    assert result.exit_code == 2, result.output
-    for words in ("take no static FP8 activation scales", "--calibration-prompts", "input_scale", "--target cpu"):
-        assert words in result.output, result.output
-    assert not out.exists()

@@ -1,5 +1,6 @@
 """FP8 weights (W8A8) on the GPU (`pytest -m gpu -rP`): a small float32 engine built with
---quantization fp8 (and once more with the FP8 KV cache too) for the CPU and this GPU, and the
+--quantization fp8 (once more with the FP8 KV cache too, and with static activation scales) for the
+CPU and this GPU, and the
 same checkpoint built unquantized for the CPU, the exact model. 16 prompts x 64 greedy tokens
 on the FP8 engine's CPU reference, then each executor teacher-forced on those tokens.
 
@@ -31,15 +32,21 @@ ERROR_RATIO, AGREEMENT_SLACK = 1.25, 0.03
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_cache", ["auto", "fp8"])
+@pytest.mark.parametrize("kv_cache,activations", [("auto", "per-token"), ("fp8", "per-token"), ("auto", "static")])
 @pytest.mark.parametrize("family", ["llama3", "qwen2"])
-def test_fp8_gpu_engine_is_as_close_to_the_exact_model_as_its_cpu_reference(family, kv_cache, gpu_workdir, arch,
-                                                                            record_property):  # noqa: F811
+def test_fp8_gpu_engine_is_as_close_to_the_exact_model_as_its_cpu_reference(family, kv_cache, activations, gpu_workdir,
+                                                                            arch, record_property):  # noqa: F811
+    """Static activation scales come from --calibration-prompts (the pre-pass then divides by the op's
+    one scale; the GEMMs are the per-token engine's)."""
     if arch not in FP8_TARGETS:
         pytest.skip(f"{arch} has no FP8 tensor cores (FP8 engines are built for {', '.join(FP8_TARGETS)})")
     checkpoint = cached_checkpoint(gpu_workdir, family, **SMALL)
-    engine = cached_engine(gpu_workdir, checkpoint, ["cpu", arch], "float32", **BUILD,
-                           extra=("--quantization", "fp8", "--kv-cache-dtype", kv_cache))
+    extra = ("--quantization", "fp8", "--kv-cache-dtype", kv_cache)
+    if activations == "static":
+        prompts = gpu_workdir / "calibration-prompts.txt"
+        prompts.write_text("The capital of France is Paris.\nOnce upon a time there was a small engine.\n")
+        extra += ("--calibration-prompts", str(prompts))
+    engine = cached_engine(gpu_workdir, checkpoint, ["cpu", arch], "float32", **BUILD, extra=extra)
     exact_engine = cached_engine(gpu_workdir, checkpoint, ["cpu"], "float32", **BUILD)
     prompts = make_prompts(SMALL["vocab_size"])
     tokens, logits = gpu_and_cpu_runs(engine, prompts)
@@ -53,7 +60,8 @@ def test_fp8_gpu_engine_is_as_close_to_the_exact_model_as_its_cpu_reference(fami
         argmax = [step_logits.argmax(dim=1).tolist() for step_logits in logits[device]]
         figures[device] = (argmax_agreement(argmax, exact)[0], median(relative_errors(logits[device], exact)))
     between = median(relative_errors(logits["cuda"], logits["cpu"]))
-    line = (f"{family} small float32, fp8 weights, {kv_cache} KV cache, against the exact model: "
+    line = (f"{family} small float32, fp8 weights, {activations} activation scales, {kv_cache} KV cache, "
+            "against the exact model: "
             f"cuda agreement {figures['cuda'][0]:.4f} median rel err {figures['cuda'][1]:.2e}; "
             f"cpu reference {figures['cpu'][0]:.4f} / {figures['cpu'][1]:.2e} (cuda vs cpu: {between:.2e})")
     publish(line, record_property)

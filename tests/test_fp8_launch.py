@@ -18,6 +18,7 @@ from interpreted_launch import Running, interpreted_only, targeted  # noqa: E402
 from kiln.plugins.aot import AotKernel  # noqa: E402
 from kiln.plugins.fp8 import FP8, quantize_rows  # noqa: E402
 from kiln.plugins.registry import get_plugin  # noqa: E402
+from kiln.plugins.rms_norm.reference import rms_norm  # noqa: E402
 from kiln.runtime.cuda_executor import op_scratch  # noqa: E402
 
 PLUGINS = ("linear", "linear_residual", "norm_swiglu", "norm_qkv_rope", "attention_o_proj", "attention")
@@ -76,6 +77,11 @@ def expected(t: int, target: str, gemm: str, tma_gemm: str) -> list[str]:
     return ["quantize_rows_kernel", tma_gemm if t > 256 and target == "sm_90" else gemm]
 
 
+def static_scale(gemm_input: torch.Tensor) -> torch.Tensor:
+    """A static activation scale under which the largest values of `gemm_input` saturate."""
+    return torch.tensor([gemm_input.float().abs().max().item() / 448 / 1.5])
+
+
 @pytest.mark.parametrize("target", ["sm_89", "sm_90"])
 @pytest.mark.parametrize("t", STEPS)
 @pytest.mark.parametrize("plugin", ["linear", "linear_residual"])
@@ -93,28 +99,66 @@ def test_fp8_linear_launches(plugin, t, target):
 
 
 @pytest.mark.parametrize("target", ["sm_89", "sm_90"])
+@pytest.mark.parametrize("t", (1, 300))
+@pytest.mark.parametrize("plugin", ["linear", "linear_residual"])
+def test_fp8_linear_launches_with_a_static_activation_scale(plugin, t, target):
+    """The static scale (weight_input_scale, after weight_scale) reaches the pre-pass, whose rows
+    every bucket reads, one row included: the GEMVs find each row's scale themselves, so a static
+    engine has none."""
+    torch.manual_seed(t)
+    k, n = 256, 40
+    wq, ws = fp8_weight(n, k)
+    x, b = torch.randn(t, k).bfloat16(), torch.randn(n).bfloat16()
+    r = torch.randn(t, n).bfloat16() if plugin == "linear_residual" else None
+    inputs = [x, wq, b, ws, static_scale(x)] if r is None else [x, wq, b, r, ws, static_scale(x)]
+    out = torch.full((t, n), float("nan"), dtype=torch.bfloat16)
+    shapes = {"K": k, "N": n, "bias": True, "fp8": True, "fp8_static": True}
+    assert launch(plugin, shapes, target, inputs, LINEAR_ATTRS, out) == \
+        expected(t, target, "linear_kernel", "tma_linear_kernel")
+    expected_out = get_plugin(plugin).call_reference(inputs, LINEAR_ATTRS)
+    close(out, expected_out)
+    dynamic = get_plugin(plugin).call_reference(inputs[:-1], LINEAR_ATTRS)
+    assert not torch.equal(expected_out, dynamic)   # the static scale changed the numbers
+
+
+@pytest.mark.parametrize("target", ["sm_89", "sm_90"])
+def test_an_fp8_launch_without_the_static_scale_its_kernels_were_built_for_fails(target):
+    k, n = 256, 40
+    wq, ws = fp8_weight(n, k)
+    x = torch.randn(3, k).bfloat16()
+    out = torch.empty(3, n, dtype=torch.bfloat16)
+    for shapes, inputs in (({"fp8_static": True}, [x, wq, None, ws]),
+                           ({}, [x, wq, None, ws, static_scale(x)])):
+        with pytest.raises(ValueError, match="static activation scale.*rebuild the engine"):
+            launch("linear", {"K": k, "N": n, "fp8": True, **shapes}, target, inputs, LINEAR_ATTRS, out)
+
+
+@pytest.mark.parametrize("target", ["sm_89", "sm_90"])
 @pytest.mark.parametrize("t", STEPS)
-@pytest.mark.parametrize("folded", [True, False])
-def test_fp8_norm_swiglu_launches(folded, t, target):
-    """With the norm weight unfolded the TMA kernel is not built: the pointer kernel serves."""
+@pytest.mark.parametrize("folded,static", [(True, False), (False, False), (False, True)])
+def test_fp8_norm_swiglu_launches(folded, static, t, target):
+    """With the norm weight unfolded the TMA kernel is not built: the pointer kernel serves. A static
+    activation scale (w_gu_input_scale) reaches the pre-pass, which applies the norm first."""
     torch.manual_seed(t + folded)
     k, inter, block = 128, 24, 8
     wq, ws = fp8_weight(2 * inter, k)
     x = (3 * torch.randn(t, k)).bfloat16()
     g = None if folded else (1 + 0.3 * torch.randn(k)).bfloat16()
+    inputs = [x, g, wq, ws] + ([static_scale(rms_norm(x, g, EPS))] if static else [])
     attrs = {"eps": EPS, "block": block, "activation": "silu"}
     out = torch.full((t, inter), float("nan"), dtype=torch.bfloat16)
-    shapes = {"K": k, "I": inter, "block": block, "norm_weight": not folded, "fp8": True}
+    shapes = {"K": k, "I": inter, "block": block, "norm_weight": not folded, "fp8": True, "fp8_static": static}
     tma_gemm = "tma_norm_swiglu_kernel" if folded else "norm_swiglu_kernel"
-    assert launch("norm_swiglu", shapes, target, [x, g, wq, ws], attrs, out) == \
+    assert launch("norm_swiglu", shapes, target, inputs, attrs, out) == \
         expected(t, target, "norm_swiglu_kernel", tma_gemm)
-    close(out, get_plugin("norm_swiglu").call_reference([x, g, wq, ws], attrs))
+    close(out, get_plugin("norm_swiglu").call_reference(inputs, attrs))
 
 
 @pytest.mark.parametrize("target", ["sm_89", "sm_90"])
 @pytest.mark.parametrize("t", STEPS)
-@pytest.mark.parametrize("folded,bias,qk_norm", [(True, False, False), (True, True, True), (False, True, True)])
-def test_fp8_norm_qkv_rope_launches(folded, bias, qk_norm, t, target):
+@pytest.mark.parametrize("folded,bias,qk_norm,static", [(True, False, False, False), (True, True, True, False),
+                                                        (False, True, True, False), (True, False, False, True)])
+def test_fp8_norm_qkv_rope_launches(folded, bias, qk_norm, static, t, target):
     torch.manual_seed(t + bias)
     k, heads, kv_heads, d = 64, 4, 2, 32
     rows = (heads + 2 * kv_heads) * d
@@ -125,9 +169,11 @@ def test_fp8_norm_qkv_rope_launches(folded, bias, qk_norm, t, target):
               1 + 0.2 * torch.randn(d) if qk_norm else None, torch.randint(0, 512, (t,), dtype=torch.int32),
               torch.cat([angles.cos(), angles.sin()], dim=1), torch.randn(2, 2, 80, 4, kv_heads, d).bfloat16(),
               torch.randperm(320)[:t].to(torch.int32), None, ws]
+    if static:
+        inputs.append(static_scale(rms_norm(inputs[0], inputs[1], EPS)))
     attrs = {"eps": EPS, "layer": 1, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d}
     shapes = {"K": k, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d, "bias": bias,
-              "qk_norm": qk_norm, "norm_weight": not folded, "fp8": True}
+              "qk_norm": qk_norm, "norm_weight": not folded, "fp8": True, "fp8_static": static}
     expected_cache = inputs[8].clone()
     expected_q = get_plugin("norm_qkv_rope").call_reference([*inputs[:8], expected_cache, *inputs[9:]], attrs)
     out = torch.full((t, heads * d), float("nan"), dtype=torch.bfloat16)
@@ -173,9 +219,10 @@ def test_fp8_norm_qkv_rope_launches_with_an_fp8_kv_cache(t, target):
 
 
 @pytest.mark.parametrize("target", ["sm_89", "sm_90"])
-def test_fp8_attention_o_proj_launches_the_pre_pass_on_the_attention_output(target):
-    """A prefill step: attention into the op's scratch buffer, the pre-pass quantizes that, and
-    o_proj reads it."""
+@pytest.mark.parametrize("static", [False, True])
+def test_fp8_attention_o_proj_launches_the_pre_pass_on_the_attention_output(static, target):
+    """A prefill step: attention into the op's scratch buffer, the pre-pass quantizes that (with the
+    static scale w_o_input_scale if given), and o_proj reads it."""
     torch.manual_seed(5)
     heads, kv_heads, d, bs, hidden, layer = 4, 2, 32, 16, 72, 1
     lens, cached = [70, 30], [0, 20]
@@ -189,11 +236,14 @@ def test_fp8_attention_o_proj_launches_the_pre_pass_on_the_attention_output(targ
               wq, None, torch.randn(t, hidden).bfloat16(), None, ws]
     attrs = {"layer": layer, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d, "scale": d ** -0.5,
              "window": 0, "all_reduce": False}
-    shapes = {"heads": heads, "kv_heads": kv_heads, "head_dim": d, "block_size": bs, "hidden": hidden, "fp8": True}
-    out = torch.full((t, hidden), float("nan"), dtype=torch.bfloat16)
-    log = launch("attention_o_proj", shapes, target, inputs, attrs, out,
-                 views=[kv_cache[layer, 0], kv_cache[layer, 1]])
-    assert log[-2:] == ["quantize_rows_kernel", "linear_kernel"]
     attn = torch.empty_like(inputs[0])   # o_proj's input: what the attention kernel gives
     KERNELS["attention"].run(inputs[:8], attrs, attn)
-    close(out, get_plugin("linear_residual").call_reference([attn, wq, None, inputs[10], ws], LINEAR_ATTRS))
+    statics = [static_scale(attn)] if static else []
+    shapes = {"heads": heads, "kv_heads": kv_heads, "head_dim": d, "block_size": bs, "hidden": hidden, "fp8": True,
+              "fp8_static": static}
+    out = torch.full((t, hidden), float("nan"), dtype=torch.bfloat16)
+    log = launch("attention_o_proj", shapes, target, inputs + statics, attrs, out,
+                 views=[kv_cache[layer, 0], kv_cache[layer, 1]])
+    assert log[-2:] == ["quantize_rows_kernel", "linear_kernel"]
+    close(out, get_plugin("linear_residual").call_reference([attn, wq, None, inputs[10], ws, *statics],
+                                                            LINEAR_ATTRS))

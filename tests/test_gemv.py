@@ -104,6 +104,20 @@ def test_fp8_weights_get_one_row_gemvs_for_the_fp8_targets():
         assert metas[0].get("gemv") and metas[pick_bucket(metas, 2)]["fp8"]
 
 
+def test_a_static_activation_scale_gets_no_fp8_gemv():
+    """The FP8 GEMVs find each row's scale themselves: with a static one (fp8_static) the plugins'
+    quantize pre-pass (built to take it) and Triton tile serve one row too."""
+    assert gemv.linear_kernels("bfloat16", 4096, 14336, fp8_weight=True, fp8_static=True) == []
+    for kernels in (residual_kernels.aot_kernels("bfloat16", {"K": 14336, "N": 4096, "fp8": True, "fp8_static": True}),
+                    qkv_kernels.aot_kernels("bfloat16", {**QKV, "fp8": True, "fp8_static": True}),
+                    swiglu_kernels.aot_kernels("bfloat16", {**SWIGLU, "fp8": True, "fp8_static": True})):
+        metas = [k.meta for k in kernels]
+        assert not any(m.get("gemv") for m in metas)
+        assert metas[pick_bucket(metas, 1)]["bucket"] == "decode"
+        assert [m.get("static") for m in metas if m.get("quantize")] == [True, True]   # sm_89's and the others'
+        assert all(k.signature["static_ptr"] == "*fp32" for k in kernels if k.meta.get("quantize"))
+
+
 def test_entry_points_take_their_signatures():
     """Each macro's C++ parameter list, in order, is the signature the runtime packs arguments by."""
     source = gemv.SOURCE.read_text() + gemv.FP8_SOURCE.read_text()

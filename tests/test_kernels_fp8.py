@@ -119,6 +119,27 @@ def test_quantize_rows_gives_the_reference_rows(k, norm, dtype):
     assert torch.equal(xq.view(torch.uint8), expected_q.view(torch.uint8))
 
 
+@pytest.mark.parametrize("norm", ["none", "folded", "unfolded"])
+@pytest.mark.parametrize("k", [100, 5000])
+def test_quantize_rows_with_a_static_scale_gives_the_reference_rows(k, norm):
+    """With a static activation scale the pre-pass divides every row by it (values past 448 times
+    it saturate) and writes it as each row's scale, bit for bit as `plugins.fp8.to_e4m3` does, in
+    one read and in the two-pass walk (whose second pass for an unfolded norm weight's largest
+    value it skips)."""
+    torch.manual_seed(k + len(norm))
+    x = rand(5, k, dtype=torch.bfloat16, scale=3.0)
+    x[1] = 0
+    g = (1 + 0.5 * torch.randn(k)).bfloat16() if norm == "unfolded" else None
+    gemm_input = x if norm == "none" else rms_norm(x, g, EPS)
+    static = torch.tensor([gemm_input.float().abs().max().item() / 448 / 2])
+    with mock.patch.object(fp8, "ONE_READ_MAX_K", 4096 if k > 4096 else fp8.ONE_READ_MAX_K):
+        xq, scales = linear_kernels.quantize_rows(x, g, norm != "none", EPS, static)
+    expected = to_e4m3(gemm_input, static)
+    assert (expected.float().abs() == 448).sum() > 0   # some values saturate
+    assert torch.equal(scales, static.expand(5))
+    assert torch.equal(xq.view(torch.uint8), expected.view(torch.uint8))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bucket", list(BUCKET_ROWS))
 @pytest.mark.parametrize("bias", [False, True])

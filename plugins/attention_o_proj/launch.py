@@ -23,9 +23,9 @@ def scratch_bytes(attrs: dict, limits: dict[str, int]) -> dict[str, int]:
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
            dims: dict[str, int], stream: int, scratch: dict[str, torch.Tensor]) -> None:
     """inputs: the first 8 of `attention`, then w_o [hidden, heads*head_dim], b_o? [hidden],
-    residual, attention's kv_scales?, then w_o_scale [hidden] (FP8) and w_o_input_scale (refused
-    by GPU builds) when given."""
-    q, w_o, b_o, residual, kv_scales, w_scale = inputs[0], *padded(inputs[8:], 6)[:5]
+    residual, attention's kv_scales?, then w_o_scale [hidden] (FP8) and w_o_input_scale (a static
+    activation scale) when given."""
+    q, w_o, b_o, residual, kv_scales, w_scale, x_static = inputs[0], *padded(inputs[8:], 6)
     attn = scratch["attention_o_proj_attn"][:q.numel() * q.element_size()].view(q.dtype).view(q.shape)
     attention_idx = [i for i, m in enumerate(metas) if "role" in m]
     gemm_idx = [i for i, m in enumerate(metas) if "bucket" in m or "quantize" in m]
@@ -33,4 +33,4 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
                      list(inputs[:8]) + [kv_scales], attrs,
                      attn, dims, stream, scratch)
     launch_gemm([kernels[i] for i in gemm_idx], [metas[i] for i in gemm_idx], attn, w_o, b_o, residual, out, stream,
-                scratch, w_scale)
+                scratch, w_scale, x_static)

@@ -9,7 +9,9 @@ row rounded to the activation dtype (times an unfolded norm weight) for the norm
 row's scale needs the whole row before the first product, so every FP8 GEMM launch is two
 kernels: `quantize_rows_kernel` (one program per row: x read once, RMSNorm'd where the plugin
 has a norm, e4m3 rows and their scales written to scratch), then the GEMM, whose K loop loads
-e4m3 x, half the bytes of bf16. The persistent TMA GEMMs need this anyway: a TMA tile reaches
+e4m3 x, half the bytes of bf16. An op with a static activation scale (calibrated at build time,
+or a checkpoint's input_scale) has a pre-pass built to divide by that scale instead, which it
+writes as every row's: the GEMMs are the same either way. The RMSNorm still needs the whole row. The persistent TMA GEMMs need this anyway: a TMA tile reaches
 the tensor cores from shared memory without passing through registers, so it must already be
 e4m3 in memory. (Quantizing inside the GEMM instead, each program walking its rows before its K
 loop, made the decode GEMMs 3-4x slower than bf16 on an H200: every program repeats the
@@ -101,11 +103,12 @@ def normalized(x, rstd, norm_ptr, cols, mask_k, NORM: tl.constexpr, EMULATE: tl.
 
 @triton.jit
 def row_stats(x_ptr, norm_ptr, offs_m, mask_m, eps, K: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_K: tl.constexpr, NORM: tl.constexpr, EMULATE: tl.constexpr):
+              BLOCK_K: tl.constexpr, NORM: tl.constexpr, EMULATE: tl.constexpr, AMAX: tl.constexpr = True):
     """(x_scale, rstd) of rows offs_m of x [., K]: the e4m3 scale of each row's GEMM input and,
     with NORM, its RMSNorm scale (else 1). A folded norm needs one pass: |x| * rstd rounded to
     x's dtype grows with |x|, so the normalized row's largest magnitude is that of x's largest.
-    An unfolded norm weight reorders the magnitudes, and a second pass finds it."""
+    An unfolded norm weight reorders the magnitudes, and a second pass finds it, unless the caller
+    has its scale already (not AMAX: x_scale is then meaningless)."""
     offs_k = tl.arange(0, BLOCK_K)
     ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :]
     sumsq = tl.zeros((BLOCK_M,), tl.float32)
@@ -118,7 +121,7 @@ def row_stats(x_ptr, norm_ptr, offs_m, mask_m, eps, K: tl.constexpr, BLOCK_M: tl
     if NORM:
         rstd = tl.rsqrt(sumsq / K + eps)
         amax = round_to(amax * rstd, x_ptr.dtype.element_ty, EMULATE).to(tl.float32)
-        if norm_ptr is not None:
+        if AMAX and norm_ptr is not None:
             amax = tl.zeros((BLOCK_M,), tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 mask_k = offs_k < K - k0
@@ -129,11 +132,13 @@ def row_stats(x_ptr, norm_ptr, offs_m, mask_m, eps, K: tl.constexpr, BLOCK_M: tl
 
 
 @triton.jit
-def quantize_rows_kernel(x_ptr, norm_ptr, xq_ptr, scale_ptr, T, eps, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                         NORM: tl.constexpr, EMULATE: tl.constexpr, ROUND_E4M3: tl.constexpr):
+def quantize_rows_kernel(x_ptr, norm_ptr, xq_ptr, scale_ptr, static_ptr, T, eps, K: tl.constexpr,
+                         BLOCK_K: tl.constexpr, NORM: tl.constexpr, EMULATE: tl.constexpr, ROUND_E4M3: tl.constexpr):
     """Row program_id(0) of x [T, K] (RMSNorm'd with NORM) quantized: e4m3 values to xq [T, K],
-    the row's scale to scale[T]. A row that fits one block is read once and kept in registers;
-    a longer one is walked twice (`row_stats`, then the quantization)."""
+    the row's scale to scale[T]. The scale is the row's own, or with static_ptr the static
+    per-tensor one it holds ([1], fixed at build time; larger values saturate), copied to every
+    row so that the GEMMs read one form. A row that fits one block is read once and kept in
+    registers; a longer one is walked twice (`row_stats`, then the quantization)."""
     row = tl.program_id(0) + tl.zeros((1,), tl.int32)
     mask_m = row < T
     offs_k = tl.arange(0, BLOCK_K)
@@ -147,10 +152,16 @@ def quantize_rows_kernel(x_ptr, norm_ptr, xq_ptr, scale_ptr, T, eps, K: tl.const
             wide = x.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(wide * wide, axis=1) / K + eps)
         xn = normalized(x, rstd, norm_ptr, offs_k, mask_k, NORM, EMULATE).to(tl.float32)
-        x_scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(xn), axis=1), _MAX), _MIN_SCALE)
+        if static_ptr is not None:
+            x_scale = tl.load(static_ptr + tl.zeros((1,), tl.int32))
+        else:
+            x_scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(xn), axis=1), _MAX), _MIN_SCALE)
         tl.store(xq_ptr + offs, to_e4m3(xn, x_scale, ROUND_E4M3), mask=mask)
     else:
-        x_scale, rstd = row_stats(x_ptr, norm_ptr, row, mask_m, eps, K, 1, BLOCK_K, NORM, EMULATE)
+        x_scale, rstd = row_stats(x_ptr, norm_ptr, row, mask_m, eps, K, 1, BLOCK_K, NORM, EMULATE,
+                                  static_ptr is None)
+        if static_ptr is not None:
+            x_scale = tl.load(static_ptr + tl.zeros((1,), tl.int32))
         for k0 in range(0, K, BLOCK_K):
             mask_k = offs_k < K - k0
             mask = mask_m[:, None] & mask_k[None, :]
@@ -175,18 +186,23 @@ def quantize_warps(k: int) -> int:
     return QUANTIZE_WARPS * (2 if quantize_block_k(k) > 4096 else 1)
 
 
-def quantize_aot(dtype: str, k: int, norm: bool, norm_weight: bool) -> list[AotKernel]:
+def quantize_aot(dtype: str, k: int, norm: bool, norm_weight: bool, static: bool = False) -> list[AotKernel]:
     """The quantizing pre-pass of an FP8 plugin's GEMMs, once per group of TARGET_GROUPS with that
-    group's ROUND_E4M3 (meta "quantize": no bucket)."""
+    group's ROUND_E4M3 (meta "quantize": no bucket); with `static` it takes the static activation
+    scale (meta "static") instead of finding each row's."""
     ptr = POINTER_TYPES[dtype]
     signature = {"x_ptr": ptr, "norm_ptr": ptr if norm_weight else "constexpr", "xq_ptr": FP8_POINTER,
-                 "scale_ptr": "*fp32", "T": "i32", "eps": "fp32", "K": "constexpr", "BLOCK_K": "constexpr",
-                 "NORM": "constexpr", "EMULATE": "constexpr", "ROUND_E4M3": "constexpr"}
+                 "scale_ptr": "*fp32", "static_ptr": "*fp32" if static else "constexpr", "T": "i32", "eps": "fp32",
+                 "K": "constexpr", "BLOCK_K": "constexpr", "NORM": "constexpr", "EMULATE": "constexpr",
+                 "ROUND_E4M3": "constexpr"}
     constexprs = {"K": k, "BLOCK_K": quantize_block_k(k), "NORM": norm, "EMULATE": False}
-    if not norm_weight:
-        constexprs["norm_ptr"] = None
+    for name, given in (("norm_ptr", norm_weight), ("static_ptr", static)):
+        if not given:
+            constexprs[name] = None
     meta = {"quantize": True, "grid": "(T, 1, 1)", "pointer_alignment": 16,
             "scratch_per_row": {"fp8_x": k, "fp8_x_scale": 4}}
+    if static:
+        meta["static"] = True
     return [AotKernel(quantize_rows_kernel, signature, {**constexprs, "ROUND_E4M3": round_first}, targets=targets,
                       num_warps=quantize_warps(k), num_stages=1, aligned=pointer_params(signature), meta=meta)
             for targets, round_first in TARGET_GROUPS]

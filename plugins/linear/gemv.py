@@ -27,7 +27,8 @@ the weights are FP8 too (the FP8 GEMV writes an e4m3 cache with its scales: "fp8
 FP8 weights (`gemv_fp8.cu`, compiled appended to `gemv.cu`, for the FP8 targets only) each plugin
 gets a "gemv1" bucket where K % 16 == 0 and K <= FP8_KMAX (each block stages x, quantized, in shared
 memory), in place of the quantize pre-pass and Triton tile at one row; its meta carries "fp8" too
-and its launch the weight scales after the weight. Each bucket's meta carries "gemv", "pdl" (its
+and its launch the weight scales after the weight. These find each row's scale themselves, so a plugin
+with a static activation scale ("fp8_static") gets no GEMV: its pre-pass and Triton tile serve one row. Each bucket's meta carries "gemv", "pdl" (its
 kernel waits in the kernel for the one before: `runtime.cuda_driver` launches it so) and the constant
 grid; the launchers pass the kernel's parameters (the .cu files' entry points) with absent optional
 pointers as 0.
@@ -87,7 +88,9 @@ def _with_e4m3_cache(signature: dict) -> dict:
 FP8_QKV_FP8_KV_SIGNATURE = _with_e4m3_cache(FP8_QKV_SIGNATURE)
 
 
-def _serves(dtype: str, k: int, fp8_weight: bool) -> bool:
+def _serves(dtype: str, k: int, fp8_weight: bool, fp8_static: bool = False) -> bool:
+    if fp8_static:   # the FP8 GEMVs find each row's scale themselves
+        return False
     if fp8_weight:
         return dtype == "bfloat16" and k % 16 == 0 and k <= FP8_KMAX
     return dtype == "bfloat16" and k % 8 == 0
@@ -109,9 +112,9 @@ def _meta(rows: int, programs: int, **extra) -> dict:
             "grid": (str(programs), "1", "1"), "pdl": True, **extra}
 
 
-def linear_kernels(dtype: str, n: int, k: int, fp8_weight: bool = False) -> list[NvccKernel]:
+def linear_kernels(dtype: str, n: int, k: int, fp8_weight: bool = False, fp8_static: bool = False) -> list[NvccKernel]:
     """out = x W^T (+ bias) (+ residual) for W [n, k]."""
-    if not _serves(dtype, k, fp8_weight):
+    if not _serves(dtype, k, fp8_weight, fp8_static):
         return []
     if fp8_weight:
         if n % (WARPS * FP8_LINEAR_ROWS):
@@ -134,7 +137,8 @@ def qkv_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
     heads, kv_heads, d, k = shapes["num_heads"], shapes["num_kv_heads"], shapes["head_dim"], shapes["K"]
     pairs = (heads + 2 * kv_heads) * d // 2
     fp8_weight, fp8_kv = shapes.get("fp8", False), shapes.get("fp8_kv", False)
-    if (not _serves(dtype, k, fp8_weight) or shapes.get("qk_norm") or (fp8_kv and not fp8_weight)
+    if (not _serves(dtype, k, fp8_weight, shapes.get("fp8_static", False)) or shapes.get("qk_norm")
+            or (fp8_kv and not fp8_weight)
             or d % 2 or pairs % WARPS):
         return []
     meta = _meta(1, pairs // WARPS, heads=heads, kv_heads=kv_heads, head_dim=d)
@@ -155,7 +159,8 @@ def swiglu_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
     activation = shapes.get("activation", "silu")
     fp8_weight = shapes.get("fp8", False)
     cols = FP8_SWIGLU_COLS if fp8_weight else 1
-    if not _serves(dtype, k, fp8_weight) or inter % (WARPS * cols) or activation not in ("silu", "gelu_tanh"):
+    if (not _serves(dtype, k, fp8_weight, shapes.get("fp8_static", False)) or inter % (WARPS * cols)
+            or activation not in ("silu", "gelu_tanh")):
         return []
     flags = f"{_cpp(activation == 'gelu_tanh')}, {_cpp(shapes.get('norm_weight', False))}"
     meta = _meta(1, inter // (WARPS * cols), block=shapes["block"] or inter)

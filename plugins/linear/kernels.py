@@ -226,32 +226,36 @@ def split_buffers(rows: int, block_m: int, width: int, column_tiles: int, split:
             torch.zeros(sizes["gemm_split_count"] // 4, dtype=torch.int32, device=device))
 
 
-def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None, norm: bool,
-                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The quantize pre-pass through Triton's JIT: x's GEMM input rows in e4m3 and their scales."""
+def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None, norm: bool, eps: float,
+                  static: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantize pre-pass through Triton's JIT: x's GEMM input rows in e4m3 and their scales
+    (each row's own, or the static per-tensor `static` [1] for every row)."""
     t, k = x.shape
     xq = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(t, dtype=torch.float32, device=x.device)
-    fp8.quantize_rows_kernel[(t,)](x, norm_weight, xq, scales, t, eps, K=k, BLOCK_K=fp8.quantize_block_k(k),
+    fp8.quantize_rows_kernel[(t,)](x, norm_weight, xq, scales, static, t, eps, K=k, BLOCK_K=fp8.quantize_block_k(k),
                                    NORM=norm, EMULATE=interpreting(), ROUND_E4M3=interpreting(),
                                    num_warps=fp8.quantize_warps(k))
     return xq, scales
 
 
 def gemm_input(x: torch.Tensor, w_scale: torch.Tensor | None, norm_weight: torch.Tensor | None = None,
-               norm: bool = False, eps: float = 0.0,
-               with_row_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+               norm: bool = False, eps: float = 0.0, with_row_scales: bool = False,
+               x_static: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(x operand, x scales) of a JIT launch: for FP8 weights the quantize pre-pass's e4m3 rows and
-    their scales; else x, and with `with_row_scales` the row-scale pre-pass's RMSNorm scales (a fused
-    norm GEMM's bucket that reads them, `tiles.prescaled`)."""
+    their scales (x_static: the static activation scale, if any); else x, and with `with_row_scales`
+    the row-scale pre-pass's RMSNorm scales (a fused norm GEMM's bucket that reads them,
+    `tiles.prescaled`)."""
     if w_scale is not None:
-        return quantize_rows(x, norm_weight, norm, eps)
+        return quantize_rows(x, norm_weight, norm, eps, x_static)
     return x, row_scales(x, eps) if with_row_scales else None
 
 
 def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  residual: torch.Tensor | None, out: torch.Tensor, w_scale: torch.Tensor | None = None) -> None:
-    """out = x weight^T (+ bias) (+ residual), through Triton's JIT launch; W8A8 with w_scale."""
+                  residual: torch.Tensor | None, out: torch.Tensor, w_scale: torch.Tensor | None = None,
+                  x_static: torch.Tensor | None = None) -> None:
+    """out = x weight^T (+ bias) (+ residual), through Triton's JIT launch; W8A8 with w_scale (and
+    the static activation scale x_static, if any)."""
     t, k = x.shape
     n = weight.shape[0]
     tile = pick_tile(t, n)
@@ -259,7 +263,7 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     bk = block_k(tile, weight.element_size())
     split, columns = split_k(tile, k, bk), triton.cdiv(n, tile.block_n)
     part, count = split_buffers(t, tile.block_m, tile.block_n, columns, split, x.device)
-    xa, x_scale = gemm_input(x, w_scale)
+    xa, x_scale = gemm_input(x, w_scale, x_static=x_static)
     linear_kernel[(triton.cdiv(t, tile.block_m), columns, split)](
         xa, x_scale, weight, w_scale, bias, None if residual is None else residual.contiguous(), out, part, count,
         t, N=n, K=k, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=bk,
@@ -267,16 +271,17 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         num_stages=num_stages(tile.block_m, tile.block_n, bk, weight.element_size(), tile.stages, xa.element_size()))
 
 
-def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool,
-                       fp8_weight: bool = False) -> list[AotKernel | NvccKernel]:
+def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool, fp8_weight: bool = False,
+                       fp8_static: bool = False) -> list[AotKernel | NvccKernel]:
     """The CUDA GEMVs for one and two rows where they serve the shape (`linear.gemv`), then one
     linear_kernel per shape bucket of TILES, and for the TMA buckets the persistent TMA GEMM for
     sm_90 and later beside it (the pointer kernel then serves sm_80 and sm_89); ahead of the
     "large" bucket's pointer kernel the CuTe GEMM for sm_90 where it serves (`linear.cute_gemm`). FP8
     (`fp8_weight`): kernels for fp8.FP8_TARGETS only, the TMA buckets' e4m3 TMA GEMM beside
-    sm_89's pointer kernel, and the quantize pre-pass whose rows they all read."""
+    sm_89's pointer kernel, and the quantize pre-pass whose rows they all read (`fp8_static`: the one
+    that takes a static activation scale)."""
     ptr, size = POINTER_TYPES[dtype], dtypes.element_bytes(dtype)
-    kernels: list[AotKernel | NvccKernel] = gemv.linear_kernels(dtype, n, k, fp8_weight)
+    kernels: list[AotKernel | NvccKernel] = gemv.linear_kernels(dtype, n, k, fp8_weight, fp8_static)
     for tile in tiles_for(n):
         kernels += cute_gemm.linear_kernels(dtype, n, k, tile, fp8_weight)
         bk = block_k(tile, 1 if fp8_weight else size)
@@ -306,21 +311,21 @@ def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool,
             kernels.append(tma_linear_aot(dtype, n, k, bias, residual, tile.name, tile.max_rows, fp8_weight,
                                           tile.block_m))
     if fp8_weight:
-        kernels += fp8.quantize_aot(dtype, k, norm=False, norm_weight=False)
+        kernels += fp8.quantize_aot(dtype, k, norm=False, norm_weight=False, static=fp8_static)
     return kernels
 
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     """inputs: x [T, K], weight [N, K], bias [N] or None, then weight_scale [N] (FP8) and
-    weight_input_scale when given (a static activation scale; builds for a GPU refuse it, see
-    `plugins.linear.fp8`). `all_reduce` is left to the caller (see the module docstring);
-    `parallel` and `heads` only matter to the shard pass."""
-    x, weight, bias, w_scale = (*inputs, None)[:4]
-    launch_linear(x, weight, bias, None, out, w_scale)
+    weight_input_scale (a static activation scale) when given. `all_reduce` is left to the caller
+    (see the module docstring); `parallel` and `heads` only matter to the shard pass."""
+    x, weight, bias, w_scale, x_static = (*inputs, None, None)[:5]
+    launch_linear(x, weight, bias, None, out, w_scale, x_static)
 
 
 def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
     """shapes: {"K": in features, "N": out features, "bias": bool (default False), "fp8": bool
-    (default False: weights in the activation dtype)}."""
+    (default False: weights in the activation dtype), "fp8_static": bool (a static activation
+    scale; default False)}."""
     return linear_aot_kernels(dtype, shapes["N"], shapes["K"], shapes.get("bias", False), residual=False,
-                              fp8_weight=shapes.get("fp8", False))
+                              fp8_weight=shapes.get("fp8", False), fp8_static=shapes.get("fp8_static", False))

@@ -74,37 +74,46 @@ def check_fp8(meta: dict, w_scale: torch.Tensor | None) -> None:
 
 
 def launch_quantize(kernels: list, metas: list[dict], x: torch.Tensor, norm_weight: torch.Tensor | None,
-                    eps: float, stream: int, scratch: dict[str, torch.Tensor]) -> tuple[int, int]:
-    """Run an FP8 plugin's quantize pre-pass (`linear.fp8`) over x's rows; returns the addresses
-    of the e4m3 rows and of their scales, in the scratch buffers its meta names."""
+                    eps: float, stream: int, scratch: dict[str, torch.Tensor],
+                    x_static: torch.Tensor | None = None) -> tuple[int, int]:
+    """Run an FP8 plugin's quantize pre-pass (`linear.fp8`) over x's rows, with the static activation
+    scale x_static if the engine has one; returns the addresses of the e4m3 rows and of their scales,
+    in the scratch buffers its meta names."""
     i = next(i for i, meta in enumerate(metas) if meta.get("quantize"))
+    if ("static" in metas[i]) != (x_static is not None):
+        raise ValueError(f"FP8 pre-pass built {'with' if 'static' in metas[i] else 'without'} a static activation "
+                         f"scale, given {'none' if x_static is None else 'one'}: the engine's kernels and weights "
+                         "disagree; rebuild the engine")
     rows = x.shape[0]
     check_aligned(metas[i], x, norm_weight)
     args = [x.data_ptr()] + ([norm_weight.data_ptr()] if norm_weight is not None else [])
-    args += [scratch["fp8_x"].data_ptr(), scratch["fp8_x_scale"].data_ptr(), rows, eps]
-    kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)
+    args += [scratch["fp8_x"].data_ptr(), scratch["fp8_x_scale"].data_ptr()]
+    args += [x_static.data_ptr()] if x_static is not None else []
+    kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args + [rows, eps], stream)
     return scratch["fp8_x"].data_ptr(), scratch["fp8_x_scale"].data_ptr()
 
 
 def gemm_input_args(kernels: list, metas: list[dict], i: int, x: torch.Tensor, norm_weight: torch.Tensor | None,
-                    eps: float, stream: int, scratch: dict[str, torch.Tensor]) -> list[int]:
+                    eps: float, stream: int, scratch: dict[str, torch.Tensor],
+                    x_static: torch.Tensor | None = None) -> list[int]:
     """The x operand pointers of GEMM bucket kernel i: x, or for an FP8 kernel the quantize
     pre-pass's e4m3 rows and their scales (run here first)."""
     if metas[i].get("fp8"):
-        return list(launch_quantize(kernels, metas, x, norm_weight, eps, stream, scratch))
+        return list(launch_quantize(kernels, metas, x, norm_weight, eps, stream, scratch, x_static))
     return [x.data_ptr()]
 
 
 def norm_gemm_input_args(kernels: list, metas: list[dict], i: int, x: torch.Tensor,
                          norm_weight: torch.Tensor | None, eps: float, stream: int,
-                         scratch: dict[str, torch.Tensor]) -> list[int]:
+                         scratch: dict[str, torch.Tensor], x_static: torch.Tensor | None = None) -> list[int]:
     """The x operand pointers of a fused norm GEMM's bucket kernel i: for FP8 the quantize
-    pre-pass's e4m3 rows and scales (the norm applied); else x, the row-scale pre-pass's scales
-    where the kernel reads them (TMA buckets, meta "row_scale_input"), and an unfolded norm
-    weight where the kernel applies it (a TMA bucket's is always folded). Pre-passes run here."""
+    pre-pass's e4m3 rows and scales (the norm applied; x_static: the static activation scale, if
+    any); else x, the row-scale pre-pass's scales where the kernel reads them (TMA buckets, meta
+    "row_scale_input"), and an unfolded norm weight where the kernel applies it (a TMA bucket's is
+    always folded). Pre-passes run here."""
     meta = metas[i]
     if meta.get("fp8"):
-        return gemm_input_args(kernels, metas, i, x, norm_weight, eps, stream, scratch)
+        return gemm_input_args(kernels, metas, i, x, norm_weight, eps, stream, scratch, x_static)
     args = [x.data_ptr()]
     if meta.get("tma") or meta.get("row_scale_input"):
         args.append(launch_row_scale(kernels, metas, x, eps, stream, scratch))
@@ -115,9 +124,11 @@ def norm_gemm_input_args(kernels: list, metas: list[dict], i: int, x: torch.Tens
 
 def launch_gemm(kernels: list, metas: list[dict], x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None, residual: torch.Tensor | None, out: torch.Tensor,
-                stream: int, scratch: dict[str, torch.Tensor], w_scale: torch.Tensor | None = None) -> None:
+                stream: int, scratch: dict[str, torch.Tensor], w_scale: torch.Tensor | None = None,
+                x_static: torch.Tensor | None = None) -> None:
     """out = x weight^T (+ bias) (+ residual) with the bucket kernel for x's row count, W8A8 when
-    the kernels were built for FP8 (w_scale: the weight's scales). `linear_kernel` takes bias
+    the kernels were built for FP8 (w_scale: the weight's scales; x_static: the static activation
+    scale, for kernels built with one). `linear_kernel` takes bias
     and residual pointers only when built with them; the GEMVs and the CuTe GEMM always (0 when
     absent), the CuTe GEMM x and the weight as TMA descriptors (and its split-K workspace when it
     splits K)."""
@@ -138,7 +149,7 @@ def launch_gemm(kernels: list, metas: list[dict], x: torch.Tensor, weight: torch
                 address(bias), address(residual), out.data_ptr(), *split_args(metas[i], scratch), rows, n, k]
         kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)
         return
-    args = gemm_input_args(kernels, metas, i, x, None, 0.0, stream, scratch) + [weight.data_ptr()]
+    args = gemm_input_args(kernels, metas, i, x, None, 0.0, stream, scratch, x_static) + [weight.data_ptr()]
     args += [t.data_ptr() for t in (w_scale, bias, residual) if t is not None]
     args += [out.data_ptr(), *split_args(metas[i], scratch), rows]
     kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)
@@ -164,7 +175,7 @@ def launch_cute_qkv(kernel, grid: tuple[int, int, int], block_m: int, pairs: int
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
            dims: dict[str, int], stream: int, scratch: dict[str, torch.Tensor]) -> None:
     """inputs: x [T, K], weight [N, K], bias [N] or None, then weight_scale [N] (FP8) and
-    weight_input_scale when given (refused by GPU builds, see `plugins.linear.fp8`). Summing
-    partials over ranks (`all_reduce`) is the executor's business."""
-    x, weight, bias, w_scale = (*inputs, None)[:4]
-    launch_gemm(kernels, metas, x, weight, bias, None, out, stream, scratch, w_scale)
+    weight_input_scale (a static activation scale) when given. Summing partials over ranks
+    (`all_reduce`) is the executor's business."""
+    x, weight, bias, w_scale, x_static = (*inputs, None, None)[:5]
+    launch_gemm(kernels, metas, x, weight, bias, None, out, stream, scratch, w_scale, x_static)

@@ -20,14 +20,14 @@ FP8_TARGETS = fp8.FP8_TARGETS
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     """inputs: x [T, K], weight [N, K], bias [N] or None, residual [T, N], then weight_scale [N]
-    (FP8) and weight_input_scale (refused by GPU builds) when given."""
-    x, weight, bias, residual, w_scale = (*inputs, None)[:5]
-    launch_linear(x, weight, bias, residual, out, w_scale)
+    (FP8) and weight_input_scale (a static activation scale) when given."""
+    x, weight, bias, residual, w_scale, x_static = (*inputs, None, None)[:6]
+    launch_linear(x, weight, bias, residual, out, w_scale, x_static)
 
 
 def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
     """shapes: {"K": in features, "N": out features, "bias": bool (default False), "fp8": bool
-    (default False)}. The kernels are `linear_kernel` with a residual pointer, one per shape
-    bucket (and for FP8 the quantize pre-pass)."""
+    (default False), "fp8_static": bool (default False)}. The kernels are `linear_kernel` with a
+    residual pointer, one per shape bucket (and for FP8 the quantize pre-pass)."""
     return linear_aot_kernels(dtype, shapes["N"], shapes["K"], shapes.get("bias", False), residual=True,
-                              fp8_weight=shapes.get("fp8", False))
+                              fp8_weight=shapes.get("fp8", False), fp8_static=shapes.get("fp8_static", False))

@@ -10,6 +10,6 @@ from kiln.plugins.linear.launch import launch_gemm
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
            dims: dict[str, int], stream: int, scratch: dict[str, torch.Tensor]) -> None:
     """inputs: x [T, K], weight [N, K], bias [N] or None, residual [T, N], then weight_scale [N]
-    (FP8) and weight_input_scale (refused by GPU builds) when given."""
-    x, weight, bias, residual, w_scale = (*inputs, None)[:5]
-    launch_gemm(kernels, metas, x, weight, bias, residual, out, stream, scratch, w_scale)
+    (FP8) and weight_input_scale (a static activation scale) when given."""
+    x, weight, bias, residual, w_scale, x_static = (*inputs, None, None)[:6]
+    launch_gemm(kernels, metas, x, weight, bias, residual, out, stream, scratch, w_scale, x_static)

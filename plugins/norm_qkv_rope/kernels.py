@@ -218,10 +218,10 @@ def head_split(tile: Tile, head_dim: int, qk_norm: bool) -> int:
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     """inputs in the spec's order: x, norm_weight?, w_qkv, b_qkv?, q_norm?, k_norm?, positions,
     rope_cache, kv_cache (written in place), slot_mapping, kv_scales? (an e4m3 cache's), then
-    w_qkv_scale (FP8) and w_qkv_input_scale (refused by GPU builds) when given. q/k norm applies
-    when both are given, as in the reference."""
+    w_qkv_scale (FP8) and w_qkv_input_scale (a static activation scale) when given. q/k norm
+    applies when both are given, as in the reference."""
     x, norm_weight, w_qkv, b_qkv, q_norm, k_norm, positions, rope_cache, kv_cache, slot_mapping, kv_scales, \
-        w_scale = padded(inputs, 13)[:12]
+        w_scale, x_static = padded(inputs, 13)
     if q_norm is None or k_norm is None:
         q_norm = k_norm = None
     if not kv_cache.is_contiguous():
@@ -234,7 +234,8 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     split = head_split(tile, d, q_norm is not None)
     ksplit, columns = split_k(tile, k, bk), (heads + 2 * kv_heads) * split
     part, count = split_buffers(t, tile.block_m, d // split, columns, ksplit, x.device)
-    xa, x_scale = gemm_input(x, w_scale, norm_weight, True, attrs["eps"], prescaled(tile, w_scale is not None))
+    xa, x_scale = gemm_input(x, w_scale, norm_weight, True, attrs["eps"], prescaled(tile, w_scale is not None),
+                             x_static)
     norm_qkv_rope_kernel[(triton.cdiv(t, tile.block_m), columns, ksplit)](
         xa, x_scale, None if w_scale is not None else norm_weight, w_qkv, w_scale, b_qkv, q_norm, k_norm,
         positions.contiguous(), rope_cache.contiguous(), kv_cache, slot_mapping.contiguous(), kv_scales, out, part,
@@ -300,9 +301,9 @@ def tma_aot(dtype: str, shapes: dict, tile: Tile, optional: dict[str, bool]) -> 
 def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
     """shapes: {"K": hidden size, "num_heads", "num_kv_heads" (this rank's), "head_dim", "block_size" (the
     KV cache's; read with fp8_kv),
-    "bias": bool, "qk_norm": bool, "norm_weight": bool, "fp8_kv": bool, "fp8": bool (all
-    default False; False norm_weight means folded; fp8_kv: an e4m3 cache and its scales,
-    kv_scale_ptr; fp8: an e4m3 weight and its row scales)}. One kernel per shape bucket;
+    "bias": bool, "qk_norm": bool, "norm_weight": bool, "fp8_kv": bool, "fp8": bool, "fp8_static": bool
+    (all default False; False norm_weight means folded; fp8_kv: an e4m3 cache and its scales,
+    kv_scale_ptr; fp8: an e4m3 weight and its row scales; fp8_static: a static activation scale)}. One kernel per shape bucket;
     num_slots (KV-cache blocks * block size), layer and eps are runtime arguments, positions and
     slot_mapping int32, rope_cache and the q/k norm weights fp32 (as models hold norm weights).
     FP8: pointer kernels for fp8.FP8_TARGETS in every bucket, and the quantize pre-pass (RMSNorm
@@ -347,7 +348,8 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
         if uses_tma(tile, shapes):
             kernels.append(tma_aot(dtype, shapes, tile, optional))
     if fp8_weight:
-        kernels += fp8.quantize_aot(dtype, k, norm=True, norm_weight=optional["norm_ptr"])
+        kernels += fp8.quantize_aot(dtype, k, norm=True, norm_weight=optional["norm_ptr"],
+                                    static=shapes.get("fp8_static", False))
     else:   # for the TMA buckets and the pointer ones that read its scales (`prescaled`)
         kernels.append(tma.row_scale_aot(dtype, k))
     return kernels

@@ -19,13 +19,13 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
            dims: dict[str, int], stream: int, scratch: dict[str, torch.Tensor]) -> None:
     """inputs in the spec's order: x, norm_weight?, w_qkv, b_qkv?, q_norm?, k_norm?, positions,
     rope_cache (fp32), kv_cache (written in place), slot_mapping, kv_scales? (an e4m3 cache's
-    [layers, 2, kv heads]), then w_qkv_scale (FP8) and w_qkv_input_scale (refused by GPU builds)
+    [layers, 2, kv heads]), then w_qkv_scale (FP8) and w_qkv_input_scale (a static activation scale)
     when given. The kernels take the optional pointers only when they were built with them (absent
     ones are constexpr None); an FP8 Triton bucket reads e4m3 rows from the quantize pre-pass,
     which applies the norm weight, and the FP8 GEMV (gemv1) quantizes x itself. The CuTe qkv GEMM takes
     x and w_qkv as TMA descriptors and the row-scale pre-pass's scales."""
     x, norm_weight, w_qkv, b_qkv, q_norm, k_norm, positions, rope_cache, kv_cache, slot_mapping, kv_scales, \
-        w_scale = padded(inputs, 13)[:12]
+        w_scale, x_static = padded(inputs, 13)
     if (q_norm is None) != (k_norm is None):
         # The kernel was built for both or neither; one alone has no kernel to match it.
         raise ValueError("norm_qkv_rope needs both q_norm and k_norm, or neither")
@@ -52,7 +52,7 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
                         rope_cache, kv_cache, slot_mapping, out, attrs["layer"], attrs["num_heads"],
                         attrs["num_kv_heads"], stream)
         return
-    args = norm_gemm_input_args(kernels, metas, i, x, norm_weight, attrs["eps"], stream, scratch)
+    args = norm_gemm_input_args(kernels, metas, i, x, norm_weight, attrs["eps"], stream, scratch, x_static)
     args += [t.data_ptr() for t in (w_qkv, w_scale, b_qkv, q_norm, k_norm) if t is not None]
     args += [positions.data_ptr(), rope_cache.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr()]
     args += [kv_scales.data_ptr()] if kv_scales is not None else []

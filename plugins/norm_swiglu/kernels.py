@@ -166,8 +166,8 @@ def tma_aot(dtype: str, shapes: dict, tile) -> AotKernel:
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     """inputs: x [T, K], norm_weight [K] or None (folded), w_gu [2I, K], then w_gu_scale [2I]
-    (FP8) and w_gu_input_scale (refused by GPU builds) when given; attrs eps, block, activation."""
-    x, norm_weight, w_gu, w_scale = (*inputs, None)[:4]
+    (FP8) and w_gu_input_scale (a static activation scale) when given; attrs eps, block, activation."""
+    x, norm_weight, w_gu, w_scale, x_static = (*inputs, None, None)[:5]
     x, w_gu = x.contiguous(), w_gu.contiguous()
     t, k = x.shape
     inter = w_gu.shape[0] // 2
@@ -177,7 +177,8 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     bn = tile.block_n // 2
     split, columns = split_k(tile, k, bk), triton.cdiv(inter, bn)
     part, count = split_buffers(t, tile.block_m, 2 * bn, columns, split, x.device)
-    xa, x_scale = gemm_input(x, w_scale, norm_weight, True, attrs["eps"], prescaled(tile, w_scale is not None))
+    xa, x_scale = gemm_input(x, w_scale, norm_weight, True, attrs["eps"], prescaled(tile, w_scale is not None),
+                             x_static)
     norm_swiglu_kernel[(triton.cdiv(t, tile.block_m), columns, split)](
         xa, x_scale, None if w_scale is not None else norm_weight, w_gu, w_scale, out, part, count, t, attrs["eps"],
         I=inter, K=k, GU_BLOCK=attrs["block"] or inter, BLOCK_M=tile.block_m, BLOCK_N=bn, BLOCK_K=bk,
@@ -189,9 +190,10 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
 def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
     """shapes: {"K": hidden size, "I": intermediate size (this rank's), "block": gate/up
     interleave block (0: not interleaved), "norm_weight": bool (default False: folded),
-    "activation": "silu" (default) or "gelu_tanh", "fp8": bool (default False)}. One kernel
-    per shape bucket; eps is a runtime argument. FP8: pointer kernels for fp8.FP8_TARGETS in
-    every bucket, and the quantize pre-pass (RMSNorm included) whose rows they read."""
+    "activation": "silu" (default) or "gelu_tanh", "fp8": bool, "fp8_static": bool (both default
+    False)}. One kernel per shape bucket; eps is a runtime argument. FP8: pointer kernels for
+    fp8.FP8_TARGETS in every bucket, and the quantize pre-pass (RMSNorm included; with fp8_static
+    the one that takes a static activation scale) whose rows they read."""
     ptr, size = POINTER_TYPES[dtype], element_bytes(dtype)
     k, inter, norm = shapes["K"], shapes["I"], shapes.get("norm_weight", False)
     fp8_weight = shapes.get("fp8", False)
@@ -225,7 +227,7 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
         if uses_tma(tile, shapes, dtype):
             kernels.append(tma_aot(dtype, shapes, tile))
     if fp8_weight:
-        kernels += fp8.quantize_aot(dtype, k, norm=True, norm_weight=norm)
+        kernels += fp8.quantize_aot(dtype, k, norm=True, norm_weight=norm, static=shapes.get("fp8_static", False))
     else:   # for the TMA buckets and the pointer ones that read its scales (`prescaled`)
         kernels.append(tma.row_scale_aot(dtype, k))
     return kernels

@@ -17,10 +17,10 @@ def scratch_bytes(attrs: dict, limits: dict[str, int]) -> dict[str, int]:
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
            dims: dict[str, int], stream: int, scratch: dict[str, torch.Tensor]) -> None:
     """inputs: x [T, K], norm_weight [K] or None (folded: not a kernel parameter), w_gu [2I, K],
-    then w_gu_scale [2I] (FP8) and w_gu_input_scale (refused by GPU builds) when given. An FP8
+    then w_gu_scale [2I] (FP8) and w_gu_input_scale (a static activation scale) when given. An FP8
     bucket that reads e4m3 rows gets them from the quantize pre-pass, which applies the norm (and
     its weight)."""
-    x, norm_weight, w_gu, w_scale = (*inputs, None)[:4]
+    x, norm_weight, w_gu, w_scale, x_static = (*inputs, None, None)[:5]
     rows = x.shape[0]
     i = pick_bucket(metas, rows)
     check_fp8(metas[i], w_scale)
@@ -30,7 +30,7 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
                 metas[i]["block"], attrs["eps"], x.shape[1]]
         kernels[i].launch(grid(metas[i]["grid"], {}), args, stream)
         return
-    args = norm_gemm_input_args(kernels, metas, i, x, norm_weight, attrs["eps"], stream, scratch)
+    args = norm_gemm_input_args(kernels, metas, i, x, norm_weight, attrs["eps"], stream, scratch, x_static)
     args += [t.data_ptr() for t in (w_gu, w_scale) if t is not None] + [out.data_ptr()]
     if metas[i].get("tma"):
         args.append(rows)
