@@ -18,8 +18,8 @@ import torch
 from click.core import ParameterSource
 
 from kiln.bench import decode, kv_dtype, latency, offline, prefix, startup
-from kiln.bench.driver import EngineInfo, inspect, kv_token_budget, open_core, random_prompts, release
-from kiln.bench.eager import eager_unsupported
+from kiln.bench.driver import EngineInfo, inspect, kv_token_budget, open_core, release
+from kiln.bench.eager import eager_unsupported, fill_baseline
 from kiln.bench.figures import Figure, beside_bf16
 from kiln.bench.hardware import measure
 from kiln.bench.model import SHAPES, Shape, check_shape, ensure_checkpoint, ensure_engine, with_overrides
@@ -131,35 +131,6 @@ def _throughput(info: EngineInfo, hw, budget: int, notes: list[str], phases: lis
     return figures
 
 
-def _eager_baseline(figures: list[Figure], checkpoint: Path, info: EngineInfo, device: str, context: int,
-                    steps: int, seed: int) -> None:
-    """Fill in `eager` on every decode and offline figure that has a value."""
-    from kiln.bench.eager import EagerModel, eager_decode, eager_offline
-    status(f"eager baseline: loading {checkpoint}")
-    model = EagerModel.load(checkpoint, info.manifest.dtype, info.manifest.max_seq_len, device)
-    try:
-        by_key = {f.key: f for f in figures}
-        for f in figures:
-            if f.value is None or f.section != "decode":
-                continue
-            status(f"eager decode b={f.params['batch']}")
-            prompts = random_prompts(f.params["batch"], context, info.manifest.vocab_size, seed)
-            f.eager = eager_decode(model, prompts, steps)
-        for f in figures:
-            if f.value is None or f.section != "offline" or f.key[-1] != "output":
-                continue
-            p = f.params
-            status(f"eager offline {p['input_len']}/{p['output_len']} x {p['requests']}")
-            prompts = random_prompts(p["requests"], p["input_len"], info.manifest.vocab_size, seed)
-            seconds = eager_offline(model, prompts, p["output_len"])
-            f.eager = p["requests"] * p["output_len"] / seconds
-            total = by_key[f.key[:-1] + ("total",)]
-            total.eager = p["requests"] * (p["input_len"] + p["output_len"]) / seconds
-    finally:
-        del model
-        release(device)
-
-
 HELP = """Measure a Kiln engine: decode tokens/s, offline throughput and latency, each beside
 its hardware limit and beside the same model run eagerly in PyTorch, all in one run.
 
@@ -235,6 +206,9 @@ Examples:
 @click.option("--quantize-lm-head", is_flag=True,
               help="With --quantization: the quantized engine's LM head too (build-engine --quantize-lm-head); "
                    "the bf16 engine's stays as it is.")
+@click.option("--calibration-prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="With --quantization: static activation scales for the quantized engine from these prompts "
+                   "(build-engine --calibration-prompts), as calibrated FP8 checkpoints carry them.")
 @click.option("--max-batch-size", type=int, default=256, show_default=True, help="Build flag (not with --engine).")
 @click.option("--max-seq-len", type=int, default=4352, show_default=True, help="Build flag: 2048+2048 fits.")
 @click.option("--max-num-tokens", type=int, default=8192, show_default=True, help="Build flag: tokens per step.")
@@ -278,7 +252,7 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
                  device: str | None, shape: str, num_layers: int | None, hidden_size: int | None,
                  num_heads: int | None, num_kv_heads: int | None, intermediate_size: int | None,
                  vocab_size: int | None, dtype: str, kv_cache_dtype: str, quantization: str,
-                 quantize_lm_head: bool, max_batch_size: int, max_seq_len: int, max_num_tokens: int, phases: list[str],
+                 quantize_lm_head: bool, calibration_prompts: Path | None, max_batch_size: int, max_seq_len: int, max_num_tokens: int, phases: list[str],
                  batch_sizes: list[int], decode_context: int, decode_steps: int,
                  offline_pairs: list[tuple[int, int]], offline_requests: int | None, rate: float,
                  rate_requests: int, rate_lengths: list[tuple[int, int]], prefix_requests: int,
@@ -301,9 +275,9 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
     model_shape = with_overrides(model_shape, max_position_embeddings=max(model_shape.max_position_embeddings,
                                                                           max_seq_len))
     notes: list[str] = []
-    if quantize_lm_head and quantization == "none":
-        raise click.UsageError("--quantize-lm-head quantizes the LM head of the --quantization engine: "
-                               "give --quantization fp8 too")
+    for flag, given in (("--quantize-lm-head", quantize_lm_head), ("--calibration-prompts", calibration_prompts)):
+        if given and quantization == "none":
+            raise click.UsageError(f"{flag} is for the --quantization engine: give --quantization fp8 too")
     if quantization != "none" and engine_dir is not None:
         raise click.UsageError(f"--quantization {quantization} builds a bf16 and an {quantization} engine from one "
                                "checkpoint to measure them side by side: give --checkpoint (or a --shape), not "
@@ -312,7 +286,8 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
         cfg = BuildConfig(dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                           max_num_tokens=max_num_tokens,
                           targets=default_targets() if device == "cuda" else ("cpu",))
-        quantized_cfg = (dataclasses.replace(cfg, quantization=quantization, quantize_lm_head=quantize_lm_head)
+        quantized_cfg = (dataclasses.replace(cfg, quantization=quantization, quantize_lm_head=quantize_lm_head,
+                                             calibration_prompts=calibration_prompts and str(calibration_prompts))
                          if quantization != "none" else None)
         engine_dir, checkpoint = _resolve_engine(engine_dir, checkpoint, work_dir.expanduser(), device,
                                                  model_shape, cfg)
@@ -382,7 +357,7 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
     elif (unsupported := eager_unsupported(checkpoint)) is not None:
         notes.append(f"no eager baseline: {unsupported}")
     elif any(f.value is not None and f.section in ("decode", "offline") for f in figures):
-        _eager_baseline(figures, checkpoint, info, device, decode_context, decode_steps, seed)
+        fill_baseline(figures, checkpoint, info, device, decode_context, decode_steps, seed, status)
     kv_dtype.share_eager(figures, fp8_figures)
     figures += fp8_figures
     figures += beside_bf16(quantized, figures, quantization)
@@ -401,7 +376,8 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
               f"device {hw.device_name}  torch {torch.__version__}"]
     if quantized_info is not None:
         lm_head = ", LM head too" if quantize_lm_head else ""
-        header.insert(1, f"engine {quantized_info.path}  ({quantization}{lm_head}, the same checkpoint)")
+        static = f", static activation scales from {calibration_prompts}" if calibration_prompts else ""
+        header.insert(1, f"engine {quantized_info.path}  ({quantization}{lm_head}{static}, the same checkpoint)")
     click.echo(render(figures, hw, header, notes))
     context = {"engine": str(engine_dir), "checkpoint": str(checkpoint) if checkpoint else None,
                "quantized_engine": str(quantized_info.path) if quantized_info is not None else None,

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from kiln import models
+from kiln.bench.driver import EngineInfo, random_prompts, release
+from kiln.bench.figures import Figure
 from kiln.bench.hardware import Clock, synchronize
 from kiln.models.llama import LlamaForCausalLM
 
@@ -172,3 +175,32 @@ def eager_offline(model: EagerModel, prompts: list[list[int]], output_len: int) 
     for i in range(0, len(prompts), batch):
         model.greedy(torch.tensor(prompts[i:i + batch]), output_len)
     return clock.stop()
+
+
+def fill_baseline(figures: list[Figure], checkpoint: Path, info: EngineInfo, device: str, context: int,
+                  steps: int, seed: int, status: Callable[[str], None]) -> None:
+    """Fill in `eager` on every decode and offline figure that has a value (bench-engine's last
+    phase; `status` reports progress)."""
+    status(f"eager baseline: loading {checkpoint}")
+    model = EagerModel.load(checkpoint, info.manifest.dtype, info.manifest.max_seq_len, device)
+    try:
+        by_key = {f.key: f for f in figures}
+        for f in figures:
+            if f.value is None or f.section != "decode":
+                continue
+            status(f"eager decode b={f.params['batch']}")
+            prompts = random_prompts(f.params["batch"], context, info.manifest.vocab_size, seed)
+            f.eager = eager_decode(model, prompts, steps)
+        for f in figures:
+            if f.value is None or f.section != "offline" or f.key[-1] != "output":
+                continue
+            p = f.params
+            status(f"eager offline {p['input_len']}/{p['output_len']} x {p['requests']}")
+            prompts = random_prompts(p["requests"], p["input_len"], info.manifest.vocab_size, seed)
+            seconds = eager_offline(model, prompts, p["output_len"])
+            f.eager = p["requests"] * p["output_len"] / seconds
+            total = by_key[f.key[:-1] + ("total",)]
+            total.eager = p["requests"] * (p["input_len"] + p["output_len"]) / seconds
+    finally:
+        del model
+        release(device)

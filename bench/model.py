@@ -97,13 +97,21 @@ def ensure_checkpoint(work_dir: Path, shape: Shape, dtype: str, device: str) -> 
     return write_random_checkpoint(path, FAMILY, **kwargs), False
 
 
+def _calibration_key(cfg: BuildConfig) -> str:
+    """An engine path's mark of static activation scales: the calibration prompts' content, so that
+    other prompts build another engine."""
+    if cfg.calibration_prompts is None:
+        return ""
+    return f"-static{hashlib.sha256(Path(cfg.calibration_prompts).read_bytes()).hexdigest()[:8]}"
+
+
 def engine_path(work_dir: Path, checkpoint: Path, cfg: BuildConfig) -> Path:
     """Where the engine for `checkpoint` built with `cfg` lives in the work folder."""
     ckpt_key = f"{checkpoint.name}-{hashlib.sha256(str(checkpoint.resolve()).encode()).hexdigest()[:8]}"
     flags = (f"{'-'.join(cfg.targets)}-{cfg.dtype}-tp{cfg.tp_size}-b{cfg.max_batch_size}-s{cfg.max_seq_len}"
              f"-t{cfg.max_num_tokens}-kv{cfg.kv_block_size}" + ("-fp8kv" if cfg.kv_cache_dtype == "fp8" else "")
              + (f"-{cfg.quantization}" if cfg.quantization != "none" else "")
-             + ("-lmhead" if cfg.quantize_lm_head else ""))
+             + ("-lmhead" if cfg.quantize_lm_head else "") + _calibration_key(cfg))
     return work_dir / "engines" / ckpt_key / f"{flags}-{source_hash()}"
 
 

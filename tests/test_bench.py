@@ -190,8 +190,24 @@ def test_fp8_engine_with_its_lm_head_quantized_too(tiny_run):
     assert "fp8, LM head too" in result.output and "fp8 decode b=1" in result.output
 
 
-def test_lm_head_quantization_needs_the_quantized_engine(tmp_path):
-    result = invoke(*TINY, "--quantize-lm-head", "--json", tmp_path / "x.json")
+def test_fp8_engine_with_static_activation_scales(tiny_run):
+    root, _, _ = tiny_run
+    prompts = root / "calibration.txt"
+    prompts.write_text("hello there\nthe quick brown fox\n")
+    result = invoke(*TINY, "--dtype", "bfloat16", "--only", "decode", "--batch-sizes", "1", "--no-baseline",
+                    "--quantization", "fp8", "--calibration-prompts", prompts, "--work-dir", root / "work",
+                    "--json", root / "static.json")
+    assert result.exit_code == 0, result.output
+    data = json.loads((root / "static.json").read_text())
+    assert "-fp8-static" in data["quantized_engine"]
+    weights = read_engine_file(Path(data["quantized_engine"]) / "rank0.engine").weights
+    assert any(name.endswith(".input_scale") for name in weights)
+    assert f"static activation scales from {prompts}" in result.output and "fp8 decode b=1" in result.output
+
+
+@pytest.mark.parametrize("flag", [["--quantize-lm-head"], ["--calibration-prompts", __file__]])
+def test_lm_head_quantization_and_calibration_need_the_quantized_engine(flag, tmp_path):
+    result = invoke(*TINY, *flag, "--json", tmp_path / "x.json")
     assert result.exit_code == 2 and "give --quantization fp8 too" in result.output
 
 
