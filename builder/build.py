@@ -51,6 +51,7 @@ class BuildSummary:
     kernels: list[int]
     quantization: str = "none"
     seconds: float = 0.0
+    activation_scales: str = ""   # FP8: "static" (calibrated, or the checkpoint's) or "per-token"
     notes: list[str] = field(default_factory=list)
 
     def render(self) -> str:
@@ -62,7 +63,8 @@ class BuildSummary:
             f"plan        {sum(self.op_counts.values())} ops: "
             + ", ".join(f"{op} {n}" for op, n in sorted(self.op_counts.items())),
             f"weights     {_mib(self.weight_bytes[0])} per rank ({_mib(sum(self.weight_bytes))} total)"
-            + (f", {self.quantization} GEMMs" if self.quantization != "none" else ""),
+            + (f", {self.quantization} GEMMs" if self.quantization != "none" else "")
+            + (f" ({self.activation_scales} activation scales)" if self.activation_scales else ""),
             f"arena       {_mib(self.arena_bytes[0])} per rank (activations and step inputs)",
             f"kernels     {self.kernels[0]} cubins per rank" + ("" if self.kernels[0] else " (CPU only: none needed)"),
             f"time        {self.seconds:.1f} s",
@@ -205,8 +207,11 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
                 (tmp / CHAT_TEMPLATE_FILE).write_text(chat_template, encoding="utf-8")
     finally:
         bar.close()
-    return BuildSummary(output, layers, fusions, graph.count_ops(), weight_bytes, arena_bytes,
-                        list(cfg.targets), kernel_counts, cfg.quantization, time.time() - start, notes)
+    static = any(name.endswith("_input_scale") and tensor for node in graph.nodes
+                 for name, tensor in node.inputs.items())
+    scales = ("static" if static else "per-token") if cfg.quantization != "none" else ""
+    return BuildSummary(output, layers, fusions, graph.count_ops(), weight_bytes, arena_bytes, list(cfg.targets),
+                        kernel_counts, cfg.quantization, time.time() - start, notes=notes, activation_scales=scales)
 
 
 def build_engine(checkpoint: str | Path, output: str | Path, cfg: BuildConfig, progress: bool = False) -> BuildSummary:

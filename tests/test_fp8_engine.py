@@ -134,6 +134,7 @@ def test_quantize_lm_head_needs_fp8_and_quantizes_the_head(checkpoints, tmp_path
     result = invoke(build_cli, ["--checkpoint", checkpoints[None], "--output", tmp_path / "b", *SMALL,
                                 "--target", "cpu", "--quantization", "fp8", "--quantize-lm-head"])
     assert result.exit_code == 0, result.output
+    assert "fp8 GEMMs (per-token activation scales)" in result.output
     weights = read_engine_file(tmp_path / "b" / "rank0.engine").weights
     assert weights["lm_head.weight"].dtype == FP8 and "lm_head.weight_scale" in weights
 
@@ -181,6 +182,7 @@ def test_calibration_prompts_give_every_fp8_op_a_static_activation_scale(checkpo
     result = invoke(build_cli, ["--checkpoint", checkpoints[None], "--output", out, *SMALL, "--target", "cpu",
                                 "--quantization", "fp8", "--calibration-prompts", prompts])
     assert result.exit_code == 0, result.output
+    assert "fp8 GEMMs (static activation scales)" in result.output
     ef = read_engine_file(out / "rank0.engine")
     static = {n: w for n, w in ef.weights.items() if n.endswith(".input_scale")}
     assert len(static) == 2 * 4 and all(w.shape == (1,) and w.dtype == torch.float32 for w in static.values())
