@@ -232,6 +232,35 @@ def test_a_checkpoints_static_input_scales_are_used_and_shared_inputs_take_the_l
     assert torch.isfinite(logits(out)).all()
 
 
+@pytest.mark.parametrize("suffix,value", [("input_scale", 0.0), ("input_scale", float("nan")),
+                                          ("input_scale", -0.02), ("weight_scale", float("inf"))])
+def test_a_damaged_scale_in_a_checkpoint_is_refused_by_name(suffix, value, checkpoints, tmp_path):
+    """Activations are divided by a static input scale, and a weight scale multiplies every product:
+    a zero, negative or non-finite one would give NaN logits, so the build stops and names it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    folder = tmp_path / "mo"
+    shutil.copytree(checkpoints["modelopt"], folder)
+    target = "model.layers.1.mlp.down_proj"
+    for path in folder.glob("*.safetensors"):
+        tensors = load_file(str(path))
+        for name in [n for n in tensors if n.endswith("_proj.weight")]:
+            tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(0.05)
+        if f"{target}.weight_scale" in tensors:
+            scale = tensors[f"{target}.{suffix}"] if suffix == "weight_scale" else torch.tensor(0.05)
+            scale = scale.clone()
+            scale.view(-1)[0] = value
+            tensors[f"{target}.{suffix}"] = scale
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    out = tmp_path / "o"
+    result = invoke(build_cli, ["--checkpoint", folder, "--output", out, *SMALL, "--target", "cpu"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    for words in (f"{target}.{suffix}", "damaged", "--quantization fp8"):
+        assert words in result.output, result.output
+    assert not out.exists()
+
+
 def test_a_plugin_without_fp8_kernels_for_a_target_is_refused(checkpoints, tmp_path, monkeypatch):
     from kiln.plugins import get_plugin
     monkeypatch.setattr(get_plugin("norm_qkv_rope").module("kernels"), "FP8_TARGETS", ("sm_89",))
