@@ -175,6 +175,17 @@ def test_a_checkpoint_with_some_layers_scales_missing_is_refused(checkpoint, tmp
     assert done.exit_code == 2 and "none for layer 1's k" in done.output
 
 
+@pytest.mark.parametrize("bad", [0.0, float("nan"), -1.0])
+def test_a_checkpoint_with_a_damaged_kv_scale_is_refused(checkpoint, tmp_path, bad):
+    """The cache write divides by each scale: a zero, negative or NaN one is named, not used."""
+    values = torch.full((LAYERS, 2), 0.02)
+    values[1, 1] = bad
+    names = {i: (f"model.layers.{i}.self_attn.k_scale", f"model.layers.{i}.self_attn.v_scale") for i in range(LAYERS)}
+    ckpt = with_kv_scales(checkpoint, tmp_path / "ckpt", names, values, COMPRESSED_TENSORS)
+    with pytest.raises(CheckpointError, match="'model.layers.1.self_attn.v_scale' holds .*finite number above 0"):
+        read_kv_scales(ckpt, read_config(ckpt))
+
+
 def test_tensor_parallel_ranks_take_their_kv_heads_scales(checkpoint, tmp_path):
     """Per-head scales, different for each head: each rank holds and reads its own kv head's,
     so TP=2 gives TP=1's greedy tokens (a rank reading the other's scales would not)."""
