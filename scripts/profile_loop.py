@@ -1,13 +1,15 @@
 """What the GPU does between decode steps in the real engine loop: a developer's profile, not a benchmark.
 
-    PYTHONPATH=. python3 scripts/profile_loop.py ENGINE_DIR [--batch 1] [--context 128] [--steps 16]
+    PYTHONPATH=. python3 scripts/profile_loop.py ENGINE_DIR [--batch 1 [--batch 8 ...]] [--context 128] [--steps 16]
 
-`batch` requests decode through an EngineCore (the overlapped loop, as bench-engine's decode figures
+For each `batch`, that many requests decode through one EngineCore (the overlapped loop, as bench-engine's decode figures
 run), and torch.profiler records `steps` steady decode steps. Per step, from its inputs' upload to
 the next step's: the time in the plan's kernels (the decode graph's), the time in everything
 else the GPU ran (staging copies, the sampler's kernels, the ids' copy to the host) and the idle gaps,
 with each activity outside the plan listed once with its mean duration. bench-engine's host share is
-what this splits up.
+what this splits up. Then the plan's kernels by entry point (each one's time a step: the FP8 quantize
+pre-passes apart from their GEMMs, for one) and the idle time between them inside the graph, which
+is what the step loses to kernel boundaries.
 """
 from __future__ import annotations
 
@@ -46,9 +48,20 @@ def split_steps(timeline: list[dict]) -> list[tuple[list[dict], float]]:
     return [(timeline[a:b], timeline[b]["ts"]) for a, b in zip(starts, starts[1:])]
 
 
+def plan_gaps(step: list[dict], plan: set[str]) -> tuple[float, int]:
+    """The idle time between one plan kernel's end and the next one's start within a step (where
+    the next starts before the previous ends, as programmatic launches do, nothing), and how many
+    such boundaries there are: what kernel boundaries cost inside the graph."""
+    kernels = [e for e in step if e["name"] in plan]
+    gaps = [max(0.0, b["ts"] - (a["ts"] + a["dur"])) for a, b in zip(kernels, kernels[1:])]
+    return sum(gaps), len(gaps)
+
+
 def summarize(steps: list[tuple[list[dict], float]], plan: set[str]) -> None:
-    inside, outside, idle, span = [], [], [], []
+    inside, outside, idle, span, gaps = [], [], [], [], []
     others: dict[str, list[float]] = defaultdict(list)
+    kernels: dict[str, list[float]] = defaultdict(list)
+    boundaries = 0
     for step, end in steps:
         busy = planned = other = 0.0
         cursor = step[0]["ts"]
@@ -57,6 +70,7 @@ def summarize(steps: list[tuple[list[dict], float]], plan: set[str]) -> None:
             cursor = max(cursor, e["ts"] + e["dur"])
             if e["name"] in plan:
                 planned += e["dur"]
+                kernels[e["name"]].append(e["dur"])
             else:
                 other += e["dur"]
                 others[e["name"]].append(e["dur"])
@@ -64,40 +78,55 @@ def summarize(steps: list[tuple[list[dict], float]], plan: set[str]) -> None:
         outside.append(other)
         span.append(end - step[0]["ts"])
         idle.append(span[-1] - busy)
+        gap, boundaries = plan_gaps(step, plan)
+        gaps.append(gap)
     n = len(steps)
     print(f"{n} steps: span {statistics.median(span):.1f} us ({min(span):.1f}-{max(span):.1f}), "
           f"plan kernels {statistics.median(inside):.1f}, "
           f"other GPU work {statistics.median(outside):.1f}, idle {statistics.median(idle):.1f} (medians)")
     for name, durs in sorted(others.items(), key=lambda kv: -sum(kv[1])):
         print(f"  {len(durs) / n:4.1f}x a step  {statistics.mean(durs):7.1f} us  {name[:110]}")
+    print(f"plan kernels by entry point, per step (idle between them: {statistics.median(gaps):.1f} us over "
+          f"{boundaries} boundaries, a median step):")
+    for name, durs in sorted(kernels.items(), key=lambda kv: -sum(kv[1])):
+        print(f"  {len(durs) / n:5.1f}x {sum(durs) / n:8.1f} us  (mean {statistics.mean(durs):6.1f})  {name[:100]}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("engine")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--context", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=16)
-    args = parser.parse_args()
-    core = EngineCore(args.engine, device="cuda")
+def profile_batch(core: EngineCore, batch: int, context: int, steps: int, plan: set[str]) -> None:
+    """Profile `steps` steady decode steps of `batch` fresh requests, then cancel them."""
     vocab = core.engine.manifest.vocab_size
-    params = SamplingParams(max_tokens=args.steps * 3 + 16, temperature=0.0, ignore_eos=True)
-    requests = [core.add_request(f"r{i}", prompt, params)
-                for i, prompt in enumerate(random_prompts(args.batch, args.context, vocab, 0))]
+    params = SamplingParams(max_tokens=steps * 3 + 16, temperature=0.0, ignore_eos=True)
+    requests = [core.add_request(f"b{batch}-r{i}", prompt, params)
+                for i, prompt in enumerate(random_prompts(batch, context, vocab, 0))]
     while not all(r.seqs[0].output_ids for r in requests):
         core.step()
     for _ in range(4):   # warm-up decode steps
         core.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps + 2):
+        for _ in range(steps + 2):
             core.step()
         torch.cuda.synchronize()
-    timeline = gpu_timeline(prof)
+    print(f"batch {batch}, context {context}")
+    summarize(split_steps(gpu_timeline(prof))[1:-1], plan)
+    for r in requests:
+        core.cancel(r.request_id)
+    while core.has_work():
+        core.step()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("engine")
+    parser.add_argument("--batch", type=int, action="append", help="repeatable (default 1)")
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=16)
+    args = parser.parse_args()
+    core = EngineCore(args.engine, device="cuda")
     # The plan's kernels are the graph's: the ones whose names the engine's kernel index holds.
     plan = {info.entry for info in core.engine.manifest.kernels.values()}
-    print(f"batch {args.batch}, context {args.context}")
-    summarize(split_steps(timeline)[1:-1], plan)
+    for batch in args.batch or [1]:
+        profile_batch(core, batch, args.context, args.steps, plan)
     core.close()
 
 
