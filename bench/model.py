@@ -123,10 +123,11 @@ def ensure_engine(work_dir: Path, checkpoint: Path, cfg: BuildConfig, progress: 
     path = engine_path(work_dir, checkpoint, cfg)
     if (path / Manifest.rank_file(0)).is_file():
         return path, True
-    prefix = path.name.rsplit("-", 1)[0] + "-"
+    # The same flags exactly: one engine's flags can begin another's ("-fp8kv" and "-fp8kv-fp8").
+    flags = path.name.rsplit("-", 1)[0]
     if path.parent.is_dir():
         for stale in path.parent.iterdir():
-            if stale.is_dir() and stale.name.startswith(prefix) and stale != path:
+            if stale.is_dir() and stale.name.rsplit("-", 1)[0] == flags and stale != path:
                 shutil.rmtree(stale)
     build_engine(checkpoint, path, cfg, progress=progress)
     return path, False

@@ -408,6 +408,41 @@ def test_fp8_kv_cache_is_measured_beside_the_model_dtype_cache(tmp_path):
     assert len(engines) == 2 and sum("-fp8kv-" in name for name in engines) == 1
 
 
+def test_fp8_weights_with_the_fp8_kv_cache_beside_bf16(tmp_path):
+    """--quantization fp8 --kv-cache-dtype fp8: the FP8 engine has the e4m3 cache too (the figure FP8
+    serving is quoted by), beside the bf16 engine; the bf16 weights with the e4m3 cache run as before."""
+    result = invoke(*TINY, "--dtype", "bfloat16", "--only", "decode", "--batch-sizes", "2", "--no-baseline",
+                    "--quantization", "fp8", "--kv-cache-dtype", "fp8", "--work-dir", tmp_path / "work",
+                    "--json", tmp_path / "out.json")
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert "-fp8kv-fp8-" in data["quantized_engine"]
+    assert read_engine_file(Path(data["quantized_engine"]) / "rank0.engine").manifest.kv.dtype == "float8_e4m3fn"
+    assert [(f.get("kv_cache"), f.get("quantization")) for f in data["decode"]] == [
+        (None, None), ("fp8", None), (None, "fp8")]
+    assert "fp8, e4m3 KV cache, the same checkpoint" in result.output
+
+
+def test_an_engine_from_older_sources_is_deleted_and_other_flags_kept(tmp_path, monkeypatch):
+    """Only the same flags built from other sources go: an engine whose flags begin with these ones
+    ("-fp8kv" and "-fp8kv-fp8") is another engine."""
+    from kiln.bench import model
+    from kiln.builder.config import BuildConfig
+
+    monkeypatch.setattr(model, "build_engine", lambda ckpt, path, cfg, progress: (path.mkdir(parents=True),
+                                                                                (path / "rank0.engine").touch()))
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    kv = BuildConfig(kv_cache_dtype="fp8", targets=("cpu",))
+    fp8 = BuildConfig(kv_cache_dtype="fp8", quantization="fp8", targets=("cpu",))
+    built = model.engine_path(tmp_path, checkpoint, kv)
+    older = built.with_name(built.name.rsplit("-", 1)[0] + "-0123456789ab")
+    older.mkdir(parents=True)
+    other, _ = model.ensure_engine(tmp_path, checkpoint, fp8)
+    assert model.ensure_engine(tmp_path, checkpoint, kv) == (built, False)
+    assert not older.exists() and other.exists() and "-fp8kv-fp8-" in other.name
+
+
 def test_fp8_kv_cache_needs_a_checkpoint_not_an_engine(tmp_path):
     result = invoke("--engine", tmp_path, "--device", "cpu", "--kv-cache-dtype", "fp8")
     assert result.exit_code == 2 and "give --checkpoint (or a --shape) instead of --engine" in result.output
