@@ -202,7 +202,7 @@ Examples:
 @click.option("--quantization", type=click.Choice(QUANTIZATIONS), default="none", show_default=True,
               help="fp8: also build the FP8 engine (build-engine --quantization fp8) of the same checkpoint and "
                    "run decode and offline on it after the bf16 one, each FP8 figure beside the bf16 figure it "
-                   "is compared with (not with --engine).")
+                   "is compared with (not with --engine). With --kv-cache-dtype fp8 it has the e4m3 cache too.")
 @click.option("--quantize-lm-head", is_flag=True,
               help="With --quantization: the quantized engine's LM head too (build-engine --quantize-lm-head); "
                    "the bf16 engine's stays as it is.")
@@ -252,7 +252,8 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
                  device: str | None, shape: str, num_layers: int | None, hidden_size: int | None,
                  num_heads: int | None, num_kv_heads: int | None, intermediate_size: int | None,
                  vocab_size: int | None, dtype: str, kv_cache_dtype: str, quantization: str,
-                 quantize_lm_head: bool, calibration_prompts: Path | None, max_batch_size: int, max_seq_len: int, max_num_tokens: int, phases: list[str],
+                 quantize_lm_head: bool, calibration_prompts: Path | None, max_batch_size: int, max_seq_len: int,
+                 max_num_tokens: int, phases: list[str],
                  batch_sizes: list[int], decode_context: int, decode_steps: int,
                  offline_pairs: list[tuple[int, int]], offline_requests: int | None, rate: float,
                  rate_requests: int, rate_lengths: list[tuple[int, int]], prefix_requests: int,
@@ -286,8 +287,10 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
         cfg = BuildConfig(dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                           max_num_tokens=max_num_tokens,
                           targets=default_targets() if device == "cuda" else ("cpu",))
+        # With --kv-cache-dtype fp8 the quantized engine has the e4m3 cache too, as FP8 serving figures are taken.
         quantized_cfg = (dataclasses.replace(cfg, quantization=quantization, quantize_lm_head=quantize_lm_head,
-                                             calibration_prompts=calibration_prompts and str(calibration_prompts))
+                                             calibration_prompts=calibration_prompts and str(calibration_prompts),
+                                             kv_cache_dtype=kv_cache_dtype)
                          if quantization != "none" else None)
         engine_dir, checkpoint = _resolve_engine(engine_dir, checkpoint, work_dir.expanduser(), device,
                                                  model_shape, cfg)
@@ -377,7 +380,8 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
     if quantized_info is not None:
         lm_head = ", LM head too" if quantize_lm_head else ""
         static = f", static activation scales from {calibration_prompts}" if calibration_prompts else ""
-        header.insert(1, f"engine {quantized_info.path}  ({quantization}{lm_head}{static}, the same checkpoint)")
+        cache = ", e4m3 KV cache" if kv_cache_dtype == "fp8" else ""
+        header.insert(1, f"engine {quantized_info.path}  ({quantization}{lm_head}{static}{cache}, the same checkpoint)")
     click.echo(render(figures, hw, header, notes))
     context = {"engine": str(engine_dir), "checkpoint": str(checkpoint) if checkpoint else None,
                "quantized_engine": str(quantized_info.path) if quantized_info is not None else None,
