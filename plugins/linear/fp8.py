@@ -9,13 +9,15 @@ row rounded to the activation dtype (times an unfolded norm weight) for the norm
 row's scale needs the whole row before the first product, so every FP8 GEMM launch is two
 kernels: `quantize_rows_kernel` (one program per row: x read once, RMSNorm'd where the plugin
 has a norm, e4m3 rows and their scales written to scratch), then the GEMM, whose K loop loads
-e4m3 x, half the bytes of bf16. An op with a static activation scale (calibrated at build time,
-or a checkpoint's input_scale) has a pre-pass built to divide by that scale instead, which it
-writes as every row's: the GEMMs are the same either way. The RMSNorm still needs the whole row. The persistent TMA GEMMs need this anyway: a TMA tile reaches
+e4m3 x, half the bytes of bf16. The persistent TMA GEMMs need this anyway: a TMA tile reaches
 the tensor cores from shared memory without passing through registers, so it must already be
 e4m3 in memory. (Quantizing inside the GEMM instead, each program walking its rows before its K
 loop, made the decode GEMMs 3-4x slower than bf16 on an H200: every program repeats the
 quantization of all its tile's rows. BENCHMARKS.md, 2026-11-30.)
+
+An op with a static activation scale (calibrated at build time, or a checkpoint's input_scale)
+has a pre-pass built to divide by that scale instead, which it writes as every row's scale, so
+the GEMMs are the same either way (the norm plugins' RMSNorm still reads the whole row).
 
 Quantizing divides each element by its row's scale with a correctly rounded division, as
 `plugins.fp8.to_e4m3` does: multiplying by the reciprocal is off by a float32 ulp at times, and
