@@ -85,7 +85,7 @@ def launch_quantize(kernels: list, metas: list[dict], x: torch.Tensor, norm_weig
                          f"scale, given {'none' if x_static is None else 'one'}: the engine's kernels and weights "
                          "disagree; rebuild the engine")
     rows = x.shape[0]
-    check_aligned(metas[i], x, norm_weight)
+    check_aligned(metas[i], x, norm_weight, x_static)
     args = [x.data_ptr()] + ([norm_weight.data_ptr()] if norm_weight is not None else [])
     args += [scratch["fp8_x"].data_ptr(), scratch["fp8_x_scale"].data_ptr()]
     args += [x_static.data_ptr()] if x_static is not None else []
