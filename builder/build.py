@@ -23,7 +23,7 @@ from kiln.builder.ir import Graph, layer_of
 from kiln.builder.kernels import compile_all_reduce, compile_kernels
 from kiln.builder.passes import FUSIONS, fold_weights, plan_memory, quantize_kv_cache, shard, vocab_parallel
 from kiln.builder.passes.kv_cache import KV_SCALES, granularity
-from kiln.builder.passes.quantize import is_fp8, quantize_fp8
+from kiln.builder.passes.quantize import has_static_scales, is_fp8, quantize_fp8
 from kiln.builder.passes.memory import MemoryPlan
 from kiln.builder.trace import trace
 from kiln.engines.format import write_engine_file
@@ -207,9 +207,7 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
                 (tmp / CHAT_TEMPLATE_FILE).write_text(chat_template, encoding="utf-8")
     finally:
         bar.close()
-    static = any(name.endswith("_input_scale") and tensor for node in graph.nodes
-                 for name, tensor in node.inputs.items())
-    scales = ("static" if static else "per-token") if cfg.quantization != "none" else ""
+    scales = ("static" if has_static_scales(graph) else "per-token") if cfg.quantization != "none" else ""
     return BuildSummary(output, layers, fusions, graph.count_ops(), weight_bytes, arena_bytes, list(cfg.targets),
                         kernel_counts, cfg.quantization, time.time() - start, notes=notes, activation_scales=scales)
 

@@ -104,7 +104,7 @@ def _check_modelopt(qc: dict, where: str) -> None:
 
 def per_channel_scale(scale: torch.Tensor, out_features: int, name: str) -> torch.Tensor:
     """A checkpoint's weight scale as float32 [out_features]: a per-tensor scale is broadcast."""
-    _check_values(scale, name, "weight scales are finite and not negative", lambda s: s >= 0)
+    check_scale_values(scale, name, "weight scales are finite and not negative", lambda s: s >= 0, REBUILD)
     if scale.numel() == 1:
         return scale.float().reshape(1).expand(out_features).contiguous()
     if scale.numel() == out_features and scale.dim() in (1, 2) and scale.shape[0] == out_features:
@@ -119,19 +119,23 @@ def static_input_scale(scale: torch.Tensor, name: str) -> torch.Tensor:
         raise CheckpointError(f"{name} has shape {tuple(scale.shape)}: Kiln loads a static input scale per "
                               "tensor only (or none: activations are then quantized per token)")
     # Activations are divided by it: zero would make every product infinite or NaN.
-    _check_values(scale, name, "a static input scale is a finite number above 0", lambda s: s > 0)
+    check_scale_values(scale, name, "a static input scale is a finite number above 0", lambda s: s > 0, REBUILD)
     return scale.float().reshape(1)
 
 
-def _check_values(scale: torch.Tensor, name: str, rule: str, valid) -> None:
-    """Refuse a scale tensor with a value that breaks `rule` (`valid` says which values keep it), naming
-    the first such value: a damaged checkpoint, which would otherwise give NaN logits with no error."""
+# What to do about a damaged FP8 weight or input scale.
+REBUILD = "build from its bf16 original with --quantization fp8 instead"
+
+
+def check_scale_values(scale: torch.Tensor, name: str, rule: str, valid, advice: str) -> None:
+    """Refuse a checkpoint's scale tensor with a value that breaks `rule` (`valid` says which values keep
+    it), naming the first such value and what to do (`advice`): a damaged checkpoint, which would
+    otherwise give NaN logits with no error."""
     wide = scale.float()
     bad = ~(torch.isfinite(wide) & valid(wide))
     if bad.any():
         value = wide[bad].reshape(-1)[0].item()
-        raise CheckpointError(f"{name} holds {value}: {rule}. The checkpoint's FP8 scales are damaged; "
-                              "build from its bf16 original with --quantization fp8 instead")
+        raise CheckpointError(f"{name} holds {value}: {rule}. The checkpoint's scales are damaged; {advice}")
 
 
 def is_float8(tensor: torch.Tensor) -> bool:

@@ -16,6 +16,7 @@ import re
 import torch
 
 from kiln.models.config import CheckpointError
+from kiln.models.fp8_checkpoint import check_scale_values
 
 # (pattern, which): which 0 is k, 1 is v, None both.
 _NAMES = (
@@ -57,11 +58,10 @@ def kv_scales_from(tensors: dict[str, torch.Tensor], num_layers: int, num_kv_hea
         if values.numel() not in (1, num_kv_heads):
             raise CheckpointError(f"{source}: KV-cache scale {name!r} has {values.numel()} values; expected 1 "
                                   f"(per tensor) or {num_kv_heads} (one per kv head)")
-        if not (torch.isfinite(values) & (values > 0)).all():
-            # The cache write divides by it: zero or NaN would fill the layer's cache with NaN.
-            raise CheckpointError(f"{source}: KV-cache scale {name!r} holds {values.tolist()}; a scale is a finite "
-                                  "number above 0. The checkpoint's scales are damaged: build without them "
-                                  "(--kv-cache-dtype fp8 then takes 1.0, or calibrate the checkpoint again)")
+        # The cache write divides by it: zero or NaN would fill the layer's cache with NaN.
+        check_scale_values(values, f"{source}: KV-cache scale {name!r}", "a scale is a finite number above 0",
+                           lambda s: s > 0, "build without them (--kv-cache-dtype fp8 then takes 1.0), or "
+                           "calibrate the checkpoint again")
         for w in (0, 1) if which is None else (which,):
             scales[layer, w] = values.expand(num_kv_heads)
         found = True

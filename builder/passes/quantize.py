@@ -41,6 +41,12 @@ def is_fp8(graph: Graph) -> bool:
     return any(node.inputs.get(scale_input(node.op) or "") for node in graph.nodes)
 
 
+def has_static_scales(graph: Graph) -> bool:
+    """Whether any FP8 op of the graph has a static activation scale (`<weight>_input_scale`)."""
+    return any(node.inputs.get(f"{key}_input_scale") for node in graph.nodes
+               if (key := GEMM_WEIGHTS.get(node.op)) is not None)
+
+
 def quantize_fp8(graph: Graph, lm_head: bool = False, input_amax: dict[str, float] | None = None) -> Graph:
     """Quantize the decoder layers' GEMM weights (and the LM head's when `lm_head`). With
     `input_amax` (node output -> the largest magnitude its GEMM input reached, from
