@@ -150,7 +150,7 @@ def test_fp8_engine_compiles_for_the_fp8_targets(activations, factory, fp8_cache
     sm_90 through the builder (the plan's compile shapes are what the kernels take): one GEMM per
     bucket and the quantize pre-pass, the weights stored in e4m3. With static activation scales
     (--calibration-prompts here; a checkpoint's input_scale alike) the pre-pass is the one that
-    takes the op's scale, and no op has an FP8 GEMV (those find each row's scale)."""
+    takes the op's scale, and so are the FP8 GEMVs (meta "static")."""
     from kiln.plugins.fp8 import FP8
     targets = ["sm_89", "sm_90"]
     extra = ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]
@@ -166,6 +166,7 @@ def test_fp8_engine_compiles_for_the_fp8_targets(activations, factory, fp8_cache
     assert m.quantization == "fp8" and m.targets == tuple(targets)
     fp8_ops = [op for op in m.plan if any(n.endswith("_scale") and t is not None for n, t in op.inputs.items())]
     assert {op.op for op in fp8_ops} == {"norm_qkv_rope", "attention_o_proj", "norm_swiglu", "linear_residual"}
+    with_gemv = set()
     for op in fp8_ops:
         assert any(n.endswith("_input_scale") and t for n, t in op.inputs.items()) == (activations == "static")
         for target in targets:
@@ -173,7 +174,9 @@ def test_fp8_engine_compiles_for_the_fp8_targets(activations, factory, fp8_cache
             pre_pass = [k for k in kernels if k.entry == "quantize_rows_kernel"]
             assert len(pre_pass) == 1, (op.op, target, [k.entry for k in kernels])
             assert bool(pre_pass[0].launch.get("static")) == (activations == "static")
-            if activations == "static":
-                assert not any(k.launch.get("gemv") for k in kernels), (op.op, target)
+            gemvs = [k for k in kernels if k.launch.get("gemv")]
+            assert all(bool(k.launch.get("static")) == (activations == "static") for k in gemvs), (op.op, target)
+            with_gemv.update(op.op for _ in gemvs)
+    assert with_gemv == {"attention_o_proj", "norm_swiglu", "linear_residual"}   # qwen3's q/k norm: no qkv GEMV
     layers = sum(op.op == "norm_qkv_rope" for op in m.plan)
     assert layers and sum(w.dtype == FP8 for w in ef.weights.values()) == 4 * layers

@@ -37,7 +37,10 @@ def every_kernel() -> list[nvcc.NvccKernel]:
             + gemv.linear_kernels("bfloat16", 4096, 14336, fp8_weight=True)
             + gemv.qkv_kernels("bfloat16", {**QKV, "fp8": True, "norm_weight": True})
             + gemv.qkv_kernels("bfloat16", {**QKV, "fp8": True, "fp8_kv": True})
-            + gemv.swiglu_kernels("bfloat16", {**SWIGLU, "fp8": True, "activation": "gelu_tanh"}))
+            + gemv.swiglu_kernels("bfloat16", {**SWIGLU, "fp8": True, "activation": "gelu_tanh"})
+            + gemv.linear_kernels("bfloat16", 4096, 14336, fp8_weight=True, fp8_static=True)
+            + gemv.qkv_kernels("bfloat16", {**QKV, "fp8": True, "fp8_static": True, "norm_weight": True})
+            + gemv.swiglu_kernels("bfloat16", {**SWIGLU, "fp8": True, "fp8_static": True}))
 
 
 def test_which_shapes_get_the_gemv_buckets():
@@ -80,9 +83,9 @@ def test_fp8_weights_get_one_row_gemvs_for_the_fp8_targets():
     (linear,) = gemv.linear_kernels("bfloat16", 4096, 14336, fp8_weight=True)
     assert linear.meta["bucket"] == "gemv1" and linear.meta["fp8"] and linear.targets == FP8_TARGETS
     assert linear.meta["grid"] == ("256", "1", "1") and linear.instance.endswith("KILN_GEMV_FP8_LINEAR("
-                                                                                  "kiln_gemv_fp8_linear_t1, 2, 4, 14336)")
+                                                                                  "kiln_gemv_fp8_linear_t1, 2, 4, 14336, false)")
     (short,) = gemv.linear_kernels("bfloat16", 4096, 4096, fp8_weight=True)
-    assert short.instance.endswith("KILN_GEMV_FP8_LINEAR(kiln_gemv_fp8_linear_t1, 2, 4, 4096)")
+    assert short.instance.endswith("KILN_GEMV_FP8_LINEAR(kiln_gemv_fp8_linear_t1, 2, 4, 4096, false)")
     assert linear.meta["pdl"] and short.meta["pdl"]
     assert gemv.linear_kernels("bfloat16", 4096, 4104, fp8_weight=True) == []        # K % 16
     assert gemv.linear_kernels("bfloat16", 4096, 2 * 16384, fp8_weight=True) == []   # past FP8_KMAX
@@ -91,9 +94,9 @@ def test_fp8_weights_get_one_row_gemvs_for_the_fp8_targets():
     (swiglu,) = gemv.swiglu_kernels("bfloat16", {**SWIGLU, "fp8": True})
     assert swiglu.meta["grid"] == ("448", "1", "1") and swiglu.meta["fp8"] and swiglu.targets == FP8_TARGETS
     (qkv,) = gemv.qkv_kernels("bfloat16", {**QKV, "fp8": True, "norm_weight": True})
-    assert qkv.instance.endswith("KILN_GEMV_FP8_QKV_ROPE(kiln_gemv_fp8_qkv_rope_t1, 2, 4096, true)")
+    assert qkv.instance.endswith("KILN_GEMV_FP8_QKV_ROPE(kiln_gemv_fp8_qkv_rope_t1, 2, 4096, true, false)")
     (fp8_kv,) = gemv.qkv_kernels("bfloat16", {**QKV, "fp8": True, "fp8_kv": True})   # writes e4m3, scaled
-    assert fp8_kv.instance.endswith("KILN_GEMV_FP8_QKV_ROPE_FP8_KV(kiln_gemv_fp8_qkv_rope_t1, 2, 4096, false)")
+    assert fp8_kv.instance.endswith("KILN_GEMV_FP8_QKV_ROPE_FP8_KV(kiln_gemv_fp8_qkv_rope_t1, 2, 4096, false, false)")
     assert fp8_kv.meta["fp8_kv"] and fp8_kv.signature["kv"] == "*fp8e4nv" and fp8_kv.targets == FP8_TARGETS
     # In the plugins the GEMV serves one row; two go to the quantize pre-pass and the Triton tile.
     for kernels in (residual_kernels.aot_kernels("bfloat16", {"K": 14336, "N": 4096, "fp8": True}),
@@ -104,18 +107,23 @@ def test_fp8_weights_get_one_row_gemvs_for_the_fp8_targets():
         assert metas[0].get("gemv") and metas[pick_bucket(metas, 2)]["fp8"]
 
 
-def test_a_static_activation_scale_gets_no_fp8_gemv():
-    """The FP8 GEMVs find each row's scale themselves: with a static one (fp8_static) the plugins'
-    quantize pre-pass (built to take it) and Triton tile serve one row too."""
-    assert gemv.linear_kernels("bfloat16", 4096, 14336, fp8_weight=True, fp8_static=True) == []
+def test_a_static_activation_scale_gets_static_fp8_gemvs():
+    """With a static activation scale (fp8_static) each plugin's FP8 GEMV is built to divide by it (meta
+    "static", the macros' last argument); two rows go to the quantize pre-pass, built to take it too."""
+    (linear,) = gemv.linear_kernels("bfloat16", 4096, 14336, fp8_weight=True, fp8_static=True)
+    assert linear.meta["static"] and linear.instance.endswith("(kiln_gemv_fp8_linear_t1, 2, 4, 14336, true)")
     for kernels in (residual_kernels.aot_kernels("bfloat16", {"K": 14336, "N": 4096, "fp8": True, "fp8_static": True}),
                     qkv_kernels.aot_kernels("bfloat16", {**QKV, "fp8": True, "fp8_static": True}),
                     swiglu_kernels.aot_kernels("bfloat16", {**SWIGLU, "fp8": True, "fp8_static": True})):
         metas = [k.meta for k in kernels]
-        assert not any(m.get("gemv") for m in metas)
-        assert metas[pick_bucket(metas, 1)]["bucket"] == "decode"
+        assert metas[0]["bucket"] == "gemv1" and metas[0]["static"] and kernels[0].instance.endswith(", true)")
+        assert kernels[0].signature["x_static"] == "*fp32"
+        assert metas[pick_bucket(metas, 2)]["bucket"] == "decode"
         assert [m.get("static") for m in metas if m.get("quantize")] == [True, True]   # sm_89's and the others'
         assert all(k.signature["static_ptr"] == "*fp32" for k in kernels if k.meta.get("quantize"))
+    for kernels in (residual_kernels.aot_kernels("bfloat16", {"K": 14336, "N": 4096, "fp8": True}),
+                    swiglu_kernels.aot_kernels("bfloat16", {**SWIGLU, "fp8": True})):
+        assert "static" not in kernels[0].meta and kernels[0].instance.endswith(", false)")
 
 
 def test_entry_points_take_their_signatures():
@@ -237,14 +245,14 @@ def e4m3(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_fp8_launchers_pass_the_weight_scales_after_the_weight():
-    """FP8 at one row: each GEMV takes bf16 x (it quantizes x itself: no pre-pass is launched) and the
-    weight's float32 scales right after the weight."""
+    """FP8 at one row: each GEMV takes bf16 x (it quantizes x itself: no pre-pass is launched), the
+    weight's float32 scales right after the weight, then the static activation scale (0: none)."""
     x, res, out = bf16(1, 14336), bf16(1, 4096), bf16(1, 4096)
     w, scale = e4m3(4096, 14336)
     kernel, grid, args = launched(residual_launch, residual_kernels.aot_kernels(
         "bfloat16", {"K": 14336, "N": 4096, "fp8": True}), [x, w, None, res, scale], {}, out)
     assert kernel.entry == "kiln_gemv_fp8_linear_t1"
-    assert args == [x.data_ptr(), w.data_ptr(), scale.data_ptr(), 0, res.data_ptr(), out.data_ptr(), 4096, 14336]
+    assert args == [x.data_ptr(), w.data_ptr(), scale.data_ptr(), 0, 0, res.data_ptr(), out.data_ptr(), 4096, 14336]
     assert grid[0] * gemv.WARPS * gemv.FP8_LINEAR_ROWS == 4096
 
     x, out = bf16(1, 4096), bf16(1, 14336)
@@ -253,7 +261,7 @@ def test_fp8_launchers_pass_the_weight_scales_after_the_weight():
     kernel, grid, args = launched(swiglu_launch, aot, [x, None, w, scale],
                                   {"eps": 1e-5, "block": 64, "activation": "silu"}, out)
     assert kernel.entry == "kiln_gemv_fp8_swiglu_t1"
-    assert args == [x.data_ptr(), 0, w.data_ptr(), scale.data_ptr(), out.data_ptr(), 14336, 64, 1e-5, 4096]
+    assert args == [x.data_ptr(), 0, w.data_ptr(), scale.data_ptr(), 0, out.data_ptr(), 14336, 64, 1e-5, 4096]
     assert grid[0] * gemv.WARPS * gemv.FP8_SWIGLU_COLS == 14336
 
     d = QKV["head_dim"]
@@ -266,7 +274,7 @@ def test_fp8_launchers_pass_the_weight_scales_after_the_weight():
                                   [x, None, w, None, None, None, positions, rope, cache, slots, None, scale], attrs,
                                   out)
     assert kernel.entry == "kiln_gemv_fp8_qkv_rope_t1"
-    assert args == [x.data_ptr(), 0, w.data_ptr(), scale.data_ptr(), 0, positions.data_ptr(), rope.data_ptr(),
+    assert args == [x.data_ptr(), 0, w.data_ptr(), scale.data_ptr(), 0, 0, positions.data_ptr(), rope.data_ptr(),
                     cache.data_ptr(), slots.data_ptr(), out.data_ptr(), 48, 3, 1e-6, 32, 8, d, 4096]
 
     cache, kv_scales = e4m3(4 * 2 * 3 * 16 * QKV["num_kv_heads"], d)[0].view(4, 2, 3, 16, QKV["num_kv_heads"], d), \
@@ -277,9 +285,44 @@ def test_fp8_launchers_pass_the_weight_scales_after_the_weight():
                                   attrs, out)
     assert kernel.entry == "kiln_gemv_fp8_qkv_rope_t1" and kernel.meta["fp8_kv"]
     # the cache's block size (16) after its scales: v's blocks are transposed
-    assert args == [x.data_ptr(), 0, w.data_ptr(), scale.data_ptr(), 0, positions.data_ptr(), rope.data_ptr(),
+    assert args == [x.data_ptr(), 0, w.data_ptr(), scale.data_ptr(), 0, 0, positions.data_ptr(), rope.data_ptr(),
                     cache.data_ptr(), slots.data_ptr(), kv_scales.data_ptr(), 16, out.data_ptr(), 48, 3, 1e-6, 32, 8,
                     d, 4096]
+
+
+def test_fp8_launchers_pass_the_static_scale_its_gemv_was_built_for():
+    """A static GEMV gets the static activation scale after the weight's scales; one built without it
+    given one, or one built with it given none, is refused by name before anything launches."""
+    x, res, out = bf16(1, 14336), bf16(1, 4096), bf16(1, 4096)
+    w, scale = e4m3(4096, 14336)
+    static = torch.tensor([0.02])
+    aot = residual_kernels.aot_kernels("bfloat16", {"K": 14336, "N": 4096, "fp8": True, "fp8_static": True})
+    kernel, _, args = launched(residual_launch, aot, [x, w, None, res, scale, static], {}, out)
+    assert kernel.meta["static"]
+    assert args[:5] == [x.data_ptr(), w.data_ptr(), scale.data_ptr(), static.data_ptr(), 0]
+    with pytest.raises(ValueError, match="FP8 GEMV built with a static activation scale, given none"):
+        launched(residual_launch, aot, [x, w, None, res, scale], {}, out)
+    plain = residual_kernels.aot_kernels("bfloat16", {"K": 14336, "N": 4096, "fp8": True})
+    with pytest.raises(ValueError, match="FP8 GEMV built without a static activation scale, given one"):
+        launched(residual_launch, plain, [x, w, None, res, scale, static], {}, out)
+
+    x, out = bf16(1, 4096), bf16(1, 14336)
+    w, scale = e4m3(2 * 14336, 4096)
+    aot = swiglu_kernels.aot_kernels("bfloat16", {**SWIGLU, "fp8": True, "fp8_static": True})
+    _, _, args = launched(swiglu_launch, aot, [x, None, w, scale, static], {"eps": 1e-5, "block": 64,
+                                                                           "activation": "silu"}, out)
+    assert args[3:5] == [scale.data_ptr(), static.data_ptr()]
+
+    d = QKV["head_dim"]
+    w, scale = e4m3((QKV["num_heads"] + 2 * QKV["num_kv_heads"]) * d, 4096)
+    out, positions, slots = bf16(1, QKV["num_heads"] * d), torch.tensor([7], dtype=torch.int32), \
+        torch.tensor([5], dtype=torch.int32)
+    rope, cache = torch.randn(64, d), bf16(4, 2, 3, 16, QKV["num_kv_heads"], d)
+    attrs = {"eps": 1e-6, "layer": 3, "num_heads": 32, "num_kv_heads": 8, "head_dim": d}
+    aot = qkv_kernels.aot_kernels("bfloat16", {**QKV, "fp8": True, "fp8_static": True})
+    _, _, args = launched(qkv_launch, aot, [x, None, w, None, None, None, positions, rope, cache, slots, None, scale,
+                                            static], attrs, out)
+    assert args[3:5] == [scale.data_ptr(), static.data_ptr()]
 
 
 def test_a_build_without_nvcc_leaves_the_gemvs_out(factory, tmp_path, monkeypatch):

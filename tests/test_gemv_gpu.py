@@ -4,7 +4,8 @@ only: `pytest -m gpu`; norm_qkv_rope and norm_swiglu have one at one row only, a
 one row). Shapes with K tails (K not a multiple of a lane iteration's elements), folded and unfolded norm
 weights, biases, the KV-cache write (bf16 and e4m3), both activations and interleaved and plain gate/up weights are
 each covered, with bf16 and with e4m3 weights (whose reference runs in bf16, so that x is rounded where
-the kernels round it before they quantize it); the engine tests cover the Llama shapes at decode."""
+the kernels round it before they quantize it), per-token and static activation scales; the engine tests
+cover the Llama shapes at decode."""
 from __future__ import annotations
 
 import pytest
@@ -53,7 +54,18 @@ CASES.update({
     "fp8 geglu plain norm weight": ("norm_swiglu", {"K": 512, "I": 128, "block": 0, "norm_weight": True,
                                                     "activation": "gelu_tanh", "fp8": True},
                                     {"eps": EPS, "block": 0, "activation": "gelu_tanh"}),
+    # A static activation scale (fp8_static): the entries that divide by it.
+    "fp8 static down+residual": ("linear_residual", {"K": 1040, "N": 512, "fp8": True, "fp8_static": True},
+                                 LINEAR_ATTRS),
+    "fp8 static qkv norm weight": ("norm_qkv_rope", {"K": 2064, "num_heads": HEADS, "num_kv_heads": KV_HEADS,
+                                                     "head_dim": 64, "norm_weight": True, "fp8": True,
+                                                     "fp8_static": True}, QKV_ATTRS),
+    "fp8 static swiglu block 64": ("norm_swiglu", {"K": 2064, "I": 256, "block": 64, "fp8": True, "fp8_static": True},
+                                   {"eps": EPS, "block": 64, "activation": "silu"}),
 })
+# A static scale under which the largest GEMM inputs (about 4 in magnitude) come near e4m3's 448 or
+# saturate.
+STATIC_SCALE = 0.009
 ONE_ROW = ("norm_qkv_rope", "norm_swiglu")
 # Where each plugin takes its weight and, with FP8 weights, their scales.
 WEIGHT_AT = {"linear": 1, "linear_residual": 1, "norm_qkv_rope": 2, "norm_swiglu": 2}
@@ -106,11 +118,12 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(torch.isfinite(got).all()) and float((got - want).abs().max() / want.abs().max()) < 2e-2
 
 
-def with_e4m3_weight(plugin: str, gpu: list) -> list:
-    """The inputs with the weight quantized per row (`plugins.fp8`) and its scales where the plugin takes them."""
+def with_e4m3_weight(plugin: str, gpu: list, static: bool) -> list:
+    """The inputs with the weight quantized per row (`plugins.fp8`) and its scales where the plugin takes them,
+    and after them the static activation scale where the case has one."""
     gpu = list(gpu) + [None] * (SCALE_AT[plugin] + 1 - len(gpu))
     gpu[WEIGHT_AT[plugin]], gpu[SCALE_AT[plugin]] = quantize_rows(gpu[WEIGHT_AT[plugin]])
-    return gpu
+    return gpu + [torch.tensor([STATIC_SCALE], device="cuda")] if static else gpu
 
 
 def untransposed_v(cache: torch.Tensor) -> torch.Tensor:
@@ -129,9 +142,10 @@ def test_gemv_matches_the_reference(loaded, name, rows):
         pytest.skip(f"FP8 GEMVs are built for {', '.join(FP8_TARGETS)} only")
     launcher, fns, metas, scratch = loaded(name)
     assert metas[pick_bucket(metas, rows)]["bucket"] == f"gemv{rows}"
+    assert metas[pick_bucket(metas, rows)].get("static", False) == shapes.get("fp8_static", False)
     gpu = [on_gpu(t) for t in inputs_for(name, rows, torch.Generator().manual_seed(rows * 7 + len(name)))]
     if shapes.get("fp8"):
-        gpu = with_e4m3_weight(plugin, gpu)
+        gpu = with_e4m3_weight(plugin, gpu, shapes.get("fp8_static", False))
     if shapes.get("fp8_kv"):
         # Scales per layer, k/v and head, so that the values span e4m3's range; the old cache as e4m3.
         gpu[10] = 0.01 + 0.02 * torch.rand(2, 2, KV_HEADS, generator=torch.Generator().manual_seed(1)).cuda()

@@ -27,8 +27,9 @@ the weights are FP8 too (the FP8 GEMV writes an e4m3 cache with its scales: "fp8
 FP8 weights (`gemv_fp8.cu`, compiled appended to `gemv.cu`, for the FP8 targets only) each plugin
 gets a "gemv1" bucket where K % 16 == 0 and K <= FP8_KMAX (each block stages x, quantized, in shared
 memory), in place of the quantize pre-pass and Triton tile at one row; its meta carries "fp8" too
-and its launch the weight scales after the weight. These find each row's scale themselves, so a plugin
-with a static activation scale ("fp8_static") gets no GEMV: its pre-pass and Triton tile serve one row. Each bucket's meta carries "gemv", "pdl" (its
+and its launch the weight scales after the weight, then the static activation scale: a plugin with one
+("fp8_static") gets entries built to divide by it (meta "static"), the others find each row's scale
+and take 0 there. Each bucket's meta carries "gemv", "pdl" (its
 kernel waits in the kernel for the one before: `runtime.cuda_driver` launches it so) and the constant
 grid; the launchers pass the kernel's parameters (the .cu files' entry points) with absent optional
 pointers as 0.
@@ -61,14 +62,15 @@ SWIGLU_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*bf16", "out": "*bf16",
 # against 10.34 with 4 and 11.20 with 1.
 FP8_KMAX = 16384
 FP8_LINEAR_ROWS, FP8_LINEAR_PIECES, FP8_SWIGLU_COLS, FP8_SWIGLU_PIECES, FP8_QKV_PIECES = 2, 4, 4, 1, 2
-FP8_LINEAR_SIGNATURE = {"x": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "bias": "*bf16", "residual": "*bf16",
-                        "out": "*bf16", "N": "i32", "K": "i32"}
-FP8_SWIGLU_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "out": "*bf16",
-                        "I": "i32", "block": "i32", "eps": "fp32", "K": "i32"}
+FP8_LINEAR_SIGNATURE = {"x": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "x_static": "*fp32", "bias": "*bf16",
+                        "residual": "*bf16", "out": "*bf16", "N": "i32", "K": "i32"}
+FP8_SWIGLU_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "x_static": "*fp32",
+                        "out": "*bf16", "I": "i32", "block": "i32", "eps": "fp32", "K": "i32"}
 QKV_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*bf16", "bias": "*bf16", "positions": "*i32",
                  "rope": "*fp32", "kv": "*bf16", "slots": "*i32", "out": "*bf16", "num_slots": "i32",
                  "layer": "i32", "eps": "fp32", "H": "i32", "KVH": "i32", "D": "i32", "K": "i32"}
-FP8_QKV_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "bias": "*bf16",
+FP8_QKV_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "x_static": "*fp32",
+                     "bias": "*bf16",
                      "positions": "*i32", "rope": "*fp32", "kv": "*bf16", "slots": "*i32", "out": "*bf16",
                      "num_slots": "i32", "layer": "i32", "eps": "fp32", "H": "i32", "KVH": "i32", "D": "i32",
                      "K": "i32"}
@@ -88,18 +90,18 @@ def _with_e4m3_cache(signature: dict) -> dict:
 FP8_QKV_FP8_KV_SIGNATURE = _with_e4m3_cache(FP8_QKV_SIGNATURE)
 
 
-def _serves(dtype: str, k: int, fp8_weight: bool, fp8_static: bool = False) -> bool:
-    if fp8_static:   # the FP8 GEMVs find each row's scale themselves
-        return False
+def _serves(dtype: str, k: int, fp8_weight: bool) -> bool:
     if fp8_weight:
         return dtype == "bfloat16" and k % 16 == 0 and k <= FP8_KMAX
     return dtype == "bfloat16" and k % 8 == 0
 
 
-def _fp8_kernel(name: str, call: str, signature: dict, meta: dict) -> NvccKernel:
-    """An entry point of `gemv_fp8.cu`: that file and the macro call appended to `gemv.cu`."""
-    return NvccKernel(SOURCE, name, f"{FP8_SOURCE.read_text()}\n{call}", signature, WARPS, {**meta, "fp8": True},
-                      targets=FP8_TARGETS)
+def _fp8_kernel(name: str, call: str, signature: dict, meta: dict, static: bool) -> NvccKernel:
+    """An entry point of `gemv_fp8.cu`: that file and the macro call appended to `gemv.cu` (the macro's last
+    argument: whether it takes a static activation scale)."""
+    call = f"{call[:-1]}, {_cpp(static)})"
+    meta = {**meta, "fp8": True, **({"static": True} if static else {})}
+    return NvccKernel(SOURCE, name, f"{FP8_SOURCE.read_text()}\n{call}", signature, WARPS, meta, targets=FP8_TARGETS)
 
 
 def _cpp(flag: bool) -> str:
@@ -114,14 +116,14 @@ def _meta(rows: int, programs: int, **extra) -> dict:
 
 def linear_kernels(dtype: str, n: int, k: int, fp8_weight: bool = False, fp8_static: bool = False) -> list[NvccKernel]:
     """out = x W^T (+ bias) (+ residual) for W [n, k]."""
-    if not _serves(dtype, k, fp8_weight, fp8_static):
+    if not _serves(dtype, k, fp8_weight):
         return []
     if fp8_weight:
         if n % (WARPS * FP8_LINEAR_ROWS):
             return []
         name = "kiln_gemv_fp8_linear_t1"
         return [_fp8_kernel(name, f"KILN_GEMV_FP8_LINEAR({name}, {FP8_LINEAR_ROWS}, {FP8_LINEAR_PIECES}, {k})",
-                            FP8_LINEAR_SIGNATURE, _meta(1, n // (WARPS * FP8_LINEAR_ROWS)))]
+                            FP8_LINEAR_SIGNATURE, _meta(1, n // (WARPS * FP8_LINEAR_ROWS)), fp8_static)]
     kernels = []
     for t, r in LINEAR_ROWS_PER_WARP.items():
         if n % (WARPS * r) == 0:
@@ -137,7 +139,7 @@ def qkv_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
     heads, kv_heads, d, k = shapes["num_heads"], shapes["num_kv_heads"], shapes["head_dim"], shapes["K"]
     pairs = (heads + 2 * kv_heads) * d // 2
     fp8_weight, fp8_kv = shapes.get("fp8", False), shapes.get("fp8_kv", False)
-    if (not _serves(dtype, k, fp8_weight, shapes.get("fp8_static", False)) or shapes.get("qk_norm")
+    if (not _serves(dtype, k, fp8_weight) or shapes.get("qk_norm")
             or (fp8_kv and not fp8_weight)
             or d % 2 or pairs % WARPS):
         return []
@@ -147,7 +149,7 @@ def qkv_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
         macro = "KILN_GEMV_FP8_QKV_ROPE_FP8_KV" if fp8_kv else "KILN_GEMV_FP8_QKV_ROPE"
         call = f"{macro}({name}, {FP8_QKV_PIECES}, {k}, {_cpp(shapes.get('norm_weight', False))})"
         return [_fp8_kernel(name, call, FP8_QKV_FP8_KV_SIGNATURE if fp8_kv else FP8_QKV_SIGNATURE,
-                            {**meta, "fp8_kv": fp8_kv})]
+                            {**meta, "fp8_kv": fp8_kv}, shapes.get("fp8_static", False))]
     name = "kiln_gemv_qkv_rope_t1"
     return [NvccKernel(SOURCE, name, f"KILN_GEMV_QKV_ROPE({name}, 1)", QKV_SIGNATURE, WARPS, meta)]
 
@@ -159,7 +161,7 @@ def swiglu_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
     activation = shapes.get("activation", "silu")
     fp8_weight = shapes.get("fp8", False)
     cols = FP8_SWIGLU_COLS if fp8_weight else 1
-    if (not _serves(dtype, k, fp8_weight, shapes.get("fp8_static", False)) or inter % (WARPS * cols)
+    if (not _serves(dtype, k, fp8_weight) or inter % (WARPS * cols)
             or activation not in ("silu", "gelu_tanh")):
         return []
     flags = f"{_cpp(activation == 'gelu_tanh')}, {_cpp(shapes.get('norm_weight', False))}"
@@ -167,7 +169,7 @@ def swiglu_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
     if fp8_weight:
         name = "kiln_gemv_fp8_swiglu_t1"
         call = f"KILN_GEMV_FP8_SWIGLU({name}, {cols}, {FP8_SWIGLU_PIECES}, {k}, {flags})"
-        return [_fp8_kernel(name, call, FP8_SWIGLU_SIGNATURE, meta)]
+        return [_fp8_kernel(name, call, FP8_SWIGLU_SIGNATURE, meta, shapes.get("fp8_static", False))]
     name = "kiln_gemv_swiglu_t1"
     return [NvccKernel(SOURCE, name, f"KILN_GEMV_SWIGLU({name}, 1, {flags})", SWIGLU_SIGNATURE, WARPS, meta)]
 
@@ -177,6 +179,7 @@ def address(tensor) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
 
-def scale_arg(w_scale) -> list[int]:
-    """A GEMV's weight-scale parameter, which only its FP8 entry points take (after the weight)."""
-    return [] if w_scale is None else [w_scale.data_ptr()]
+def scale_args(w_scale, x_static) -> list[int]:
+    """A GEMV's scale parameters, which only its FP8 entry points take (after the weight): the weight's
+    scales, then the static activation scale (0 without one)."""
+    return [] if w_scale is None else [w_scale.data_ptr(), address(x_static)]

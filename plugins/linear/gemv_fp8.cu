@@ -15,6 +15,9 @@
 // and multiplies them with packed f16 FMAs, a piece's products summed in f16 and then in f32; the
 // result is acc * x_scale * w_scale[n] as in `plugins.fp8.fp8_linear`, whose products are summed in
 // f32 throughout (the f16 partial sums add an error near f16's 2^-11, under the bf16 output's 2^-9).
+// An entry built STATIC takes the op's static activation scale (`x_static`, one float32 fixed at build
+// time) instead: it divides by that, and finds no largest magnitude, so the entries without a norm skip
+// the block's reduction altogether. Entries built without it take x_static as 0 and never read it.
 //
 // Shared memory holds the row as 16-byte units (8 values): unit q of the row at (q % 2) * K / 16 + q / 2,
 // so the two halves of a weight piece's x come from two arrays that consecutive lanes read without bank
@@ -101,24 +104,28 @@ struct XRow {
   }
 
   // The row quantized to e4m3 into `xs` (as f16, in the layout of the file's header); returns its
-  // scale. A folded norm needs one pass for the largest magnitude: rounding |x| * rstd to bf16 keeps
-  // the order of magnitudes. An unfolded weight reorders them, and a second pass finds it.
-  template <bool NORM, bool NORM_WEIGHT>
-  __device__ __forceinline__ float stage(const __nv_bfloat16* norm, uint4* xs, int K, float eps) const {
+  // scale: *x_static (STATIC), else its own. A folded norm needs one pass for the largest magnitude:
+  // rounding |x| * rstd to bf16 keeps the order of magnitudes. An unfolded weight reorders them, and a
+  // second pass finds it.
+  template <bool NORM, bool NORM_WEIGHT, bool STATIC>
+  __device__ __forceinline__ float stage(const __nv_bfloat16* norm, const float* x_static, uint4* xs, int K,
+                                         float eps) const {
     const uint4* nv = reinterpret_cast<const uint4*>(norm);
     const int units = K / VEC, half = K / 16;
     float sum = 0.0f, amax = 0.0f;
+    if (NORM || !STATIC) {
 #pragma unroll
-    for (int i = 0; i < PER_THREAD; ++i) {
-      float f[VEC];
-      unpack(v[i], f);   // zeros past the row
+      for (int i = 0; i < PER_THREAD; ++i) {
+        float f[VEC];
+        unpack(v[i], f);   // zeros past the row
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) sum = fmaf(f[j], f[j], sum), amax = fmaxf(amax, fabsf(f[j]));
+        for (int j = 0; j < VEC; ++j) sum = fmaf(f[j], f[j], sum), amax = fmaxf(amax, fabsf(f[j]));
+      }
     }
-    const float2 stats = block_sum_max(sum, amax);
+    const float2 stats = NORM || !STATIC ? block_sum_max(sum, amax) : make_float2(0.0f, 0.0f);
     const float rstd = NORM ? rsqrtf(stats.x / K + eps) : 1.0f;
     amax = NORM ? round_bf16(stats.y * rstd) : stats.y;
-    if (NORM_WEIGHT) {
+    if (NORM_WEIGHT && !STATIC) {
       amax = 0.0f;
 #pragma unroll
       for (int i = 0; i < PER_THREAD; ++i) {
@@ -131,7 +138,7 @@ struct XRow {
       }
       amax = block_sum_max(0.0f, amax).y;
     }
-    const float scale = fmaxf(__fdiv_rn(amax, E4M3_MAX), MIN_SCALE);
+    const float scale = STATIC ? *x_static : fmaxf(__fdiv_rn(amax, E4M3_MAX), MIN_SCALE);
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) {
       const int p = threadIdx.x + i * WARPS * LANES;
@@ -231,10 +238,10 @@ struct Fp8DotRows {
 };
 
 // out[n] = xq . w[n] * x_scale * w_scale[n] (+ bias[n]) (+ residual[n]), R consecutive rows a warp.
-template <int R, int UF, int KMAX>
+template <int R, int UF, int KMAX, bool STATIC>
 __device__ __forceinline__ void fp8_linear(const __nv_bfloat16* x, const uint8_t* w, const float* w_scale,
-                                           const __nv_bfloat16* bias, const __nv_bfloat16* residual,
-                                           __nv_bfloat16* out, int N, int K) {
+                                           const float* x_static, const __nv_bfloat16* bias,
+                                           const __nv_bfloat16* residual, __nv_bfloat16* out, int N, int K) {
   __shared__ uint4 xs[KMAX / VEC];
   const int lane = threadIdx.x % LANES, first = (blockIdx.x * WARPS + threadIdx.x / LANES) * R;
   const int n = first + lane % R;
@@ -254,7 +261,7 @@ __device__ __forceinline__ void fp8_linear(const __nv_bfloat16* x, const uint8_t
   dot.run(w, row, K, xs, [&] {
     xr.load(x, K);
     if (owner && residual != nullptr) extra += bf16(residual + n);
-    scale = xr.template stage<false, false>(nullptr, xs, K, 0.0f);
+    scale = xr.template stage<false, false, STATIC>(nullptr, x_static, xs, K, 0.0f);
   });
   const float v = dot.mine(lane);
   if (owner) out[n] = __float2bfloat16(v * scale * ws + extra);
@@ -262,9 +269,10 @@ __device__ __forceinline__ void fp8_linear(const __nv_bfloat16* x, const uint8_t
 
 // RMSNorm + q/k/v projection (+ bias) + RoPE with e4m3 weights: `qkv_rope` of gemv.cu otherwise. Cache:
 // bf16, or e4m3 (`__nv_fp8_storage_t`) with kv_scales [layers, 2, KVH].
-template <int UF, int KMAX, bool NORM_WEIGHT, class Cache>
+template <int UF, int KMAX, bool NORM_WEIGHT, bool STATIC, class Cache>
 __device__ __forceinline__ void fp8_qkv_rope(const __nv_bfloat16* x, const __nv_bfloat16* norm, const uint8_t* w,
-                                             const float* w_scale, const __nv_bfloat16* bias, const int* positions,
+                                             const float* w_scale, const float* x_static,
+                                             const __nv_bfloat16* bias, const int* positions,
                                              const float* rope, Cache* kv, const int* slots, const float* kv_scales,
                                              int kv_block, __nv_bfloat16* out, int num_slots, int layer, float eps,
                                              int H, int KVH, int D, int K) {
@@ -289,7 +297,7 @@ __device__ __forceinline__ void fp8_qkv_rope(const __nv_bfloat16* x, const __nv_
     if (owner && !is_q) slot = slots[0];
     if (owner && !is_q && kv_scales != nullptr)
       kv_scale = kv_scales[(layer * 2 + (is_v ? 1 : 0)) * KVH + (is_v ? h - H - KVH : h - H)];
-    scale = xr.template stage<true, NORM_WEIGHT>(norm, xs, K, eps);
+    scale = xr.template stage<true, NORM_WEIGHT, STATIC>(norm, x_static, xs, K, eps);
     if (owner && !is_v) {
       const float* r = rope + static_cast<size_t>(pos) * D + j;
       rc = r[0];
@@ -303,10 +311,10 @@ __device__ __forceinline__ void fp8_qkv_rope(const __nv_bfloat16* x, const __nv_
 
 // RMSNorm + gate/up projection + act(gate) * up with e4m3 weights: `swiglu` of gemv.cu otherwise, with
 // COLS output columns a warp (their gate and up rows), so a block stages x once for 8 * COLS of them.
-template <int COLS, int UF, int KMAX, bool GELU_TANH, bool NORM_WEIGHT>
+template <int COLS, int UF, int KMAX, bool GELU_TANH, bool NORM_WEIGHT, bool STATIC>
 __device__ __forceinline__ void fp8_swiglu(const __nv_bfloat16* x, const __nv_bfloat16* norm, const uint8_t* w,
-                                           const float* w_scale, __nv_bfloat16* out, int I, int block, float eps,
-                                           int K) {
+                                           const float* w_scale, const float* x_static, __nv_bfloat16* out, int I,
+                                           int block, float eps, int K) {
   __shared__ uint4 xs[KMAX / VEC];
   const int lane = threadIdx.x % LANES, first = (blockIdx.x * WARPS + threadIdx.x / LANES) * COLS;
   int row[2 * COLS];
@@ -327,7 +335,7 @@ __device__ __forceinline__ void fp8_swiglu(const __nv_bfloat16* x, const __nv_bf
   float scale;
   dot.run(w, row, K, xs, [&] {
     xr.load(x, K);
-    scale = xr.template stage<true, NORM_WEIGHT>(norm, xs, K, eps);
+    scale = xr.template stage<true, NORM_WEIGHT, STATIC>(norm, x_static, xs, K, eps);
   });
   if (!owner) return;
   float g = 0.0f, u = 0.0f;
@@ -340,38 +348,40 @@ __device__ __forceinline__ void fp8_swiglu(const __nv_bfloat16* x, const __nv_bf
 
 }  // namespace
 
-#define KILN_GEMV_FP8_LINEAR(NAME, R, UF, KMAX)                                                         \
+#define KILN_GEMV_FP8_LINEAR(NAME, R, UF, KMAX, STATIC)                                                 \
   extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                           \
-      NAME(const __nv_bfloat16* x, const uint8_t* w, const float* w_scale, const __nv_bfloat16* bias,   \
-           const __nv_bfloat16* residual, __nv_bfloat16* out, int N, int K) {                           \
-    fp8_linear<R, UF, KMAX>(x, w, w_scale, bias, residual, out, N, K);                                  \
+      NAME(const __nv_bfloat16* x, const uint8_t* w, const float* w_scale, const float* x_static,       \
+           const __nv_bfloat16* bias, const __nv_bfloat16* residual, __nv_bfloat16* out, int N, int K) {\
+    fp8_linear<R, UF, KMAX, STATIC>(x, w, w_scale, x_static, bias, residual, out, N, K);                \
   }
 
-#define KILN_GEMV_FP8_QKV_ROPE(NAME, UF, KMAX, NORM_WEIGHT)                                             \
+#define KILN_GEMV_FP8_QKV_ROPE(NAME, UF, KMAX, NORM_WEIGHT, STATIC)                                     \
   extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                           \
       NAME(const __nv_bfloat16* x, const __nv_bfloat16* norm, const uint8_t* w, const float* w_scale,   \
-           const __nv_bfloat16* bias, const int* positions, const float* rope, __nv_bfloat16* kv,       \
-           const int* slots, __nv_bfloat16* out, int num_slots, int layer, float eps, int H, int KVH,   \
-           int D, int K) {                                                                              \
-    fp8_qkv_rope<UF, KMAX, NORM_WEIGHT>(x, norm, w, w_scale, bias, positions, rope, kv, slots, nullptr, \
-                                        0, out, num_slots, layer, eps, H, KVH, D, K);                   \
+           const float* x_static, const __nv_bfloat16* bias, const int* positions, const float* rope,   \
+           __nv_bfloat16* kv, const int* slots, __nv_bfloat16* out, int num_slots, int layer, float eps,\
+           int H, int KVH, int D, int K) {                                                              \
+    fp8_qkv_rope<UF, KMAX, NORM_WEIGHT, STATIC>(x, norm, w, w_scale, x_static, bias, positions, rope, kv,\
+                                                slots, nullptr, 0, out, num_slots, layer, eps, H, KVH, D, K);\
   }
 
 // The same with an e4m3 cache (v's blocks of kv_block slots transposed) and its scales.
-#define KILN_GEMV_FP8_QKV_ROPE_FP8_KV(NAME, UF, KMAX, NORM_WEIGHT)                                      \
+#define KILN_GEMV_FP8_QKV_ROPE_FP8_KV(NAME, UF, KMAX, NORM_WEIGHT, STATIC)                              \
   extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                           \
       NAME(const __nv_bfloat16* x, const __nv_bfloat16* norm, const uint8_t* w, const float* w_scale,   \
-           const __nv_bfloat16* bias, const int* positions, const float* rope, uint8_t* kv,             \
-           const int* slots, const float* kv_scales, int kv_block, __nv_bfloat16* out, int num_slots,   \
-           int layer, float eps, int H, int KVH, int D, int K) {                                        \
-    fp8_qkv_rope<UF, KMAX, NORM_WEIGHT>(x, norm, w, w_scale, bias, positions, rope,                     \
-                                        reinterpret_cast<__nv_fp8_storage_t*>(kv), slots, kv_scales,    \
-                                        kv_block, out, num_slots, layer, eps, H, KVH, D, K);            \
+           const float* x_static, const __nv_bfloat16* bias, const int* positions, const float* rope,   \
+           uint8_t* kv, const int* slots, const float* kv_scales, int kv_block, __nv_bfloat16* out,     \
+           int num_slots, int layer, float eps, int H, int KVH, int D, int K) {                         \
+    fp8_qkv_rope<UF, KMAX, NORM_WEIGHT, STATIC>(x, norm, w, w_scale, x_static, bias, positions, rope,   \
+                                                reinterpret_cast<__nv_fp8_storage_t*>(kv), slots,       \
+                                                kv_scales, kv_block, out, num_slots, layer, eps, H, KVH,\
+                                                D, K);                                                  \
   }
 
-#define KILN_GEMV_FP8_SWIGLU(NAME, COLS, UF, KMAX, GELU_TANH, NORM_WEIGHT)                              \
+#define KILN_GEMV_FP8_SWIGLU(NAME, COLS, UF, KMAX, GELU_TANH, NORM_WEIGHT, STATIC)                      \
   extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                           \
       NAME(const __nv_bfloat16* x, const __nv_bfloat16* norm, const uint8_t* w, const float* w_scale,   \
-           __nv_bfloat16* out, int I, int block, float eps, int K) {                                    \
-    fp8_swiglu<COLS, UF, KMAX, GELU_TANH, NORM_WEIGHT>(x, norm, w, w_scale, out, I, block, eps, K);     \
+           const float* x_static, __nv_bfloat16* out, int I, int block, float eps, int K) {             \
+    fp8_swiglu<COLS, UF, KMAX, GELU_TANH, NORM_WEIGHT, STATIC>(x, norm, w, w_scale, x_static, out, I,   \
+                                                               block, eps, K);                          \
   }

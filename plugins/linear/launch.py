@@ -10,7 +10,7 @@ import torch
 
 from kiln.plugins.driver_launch import check_aligned, grid
 from kiln.plugins.linear import cute_gemm
-from kiln.plugins.linear.gemv import address, scale_arg
+from kiln.plugins.linear.gemv import address, scale_args
 from kiln.runtime.cuda_driver import encode_tensor_map
 
 
@@ -73,6 +73,14 @@ def check_fp8(meta: dict, w_scale: torch.Tensor | None) -> None:
                          "disagree; rebuild the engine")
 
 
+def check_static(meta: dict, x_static: torch.Tensor | None, what: str) -> None:
+    """A kernel built to divide by a static activation scale gets one, and one built without gets none."""
+    if ("static" in meta) != (x_static is not None):
+        raise ValueError(f"{what} built {'with' if 'static' in meta else 'without'} a static activation scale, given "
+                         f"{'none' if x_static is None else 'one'}: the engine's kernels and weights disagree; "
+                         "rebuild the engine")
+
+
 def launch_quantize(kernels: list, metas: list[dict], x: torch.Tensor, norm_weight: torch.Tensor | None,
                     eps: float, stream: int, scratch: dict[str, torch.Tensor],
                     x_static: torch.Tensor | None = None) -> tuple[int, int]:
@@ -80,10 +88,7 @@ def launch_quantize(kernels: list, metas: list[dict], x: torch.Tensor, norm_weig
     scale x_static if the engine has one; returns the addresses of the e4m3 rows and of their scales,
     in the scratch buffers its meta names."""
     i = next(i for i, meta in enumerate(metas) if meta.get("quantize"))
-    if ("static" in metas[i]) != (x_static is not None):
-        raise ValueError(f"FP8 pre-pass built {'with' if 'static' in metas[i] else 'without'} a static activation "
-                         f"scale, given {'none' if x_static is None else 'one'}: the engine's kernels and weights "
-                         "disagree; rebuild the engine")
+    check_static(metas[i], x_static, "FP8 pre-pass")
     rows = x.shape[0]
     check_aligned(metas[i], x, norm_weight, x_static)
     args = [x.data_ptr()] + ([norm_weight.data_ptr()] if norm_weight is not None else [])
@@ -137,8 +142,10 @@ def launch_gemm(kernels: list, metas: list[dict], x: torch.Tensor, weight: torch
     check_fp8(metas[i], w_scale)
     check_aligned(metas[i], x, weight, w_scale, bias, residual, out)
     if metas[i].get("gemv"):
-        args = [x.data_ptr(), weight.data_ptr(), *scale_arg(w_scale), address(bias), address(residual), out.data_ptr(),
-                *weight.shape]
+        if w_scale is not None:
+            check_static(metas[i], x_static, "FP8 GEMV")
+        args = [x.data_ptr(), weight.data_ptr(), *scale_args(w_scale, x_static), address(bias), address(residual),
+                out.data_ptr(), *weight.shape]
         kernels[i].launch(grid(metas[i]["grid"], {}), args, stream)
         return
     if metas[i].get("cute"):
