@@ -103,8 +103,8 @@ def test_fp8_linear_launches(plugin, t, target):
 @pytest.mark.parametrize("plugin", ["linear", "linear_residual"])
 def test_fp8_linear_launches_with_a_static_activation_scale(plugin, t, target):
     """The static scale (weight_input_scale, after weight_scale) reaches the pre-pass, whose rows
-    every bucket reads, one row included: the GEMVs find each row's scale themselves, so a static
-    engine has none."""
+    every Triton bucket reads, one row included (the static FP8 GEMVs, which serve one row where
+    the shapes allow, are test_gemv's and test_gemv_gpu's)."""
     torch.manual_seed(t)
     k, n = 256, 40
     wq, ws = fp8_weight(n, k)
