@@ -244,6 +244,18 @@ def e4m3(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows(torch.randn(n, k))
 
 
+def fp8_qkv_operands() -> tuple:
+    """norm_qkv_rope's FP8 GEMV operands at one row: the e4m3 weight and its scales, q out, positions, slots,
+    the RoPE table, a bf16 cache [4 layers, 2, 3 blocks, 16, kv heads, head_dim] and the attrs (layer 3)."""
+    d = QKV["head_dim"]
+    w, scale = e4m3((QKV["num_heads"] + 2 * QKV["num_kv_heads"]) * d, 4096)
+    out, positions, slots = bf16(1, QKV["num_heads"] * d), torch.tensor([7], dtype=torch.int32), \
+        torch.tensor([5], dtype=torch.int32)
+    rope, cache = torch.randn(64, d), bf16(4, 2, 3, 16, QKV["num_kv_heads"], d)
+    attrs = {"eps": 1e-6, "layer": 3, "num_heads": 32, "num_kv_heads": 8, "head_dim": d}
+    return w, scale, out, positions, slots, rope, cache, attrs
+
+
 def test_fp8_launchers_pass_the_weight_scales_after_the_weight():
     """FP8 at one row: each GEMV takes bf16 x (it quantizes x itself: no pre-pass is launched), the
     weight's float32 scales right after the weight, then the static activation scale (0: none)."""
@@ -265,11 +277,7 @@ def test_fp8_launchers_pass_the_weight_scales_after_the_weight():
     assert grid[0] * gemv.WARPS * gemv.FP8_SWIGLU_COLS == 14336
 
     d = QKV["head_dim"]
-    w, scale = e4m3((QKV["num_heads"] + 2 * QKV["num_kv_heads"]) * d, 4096)
-    out, positions, slots = bf16(1, QKV["num_heads"] * d), torch.tensor([7], dtype=torch.int32), \
-        torch.tensor([5], dtype=torch.int32)
-    rope, cache = torch.randn(64, d), bf16(4, 2, 3, 16, QKV["num_kv_heads"], d)
-    attrs = {"eps": 1e-6, "layer": 3, "num_heads": 32, "num_kv_heads": 8, "head_dim": d}
+    w, scale, out, positions, slots, rope, cache, attrs = fp8_qkv_operands()
     kernel, grid, args = launched(qkv_launch, qkv_kernels.aot_kernels("bfloat16", {**QKV, "fp8": True}),
                                   [x, None, w, None, None, None, positions, rope, cache, slots, None, scale], attrs,
                                   out)
@@ -313,12 +321,7 @@ def test_fp8_launchers_pass_the_static_scale_its_gemv_was_built_for():
                                                                            "activation": "silu"}, out)
     assert args[3:5] == [scale.data_ptr(), static.data_ptr()]
 
-    d = QKV["head_dim"]
-    w, scale = e4m3((QKV["num_heads"] + 2 * QKV["num_kv_heads"]) * d, 4096)
-    out, positions, slots = bf16(1, QKV["num_heads"] * d), torch.tensor([7], dtype=torch.int32), \
-        torch.tensor([5], dtype=torch.int32)
-    rope, cache = torch.randn(64, d), bf16(4, 2, 3, 16, QKV["num_kv_heads"], d)
-    attrs = {"eps": 1e-6, "layer": 3, "num_heads": 32, "num_kv_heads": 8, "head_dim": d}
+    w, scale, out, positions, slots, rope, cache, attrs = fp8_qkv_operands()
     aot = qkv_kernels.aot_kernels("bfloat16", {**QKV, "fp8": True, "fp8_static": True})
     _, _, args = launched(qkv_launch, aot, [x, None, w, None, None, None, positions, rope, cache, slots, None, scale,
                                             static], attrs, out)
