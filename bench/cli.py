@@ -208,7 +208,8 @@ Examples:
                    "the bf16 engine's stays as it is.")
 @click.option("--calibration-prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="With --quantization: static activation scales for the quantized engine from these prompts "
-                   "(build-engine --calibration-prompts), as calibrated FP8 checkpoints carry them.")
+                   "(build-engine --calibration-prompts), as calibrated FP8 checkpoints carry them, and with "
+                   "--kv-cache-dtype fp8 its cache's scales too.")
 @click.option("--max-batch-size", type=int, default=256, show_default=True, help="Build flag (not with --engine).")
 @click.option("--max-seq-len", type=int, default=4352, show_default=True, help="Build flag: 2048+2048 fits.")
 @click.option("--max-num-tokens", type=int, default=8192, show_default=True, help="Build flag: tokens per step.")

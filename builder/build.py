@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from kiln import models
 from kiln.atomic import atomic_folder
-from kiln.builder.calibrate import calibrate, read_prompts
+from kiln.builder.calibrate import Calibration, calibrate, read_prompts
 from kiln.builder.config import BuildConfig
 from kiln.builder.ir import Graph, layer_of
 from kiln.builder.kernels import compile_all_reduce, compile_kernels
@@ -152,13 +152,18 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
     tokenizer_file = TOKENIZER_FILE if TOKENIZER_FILE in extra_files else None
     calibration = _calibration_prompts(cfg, extra_files)
     passes = {f.__name__: f for f in (FUSIONS if cfg.fuse else ())}
+    measured: list[Calibration] = []   # what the "calibrate" pass measured, before anything is quantized
+    if calibration:
+        def calibrate_pass(g: Graph) -> Graph:
+            measured.append(calibrate(g, calibration, cfg.kv_block_size, progress))
+            return g
+        passes["calibrate"] = calibrate_pass
     if cfg.kv_cache_dtype == "fp8":
-        passes[quantize_kv_cache.__name__] = lambda g: quantize_kv_cache(g, kv_scales)
+        passes[quantize_kv_cache.__name__] = lambda g: quantize_kv_cache(
+            g, measured[0].kv_scales() if kv_scales is None and measured else kv_scales)
     if cfg.quantization == "fp8":
-        def quantize(g: Graph) -> Graph:
-            amax = calibrate(g, calibration, cfg.kv_block_size, progress) if calibration else None
-            return quantize_fp8(g, cfg.quantize_lm_head, amax)
-        passes["quantize_fp8" if calibration is None else "calibrate+quantize_fp8"] = quantize
+        passes["quantize_fp8"] = lambda g: quantize_fp8(g, cfg.quantize_lm_head,
+                                                        measured[0].activations if measured else None)
     steps = ["trace", *passes]
     for r in range(cfg.tp_size):
         steps += [f"rank {r}: shard+fold+plan", f"rank {r}: kernels", f"rank {r}: write"]
@@ -222,8 +227,10 @@ def build_engine(checkpoint: str | Path, output: str | Path, cfg: BuildConfig, p
                      f"({mcfg.max_position_embeddings}): quality past it is not guaranteed")
     kv_scales = models.read_kv_scales(checkpoint, mcfg)
     if cfg.kv_cache_dtype == "fp8":
-        notes.append("KV cache float8_e4m3fn, " + ("with the checkpoint's scales" if kv_scales is not None else
-                                                   "scales 1.0 (the checkpoint has none)"))
+        notes.append("KV cache float8_e4m3fn, " + (
+            "with the checkpoint's scales" if kv_scales is not None else
+            "scales calibrated per kv head on --calibration-prompts" if cfg.calibration_prompts else
+            "scales 1.0 (the checkpoint has none; --calibration-prompts would calibrate them)"))
     elif kv_scales is not None:
         notes.append("the checkpoint carries FP8 KV-cache scales: --kv-cache-dtype fp8 would use them")
     if any(t != "cpu" for t in cfg.targets) and nvcc.nvcc_path() is None:

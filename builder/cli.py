@@ -49,8 +49,9 @@ from kiln.models import CheckpointError, read_config
               help="KV cache element type. auto: the model's dtype. fp8: e4m3 (float8_e4m3fn), half the bytes "
                    "per token, so the same memory holds twice the tokens; stored as value / scale with one k "
                    "and one v scale per layer (or per kv head) taken from the checkpoint when it carries them "
-                   "(compressed-tensors kv_cache_scheme, ModelOpt k_scale/v_scale), else 1.0, as other engines "
-                   "do without calibration.")
+                   "(compressed-tensors kv_cache_scheme, ModelOpt k_scale/v_scale), else calibrated per kv head "
+                   "with --calibration-prompts, else 1.0, as other engines do without calibration (small values "
+                   "then lose precision: calibrate where you can).")
 @click.option("--no-fuse", "no_fuse", is_flag=True,
               help="Keep the traced plan of primitive ops (no fusion passes): runs on the CPU; the reference "
                    "that a fusion must not change.")
@@ -64,10 +65,12 @@ from kiln.models import CheckpointError, read_config
 @click.option("--quantize-lm-head", is_flag=True,
               help="With --quantization fp8, quantize the LM head too (it stays in --dtype otherwise).")
 @click.option("--calibration-prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="With --quantization fp8: a text file of prompts, one a line (a few dozen typical ones). They "
-                   "run through the unquantized model on this machine's CPU, and each projection's input gets a "
-                   "static per-tensor FP8 scale from the largest value seen, instead of a scale per token at "
-                   "run time (larger values then saturate).")
+              help="With --quantization fp8 or --kv-cache-dtype fp8: a text file of prompts, one a line (a few "
+                   "dozen typical ones). They run through the unquantized model on this machine's CPU. With "
+                   "--quantization fp8 each projection's input gets a static per-tensor FP8 scale from the "
+                   "largest value seen, instead of a scale per token at run time (larger values then saturate); "
+                   "with --kv-cache-dtype fp8 each layer's k and v get a scale per kv head from the largest "
+                   "value written to the cache, unless the checkpoint carries KV scales.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_batch_size: int,
                  max_seq_len: int | None, max_num_tokens: int, kv_block_size: int, targets: tuple[str, ...],

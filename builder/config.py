@@ -66,8 +66,9 @@ class BuildConfig:
             raise BuildConfigError(f"--quantization {self.quantization}: choose one of {', '.join(QUANTIZATIONS)}")
         if self.quantize_lm_head and self.quantization == "none":
             raise BuildConfigError("--quantize-lm-head needs --quantization fp8")
-        if self.calibration_prompts is not None and self.quantization == "none":
-            raise BuildConfigError("--calibration-prompts needs --quantization fp8")
+        if self.calibration_prompts is not None and self.quantization == "none" and self.kv_cache_dtype != "fp8":
+            raise BuildConfigError("--calibration-prompts needs --quantization fp8 or --kv-cache-dtype fp8: "
+                                   "it measures their scales")
         no_fp8 = [t for t in self.targets if t not in FP8_TARGETS + ("cpu",)]
         if self.quantization == "fp8" and no_fp8:
             raise BuildConfigError(f"--quantization fp8 needs FP8 tensor cores, which {no_fp8[0]} does not have: "

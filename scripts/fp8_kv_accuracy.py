@@ -1,7 +1,8 @@
 """The FP8 KV-cache accuracy check of tests/test_fp8_kv_accuracy.py, on a GPU: builds the
-checkpoint twice in bfloat16 for this GPU (a bfloat16 cache, then --kv-cache-dtype fp8), then
-writes to one JSON file the perplexity of each on the fixed text, the change (the gate: within
-1%), and how often their greedy chat completions agree.
+checkpoint twice in bfloat16 for this GPU (a bfloat16 cache, then --kv-cache-dtype fp8 with its scales
+calibrated on the test's calibration prompts), then writes to one JSON file the perplexity of each on the
+fixed passages, the change (the gate: within 1%) and its standard error, and how often their greedy chat
+completions agree.
 
     .venv/bin/python scripts/fp8_kv_accuracy.py --checkpoint SmolLM2-135M-Instruct.Q4_1.gguf \\
         --out $OUT/fp8_kv_accuracy.json
@@ -27,6 +28,7 @@ import click  # noqa: E402
 
 from kiln.builder.build import build_engine  # noqa: E402
 from kiln.builder.config import BuildConfig, default_targets  # noqa: E402
+from fp8_accuracy_check import CALIBRATION  # noqa: E402
 from fp8_kv_accuracy import measure  # noqa: E402
 from real_models import CHAT_QUESTIONS, chat_prompts  # noqa: E402
 
@@ -41,10 +43,12 @@ def main(checkpoint: Path, out: Path, device: str, prompts: int, max_tokens: int
     targets = default_targets() if device == "cuda" else ("cpu",)
     build = dict(dtype="bfloat16", targets=targets, max_batch_size=16, max_seq_len=512, max_num_tokens=512)
     with tempfile.TemporaryDirectory(prefix="kiln-fp8kv-") as tmp:
-        engines = []
-        for kv in ("auto", "fp8"):
-            engines.append(Path(tmp) / kv)
-            build_engine(checkpoint, engines[-1], BuildConfig(**build, kv_cache_dtype=kv))
+        calibration = Path(tmp) / "calibration.txt"
+        calibration.write_text("\n".join(CALIBRATION) + "\n", encoding="utf-8")
+        engines = [Path(tmp) / "auto", Path(tmp) / "fp8"]
+        build_engine(checkpoint, engines[0], BuildConfig(**build))
+        build_engine(checkpoint, engines[1], BuildConfig(**build, kv_cache_dtype="fp8",
+                                                         calibration_prompts=str(calibration)))
         chat = chat_prompts(engines[0], CHAT_QUESTIONS[:prompts])
         result = measure(engines[0], engines[1], device, chat, max_tokens)
     # The GPU machine's copy has no usable .git: there KILN_COMMIT names it (scripts/real_model_gpu.sh).

@@ -195,7 +195,7 @@ def test_calibration_prompts_give_every_fp8_op_a_static_activation_scale(checkpo
 
 
 @pytest.mark.parametrize("content,flags,words", [
-    ("a prompt\n", [], ["--calibration-prompts needs --quantization fp8"]),
+    ("a prompt\n", [], ["--calibration-prompts needs --quantization fp8 or --kv-cache-dtype fp8"]),
     ("\n  \n", ["--quantization", "fp8"], ["--calibration-prompts", "holds no prompts"]),
 ])
 def test_calibration_prompts_errors(checkpoints, tmp_path, content, flags, words):

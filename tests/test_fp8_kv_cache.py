@@ -1,6 +1,6 @@
 """`--kv-cache-dtype fp8` end to end on the CPU: the engine contract (the manifest's KV spec, its
 scales weight, old engines still loading), the pool holding twice the tokens in the same bytes,
-what the executor writes into the cache, the scales a checkpoint carries, tensor-parallel
+what the executor writes into the cache, the scales a checkpoint carries or calibration gives, tensor-parallel
 ranks' scales, and prefix caching, copy-on-write and preemption on an e4m3 cache."""
 from __future__ import annotations
 
@@ -162,6 +162,33 @@ def test_scales_from_a_checkpoint_reach_the_engine(factory, checkpoint, tmp_path
     # Without fp8 the scales are not model weights, and the build says they are there.
     summary = build_engine(ckpt, tmp_path / "plain", BuildConfig(dtype="float32", max_seq_len=64, kv_block_size=4))
     assert "carries FP8 KV-cache scales" in summary.render()
+
+
+def test_calibration_prompts_give_the_cache_a_scale_per_kv_head(checkpoint, tmp_path):
+    """--calibration-prompts with --kv-cache-dtype fp8 alone: each layer's k and v get a scale per kv head, the
+    largest magnitude the prompts wrote there over 448, which the build names; the engine runs on them.
+    A checkpoint's own scales win over calibration."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The capital of France is Paris.\nOne, two, three, four, five.\n")
+    build = dict(dtype="float32", max_seq_len=64, kv_block_size=4, kv_cache_dtype="fp8")
+    summary = build_engine(checkpoint, tmp_path / "engine", BuildConfig(**build, calibration_prompts=str(prompts)))
+    assert "scales calibrated per kv head on --calibration-prompts" in summary.render()
+    scales = read_engine_file(tmp_path / "engine" / "rank0.engine").weights["kv_scales"]
+    assert scales.shape == (LAYERS, 2, KV_HEADS) and bool((scales > 0).all()) and bool((scales != 1.0).all())
+    assert scales.unique().numel() > LAYERS   # heads differ
+    uncalibrated = build_engine(checkpoint, tmp_path / "ones", BuildConfig(**build))
+    assert "--calibration-prompts would calibrate them" in uncalibrated.render()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with Session(tmp_path / "engine", device="cpu") as session:
+        (out,) = session.generate(prompt_token_ids=[[5, 6, 7, 8, 9]], sampling_params=params)
+    assert len(out.outputs[0].token_ids) == 6
+    values = torch.full((LAYERS, 2), 0.02)
+    names = {i: (f"model.layers.{i}.self_attn.k_scale", f"model.layers.{i}.self_attn.v_scale") for i in range(LAYERS)}
+    ckpt = with_kv_scales(checkpoint, tmp_path / "ckpt", names, values, COMPRESSED_TENSORS)
+    summary = build_engine(ckpt, tmp_path / "theirs", BuildConfig(**build, calibration_prompts=str(prompts)))
+    assert "with the checkpoint's scales" in summary.render()
+    assert torch.equal(read_engine_file(tmp_path / "theirs" / "rank0.engine").weights["kv_scales"],
+                       values[..., None].expand(-1, -1, KV_HEADS))
 
 
 def test_a_checkpoint_with_some_layers_scales_missing_is_refused(checkpoint, tmp_path):

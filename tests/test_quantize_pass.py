@@ -112,21 +112,27 @@ def test_calibration_records_the_largest_input_of_every_projection():
 
     g = make_llama(layers=2)
     prompts = [[5, 9, 2, 7, 1, 3], [4, 4, 8]]
-    amax = calibrate(g, prompts, BLOCK_SIZE)
+    measured = calibrate(g, prompts, BLOCK_SIZE)
     want: dict[str, float] = {}
+    kv_want = torch.zeros(measured.kv.shape)
     for ids in prompts:
         step = pack_step([SequenceChunk(ids, 0, [0, 1, 2])], BLOCK_SIZE, 3)
-        env = run_graph(g, step, new_cache(g))
+        cache = new_cache(g)
+        env = run_graph(g, step, cache)
         for node in nodes_of(g, "linear"):
             want[node.output] = max(want.get(node.output, 0.0), env[node.inputs["x"]].abs().max().item())
-    assert amax == pytest.approx(want, rel=0, abs=0)
+        kv_want = torch.maximum(kv_want, cache.abs().amax(dim=(2, 3, 5)))
+    assert measured.activations == pytest.approx(want, rel=0, abs=0)
+    # The KV cache's largest magnitude per layer, k or v and KV head; each head's scale maps it to 448.
+    assert torch.equal(measured.kv, kv_want) and bool((kv_want > 0).all())
+    assert torch.equal(measured.kv_scales(), kv_want / 448.0)
 
 
 def test_static_input_scales_come_from_calibration_and_run_close_to_per_token_ones():
     from kiln.builder.calibrate import calibrate
 
     fused = fuse_all(make_llama(layers=2))
-    amax = calibrate(fused, [[1, 2, 3, 4, 5, 9], [6, 7, 8, 10]], BLOCK_SIZE)  # the sequences run_steps runs
+    amax = calibrate(fused, [[1, 2, 3, 4, 5, 9], [6, 7, 8, 10]], BLOCK_SIZE).activations  # run_steps' sequences
     q = quantize_fp8(fused, input_amax=amax)
     for node in q.nodes:
         if node.op in GEMMS:
