@@ -209,7 +209,8 @@ Examples:
 @click.option("--calibration-prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="With --quantization: static activation scales for the quantized engine from these prompts "
                    "(build-engine --calibration-prompts), as calibrated FP8 checkpoints carry them, and with "
-                   "--kv-cache-dtype fp8 its cache's scales too.")
+                   "--kv-cache-dtype fp8 its cache's scales too; with --kv-cache-dtype fp8 alone, the e4m3-cache "
+                   "engine's scales.")
 @click.option("--max-batch-size", type=int, default=256, show_default=True, help="Build flag (not with --engine).")
 @click.option("--max-seq-len", type=int, default=4352, show_default=True, help="Build flag: 2048+2048 fits.")
 @click.option("--max-num-tokens", type=int, default=8192, show_default=True, help="Build flag: tokens per step.")
@@ -277,9 +278,11 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
     model_shape = with_overrides(model_shape, max_position_embeddings=max(model_shape.max_position_embeddings,
                                                                           max_seq_len))
     notes: list[str] = []
-    for flag, given in (("--quantize-lm-head", quantize_lm_head), ("--calibration-prompts", calibration_prompts)):
-        if given and quantization == "none":
-            raise click.UsageError(f"{flag} is for the --quantization engine: give --quantization fp8 too")
+    if quantize_lm_head and quantization == "none":
+        raise click.UsageError("--quantize-lm-head is for the --quantization engine: give --quantization fp8 too")
+    if calibration_prompts and quantization == "none" and kv_cache_dtype != "fp8":
+        raise click.UsageError("--calibration-prompts is for the --quantization engine or the --kv-cache-dtype fp8 "
+                               "one: give --quantization fp8 or --kv-cache-dtype fp8 too")
     if quantization != "none" and engine_dir is not None:
         raise click.UsageError(f"--quantization {quantization} builds a bf16 and an {quantization} engine from one "
                                "checkpoint to measure them side by side: give --checkpoint (or a --shape), not "
@@ -323,7 +326,7 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
     if kv_cache_dtype == "fp8" and ("decode" in phases or "offline" in phases):
         release(device)
         fp8_dir, _ = _resolve_engine(None, checkpoint, work_dir.expanduser(), device, model_shape,
-                                     kv_dtype.fp8_config(cfg))
+                                     kv_dtype.fp8_config(cfg, calibration_prompts))
         fp8_info = inspect(fp8_dir, device)
         status(f"the same with an e4m3 KV cache ({fp8_dir})")
         fp8_figures = kv_dtype.tagged(_throughput(fp8_info, hw, kv_token_budget(fp8_info, device), notes,

@@ -4,6 +4,7 @@ on the same checkpoint built with an e4m3 KV cache, its KV pool sized from the s
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from kiln.bench.figures import Figure
 from kiln.builder.config import BuildConfig
@@ -11,8 +12,10 @@ from kiln.builder.config import BuildConfig
 TAG = "fp8 KV"
 
 
-def fp8_config(cfg: BuildConfig) -> BuildConfig:
-    return replace(cfg, kv_cache_dtype="fp8")
+def fp8_config(cfg: BuildConfig, calibration_prompts: Path | None = None) -> BuildConfig:
+    """The e4m3-cache engine's build: `cfg`'s, with its scales calibrated on `calibration_prompts` if given."""
+    return replace(cfg, kv_cache_dtype="fp8",
+                   calibration_prompts=str(calibration_prompts) if calibration_prompts else cfg.calibration_prompts)
 
 
 def tagged(figures: list[Figure]) -> list[Figure]:

@@ -98,8 +98,8 @@ def ensure_checkpoint(work_dir: Path, shape: Shape, dtype: str, device: str) -> 
 
 
 def _calibration_key(cfg: BuildConfig) -> str:
-    """An engine path's mark of static activation scales: the calibration prompts' content, so that
-    other prompts build another engine."""
+    """An engine path's mark of calibrated scales (static activation scales, an e4m3 cache's scales): the
+    calibration prompts' content, so that other prompts build another engine."""
     if cfg.calibration_prompts is None:
         return ""
     return f"-static{hashlib.sha256(Path(cfg.calibration_prompts).read_bytes()).hexdigest()[:8]}"

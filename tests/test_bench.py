@@ -205,10 +205,12 @@ def test_fp8_engine_with_static_activation_scales(tiny_run):
     assert f"static activation scales from {prompts}" in result.output and "fp8 decode b=1" in result.output
 
 
-@pytest.mark.parametrize("flag", [["--quantize-lm-head"], ["--calibration-prompts", __file__]])
-def test_lm_head_quantization_and_calibration_need_the_quantized_engine(flag, tmp_path):
+@pytest.mark.parametrize("flag,words", [(["--quantize-lm-head"], "give --quantization fp8 too"),
+                                        (["--calibration-prompts", __file__],
+                                         "give --quantization fp8 or --kv-cache-dtype fp8 too")])
+def test_lm_head_quantization_and_calibration_need_the_quantized_engine(flag, words, tmp_path):
     result = invoke(*TINY, *flag, "--json", tmp_path / "x.json")
-    assert result.exit_code == 2 and "give --quantization fp8 too" in result.output
+    assert result.exit_code == 2 and words in result.output
 
 
 def test_fp8_comparison_needs_a_checkpoint_not_an_engine(tmp_path):
@@ -421,6 +423,19 @@ def test_fp8_weights_with_the_fp8_kv_cache_beside_bf16(tmp_path):
     assert [(f.get("kv_cache"), f.get("quantization")) for f in data["decode"]] == [
         (None, None), ("fp8", None), (None, "fp8")]
     assert "fp8, e4m3 KV cache, the same checkpoint" in result.output
+
+
+def test_the_fp8_kv_engine_takes_the_calibration_prompts(tmp_path):
+    """--kv-cache-dtype fp8 --calibration-prompts without --quantization: the e4m3-cache engine's scales come
+    from the prompts (a scale per kv head, not 1.0); the model-dtype engine has none."""
+    prompts = tmp_path / "calibration.txt"
+    prompts.write_text("hello there\nthe quick brown fox\n")
+    result = invoke(*TINY, "--only", "decode", "--batch-sizes", "2", "--no-baseline", "--kv-cache-dtype", "fp8",
+                    "--calibration-prompts", prompts, "--work-dir", tmp_path / "work", "--json", tmp_path / "out.json")
+    assert result.exit_code == 0, result.output
+    (engine,) = [p for p in (tmp_path / "work" / "engines").glob("*/*") if "-fp8kv-" in p.name]
+    scales = read_engine_file(engine / "rank0.engine").weights["kv_scales"]
+    assert "-static" in engine.name and bool((scales != 1.0).all())
 
 
 def test_an_engine_from_older_sources_is_deleted_and_other_flags_kept(tmp_path, monkeypatch):
