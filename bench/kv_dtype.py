@@ -14,8 +14,7 @@ TAG = "fp8 KV"
 
 def fp8_config(cfg: BuildConfig, calibration_prompts: Path | None = None) -> BuildConfig:
     """The e4m3-cache engine's build: `cfg`'s, with its scales calibrated on `calibration_prompts` if given."""
-    return replace(cfg, kv_cache_dtype="fp8",
-                   calibration_prompts=str(calibration_prompts) if calibration_prompts else cfg.calibration_prompts)
+    return replace(cfg, kv_cache_dtype="fp8", calibration_prompts=calibration_prompts and str(calibration_prompts))
 
 
 def tagged(figures: list[Figure]) -> list[Figure]:

@@ -70,8 +70,7 @@ QKV_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*bf16", "bias": "*bf16", "
                  "rope": "*fp32", "kv": "*bf16", "slots": "*i32", "out": "*bf16", "num_slots": "i32",
                  "layer": "i32", "eps": "fp32", "H": "i32", "KVH": "i32", "D": "i32", "K": "i32"}
 FP8_QKV_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "x_static": "*fp32",
-                     "bias": "*bf16",
-                     "positions": "*i32", "rope": "*fp32", "kv": "*bf16", "slots": "*i32", "out": "*bf16",
+                     "bias": "*bf16", "positions": "*i32", "rope": "*fp32", "kv": "*bf16", "slots": "*i32", "out": "*bf16",
                      "num_slots": "i32", "layer": "i32", "eps": "fp32", "H": "i32", "KVH": "i32", "D": "i32",
                      "K": "i32"}
 
@@ -96,10 +95,10 @@ def _serves(dtype: str, k: int, fp8_weight: bool) -> bool:
     return dtype == "bfloat16" and k % 8 == 0
 
 
-def _fp8_kernel(name: str, call: str, signature: dict, meta: dict, static: bool) -> NvccKernel:
-    """An entry point of `gemv_fp8.cu`: that file and the macro call appended to `gemv.cu` (the macro's last
-    argument: whether it takes a static activation scale)."""
-    call = f"{call[:-1]}, {_cpp(static)})"
+def _fp8_kernel(name: str, macro: str, args: str, signature: dict, meta: dict, static: bool) -> NvccKernel:
+    """An entry point of `gemv_fp8.cu`: that file and the call `macro(name, args, static)` appended to
+    `gemv.cu` (the last argument: whether it divides by a static activation scale, meta "static")."""
+    call = f"{macro}({name}, {args}, {_cpp(static)})"
     meta = {**meta, "fp8": True, **({"static": True} if static else {})}
     return NvccKernel(SOURCE, name, f"{FP8_SOURCE.read_text()}\n{call}", signature, WARPS, meta, targets=FP8_TARGETS)
 
@@ -122,7 +121,7 @@ def linear_kernels(dtype: str, n: int, k: int, fp8_weight: bool = False, fp8_sta
         if n % (WARPS * FP8_LINEAR_ROWS):
             return []
         name = "kiln_gemv_fp8_linear_t1"
-        return [_fp8_kernel(name, f"KILN_GEMV_FP8_LINEAR({name}, {FP8_LINEAR_ROWS}, {FP8_LINEAR_PIECES}, {k})",
+        return [_fp8_kernel(name, "KILN_GEMV_FP8_LINEAR", f"{FP8_LINEAR_ROWS}, {FP8_LINEAR_PIECES}, {k}",
                             FP8_LINEAR_SIGNATURE, _meta(1, n // (WARPS * FP8_LINEAR_ROWS)), fp8_static)]
     kernels = []
     for t, r in LINEAR_ROWS_PER_WARP.items():
@@ -139,16 +138,15 @@ def qkv_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
     heads, kv_heads, d, k = shapes["num_heads"], shapes["num_kv_heads"], shapes["head_dim"], shapes["K"]
     pairs = (heads + 2 * kv_heads) * d // 2
     fp8_weight, fp8_kv = shapes.get("fp8", False), shapes.get("fp8_kv", False)
-    if (not _serves(dtype, k, fp8_weight) or shapes.get("qk_norm")
-            or (fp8_kv and not fp8_weight)
+    if (not _serves(dtype, k, fp8_weight) or shapes.get("qk_norm") or (fp8_kv and not fp8_weight)
             or d % 2 or pairs % WARPS):
         return []
     meta = _meta(1, pairs // WARPS, heads=heads, kv_heads=kv_heads, head_dim=d)
     if fp8_weight:
         name = "kiln_gemv_fp8_qkv_rope_t1"
         macro = "KILN_GEMV_FP8_QKV_ROPE_FP8_KV" if fp8_kv else "KILN_GEMV_FP8_QKV_ROPE"
-        call = f"{macro}({name}, {FP8_QKV_PIECES}, {k}, {_cpp(shapes.get('norm_weight', False))})"
-        return [_fp8_kernel(name, call, FP8_QKV_FP8_KV_SIGNATURE if fp8_kv else FP8_QKV_SIGNATURE,
+        args = f"{FP8_QKV_PIECES}, {k}, {_cpp(shapes.get('norm_weight', False))}"
+        return [_fp8_kernel(name, macro, args, FP8_QKV_FP8_KV_SIGNATURE if fp8_kv else FP8_QKV_SIGNATURE,
                             {**meta, "fp8_kv": fp8_kv}, shapes.get("fp8_static", False))]
     name = "kiln_gemv_qkv_rope_t1"
     return [NvccKernel(SOURCE, name, f"KILN_GEMV_QKV_ROPE({name}, 1)", QKV_SIGNATURE, WARPS, meta)]
@@ -161,15 +159,14 @@ def swiglu_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
     activation = shapes.get("activation", "silu")
     fp8_weight = shapes.get("fp8", False)
     cols = FP8_SWIGLU_COLS if fp8_weight else 1
-    if (not _serves(dtype, k, fp8_weight) or inter % (WARPS * cols)
-            or activation not in ("silu", "gelu_tanh")):
+    if not _serves(dtype, k, fp8_weight) or inter % (WARPS * cols) or activation not in ("silu", "gelu_tanh"):
         return []
     flags = f"{_cpp(activation == 'gelu_tanh')}, {_cpp(shapes.get('norm_weight', False))}"
     meta = _meta(1, inter // (WARPS * cols), block=shapes["block"] or inter)
     if fp8_weight:
         name = "kiln_gemv_fp8_swiglu_t1"
-        call = f"KILN_GEMV_FP8_SWIGLU({name}, {cols}, {FP8_SWIGLU_PIECES}, {k}, {flags})"
-        return [_fp8_kernel(name, call, FP8_SWIGLU_SIGNATURE, meta, shapes.get("fp8_static", False))]
+        return [_fp8_kernel(name, "KILN_GEMV_FP8_SWIGLU", f"{cols}, {FP8_SWIGLU_PIECES}, {k}, {flags}",
+                            FP8_SWIGLU_SIGNATURE, meta, shapes.get("fp8_static", False))]
     name = "kiln_gemv_swiglu_t1"
     return [NvccKernel(SOURCE, name, f"KILN_GEMV_SWIGLU({name}, 1, {flags})", SWIGLU_SIGNATURE, WARPS, meta)]
 
@@ -178,8 +175,3 @@ def address(tensor) -> int:
     """A kernel argument for an optional tensor: its address, or 0 (the kernel's null) when absent."""
     return 0 if tensor is None else tensor.data_ptr()
 
-
-def scale_args(w_scale, x_static) -> list[int]:
-    """A GEMV's scale parameters, which only its FP8 entry points take (after the weight): the weight's
-    scales, then the static activation scale (0 without one)."""
-    return [] if w_scale is None else [w_scale.data_ptr(), address(x_static)]

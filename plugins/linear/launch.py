@@ -10,7 +10,7 @@ import torch
 
 from kiln.plugins.driver_launch import check_aligned, grid
 from kiln.plugins.linear import cute_gemm
-from kiln.plugins.linear.gemv import address, scale_args
+from kiln.plugins.linear.gemv import address
 from kiln.runtime.cuda_driver import encode_tensor_map
 
 
@@ -81,6 +81,15 @@ def check_static(meta: dict, x_static: torch.Tensor | None, what: str) -> None:
                          "rebuild the engine")
 
 
+def gemv_scale_args(meta: dict, w_scale: torch.Tensor | None, x_static: torch.Tensor | None) -> list[int]:
+    """A GEMV's scale parameters, which only its FP8 entry points take (after the weight): the weight's
+    scales, then the static activation scale (0 for an entry built without one, `check_static`)."""
+    if w_scale is None:
+        return []
+    check_static(meta, x_static, "FP8 GEMV")
+    return [w_scale.data_ptr(), address(x_static)]
+
+
 def launch_quantize(kernels: list, metas: list[dict], x: torch.Tensor, norm_weight: torch.Tensor | None,
                     eps: float, stream: int, scratch: dict[str, torch.Tensor],
                     x_static: torch.Tensor | None = None) -> tuple[int, int]:
@@ -142,10 +151,8 @@ def launch_gemm(kernels: list, metas: list[dict], x: torch.Tensor, weight: torch
     check_fp8(metas[i], w_scale)
     check_aligned(metas[i], x, weight, w_scale, bias, residual, out)
     if metas[i].get("gemv"):
-        if w_scale is not None:
-            check_static(metas[i], x_static, "FP8 GEMV")
-        args = [x.data_ptr(), weight.data_ptr(), *scale_args(w_scale, x_static), address(bias), address(residual),
-                out.data_ptr(), *weight.shape]
+        args = [x.data_ptr(), weight.data_ptr(), *gemv_scale_args(metas[i], w_scale, x_static), address(bias),
+                address(residual), out.data_ptr(), *weight.shape]
         kernels[i].launch(grid(metas[i]["grid"], {}), args, stream)
         return
     if metas[i].get("cute"):

@@ -6,9 +6,9 @@ import torch
 
 from kiln.plugins.attention.kernels import padded
 from kiln.plugins.driver_launch import check_aligned, grid
-from kiln.plugins.linear.gemv import address, scale_args
-from kiln.plugins.linear.launch import (check_fp8, check_static, launch_cute_qkv, launch_row_scale, norm_gemm_input_args,
-                                        pick_bucket, row_scale_bytes, split_args)
+from kiln.plugins.linear.gemv import address
+from kiln.plugins.linear.launch import (check_fp8, gemv_scale_args, launch_cute_qkv, launch_row_scale,
+                                        norm_gemm_input_args, pick_bucket, row_scale_bytes, split_args)
 
 
 def scratch_bytes(attrs: dict, limits: dict[str, int]) -> dict[str, int]:
@@ -39,9 +39,8 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
     num_slots = kv_cache.shape[2] * kv_cache.shape[3]
     if metas[i].get("gemv"):
         meta = metas[i]
-        if w_scale is not None:
-            check_static(meta, x_static, "FP8 GEMV")
-        args = [x.data_ptr(), address(norm_weight), w_qkv.data_ptr(), *scale_args(w_scale, x_static), address(b_qkv),
+        args = [x.data_ptr(), address(norm_weight), w_qkv.data_ptr(), *gemv_scale_args(meta, w_scale, x_static),
+                address(b_qkv),
                 positions.data_ptr(), rope_cache.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(),
                 *([kv_scales.data_ptr(), kv_cache.shape[3]] if meta.get("fp8_kv") else []), out.data_ptr(), num_slots,
                 attrs["layer"],

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from kiln.plugins.driver_launch import check_aligned, grid
-from kiln.plugins.linear.gemv import address, scale_args
-from kiln.plugins.linear.launch import (check_fp8, check_static, norm_gemm_input_args, pick_bucket, row_scale_bytes,
+from kiln.plugins.linear.gemv import address
+from kiln.plugins.linear.launch import (check_fp8, gemv_scale_args, norm_gemm_input_args, pick_bucket, row_scale_bytes,
                                         split_args)
 
 
@@ -26,10 +26,8 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
     check_fp8(metas[i], w_scale)
     check_aligned(metas[i], x, norm_weight, w_gu, w_scale, out)
     if metas[i].get("gemv"):
-        if w_scale is not None:
-            check_static(metas[i], x_static, "FP8 GEMV")
-        args = [x.data_ptr(), address(norm_weight), w_gu.data_ptr(), *scale_args(w_scale, x_static), out.data_ptr(),
-                out.shape[1], metas[i]["block"], attrs["eps"], x.shape[1]]
+        args = [x.data_ptr(), address(norm_weight), w_gu.data_ptr(), *gemv_scale_args(metas[i], w_scale, x_static),
+                out.data_ptr(), out.shape[1], metas[i]["block"], attrs["eps"], x.shape[1]]
         kernels[i].launch(grid(metas[i]["grid"], {}), args, stream)
         return
     args = norm_gemm_input_args(kernels, metas, i, x, norm_weight, attrs["eps"], stream, scratch, x_static)
