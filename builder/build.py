@@ -23,7 +23,7 @@ from kiln.builder.ir import Graph, layer_of
 from kiln.builder.kernels import compile_all_reduce, compile_kernels
 from kiln.builder.passes import FUSIONS, fold_weights, plan_memory, quantize_kv_cache, shard, vocab_parallel
 from kiln.builder.passes.kv_cache import KV_SCALES, granularity
-from kiln.builder.passes.quantize import has_static_scales, is_fp8, quantize_fp8
+from kiln.builder.passes.quantize import hand_off_fp8, has_static_scales, is_fp8, quantize_fp8
 from kiln.builder.passes.memory import MemoryPlan
 from kiln.builder.trace import trace
 from kiln.engines.format import write_engine_file
@@ -164,6 +164,7 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
     if cfg.quantization == "fp8":
         passes["quantize_fp8"] = lambda g: quantize_fp8(g, cfg.quantize_lm_head,
                                                         measured[0].activations if measured else None)
+        passes[hand_off_fp8.__name__] = hand_off_fp8
     steps = ["trace", *passes]
     for r in range(cfg.tp_size):
         steps += [f"rank {r}: shard+fold+plan", f"rank {r}: kernels", f"rank {r}: write"]

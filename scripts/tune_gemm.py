@@ -90,13 +90,16 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
                 if prescaled and (FP8 or t == 1 or gu != GATE_UP_BLOCK):
                     continue
                 signature = {"x_ptr": OPERAND, "x_scale_ptr": "*fp32" if prescaled else SCALE, "norm_ptr": "constexpr", "w_ptr": OPERAND,
-                             "w_scale_ptr": SCALE, "out_ptr": "*bf16", **split_signature(split),
+                             "w_scale_ptr": SCALE, "out_ptr": "*bf16", "q_ptr": "constexpr", "q_scale_ptr": "constexpr",
+                             "q_static_ptr": "constexpr", **split_signature(split),
                              "T": "i32", "eps": "fp32",
                              "I": "constexpr", "K": "constexpr", "GU_BLOCK": "constexpr",
                              "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-                             "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr", "GELU_TANH": "constexpr"}
+                             "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr", "GELU_TANH": "constexpr",
+                             "ROUND_E4M3": "constexpr"}
                 constexprs = {"I": inter, "K": k, "GU_BLOCK": gu, "BLOCK_M": bm, "BLOCK_N": bn // 2,
-                              "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": split, "GELU_TANH": False}
+                              "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": split, "GELU_TANH": False,
+                              "ROUND_E4M3": False}
                 grid = (triton.cdiv(t, bm), inter // (bn // 2), split)
                 out.append(("norm_swiglu", {"kind": "norm_swiglu", "n": n, "k": k, "t": t, "grid": grid, "split": split,
                                             "gu_block": gu, "prescaled": prescaled,

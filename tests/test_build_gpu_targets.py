@@ -174,6 +174,11 @@ def test_fp8_engine_compiles_for_the_fp8_targets(activations, factory, fp8_cache
             pre_pass = [k for k in kernels if k.entry == "quantize_rows_kernel"]
             assert len(pre_pass) == 1, (op.op, target, [k.entry for k in kernels])
             assert bool(pre_pass[0].launch.get("static")) == (activations == "static")
+            # The static down projection's input comes e4m3 from norm_swiglu's decode tiles (one kernel per
+            # rounding group of linear.fp8.TARGET_GROUPS).
+            handoffs = [k for k in kernels if k.launch.get("handoff")]
+            assert len(handoffs) == (2 if op.op == "norm_swiglu" and activations == "static" else 0), (op.op, target)
+            assert all(k.launch["max_rows"] <= 64 for k in handoffs)
             gemvs = [k for k in kernels if k.launch.get("gemv")]
             assert all(bool(k.launch.get("static")) == (activations == "static") for k in gemvs), (op.op, target)
             with_gemv.update(op.op for _ in gemvs)

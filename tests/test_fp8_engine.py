@@ -189,6 +189,12 @@ def test_calibration_prompts_give_every_fp8_op_a_static_activation_scale(checkpo
     for op in ef.manifest.plan:
         if op.op in ("norm_qkv_rope", "attention_o_proj", "norm_swiglu", "linear_residual"):
             assert any(k.endswith("_input_scale") and v for k, v in op.inputs.items()), op.op
+    # Each down projection takes its input in e4m3 from norm_swiglu, quantized with the down's scale.
+    plan = ef.manifest.plan
+    downs = [(producer, op) for producer, op in zip(plan, plan[1:]) if op.op == "linear_residual"
+             and op.inputs["x"] == producer.output]
+    assert len(downs) == sum(op.op == "norm_swiglu" for op in plan) == 2 and all(p.op == "norm_swiglu" for p, _ in downs)
+    assert all(p.inputs["out_scale"] == d.inputs["weight_input_scale"] and d.attrs["fp8_handoff"] for p, d in downs)
     static_logits, bf16_logits = logits(out), logits(engines["bf16"])
     assert not torch.equal(static_logits, logits(engines["fp8"]))
     assert ((static_logits - bf16_logits).norm() / bf16_logits.norm()).item() < 0.25

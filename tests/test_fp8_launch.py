@@ -41,15 +41,19 @@ def interpretable(kernel: AotKernel) -> AotKernel:
 
 
 def launch(plugin: str, shapes: dict, target: str, inputs: list, attrs: dict, out: torch.Tensor,
-           views: list[torch.Tensor] = ()) -> list[str]:
+           views: list[torch.Tensor] = (), scratch: dict[str, torch.Tensor] | None = None) -> list[str]:
     """Run the plugin's launcher with its Triton kernels for `target` (the CUDA GEMVs, which serve one
-    row, cannot run in the interpreter: test_gemv checks theirs); returns the kernels it launched."""
+    row, cannot run in the interpreter: test_gemv checks theirs); returns the kernels it launched.
+    `scratch`: the executor's buffers, shared with earlier launches (those the kernels name and it
+    lacks are added)."""
     launcher = LAUNCHERS[plugin]
     kernels = [interpretable(k) for k in targeted(KERNELS[plugin].aot_kernels("bfloat16", shapes), target)
                if isinstance(k, AotKernel)]
     limits = {"T": MAX_ROWS, "S": 8, "B": 64, "block_size": 16, "element_bytes": 2}
-    scratch = {name: torch.zeros(nbytes, dtype=torch.uint8)
-               for name, nbytes in op_scratch(launcher, attrs, [k.meta for k in kernels], limits).items()}
+    scratch = {} if scratch is None else scratch
+    for name, nbytes in op_scratch(launcher, attrs, [k.meta for k in kernels], limits).items():
+        if name not in scratch or scratch[name].numel() < nbytes:
+            scratch[name] = torch.zeros(nbytes, dtype=torch.uint8)
     log: list = []
     tensors = [t for t in [*inputs, out, *scratch.values(), *views] if t is not None]
     with mock.patch("kiln.plugins.driver_launch.sm_count", lambda: SMS):
@@ -152,6 +156,59 @@ def test_fp8_norm_swiglu_launches(folded, static, t, target):
     assert launch("norm_swiglu", shapes, target, inputs, attrs, out) == \
         expected(t, target, "norm_swiglu_kernel", tma_gemm)
     close(out, get_plugin("norm_swiglu").call_reference(inputs, attrs))
+
+
+@pytest.mark.parametrize("target", ["sm_89", "sm_90"])
+@pytest.mark.parametrize("t", (1, 2, 64, 100))
+def test_fp8_handoff_from_norm_swiglu_to_the_down_projection(t, target):
+    """norm_swiglu given the down projection's static scale (out_scale) also writes its output in e4m3
+    into the handoff's scratch, where the down projection (attr fp8_handoff) reads it at 2-64 rows with
+    no pre-pass of its own: the bytes are the static pre-pass's, so the result is bit for bit the one
+    without the handoff. Past 64 rows (and at one, the GEMVs' row) the projection quantizes x itself."""
+    from kiln.plugins.fp8 import to_e4m3
+    from kiln.plugins.linear.fp8 import HANDOFF
+    torch.manual_seed(t)
+    k, inter, block, n = 128, 64, 8, 96
+    w_gu, s_gu = fp8_weight(2 * inter, k)
+    w_down, s_down = fp8_weight(n, inter)
+    x = (3 * torch.randn(t, k)).bfloat16()
+    attrs = {"eps": EPS, "block": block, "activation": "silu"}
+    act_static = static_scale(get_plugin("norm_swiglu").call_reference([x, None, w_gu, s_gu], attrs))
+    gu_inputs = [x, None, w_gu, s_gu, static_scale(rms_norm(x, None, EPS)), act_static]
+    shapes = {"K": k, "I": inter, "block": block, "norm_weight": False, "fp8": True, "fp8_static": True,
+              "out_scale": True}
+    scratch: dict[str, torch.Tensor] = {}
+    act = torch.full((t, inter), float("nan"), dtype=torch.bfloat16)
+    assert launch("norm_swiglu", shapes, target, gu_inputs, attrs, act, scratch=scratch)[-1] == "norm_swiglu_kernel"
+    close(act, get_plugin("norm_swiglu").call_reference(gu_inputs, attrs))
+    handed = 2 <= t <= 64
+    if handed:
+        q = scratch[HANDOFF[0]][:t * inter].view(FP8).view(t, inter)
+        assert torch.equal(q.view(torch.uint8), to_e4m3(act, act_static).view(torch.uint8))
+        assert torch.equal(scratch[HANDOFF[1]][:4 * t].view(torch.float32), act_static.expand(t))
+    down_inputs = [act, w_down, None, torch.randn(t, n).bfloat16(), s_down, act_static]
+    down_shapes = {"K": inter, "N": n, "fp8": True, "fp8_static": True}
+    outs = []
+    for handoff in (True, False):
+        out = torch.full((t, n), float("nan"), dtype=torch.bfloat16)
+        launched = launch("linear_residual", down_shapes, target, down_inputs, {**LINEAR_ATTRS, "fp8_handoff": handoff},
+                          out, scratch=scratch)
+        assert launched == (["linear_kernel"] if handoff and handed else ["quantize_rows_kernel", "linear_kernel"])
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    close(outs[0], get_plugin("linear_residual").call_reference(down_inputs, LINEAR_ATTRS))
+
+
+@pytest.mark.parametrize("target", ["sm_89", "sm_90"])
+def test_norm_swiglu_kernels_built_without_the_handoff_refuse_an_out_scale(target):
+    k, inter = 128, 64
+    w_gu, s_gu = fp8_weight(2 * inter, k)
+    x = torch.randn(3, k).bfloat16()
+    scale = torch.tensor([0.01])
+    shapes = {"K": k, "I": inter, "block": 8, "norm_weight": False, "fp8": True, "fp8_static": True}
+    with pytest.raises(ValueError, match="does not hand its output on in e4m3.*rebuild the engine"):
+        launch("norm_swiglu", shapes, target, [x, None, w_gu, s_gu, scale, scale],
+               {"eps": EPS, "block": 8, "activation": "silu"}, torch.empty(3, inter, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("target", ["sm_89", "sm_90"])

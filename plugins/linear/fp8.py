@@ -17,7 +17,13 @@ quantization of all its tile's rows. BENCHMARKS.md, 2026-11-30.)
 
 An op with a static activation scale (calibrated at build time, or a checkpoint's input_scale)
 has a pre-pass built to divide by that scale instead, which it writes as every row's scale, so
-the GEMMs are the same either way (the norm plugins' RMSNorm still reads the whole row).
+the GEMMs are the same either way (the norm plugins' RMSNorm still reads the whole row). A
+static scale needs no row, so where the op's input is another GEMM plugin's output (the down
+projection's, from norm_swiglu) the producer's epilogue can quantize it as it stores it: its
+kernels for HANDOFF_ROWS rows also write the e4m3 rows and their scales into the scratch
+buffers HANDOFF names (`store_handoff`), and the consumer's GEMM reads them there without a
+pre-pass of its own (attr "fp8_handoff", `builder.passes.quantize`). Those are the same bytes
+the pre-pass would have written from the stored output, so nothing changes but a launch.
 
 Quantizing divides each element by its row's scale with a correctly rounded division, as
 `plugins.fp8.to_e4m3` does: multiplying by the reciprocal is off by a float32 ulp at times, and
@@ -171,6 +177,38 @@ def quantize_rows_kernel(x_ptr, norm_ptr, xq_ptr, scale_ptr, static_ptr, T, eps,
             q = to_e4m3(normalized(x, rstd, norm_ptr, k0 + offs_k, mask_k, NORM, EMULATE), x_scale, ROUND_E4M3)
             tl.store(xq_ptr + offs + k0, q, mask=mask)
     tl.store(scale_ptr + row, x_scale, mask=mask_m)
+
+
+# The rows where a static FP8 GEMM's input comes from its producer's epilogue (`store_handoff`): from
+# two rows (one row is the GEMVs', which divide by the static scale themselves) to the most the
+# decode tiles of both plugins serve, 64 (past it norm_swiglu runs the persistent TMA GEMM on sm_90).
+HANDOFF_ROWS = (2, 64)
+# The scratch buffers of the handoff: e4m3 rows [T, K] and their scales [T].
+HANDOFF = ("fp8_handoff", "fp8_handoff_scale")
+
+
+def handoff_rows(rows: int) -> bool:
+    """Whether a step of `rows` rows hands e4m3 rows on (where the plan has a handoff)."""
+    return HANDOFF_ROWS[0] <= rows <= HANDOFF_ROWS[1]
+
+
+def handoff_scratch(k: int) -> dict[str, int]:
+    """The scratch bytes of a handoff of rows of k elements: for HANDOFF_ROWS' most rows only."""
+    return {HANDOFF[0]: HANDOFF_ROWS[1] * k, HANDOFF[1]: HANDOFF_ROWS[1] * 4}
+
+
+@triton.jit
+def store_handoff(y, offs_m, mask_m, offs_n, mask_n, q_ptr, q_scale_ptr, static_ptr, N: tl.constexpr,
+                  ROUND_E4M3: tl.constexpr):
+    """The output tile y [BLOCK_M, BLOCK_N], as stored (in the activation dtype), quantized with the
+    static scale at static_ptr for the next op's GEMM: e4m3 values to q [T, N], and from the
+    programs of the first column tile the scale as every row's to q_scale [T], as the static
+    pre-pass writes them."""
+    scale = tl.load(static_ptr + tl.zeros_like(offs_m))
+    q = to_e4m3(y.to(tl.float32), scale, ROUND_E4M3)
+    tl.store(q_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], q, mask=mask_m[:, None] & mask_n[None, :])
+    if tl.program_id(1) == 0:
+        tl.store(q_scale_ptr + offs_m, scale, mask=mask_m)
 
 
 # Rows up to this long are quantized from registers in one read, with QUANTIZE_WARPS warps up to

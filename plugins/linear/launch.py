@@ -9,7 +9,7 @@ from functools import lru_cache
 import torch
 
 from kiln.plugins.driver_launch import check_aligned, grid
-from kiln.plugins.linear import cute_gemm
+from kiln.plugins.linear import cute_gemm, fp8
 from kiln.plugins.linear.gemv import address
 from kiln.runtime.cuda_driver import encode_tensor_map
 
@@ -109,9 +109,12 @@ def launch_quantize(kernels: list, metas: list[dict], x: torch.Tensor, norm_weig
 
 def gemm_input_args(kernels: list, metas: list[dict], i: int, x: torch.Tensor, norm_weight: torch.Tensor | None,
                     eps: float, stream: int, scratch: dict[str, torch.Tensor],
-                    x_static: torch.Tensor | None = None) -> list[int]:
+                    x_static: torch.Tensor | None = None, handoff: bool = False) -> list[int]:
     """The x operand pointers of GEMM bucket kernel i: x, or for an FP8 kernel the quantize
-    pre-pass's e4m3 rows and their scales (run here first)."""
+    pre-pass's e4m3 rows and their scales (run here first), or with `handoff` the ones x's
+    producer wrote for it (`linear.fp8`'s handoff)."""
+    if metas[i].get("fp8") and handoff:
+        return [scratch[name].data_ptr() for name in fp8.HANDOFF]
     if metas[i].get("fp8"):
         return list(launch_quantize(kernels, metas, x, norm_weight, eps, stream, scratch, x_static))
     return [x.data_ptr()]
@@ -139,10 +142,11 @@ def norm_gemm_input_args(kernels: list, metas: list[dict], i: int, x: torch.Tens
 def launch_gemm(kernels: list, metas: list[dict], x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None, residual: torch.Tensor | None, out: torch.Tensor,
                 stream: int, scratch: dict[str, torch.Tensor], w_scale: torch.Tensor | None = None,
-                x_static: torch.Tensor | None = None) -> None:
+                x_static: torch.Tensor | None = None, handoff: bool = False) -> None:
     """out = x weight^T (+ bias) (+ residual) with the bucket kernel for x's row count, W8A8 when
     the kernels were built for FP8 (w_scale: the weight's scales; x_static: the static activation
-    scale, for kernels built with one). `linear_kernel` takes bias
+    scale, for kernels built with one; `handoff`: x's producer wrote x's e4m3 rows for this op at
+    this row count, `linear.fp8`). `linear_kernel` takes bias
     and residual pointers only when built with them; the GEMVs and the CuTe GEMM always (0 when
     absent), the CuTe GEMM x and the weight as TMA descriptors (and its split-K workspace when it
     splits K)."""
@@ -163,7 +167,7 @@ def launch_gemm(kernels: list, metas: list[dict], x: torch.Tensor, weight: torch
                 address(bias), address(residual), out.data_ptr(), *split_args(metas[i], scratch), rows, n, k]
         kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)
         return
-    args = gemm_input_args(kernels, metas, i, x, None, 0.0, stream, scratch, x_static) + [weight.data_ptr()]
+    args = gemm_input_args(kernels, metas, i, x, None, 0.0, stream, scratch, x_static, handoff) + [weight.data_ptr()]
     args += [t.data_ptr() for t in (w_scale, bias, residual) if t is not None]
     args += [out.data_ptr(), *split_args(metas[i], scratch), rows]
     kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)

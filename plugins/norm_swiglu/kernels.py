@@ -69,13 +69,17 @@ def _gate(g, GELU_TANH: tl.constexpr):
 
 
 @triton.jit
-def norm_swiglu_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, out_ptr, part_ptr, count_ptr, T, eps,
+def norm_swiglu_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, out_ptr, q_ptr, q_scale_ptr, q_static_ptr,
+                       part_ptr, count_ptr, T, eps,
                        I: tl.constexpr, K: tl.constexpr, GU_BLOCK: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr, GELU_TANH: tl.constexpr):
+                       UPCAST_DOT: tl.constexpr, SPLIT_K: tl.constexpr, GELU_TANH: tl.constexpr,
+                       ROUND_E4M3: tl.constexpr = False):
     """w_scale_ptr given: W8A8 (`linear.kernels.fp8_gemm_tile` on the quantize pre-pass's rows, which
     are RMSNorm'd already: its tile comes row-scaled). Else x_scale_ptr given: x's RMSNorm row
-    scales from the row-scale pre-pass; neither: the K loop sums x^2 itself."""
+    scales from the row-scale pre-pass; neither: the K loop sums x^2 itself. q_ptr given: the
+    output also goes to the next op's GEMM in e4m3, divided by the static scale at q_static_ptr
+    (`linear.fp8.store_handoff`)."""
     FP8: tl.constexpr = w_scale_ptr is not None
     SUMS: tl.constexpr = not FP8 and x_scale_ptr is None
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -102,10 +106,11 @@ def norm_swiglu_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, out_ptr
         elif not FP8:
             acc = acc * tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
         gate, up = split_halves(acc, BLOCK_M, BLOCK_N)
-        y = _gate(gate, GELU_TANH) * up
+        y = (_gate(gate, GELU_TANH) * up).to(out_ptr.dtype.element_ty)
         mask = mask_m[:, None] & (offs_n < I)[None, :]
-        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * I + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * I + offs_n[None, :], y, mask=mask)
+        if q_ptr is not None:
+            fp8.store_handoff(y, offs_m, mask_m, offs_n, offs_n < I, q_ptr, q_scale_ptr, q_static_ptr, I, ROUND_E4M3)
 
 
 @triton.jit
@@ -164,6 +169,14 @@ def tma_aot(dtype: str, shapes: dict, tile) -> AotKernel:
                      num_stages=stages, aligned=pointer_params(signature), targets=tma.TMA_TARGETS, meta=meta)
 
 
+def hands_off(tile, shapes: dict) -> bool:
+    """Whether a bucket's kernel also writes its output in e4m3 for the next op's GEMM (`linear.fp8`'s
+    handoff): with a static scale to divide by ("out_scale"), in the pointer buckets of at most
+    HANDOFF_ROWS' largest row count, which together serve all of HANDOFF_ROWS."""
+    return (shapes.get("fp8", False) and shapes.get("out_scale", False) and tile.max_rows is not None
+            and tile.max_rows <= fp8.HANDOFF_ROWS[1])
+
+
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     """inputs: x [T, K], norm_weight [K] or None (folded), w_gu [2I, K], then w_gu_scale [2I]
     (FP8) and w_gu_input_scale (a static activation scale) when given; attrs eps, block, activation."""
@@ -180,7 +193,8 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
     xa, x_scale = gemm_input(x, w_scale, norm_weight, True, attrs["eps"], prescaled(tile, w_scale is not None),
                              x_static)
     norm_swiglu_kernel[(triton.cdiv(t, tile.block_m), columns, split)](
-        xa, x_scale, None if w_scale is not None else norm_weight, w_gu, w_scale, out, part, count, t, attrs["eps"],
+        xa, x_scale, None if w_scale is not None else norm_weight, w_gu, w_scale, out, None, None, None, part, count,
+        t, attrs["eps"],
         I=inter, K=k, GU_BLOCK=attrs["block"] or inter, BLOCK_M=tile.block_m, BLOCK_N=bn, BLOCK_K=bk,
         UPCAST_DOT=upcast_dot(x, w_scale is not None), SPLIT_K=split, GELU_TANH=GELU_TANH[attrs["activation"]],
         num_warps=tile.num_warps,
@@ -199,6 +213,9 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
     fp8_weight = shapes.get("fp8", False)
     kernels: list[AotKernel | NvccKernel] = gemv.swiglu_kernels(dtype, shapes)
     tiles = swiglu_tiles(2 * inter, fp8_weight)
+    if shapes.get("out_scale") and not any(t.max_rows == fp8.HANDOFF_ROWS[1] for t in tiles):
+        raise ValueError(f"norm_swiglu's buckets {[t.max_rows for t in tiles]} do not end one at "
+                         f"{fp8.HANDOFF_ROWS[1]} rows, where the FP8 handoff to the next GEMM stops")
     for tile in tiles:
         bk, bn = block_k(tile, 1 if fp8_weight else size), tile.block_n // 2
         split = split_k(tile, k, bk)
@@ -206,11 +223,14 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
         x_scale = "*fp32" if prescaled(tile, fp8_weight) else "constexpr"
         if fp8_weight:   # the pre-pass applies the norm weight
             x_ptr, x_scale, norm_ptr, w_ptr, w_scale = fp8.FP8_POINTER, "*fp32", "constexpr", fp8.FP8_POINTER, "*fp32"
+        handoff = hands_off(tile, shapes)
+        q = ("constexpr",) * 3 if not handoff else (fp8.FP8_POINTER, "*fp32", "*fp32")
         signature = {"x_ptr": x_ptr, "x_scale_ptr": x_scale, "norm_ptr": norm_ptr, "w_ptr": w_ptr,
-                     "w_scale_ptr": w_scale, "out_ptr": ptr, **split_signature(split), "T": "i32", "eps": "fp32",
+                     "w_scale_ptr": w_scale, "out_ptr": ptr, **dict(zip(("q_ptr", "q_scale_ptr", "q_static_ptr"), q)),
+                     **split_signature(split), "T": "i32", "eps": "fp32",
                      "I": "constexpr", "K": "constexpr", "GU_BLOCK": "constexpr", "BLOCK_M": "constexpr",
                      "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "UPCAST_DOT": "constexpr",
-                     "SPLIT_K": "constexpr", "GELU_TANH": "constexpr"}
+                     "SPLIT_K": "constexpr", "GELU_TANH": "constexpr", "ROUND_E4M3": "constexpr"}
         constexprs = {"I": inter, "K": k, "GU_BLOCK": shapes["block"] or inter, "BLOCK_M": tile.block_m,
                       "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": split,
                       "GELU_TANH": GELU_TANH[shapes.get("activation", "silu")]}
@@ -221,9 +241,16 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
         if fp8_weight:
             meta["fp8"] = True
             targets = fp8.POINTER_ONLY if uses_tma(tile, shapes, dtype) else fp8.FP8_TARGETS
-        kernel = AotKernel(norm_swiglu_kernel, signature, absent_as_none(signature, constexprs),
-                           num_warps=tile.num_warps, aligned=pointer_params(signature), meta=meta, targets=targets)
-        kernels += pipelined(kernel, tile.block_m, tile.block_n, bk, 1 if fp8_weight else size, tile.stages)
+        if handoff:
+            meta.update(handoff=True, scratch={**meta["scratch"], **fp8.handoff_scratch(inter)})
+        # A handoff's e4m3 cast rounds as the pre-pass's does on each target (`linear.fp8.TARGET_GROUPS`).
+        groups = [(tuple(t for t in g if t in targets), r) for g, r in fp8.TARGET_GROUPS] if handoff else [(targets, False)]
+        groups = [(g, r) for g, r in groups if g != ()]
+        for group, round_first in groups:
+            kernel = AotKernel(norm_swiglu_kernel, signature,
+                               absent_as_none(signature, {**constexprs, "ROUND_E4M3": round_first}),
+                               num_warps=tile.num_warps, aligned=pointer_params(signature), meta=meta, targets=group)
+            kernels += pipelined(kernel, tile.block_m, tile.block_n, bk, 1 if fp8_weight else size, tile.stages)
         if uses_tma(tile, shapes, dtype):
             kernels.append(tma_aot(dtype, shapes, tile))
     if fp8_weight:

@@ -29,7 +29,9 @@ def split_gate_up(y: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
 def norm_swiglu(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_gu: torch.Tensor,
                 eps: float, block: int, activation: str = "silu",
                 w_gu_scale: Optional[torch.Tensor] = None,
-                w_gu_input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                w_gu_input_scale: Optional[torch.Tensor] = None,
+                out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`out_scale` only tells the GPU kernels to hand the output on in e4m3 too (`linear.fp8`)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"norm_swiglu: unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
     gate, up = split_gate_up(project(rms_norm(x, norm_weight, eps), w_gu, w_gu_scale, input_scale=w_gu_input_scale), block)
