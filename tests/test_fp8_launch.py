@@ -200,6 +200,41 @@ def test_fp8_handoff_from_norm_swiglu_to_the_down_projection(t, target):
 
 
 @pytest.mark.parametrize("target", ["sm_89", "sm_90"])
+@pytest.mark.parametrize("t,blocks", [(1, 8), (3, 8), (3, 32), (8, 32)])
+def test_fp8_handoff_from_decode_attention_to_o_proj(t, blocks, target):
+    """attention_o_proj with a static scale and a bf16 cache (compile shape handoff): in a pure decode
+    step of 2-64 rows the decode kernel, or with split keys (a table of 32 blocks) the combine, also
+    writes the attention output in e4m3 for o_proj, whose GEMM reads it with no pre-pass, giving bit for
+    bit what the engine built without the handoff gives."""
+    torch.manual_seed(t + blocks)
+    heads, kv_heads, d, bs, hidden, layer = 4, 2, 32, 16, 72, 1
+    kv_cache = torch.randn(2, 2, 40, bs, kv_heads, d).bfloat16()
+    tables = torch.randint(0, 40, (t, blocks), dtype=torch.int32)
+    wq, ws = fp8_weight(hidden, heads * d)
+    context = torch.randint(1, 8 * bs, (t,), dtype=torch.int32)
+    inputs = [torch.randn(t, heads * d).bfloat16(), None, None, kv_cache, torch.zeros(t, dtype=torch.int32), tables,
+              torch.ones(t, dtype=torch.int32), context, wq, None, torch.randn(t, hidden).bfloat16(), None, ws]
+    attrs = {"layer": layer, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d, "scale": d ** -0.5,
+             "window": 0, "all_reduce": False}
+    attn = torch.empty_like(inputs[0])
+    KERNELS["attention"].run(inputs[:8], attrs, attn)
+    statics = [static_scale(attn)]
+    outs, logs = [], []
+    for handoff in (True, False):
+        shapes = {"heads": heads, "kv_heads": kv_heads, "head_dim": d, "block_size": bs, "hidden": hidden, "fp8": True,
+                  "fp8_static": True, "handoff": handoff}
+        out = torch.full((t, hidden), float("nan"), dtype=torch.bfloat16)
+        logs.append(launch("attention_o_proj", shapes, target, inputs + statics, attrs, out,
+                           views=[kv_cache[layer, 0], kv_cache[layer, 1]]))
+        outs.append(out)
+    assert ("combine_splits_kernel" in logs[0]) == (blocks == 32)
+    assert "quantize_rows_kernel" in logs[1] and ("quantize_rows_kernel" in logs[0]) == (t == 1)
+    assert torch.equal(outs[0], outs[1])
+    close(outs[0], get_plugin("linear_residual").call_reference([attn, wq, None, inputs[10], ws, *statics],
+                                                                LINEAR_ATTRS))
+
+
+@pytest.mark.parametrize("target", ["sm_89", "sm_90"])
 def test_norm_swiglu_kernels_built_without_the_handoff_refuse_an_out_scale(target):
     k, inter = 128, 64
     w_gu, s_gu = fp8_weight(2 * inter, k)

@@ -15,7 +15,8 @@ counted from sequence `first_seq` = D (whose queries start at row D). In the pre
 rows alone (BENCHMARKS.md, session 29). A block's rows are (query token, head of the group)
 pairs in that order, so every program shares one kv head's K/V tiles across its whole GQA group.
 Grid axis 1 is the kv head; axis 2 splits the key range of each block (split-KV, for decode
-steps with few sequences), the parts being merged by `combine_splits_kernel`. Built with PDL (sm_90 on),
+steps with few sequences), the parts being merged by `combine_splits_kernel`. Built for an FP8 engine's o_proj with a static scale (h_ptr given), the decode kernel and the combine also
+write their output quantized for o_proj's GEMM (`linear.fp8`'s handoff). Built with PDL (sm_90 on),
 the decode kernels and the combine are programmatic dependent launches: each waits for the kernel before
 it, then lets the next start, so each launch overlaps the end of the kernel before (o_proj's GEMV
 issues its first weight loads before it waits).
@@ -25,6 +26,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kiln.plugins.linear.fp8 import HANDOFF_ROWS, to_e4m3
+
+_HANDOFF_MAX = tl.constexpr(HANDOFF_ROWS[1])
 
 
 @triton.jit
@@ -126,12 +131,13 @@ def _load_v_transposed(v_cache_ptr, table, start, hi, kv_head, d, d_ok, NUM_KV_H
 
 @triton.jit
 def attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_ptr,
-                      block_tables_ptr, query_lens_ptr, context_lens_ptr, scale_ptr,
+                      block_tables_ptr, query_lens_ptr, context_lens_ptr, scale_ptr, h_ptr, h_scale_ptr, h_static_ptr,
                       num_seqs, first_seq, q_stride, out_stride, table_stride, scale, window,
                       NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr, SEQ_CHUNK: tl.constexpr, SPLIT: tl.constexpr,
-                      PURE_DECODE: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr = False):
+                      PURE_DECODE: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr = False,
+                      ROUND_E4M3: tl.constexpr = False):
     if PDL:
         # Launched as a programmatic dependent (sm_90 on): wait for the qkv kernel before, then let the
         # next kernel's programs start.
@@ -230,15 +236,33 @@ def attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_p
         tl.store(stats_ptr + part * 2, m, mask=row_ok)
         tl.store(stats_ptr + part * 2 + 1, l, mask=row_ok)
     else:
-        o = acc / tl.where(l > 0, l, 1.0)[:, None]
+        o = (acc / tl.where(l > 0, l, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + q_rows[:, None] * out_stride + head[:, None] * HEAD_DIM + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+                 o, mask=row_ok[:, None] & d_ok[None, :])
+        if h_ptr is not None:
+            _hand_off(o, q_rows, head, row_ok, d, d_ok, h_ptr, h_scale_ptr, h_static_ptr, NUM_HEADS, HEAD_DIM,
+                      ROUND_E4M3)
 
 
 @triton.jit
-def combine_splits_kernel(part_ptr, stats_ptr, out_ptr, out_stride, num_splits,
+def _hand_off(o, q_rows, head, row_ok, d, d_ok, h_ptr, h_scale_ptr, h_static_ptr, NUM_HEADS: tl.constexpr,
+              HEAD_DIM: tl.constexpr, ROUND_E4M3: tl.constexpr):
+    """The output rows o [rows, BLOCK_D] (query row q_rows, head `head` each), as stored, quantized with
+    the static scale at h_static_ptr for o_proj's GEMM (`linear.fp8`'s handoff): e4m3 values to h
+    [T, NUM_HEADS * HEAD_DIM], the scale to h_scale[T] from head 0's row; only the rows the handoff
+    holds (HANDOFF_ROWS' most)."""
+    hs = tl.load(h_static_ptr + tl.zeros_like(q_rows))
+    ok = row_ok & (q_rows < _HANDOFF_MAX)
+    q8 = to_e4m3(o.to(tl.float32), hs, ROUND_E4M3)
+    tl.store(h_ptr + q_rows.to(tl.int64)[:, None] * (NUM_HEADS * HEAD_DIM) + head[:, None] * HEAD_DIM + d[None, :],
+             q8, mask=ok[:, None] & d_ok[None, :])
+    tl.store(h_scale_ptr + q_rows, hs, mask=ok & (head == 0))
+
+
+@triton.jit
+def combine_splits_kernel(part_ptr, stats_ptr, out_ptr, h_ptr, h_scale_ptr, h_static_ptr, out_stride, num_splits,
                            NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                           MAX_SPLITS: tl.constexpr, PDL: tl.constexpr = False):
+                           MAX_SPLITS: tl.constexpr, PDL: tl.constexpr = False, ROUND_E4M3: tl.constexpr = False):
     if PDL:
         # The next kernel (o_proj's GEMV) may start now: it waits for this one before reading.
         gdc_launch_dependents()
@@ -255,5 +279,9 @@ def combine_splits_kernel(part_ptr, stats_ptr, out_ptr, out_stride, num_splits,
     w = tl.exp2(m - tl.max(m, 0))
     acc = tl.load(part_ptr + part[:, None] * HEAD_DIM + d[None, :],
                   mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
-    o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
-    tl.store(out_ptr + tok * out_stride + head * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+    o = (tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + tok * out_stride + head * HEAD_DIM + d, o, mask=d_ok)
+    if h_ptr is not None:
+        one = tl.zeros((1,), tl.int32)
+        _hand_off(tl.reshape(o, (1, BLOCK_D)), tok + one, head + one, one == 0, d, d_ok, h_ptr, h_scale_ptr,
+                  h_static_ptr, NUM_HEADS, HEAD_DIM, ROUND_E4M3)

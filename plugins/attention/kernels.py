@@ -12,7 +12,8 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from kiln.plugins.attention import decode_fp8, prefill_sm90
 from kiln.plugins.attention.flash import attention_kernel, combine_splits_kernel
-from kiln.plugins.aot import FP8_POINTER, POINTER_TYPES, TARGET_CC, AotKernel, pointer_params
+from kiln.plugins.aot import FP8_POINTER, POINTER_TYPES, TARGET_CC, AotKernel, absent_as_none, pointer_params
+from kiln.plugins.linear import fp8
 from kiln.plugins.nvcc import NvccKernel
 from kiln.plugins.attention.cache_write import check_layout, layer_scales, write_kv, write_kv_aot
 from kiln.plugins.step_inputs import decode_rows
@@ -83,7 +84,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     layer = attrs["layer"]
     attention_kernel[grid](
         q, kv_cache[layer, 0], kv_cache[layer, 1], out, part, stats,
-        block_tables, query_lens, context_lens, layer_scales(kv_scales, attrs["layer"]),
+        block_tables, query_lens, context_lens, layer_scales(kv_scales, attrs["layer"]), None, None, None,
         seqs, first_seq, q.stride(0), out.stride(0), block_tables.stride(0), attrs["scale"], attrs["window"],
         NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[3],
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=_head_block(head_dim), SEQ_CHUNK=SEQ_CHUNK,
@@ -91,7 +92,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split:
         combine_splits_kernel[(tokens, heads)](
-            part, stats, out, out.stride(0), num_splits, NUM_HEADS=heads, HEAD_DIM=head_dim,
+            part, stats, out, None, None, None, out.stride(0), num_splits, NUM_HEADS=heads, HEAD_DIM=head_dim,
             BLOCK_D=_head_block(head_dim), MAX_SPLITS=MAX_SPLITS, PDL=False)
 
 
@@ -125,8 +126,9 @@ DECODE_ROWS = "T == S, or T > S and D > 0 over the first D sequences (T = S = D)
 
 
 def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
-    """Kernels for `shapes` keys heads, kv_heads, head_dim, block_size (cache block) and fp8_kv
-    (the cache is e4m3; default False).
+    """Kernels for `shapes` keys heads, kv_heads, head_dim, block_size (cache block), fp8_kv
+    (the cache is e4m3; default False) and handoff (for attention_o_proj's static FP8 o_proj: the
+    unsplit decode kernel and the combine also write the output in e4m3, `linear.fp8`; default False).
 
     The launcher passes kv_cache + (2 * layer + 0 or 1) * num_blocks * block_size * kv_heads *
     head_dim elements as the k and v cache pointers, and step inputs as they are; with fp8_kv,
@@ -145,15 +147,17 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
     heads, kv_heads, head_dim = shapes["heads"], shapes["kv_heads"], shapes["head_dim"]
     common = {"NUM_HEADS": heads, "NUM_KV_HEADS": kv_heads, "HEAD_DIM": head_dim,
               "BLOCK_D": _head_block(head_dim)}
+    no_handoff = {"h_ptr": "constexpr", "h_scale_ptr": "constexpr", "h_static_ptr": "constexpr"}
     attention_sig = {
         "q_ptr": ptr, "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": ptr,
         "part_ptr": "*fp32", "stats_ptr": "*fp32", "block_tables_ptr": "*i32",
-        "query_lens_ptr": "*i32", "context_lens_ptr": "*i32", **scales, "num_seqs": "i32", "first_seq": "i32",
+        "query_lens_ptr": "*i32", "context_lens_ptr": "*i32", **scales, **no_handoff,
+        "num_seqs": "i32", "first_seq": "i32",
         "q_stride": "i32",
         "out_stride": "i32", "table_stride": "i32", "scale": "fp32", "window": "i32",
         **{name: "constexpr" for name in ("NUM_HEADS", "NUM_KV_HEADS", "HEAD_DIM", "BLOCK_SIZE",
                                           "BLOCK_M", "BLOCK_N", "BLOCK_D", "SEQ_CHUNK", "SPLIT",
-                                          "PURE_DECODE", "INTERPRETER")}}
+                                          "PURE_DECODE", "INTERPRETER", "ROUND_E4M3")}}
     # A layer's scales start 2 * kv_heads floats apart: not always 16-byte aligned.
     aligned = tuple(p for p in pointer_params(attention_sig) if p != "scale_ptr")
     kernels = [write_kv_aot(ptr, cache, fp8_kv, kv_heads * head_dim, head_dim, shapes["block_size"])]
@@ -173,24 +177,38 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
         constexprs = {**common, "BLOCK_SIZE": shapes["block_size"], "BLOCK_M": cfg["BLOCK_M"],
                       "BLOCK_N": cfg["BLOCK_N"], "SEQ_CHUNK": SEQ_CHUNK, "SPLIT": split, "PURE_DECODE": decode,
                       "INTERPRETER": False, **scale_const}
-        kernels += [AotKernel(attention_kernel, {**attention_sig, "PDL": "constexpr"}, {**constexprs, "PDL": pdl},
+        handoff = role == "decode" and shapes.get("handoff", False)
+        signature = {**attention_sig, "PDL": "constexpr", **(HANDOFF_SIGNATURE if handoff else {})}
+        if handoff:
+            meta.update(handoff=True, scratch=fp8.handoff_scratch(heads * head_dim))
+        # sm_89 (never a PDL target) rounds its e4m3 cast first, as the quantize pre-pass does there.
+        kernels += [AotKernel(attention_kernel, signature,
+                              absent_as_none(signature, {**constexprs, "PDL": pdl, "ROUND_E4M3": handoff and not pdl}),
                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], aligned=aligned,
                               targets=group_targets, meta=meta)
                     for pdl, group_targets in _pdl_groups(decode, targets)]
     if decode_fp8.serves(dtype, shapes):
         kernels += decode_fp8.kernels(dtype, shapes, DECODE_ROWS)
+    handoff = shapes.get("handoff", False)
+    combine = {"part_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": ptr, **no_handoff, "out_stride": "i32",
+               "num_splits": "i32", "NUM_HEADS": "constexpr", "HEAD_DIM": "constexpr",
+               "BLOCK_D": "constexpr", "MAX_SPLITS": "constexpr", "PDL": "constexpr", "ROUND_E4M3": "constexpr",
+               **(HANDOFF_SIGNATURE if handoff else {})}
+    meta = {"role": "combine_splits", "grid": f"(T, {heads}, 1)", "pointer_alignment": 16, "pdl": True,
+            "when": "after a decode_split attention kernel"}
+    if handoff:
+        meta.update(handoff=True, scratch=fp8.handoff_scratch(heads * head_dim))
     kernels += [AotKernel(
-        combine_splits_kernel,
-        {"part_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": ptr, "out_stride": "i32",
-         "num_splits": "i32", "NUM_HEADS": "constexpr", "HEAD_DIM": "constexpr",
-         "BLOCK_D": "constexpr", "MAX_SPLITS": "constexpr", "PDL": "constexpr"},
-        {"NUM_HEADS": heads, "HEAD_DIM": head_dim, "BLOCK_D": _head_block(head_dim),
-         "MAX_SPLITS": MAX_SPLITS, "PDL": pdl},
-        aligned=("part_ptr", "stats_ptr", "out_ptr"), targets=group_targets,
-        meta={"role": "combine_splits", "grid": f"(T, {heads}, 1)", "pointer_alignment": 16, "pdl": True,
-              "when": "after a decode_split attention kernel"})
+        combine_splits_kernel, combine,
+        absent_as_none(combine, {"NUM_HEADS": heads, "HEAD_DIM": head_dim, "BLOCK_D": _head_block(head_dim),
+                                 "MAX_SPLITS": MAX_SPLITS, "PDL": pdl, "ROUND_E4M3": handoff and not pdl}),
+        aligned=pointer_params(combine), targets=group_targets, meta=meta)
         for pdl, group_targets in _pdl_groups(True, None)]
     return kernels + prefill_sm90.engine_kernels(dtype, shapes)
+
+
+# The handoff's parameters (`linear.fp8`): the e4m3 rows and their scales, and the static scale.
+HANDOFF_SIGNATURE = {"h_ptr": FP8_POINTER, "h_scale_ptr": "*fp32", "h_static_ptr": "*fp32"}
 
 
 def _pdl_groups(decode: bool, targets: tuple[str, ...] | None) -> list[tuple[bool, tuple[str, ...] | None]]:

@@ -14,6 +14,7 @@ import torch
 from kiln.plugins.attention import prefill_sm90
 from kiln.plugins.attention.kernels import choose_num_splits, padded
 from kiln.plugins.driver_launch import check_aligned, grid, ptr
+from kiln.plugins.linear.fp8 import HANDOFF
 
 FP32_BYTES = 4
 
@@ -38,9 +39,11 @@ def scratch_bytes(attrs: dict, limits: dict[str, int]) -> dict[str, int]:
 
 
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
-           dims: dict[str, int], stream: int, scratch: dict[str, torch.Tensor]) -> None:
+           dims: dict[str, int], stream: int, scratch: dict[str, torch.Tensor],
+           handoff_scale: torch.Tensor | None = None) -> None:
     """inputs: q, k?, v?, kv_cache, slot_mapping, block_tables, query_lens, context_lens, kv_scales?
-    (an e4m3 cache's, which the kernels were then built to take)."""
+    (an e4m3 cache's, which the kernels were then built to take). `handoff_scale`: the static scale of
+    the GEMM after (attention_o_proj's), for decode kernels built to hand it their output in e4m3."""
     q, k, v, kv_cache, slot_mapping, block_tables, query_lens, context_lens, kv_scales = padded(inputs, 9)
     # This layer's [2, kv heads] scales, or nothing for kernels built without them.
     scales = [] if kv_scales is None else [kv_scales[attrs["layer"]].data_ptr()]
@@ -71,12 +74,21 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
         kernels[i].launch(grid(metas[i]["grid"], {**names, "num_splits": splits}),
                           [q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), ptr(part),
                            ptr(stats), block_tables.data_ptr(), query_lens.data_ptr(), context_lens.data_ptr(),
-                           *scales, num_seqs, first_seq, q.stride(0), out.stride(0), block_tables.stride(0),
-                           attrs["scale"], attrs["window"]], stream)
+                           *scales, *handoff_args(metas[i]), num_seqs, first_seq, q.stride(0), out.stride(0),
+                           block_tables.stride(0), attrs["scale"], attrs["window"]], stream)
         if part is not None:
             i = roles["combine_splits"]
             kernels[i].launch(grid(metas[i]["grid"], names),
-                              [part.data_ptr(), stats.data_ptr(), out.data_ptr(), out.stride(0), splits], stream)
+                              [part.data_ptr(), stats.data_ptr(), out.data_ptr(), *handoff_args(metas[i]),
+                               out.stride(0), splits], stream)
+
+    def handoff_args(meta: dict) -> list[int]:
+        if not meta.get("handoff"):
+            return []
+        if handoff_scale is None:
+            raise ValueError("attention's decode kernels were built to hand o_proj its input in e4m3 and were given "
+                             "no scale: the engine's kernels and plan disagree; rebuild the engine")
+        return [scratch[name].data_ptr() for name in HANDOFF] + [handoff_scale.data_ptr()]
 
     # An e4m3 cache's CUDA decode kernels where the build made them (`decode_fp8`), else Triton's.
     decoder = "decode_fp8" if "decode_fp8" in roles else "decode"

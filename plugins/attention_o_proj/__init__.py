@@ -10,10 +10,13 @@ from kiln.plugins.sharding import Shard, input_split
 
 
 def compile_shapes(shapes: dict, attrs: dict, block_size: int) -> dict:
-    """attention's shapes, plus the o_proj GEMM's output width and whether it adds a bias."""
-    return {**attention.compile_shapes(shapes, attrs, block_size), "hidden": shapes["w_o"][0],
-            "bias": shapes["b_o"] is not None, "fp8": shapes.get("w_o_scale") is not None,
-            "fp8_static": shapes.get("w_o_input_scale") is not None}
+    """attention's shapes, plus the o_proj GEMM's output width, whether it adds a bias, whether it is
+    W8A8 and with a static scale, and whether the decode kernels hand o_proj its input in e4m3
+    (`linear.fp8`'s handoff: a static scale, and a bf16 cache, whose decode is Triton's)."""
+    out = {**attention.compile_shapes(shapes, attrs, block_size), "hidden": shapes["w_o"][0],
+           "bias": shapes["b_o"] is not None, "fp8": shapes.get("w_o_scale") is not None,
+           "fp8_static": shapes.get("w_o_input_scale") is not None}
+    return {**out, "handoff": out["fp8"] and out["fp8_static"] and not out["fp8_kv"]}
 
 
 def shard(shapes: dict, attrs: dict, rank: int, world: int, source: str) -> Shard:
