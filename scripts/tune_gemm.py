@@ -98,8 +98,7 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
                              "UPCAST_DOT": "constexpr", "SPLIT_K": "constexpr", "GELU_TANH": "constexpr",
                              "ROUND_E4M3": "constexpr"}
                 constexprs = {"I": inter, "K": k, "GU_BLOCK": gu, "BLOCK_M": bm, "BLOCK_N": bn // 2,
-                              "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": split, "GELU_TANH": False,
-                              "ROUND_E4M3": False}
+                              "BLOCK_K": bk, "UPCAST_DOT": False, "SPLIT_K": split, "GELU_TANH": False}
                 grid = (triton.cdiv(t, bm), inter // (bn // 2), split)
                 out.append(("norm_swiglu", {"kind": "norm_swiglu", "n": n, "k": k, "t": t, "grid": grid, "split": split,
                                             "gu_block": gu, "prescaled": prescaled,

@@ -89,11 +89,12 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[3],
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=_head_block(head_dim), SEQ_CHUNK=SEQ_CHUNK,
         SPLIT=split, PURE_DECODE=decode, INTERPRETER=isinstance(attention_kernel, InterpretedFunction), PDL=False,
+        ROUND_E4M3=None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split:
         combine_splits_kernel[(tokens, heads)](
             part, stats, out, None, None, None, out.stride(0), num_splits, NUM_HEADS=heads, HEAD_DIM=head_dim,
-            BLOCK_D=_head_block(head_dim), MAX_SPLITS=MAX_SPLITS, PDL=False)
+            BLOCK_D=_head_block(head_dim), MAX_SPLITS=MAX_SPLITS, PDL=False, ROUND_E4M3=None)
 
 
 def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
@@ -181,9 +182,8 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
         signature = {**attention_sig, "PDL": "constexpr", **(HANDOFF_SIGNATURE if handoff else {})}
         if handoff:
             meta.update(handoff=True, scratch=fp8.handoff_scratch(heads * head_dim))
-        # sm_89 (never a PDL target) rounds its e4m3 cast first, as the quantize pre-pass does there.
         kernels += [AotKernel(attention_kernel, signature,
-                              absent_as_none(signature, {**constexprs, "PDL": pdl, "ROUND_E4M3": handoff and not pdl}),
+                              absent_as_none(signature, {**constexprs, "PDL": pdl, **handoff_rounding(handoff, pdl)}),
                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], aligned=aligned,
                               targets=group_targets, meta=meta)
                     for pdl, group_targets in _pdl_groups(decode, targets)]
@@ -201,7 +201,7 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
     kernels += [AotKernel(
         combine_splits_kernel, combine,
         absent_as_none(combine, {"NUM_HEADS": heads, "HEAD_DIM": head_dim, "BLOCK_D": _head_block(head_dim),
-                                 "MAX_SPLITS": MAX_SPLITS, "PDL": pdl, "ROUND_E4M3": handoff and not pdl}),
+                                 "MAX_SPLITS": MAX_SPLITS, "PDL": pdl, **handoff_rounding(handoff, pdl)}),
         aligned=pointer_params(combine), targets=group_targets, meta=meta)
         for pdl, group_targets in _pdl_groups(True, None)]
     return kernels + prefill_sm90.engine_kernels(dtype, shapes)
@@ -209,6 +209,12 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
 
 # The handoff's parameters (`linear.fp8`): the e4m3 rows and their scales, and the static scale.
 HANDOFF_SIGNATURE = {"h_ptr": FP8_POINTER, "h_scale_ptr": "*fp32", "h_static_ptr": "*fp32"}
+
+
+def handoff_rounding(handoff: bool, pdl: bool) -> dict:
+    """A handoff kernel's ROUND_E4M3 (None, unset, without one): first in float32 on sm_89 (never a PDL
+    target), as the quantize pre-pass rounds there (`linear.fp8.TARGET_GROUPS`)."""
+    return {"ROUND_E4M3": not pdl} if handoff else {}
 
 
 def _pdl_groups(decode: bool, targets: tuple[str, ...] | None) -> list[tuple[bool, tuple[str, ...] | None]]:

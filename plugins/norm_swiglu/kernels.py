@@ -197,6 +197,7 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
         t, attrs["eps"],
         I=inter, K=k, GU_BLOCK=attrs["block"] or inter, BLOCK_M=tile.block_m, BLOCK_N=bn, BLOCK_K=bk,
         UPCAST_DOT=upcast_dot(x, w_scale is not None), SPLIT_K=split, GELU_TANH=GELU_TANH[attrs["activation"]],
+        ROUND_E4M3=None,
         num_warps=tile.num_warps,
         num_stages=num_stages(tile.block_m, tile.block_n, bk, w_gu.element_size(), tile.stages, xa.element_size()))
 
@@ -244,11 +245,10 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
         if handoff:
             meta.update(handoff=True, scratch={**meta["scratch"], **fp8.handoff_scratch(inter)})
         # A handoff's e4m3 cast rounds as the pre-pass's does on each target (`linear.fp8.TARGET_GROUPS`).
-        groups = [(tuple(t for t in g if t in targets), r) for g, r in fp8.TARGET_GROUPS] if handoff else [(targets, False)]
-        groups = [(g, r) for g, r in groups if g != ()]
-        for group, round_first in groups:
-            kernel = AotKernel(norm_swiglu_kernel, signature,
-                               absent_as_none(signature, {**constexprs, "ROUND_E4M3": round_first}),
+        groups = [(tuple(t for t in g if t in targets), {"ROUND_E4M3": r}) for g, r in fp8.TARGET_GROUPS] if handoff \
+            else [(targets, {})]
+        for group, rounding in [(g, r) for g, r in groups if g != ()]:
+            kernel = AotKernel(norm_swiglu_kernel, signature, absent_as_none(signature, {**constexprs, **rounding}),
                                num_warps=tile.num_warps, aligned=pointer_params(signature), meta=meta, targets=group)
             kernels += pipelined(kernel, tile.block_m, tile.block_n, bk, 1 if fp8_weight else size, tile.stages)
         if uses_tma(tile, shapes, dtype):
