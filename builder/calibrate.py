@@ -5,7 +5,8 @@ The model's fused plan, before quantization, runs on the CPU through the plugins
 references over the user's prompts (one prefill each, in the build dtype), and the input of every
 projection is watched (`plugins.linear.reference.observing_gemm_inputs`). The largest magnitude
 each op's GEMM multiplied becomes its static per-tensor activation scale (amax / 448, the rule of
-`plugins.fp8`), which `passes.quantize` gives the op as its `<weight>_input_scale` input; at run
+`plugins.fp8`), which `passes.quantize` gives the op as its `<weight>_input_scale` input where a
+static scale pays (not to the ops that RMSNorm their input: `passes.quantize.PER_TOKEN_OPS`); at run
 time a larger value saturates at +-448. The KV cache the prompts wrote gives each layer's k and v
 a scale per KV head by the same rule (`Calibration.kv_scales`). Without them an e4m3 cache has
 scale 1.0, where values under 2^-6 lose precision: SmolLM2-135M's perplexity rose 1.13% with its

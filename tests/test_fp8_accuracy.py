@@ -53,9 +53,9 @@ def test_fp8_perplexity_within_2_percent_of_bf16(built, ppl, request):
     assert fp8 <= bf16 * PERPLEXITY_RATIO
 
 
-# Static activation scales (fp8_accuracy_check's docstring): one scale per projection input from eight
+# Static activation scales (fp8_accuracy_check's docstring): a scale for o_proj's and down's inputs from eight
 # calibration prompts costs accuracy against per-token scales, and these guard where it stands.
-STATIC_MEASURED = {"gemma3-270m": (0.971, 1.026), "smollm2-135m": (0.912, 1.099)}
+STATIC_MEASURED = {"gemma3-270m": (0.971, 1.013), "smollm2-135m": (0.918, 1.093)}
 
 
 def test_static_activation_scales_keep_the_agreement_bar(built, module_dir, record_property):
