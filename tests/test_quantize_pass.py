@@ -7,7 +7,7 @@ import torch
 
 from kiln.builder.passes import fold_weights, shard
 from kiln.builder.passes.fold import interleave
-from kiln.builder.passes.quantize import quantize_fp8, scale_input
+from kiln.builder.passes.quantize import PER_TOKEN_OPS, quantize_fp8, scale_input
 from kiln.plugins import get_plugin
 from kiln.plugins.fp8 import FP8, dequantize_rows, fp8_linear, quantize_rows
 from kiln.plugins.rms_norm.reference import rms_norm
@@ -137,6 +137,9 @@ def test_static_input_scales_come_from_calibration_and_run_close_to_per_token_on
     for node in q.nodes:
         if node.op in GEMMS:
             key = scale_input(node.op).removesuffix("_scale")
+            if node.op in PER_TOKEN_OPS:   # they quantize as they RMSNorm: per token, calibrated or not
+                assert node.inputs[f"{key}_input_scale"] is None, node.op
+                continue
             scale = q.weights[node.inputs[f"{key}_input_scale"]]
             assert scale.shape == (1,) and scale.item() == pytest.approx(amax[node.output] / 448.0)
     (dynamic, _), (static, _) = run_steps(fold_weights(quantize_fp8(fused))), run_steps(fold_weights(q))
@@ -144,8 +147,10 @@ def test_static_input_scales_come_from_calibration_and_run_close_to_per_token_on
     for d, s, r in zip(dynamic, static, ref):
         out = q.outputs[0]
         assert not torch.equal(s[out], d[out])
-        # One scale per tensor is coarser than one per token: the static error may be the larger.
-        assert_near(s[out], r[out], within=0.2)
+        # One scale per tensor is coarser than one per token: the static error may be the larger (1.2-1.35x
+        # here), but not by much. (Random weights: per token, the second step is already 17% off.)
+        per_token = ((d[out] - r[out]).norm() / r[out].norm()).item()
+        assert_near(s[out], r[out], within=1.6 * per_token)
 
 
 def test_static_activation_scale_saturates_beyond_the_calibrated_range():
