@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kiln.plugins.linear.fp8 import HANDOFF_ROWS, to_e4m3
+from kiln.plugins.linear.fp8 import HANDOFF_ROWS, store_handoff
 
 _HANDOFF_MAX = tl.constexpr(HANDOFF_ROWS[1])
 
@@ -251,12 +251,10 @@ def _hand_off(o, q_rows, head, row_ok, d, d_ok, h_ptr, h_scale_ptr, h_static_ptr
     the static scale at h_static_ptr for o_proj's GEMM (`linear.fp8`'s handoff): e4m3 values to h
     [T, NUM_HEADS * HEAD_DIM], the scale to h_scale[T] from head 0's row; only the rows the handoff
     holds (HANDOFF_ROWS' most)."""
-    hs = tl.load(h_static_ptr + tl.zeros_like(q_rows))
     ok = row_ok & (q_rows < _HANDOFF_MAX)
-    q8 = to_e4m3(o.to(tl.float32), hs, ROUND_E4M3)
-    tl.store(h_ptr + q_rows.to(tl.int64)[:, None] * (NUM_HEADS * HEAD_DIM) + head[:, None] * HEAD_DIM + d[None, :],
-             q8, mask=ok[:, None] & d_ok[None, :])
-    tl.store(h_scale_ptr + q_rows, hs, mask=ok & (head == 0))
+    offs = q_rows.to(tl.int64)[:, None] * (NUM_HEADS * HEAD_DIM) + head[:, None] * HEAD_DIM + d[None, :]
+    store_handoff(o, q_rows, offs, ok[:, None] & d_ok[None, :], ok & (head == 0), h_ptr, h_scale_ptr, h_static_ptr,
+                  ROUND_E4M3)
 
 
 @triton.jit

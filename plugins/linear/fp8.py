@@ -198,17 +198,14 @@ def handoff_scratch(k: int) -> dict[str, int]:
 
 
 @triton.jit
-def store_handoff(y, offs_m, mask_m, offs_n, mask_n, q_ptr, q_scale_ptr, static_ptr, N: tl.constexpr,
-                  ROUND_E4M3: tl.constexpr):
-    """The output tile y [BLOCK_M, BLOCK_N], as stored (in the activation dtype), quantized with the
-    static scale at static_ptr for the next op's GEMM: e4m3 values to q [T, N], and from the
-    programs of the first column tile the scale as every row's to q_scale [T], as the static
-    pre-pass writes them."""
-    scale = tl.load(static_ptr + tl.zeros_like(offs_m))
-    q = to_e4m3(y.to(tl.float32), scale, ROUND_E4M3)
-    tl.store(q_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], q, mask=mask_m[:, None] & mask_n[None, :])
-    if tl.program_id(1) == 0:
-        tl.store(q_scale_ptr + offs_m, scale, mask=mask_m)
+def store_handoff(y, rows, offs, mask, scale_mask, q_ptr, q_scale_ptr, static_ptr, ROUND_E4M3: tl.constexpr):
+    """An output tile y [R, C] (rows `rows` [R]), as stored in the activation dtype, quantized with the
+    static scale at static_ptr for the next op's GEMM: e4m3 values to q_ptr + offs where `mask`, and the
+    scale as the row's to q_scale[rows] where `scale_mask` (one program a row), as the static pre-pass
+    writes them."""
+    scale = tl.load(static_ptr + tl.zeros_like(rows))
+    tl.store(q_ptr + offs, to_e4m3(y.to(tl.float32), scale, ROUND_E4M3), mask=mask)
+    tl.store(q_scale_ptr + rows, scale, mask=scale_mask)
 
 
 # Rows up to this long are quantized from registers in one read, with QUANTIZE_WARPS warps up to

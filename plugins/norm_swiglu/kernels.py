@@ -110,7 +110,8 @@ def norm_swiglu_kernel(x_ptr, x_scale_ptr, norm_ptr, w_ptr, w_scale_ptr, out_ptr
         mask = mask_m[:, None] & (offs_n < I)[None, :]
         tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * I + offs_n[None, :], y, mask=mask)
         if q_ptr is not None:
-            fp8.store_handoff(y, offs_m, mask_m, offs_n, offs_n < I, q_ptr, q_scale_ptr, q_static_ptr, I, ROUND_E4M3)
+            fp8.store_handoff(y, offs_m, offs_m.to(tl.int64)[:, None] * I + offs_n[None, :], mask,
+                              mask_m & (tl.program_id(1) == 0), q_ptr, q_scale_ptr, q_static_ptr, ROUND_E4M3)
 
 
 @triton.jit
