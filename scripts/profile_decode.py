@@ -113,10 +113,12 @@ def attention_part_graph(ex: CudaExecutor, values: dict, dims: dict[str, int], o
             roles = [i for i, m in enumerate(op.metas) if "role" in m]
             q = args[0]
             attn = ex.scratch["attention_o_proj_attn"][:q.numel() * q.element_size()].view(q.dtype)
-            # attention_o_proj's inputs: attention's first 8, w_o, b_o, residual, kv_scales.
-            kv_scales = args[11] if len(args) > 11 else None
+            # attention_o_proj's inputs: attention's first 8, w_o, b_o, residual, kv_scales, w_o_scale, and the
+            # static scale that kernels built with the FP8 handoff take.
+            kv_scales, x_static = [args[i] if len(args) > i else None for i in (11, 13)]
+            handing = any(op.metas[i].get("handoff") for i in roles)
             attention.launch([op.kernels[i] for i in roles], [op.metas[i] for i in roles], args[:8] + [kv_scales],
-                             op.attrs, attn.view(q.shape), dims, stream, ex.scratch)
+                             op.attrs, attn.view(q.shape), dims, stream, ex.scratch, x_static if handing else None)
     return graph
 
 
