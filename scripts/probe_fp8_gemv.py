@@ -1,130 +1,183 @@
-"""How should the FP8 GEMVs (`plugins/linear/gemv_fp8.cu`) split their work? (a developer's probe)
+"""Where do the FP8 GEMVs (`plugins/linear/gemv_fp8.cu`) lose time against their weight bytes? (a developer's probe)
 
-    PYTHONPATH=. python3 scripts/probe_fp8_gemv.py    # on the GPU (nvcc there builds the variants)
+    PYTHONPATH=. python3 scripts/probe_fp8_gemv.py compile probe.pkl   # anywhere: nvcc, no GPU needed
+    PYTHONPATH=. python3 scripts/probe_fp8_gemv.py run probe.pkl       # on the GPU
 
-For Llama-3-8B's four projections at one row of x, each variant of weight rows a warp (R, or output
-columns for the SwiGLU GEMV) and pieces a row per lane an iteration (UF) is built with `plugins.nvcc`
-for this GPU, checked against the plugin's reference on one layer, and timed through its plugin's
-launcher over 20 layers of e4m3 weights (1-2.3 GB, so nothing comes from the L2) in a CUDA graph
-(`gpu_timing.graph_us`), launched for programmatic dependent launch as the engine launches them (the
-engine's split also without); beside it the device copy rate measured in the same run.
+At one row of x, on an H100 (BENCHMARKS.md session 43), the bf16 GEMVs of Llama-3-8B's projections
+stream their weights at the copy rate while the FP8 ones lose 3.5-7 us a kernel. For each projection
+`compile` builds, for sm_90: the engine's FP8 GEMV (per-token scales), the same built for a static
+activation scale, three diagnostic variants of it made by editing the kernel's source here (their
+results are wrong by design): "no stage" (x loaded but not normalised, quantized or staged: no block
+reduction and no barrier), "no x" (not even loaded) and "no math" (each weight piece XOR-folded into
+the sum instead of converted and multiplied), and "no x, no math" (the load pattern alone); and the
+engine's bf16 GEMV of the shape. `run` checks the engine's kernels against the plugin's reference and
+times every kernel through its plugin's launcher over 20 layers of weights (1-4.7 GB, so nothing
+comes from the L2) in a CUDA graph, launched for programmatic dependent launch as the engine does,
+beside the device copy rate measured in the same run. The gaps between the variants split a kernel's
+loss into its prologue (staging x), its arithmetic and its load pattern.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import pickle
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
+HEADS, KV_HEADS, D, HIDDEN, INTER = 32, 8, 128, 4096, 14336
+SHAPES = ("qkv", "o_proj", "gate_up", "down")
 
-from kiln.plugins import get_plugin
-from kiln.bench.hardware import copy_bandwidth
-from kiln.plugins.fp8 import quantize_rows
-from kiln.plugins.linear import gemv
-from kiln.plugins.nvcc import NvccKernel, compile_cubin
-from kiln.runtime.cuda_driver import device_arch, load_kernel
-from scripts.gpu_timing import REPEAT, graph_us
-
-LAYERS = REPEAT
-HEADS, KV_HEADS, D = 32, 8, 128
-
-
-# Per projection, each variant's (rows a warp (SwiGLU: columns; qkv: none), pieces a row per lane an
-# iteration), the engine's first.
-SPLITS = {
-    "o_proj": [(gemv.FP8_LINEAR_ROWS, gemv.FP8_LINEAR_PIECES), (2, 2), (1, 4), (1, 8)],
-    "down": [(gemv.FP8_LINEAR_ROWS, gemv.FP8_LINEAR_PIECES), (2, 2), (1, 4), (1, 8)],
-    "gate_up": [(gemv.FP8_SWIGLU_COLS, gemv.FP8_SWIGLU_PIECES), (1, 4), (2, 2), (4, 2)],
-    "qkv": [(0, gemv.FP8_QKV_PIECES), (0, 1), (0, 4)],
-}
+# The edits of `gemv_fp8.cu` that make the diagnostic variants: (text to find, replacement) pairs.
+STAGE_SIGNATURE = ("  __device__ __forceinline__ float stage(const __nv_bfloat16* norm, const float* x_static, "
+                   "uint4* xs, int K,\n                                         float eps) const {\n")
+NO_STAGE = [(STAGE_SIGNATURE, STAGE_SIGNATURE + "    if (K > 0) return 1.0f;\n")]
+NO_X = NO_STAGE + [("    wait_inputs();\n    const uint4* xv", "    wait_inputs();\n    if (K > 0) return;\n"
+                                                              "    const uint4* xv")]
+MATH_START = "        __half2 sum = __float2half2_rn(0.0f);\n"
+MATH_END = "        acc[r] += wide.x + wide.y;\n"
+NO_MATH = "        acc[r] += __uint_as_float((ww[0] ^ ww[1] ^ ww[2] ^ ww[3] ^ xw[r % VEC]) & 0x3f7fffffu);\n"
+DIAGNOSTICS = {"no stage": NO_STAGE, "no x": NO_X, "no math": "math", "no x, no math": NO_X + ["math"]}
 
 
-def variants() -> dict[str, list[tuple[str, NvccKernel, bool]]]:
-    """Per projection: (label, kernel, launched for programmatic dependent launch) of each split of
-    SPLITS (duplicates dropped), and the engine's without PDL second."""
-    pairs = (HEADS + 2 * KV_HEADS) * D // 2
-    out: dict[str, list] = {}
-    for shape, splits in SPLITS.items():
-        out[shape] = []
-        for r, uf in dict.fromkeys(splits):
-            name = f"p_{shape}_{r}_{uf}"
-            if shape in ("o_proj", "down"):
-                k = 4096 if shape == "o_proj" else 14336
-                call, signature, groups, meta = (f"KILN_GEMV_FP8_LINEAR({name}, {r}, {uf}, {k})",
-                                                 gemv.FP8_LINEAR_SIGNATURE, 4096 // (8 * r), {})
-            elif shape == "gate_up":
-                call, signature, groups, meta = (f"KILN_GEMV_FP8_SWIGLU({name}, {r}, {uf}, 4096, false, false)",
-                                                 gemv.FP8_SWIGLU_SIGNATURE, 14336 // (8 * r), {"block": 64})
-            else:
-                call, signature, groups = (f"KILN_GEMV_FP8_QKV_ROPE({name}, {uf}, 4096, false)", gemv.FP8_QKV_SIGNATURE,
-                                           pairs // 8)
-                meta = {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": D}
-            kernel = gemv._fp8_kernel(name, call, signature, gemv._meta(1, groups, **meta))
-            label = (f"{'COLS' if shape == 'gate_up' else 'R'}={r} " if r else "") + f"UF={uf}"
-            out[shape].append((label, kernel, True))
-        out[shape].insert(1, (f"{out[shape][0][0]} no PDL", out[shape][0][1], False))
+def edited(text: str, edits: list) -> str:
+    """`text` with every edit applied; each must match exactly once (the kernel's source changed if not)."""
+    for edit in edits:
+        if edit == "math":
+            start, end = text.index(MATH_START), text.index(MATH_END) + len(MATH_END)
+            text = text[:start] + NO_MATH + text[end:]
+            continue
+        find, replace = edit
+        if text.count(find) != 1:
+            raise SystemExit(f"probe_fp8_gemv: gemv_fp8.cu no longer holds {find[:60]!r} once; update the probe")
+        text = text.replace(find, replace)
+    return text
+
+
+def kernels() -> list[tuple[str, str, object]]:
+    """(shape, label, NvccKernel) of every kernel timed."""
+    from kiln.plugins.linear import gemv
+
+    qkv_shapes = {"num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": D, "K": HIDDEN}
+    swiglu_shapes = {"I": INTER, "K": HIDDEN, "block": 64}
+    build = {
+        "qkv": lambda dtype, **kw: gemv.qkv_kernels(dtype, {**qkv_shapes, **kw}),
+        "o_proj": lambda dtype, **kw: gemv.linear_kernels(dtype, HIDDEN, HIDDEN, **kw)[:1],
+        "gate_up": lambda dtype, **kw: gemv.swiglu_kernels(dtype, {**swiglu_shapes, **kw}),
+        "down": lambda dtype, **kw: gemv.linear_kernels(dtype, HIDDEN, INTER, **kw)[:1],
+    }
+    fp8_flags = {"qkv": ("fp8", "fp8_static"), "gate_up": ("fp8", "fp8_static"),
+                 "o_proj": ("fp8_weight", "fp8_static"), "down": ("fp8_weight", "fp8_static")}
+    out = []
+    for shape in SHAPES:
+        weight, static = fp8_flags[shape]
+        engine = build[shape]("bfloat16", **{weight: True})[0]
+        out.append((shape, "fp8 (engine)", engine))
+        out.append((shape, "fp8 static", build[shape]("bfloat16", **{weight: True, static: True})[0]))
+        for label, edits in DIAGNOSTICS.items():
+            entry = f"{engine.entry}_{label.replace(',', '').replace(' ', '_')}"
+            instance = edited(engine.instance, [edits] if edits == "math" else edits).replace(engine.entry, entry)
+            out.append((shape, label, dataclasses.replace(engine, entry=entry, instance=instance)))
+        out.append((shape, "bf16 (engine)", build[shape]("bfloat16")[0]))
     return out
 
 
-def cases(shape: str, g: torch.Generator) -> tuple[str, list[list], torch.Tensor, dict]:
-    """(plugin, per layer its inputs, the output, attrs) on the GPU."""
+def compile_all(path: str) -> None:
+    from kiln.plugins.nvcc import compile_cubin
+
+    found = kernels()
+    with ThreadPoolExecutor(2) as pool:   # nvcc runs as a process
+        cubins = list(pool.map(lambda k: compile_cubin(k[2], "sm_90"), found))
+    with open(path, "wb") as f:
+        pickle.dump([(shape, label, kernel, cubin) for (shape, label, kernel), cubin in zip(found, cubins)], f)
+    print(f"{len(found)} kernels -> {path}")
+
+
+def cases(shape: str, fp8: bool, static: bool, g) -> tuple[str, list[list], object, dict]:
+    """(plugin, per layer its launcher's inputs, the output, attrs) on the GPU."""
+    import torch
+
+    from kiln.plugins.fp8 import quantize_rows
+    from scripts.gpu_timing import REPEAT
+
     randn = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
     bf = lambda t: t.to(torch.bfloat16)  # noqa: E731
+
+    def weights(n: int, k: int, spread: float) -> list[list]:
+        made = [randn(n, k) / spread for _ in range(REPEAT)]
+        return [list(quantize_rows(w)) if fp8 else [bf(w)] for w in made]
+
+    # A static scale near the per-token one of a unit-normal row (largest magnitude about 4.5).
+    x_static = [torch.tensor([4.5 / 448], device="cuda")] if static else []
     if shape in ("o_proj", "down"):
-        k = 4096 if shape == "o_proj" else 14336
-        x, res = bf(randn(1, k)), bf(randn(1, 4096))
-        layers = [[x, *quantize_rows(randn(4096, k) / 32)] for _ in range(LAYERS)]
-        return "linear_residual", [[x, w, None, res, s] for x, w, s in layers], bf(randn(1, 4096)), \
-            {"parallel": "none", "heads": 0, "all_reduce": False}
+        k = HIDDEN if shape == "o_proj" else INTER
+        x, res = bf(randn(1, k)), bf(randn(1, HIDDEN))
+        layers = [[x, w[0], None, res, *w[1:], *x_static] for w in weights(HIDDEN, k, 32)]
+        return "linear_residual", layers, bf(randn(1, HIDDEN)), {"parallel": "none", "heads": 0, "all_reduce": False}
+    x = bf(randn(1, HIDDEN))
     if shape == "gate_up":
-        x = bf(randn(1, 4096))
-        layers = [[x, None, *quantize_rows(randn(2 * 14336, 4096) / 16)] for _ in range(LAYERS)]
-        return "norm_swiglu", layers, bf(randn(1, 14336)), {"eps": 1e-5, "block": 64, "activation": "silu"}
-    x = bf(randn(1, 4096))
+        layers = [[x, None, *w, *x_static] for w in weights(2 * INTER, HIDDEN, 16)]
+        return "norm_swiglu", layers, bf(randn(1, INTER)), {"eps": 1e-5, "block": 64, "activation": "silu"}
     angles = torch.arange(64)[:, None] * 10000.0 ** (-torch.arange(0, D, 2) / D)
     rope = torch.cat([angles.cos(), angles.sin()], dim=1).cuda()
     cache = bf(randn(1, 2, 4, 16, KV_HEADS, D))
-    pos, slots = torch.tensor([5], dtype=torch.int32, device="cuda"), torch.tensor([9], dtype=torch.int32, device="cuda")
-    layers = []
-    for _ in range(LAYERS):
-        w, s = quantize_rows(randn((HEADS + 2 * KV_HEADS) * D, 4096) / 16)
-        layers.append([x, None, w, None, None, None, pos, rope, cache, slots, None, s])
+    pos, slots = (torch.tensor([v], dtype=torch.int32, device="cuda") for v in (5, 9))
+    layers = [[x, None, w[0], None, None, None, pos, rope, cache, slots, None, *w[1:], *x_static]
+              for w in weights((HEADS + 2 * KV_HEADS) * D, HIDDEN, 16)]
     attrs = {"eps": 1e-5, "layer": 0, "num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": D}
     return "norm_qkv_rope", layers, bf(randn(1, HEADS * D)), attrs
 
 
-def main() -> None:
-    arch = device_arch()
-    print(f"copy rate {copy_bandwidth('cuda')[0] / 1e9:,.0f} GB/s ({torch.cuda.get_device_name()}, {arch})")
+def run(path: str) -> None:
+    import importlib
+
+    import torch
+
+    from kiln.plugins import get_plugin
+    from kiln.runtime.cuda_driver import load_kernel
+    from scripts.gpu_timing import copy_rate, graph_us
+
+    with open(path, "rb") as f:
+        built = pickle.load(f)
+    copy = copy_rate()
+    print(f"copy rate {copy:.2f} TB/s ({torch.cuda.get_device_name()})")
+    sizes = {"qkv": ((HEADS + 2 * KV_HEADS) * D, HIDDEN), "o_proj": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN),
+             "down": (HIDDEN, INTER)}
     g = torch.Generator(device="cuda").manual_seed(0)
-    built_all = variants()
-    kernels = list({k.entry: k for b in built_all.values() for _, k, _ in b}.values())
-    with ThreadPoolExecutor(8) as pool:   # nvcc runs as a process: eight at once
-        cubins = dict(zip([k.entry for k in kernels], pool.map(lambda k: compile_cubin(k, arch), kernels)))
-    for shape, built in built_all.items():
-        plugin, layers, out, attrs = cases(shape, g)
-        launcher = __import__(f"kiln.plugins.{plugin}.launch", fromlist=["launch"])
-        want = get_plugin(plugin).call_reference([t.cpu() if isinstance(t, torch.Tensor) else t for t in layers[0]],
-                                                 attrs).float()
-        weight_bytes = sum(t.numel() * t.element_size() for t in layers[0][1:] if isinstance(t, torch.Tensor)
-                           and t.dtype == torch.float8_e4m3fn)
-        for label, kernel, programmatic in built:
-            cubin = cubins[kernel.entry]
+    for shape, group in itertools.groupby(built, key=lambda b: b[0]):
+        made: dict[tuple[bool, bool], tuple] = {}   # one shape's weights at a time
+        for _, label, kernel, cubin in group:
+            fp8, static = label != "bf16 (engine)", label == "fp8 static"
+            if (fp8, static) not in made:
+                made[fp8, static] = cases(shape, fp8, static, g)
+            plugin, layers, out, attrs = made[fp8, static]
+            launcher = importlib.import_module(f"kiln.plugins.{plugin}.launch")
             fn = load_kernel(cubin.binary, cubin.name, list(kernel.signature.values()), cubin.num_warps,
                              cubin.shared_bytes, cubin.global_scratch)
-            fn.programmatic = programmatic
-            def run(inputs: list) -> None:
+            fn.programmatic = True
+
+            def launch(inputs: list) -> None:
                 launcher.launch([fn], [kernel.meta], inputs, attrs, out, {"T": 1},
                                 torch.cuda.current_stream().cuda_stream, {})
 
-            run(layers[0])
+            launch(layers[0])
             torch.cuda.synchronize()
-            err = float((out.float().cpu() - want).abs().max() / want.abs().max())
-            # A graph of REPEAT launches, the next layer's weights each (Python's launch cost, about
-            # 5 us, would hide the kernels).
-            layer = itertools.cycle(layers)
-            us = graph_us(lambda: run(next(layer)))
-            print(f"{shape:8s} {label:22s} {us:7.2f} us  {weight_bytes / us / 1e6:5.2f} TB/s  err {err:.1e}"
-                  f"{'  WRONG' if err > 2e-2 else ''}")
+            check = ""
+            if "engine" in label or static:
+                want = get_plugin(plugin).call_reference(
+                    [t.cpu() if isinstance(t, torch.Tensor) else t for t in layers[0]], attrs).float()
+                err = float((out.float().cpu() - want).abs().max() / want.abs().max())
+                check = f"  err {err:.1e}{'  WRONG' if err > 2e-2 else ''}"
+            weight_bytes = sizes[shape][0] * sizes[shape][1] * (1 if fp8 else 2)
+            cycle = itertools.cycle(layers)
+            us = graph_us(lambda: launch(next(cycle)))
+            print(f"{shape:8s} {label:15s} {us:7.2f} us  {weight_bytes / us / 1e6:5.2f} TB/s of weights "
+                  f"(at the copy rate {weight_bytes / copy / 1e6:5.2f} us){check}", flush=True)
+
+
+def main() -> None:
+    if len(sys.argv) != 3 or sys.argv[1] not in ("compile", "run"):
+        sys.exit(__doc__.split("\n\n")[1])
+    (compile_all if sys.argv[1] == "compile" else run)(sys.argv[2])
 
 
 if __name__ == "__main__":
