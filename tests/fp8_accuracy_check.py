@@ -27,6 +27,7 @@ The projections after an RMSNorm gain no launch from a static scale (their norm 
 so they keep per-token scales (`builder.passes.quantize.PER_TOKEN_OPS`)."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,24 +91,37 @@ def _run(engine: Path, device: str, work):
         executor.close()
 
 
+@functools.cache
+def _bf16_greedy(bf16: Path, model: str, device: str) -> tuple[list[list[int]], list[list[int]]]:
+    """The chat prompts and the bf16 engine's greedy tokens for them: once a process per engine, which the
+    per-token and the static FP8 engines of a model are both measured against."""
+    prompts = PROMPTS[model](bf16, CHAT_QUESTIONS[:NUM_PROMPTS])
+    return prompts, kiln_generate(bf16, device, prompts, MAX_TOKENS)
+
+
 def greedy_agreement(e: Engines, device: str) -> float:
     """The share of the bf16 engine's greedy tokens (32 chat prompts x 64) that the FP8 engine
     also picks from the same context."""
-    prompts = PROMPTS[e.model](e.bf16, CHAT_QUESTIONS[:NUM_PROMPTS])
-    tokens = kiln_generate(e.bf16, device, prompts, MAX_TOKENS)
+    prompts, tokens = _bf16_greedy(e.bf16, e.model, device)
     forced = _run(e.fp8, device, lambda ex: [kiln_teacher_forced(ex, p, t) for p, t in zip(prompts, tokens)])
     return argmax_agreement(tokens, forced)[0]
 
 
-def perplexities(e: Engines, device: str) -> tuple[float, float, int]:
-    """(bf16 perplexity, FP8 perplexity, tokens) of TEXT, teacher-forced."""
-    from tokenizers import Tokenizer
-    ids = Tokenizer.from_file(str(e.bf16 / "tokenizer.json")).encode(TEXT).ids
-
-    def perplexity(executor) -> float:
-        logits = kiln_teacher_forced(executor, ids[:1], ids[1:])
+def _perplexity(engine: Path, device: str, ids: tuple[int, ...]) -> float:
+    def measure(executor) -> float:
+        logits = kiln_teacher_forced(executor, list(ids[:1]), list(ids[1:]))
         return math.exp(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).item())
-    return _run(e.bf16, device, perplexity), _run(e.fp8, device, perplexity), len(ids)
+    return _run(engine, device, measure)
+
+
+_bf16_perplexity = functools.cache(_perplexity)
+
+
+def perplexities(e: Engines, device: str) -> tuple[float, float, int]:
+    """(bf16 perplexity, FP8 perplexity, tokens) of TEXT, teacher-forced (the bf16 engine's once a process)."""
+    from tokenizers import Tokenizer
+    ids = tuple(Tokenizer.from_file(str(e.bf16 / "tokenizer.json")).encode(TEXT).ids)
+    return _bf16_perplexity(e.bf16, device, ids), _perplexity(e.fp8, device, ids), len(ids)
 
 
 def report(model: str, agreement: float, ppl: tuple[float, float, int], targets: list[str]) -> str:
