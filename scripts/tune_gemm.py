@@ -20,7 +20,8 @@ at T = 64) on W_gu both plain and interleaved as the engine holds it, and
 K splits and depths, at T = 64 also with its row scales from the pre-pass; then the persistent
 TMA `tma_norm_swiglu_kernel` at T = 64 and the row-scale pre-pass itself; and the medium bucket's
 split-K GEMM on the narrow weights at T = 256 (or the rows KILN_TUNE_MEDIUM_ROWS names). NAME (comma-separated) compiles only the configurations of those shapes
-or kernels (a label's first word: splitk, medium, norm_swiglu, norm_qkv_rope).
+or kernels (a label's first word: splitk, medium, norm_swiglu, norm_qkv_rope), and KILN_TUNE_T=64 (comma-separated) only
+those at these row counts.
 """
 from __future__ import annotations
 
@@ -109,6 +110,8 @@ def configs() -> list[tuple[str, dict, AotKernel]]:
     return out + _medium_configs() + _tma_norm_swiglu_configs() + _norm_qkv_rope_configs()
 
 
+# KILN_TUNE_T=64 (comma-separated): compile only the configurations at these row counts.
+ROWS_ONLY = tuple(int(r) for r in os.environ.get("KILN_TUNE_T", "").split(",") if r)
 # KILN_TUNE_MEDIUM_ROWS=128,256 (comma-separated): the row counts of the medium-bucket sweep.
 MEDIUM_ROWS = tuple(int(r) for r in os.environ.get("KILN_TUNE_MEDIUM_ROWS", "256").split(","))
 
@@ -217,8 +220,10 @@ def _compile(index: int):
 
 def compile_all(path: str, only: str | None = None) -> None:
     names = None if only is None else only.split(",")
+    rows = ROWS_ONLY or None
     chosen = [i for i, (name, info, _) in enumerate(configs())
-              if names is None or name in names or info["label"].split()[0] in names]
+              if (names is None or name in names or info["label"].split()[0] in names)
+              and (rows is None or info["t"] in rows)]
     count = len(chosen)
     with ProcessPoolExecutor(os.cpu_count()) as pool:
         cubins = dict(pool.map(_compile, chosen))
