@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import pickle
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -33,20 +34,25 @@ STAGE_SIGNATURE = ("  __device__ __forceinline__ float stage(const __nv_bfloat16
 NO_STAGE = [(STAGE_SIGNATURE, STAGE_SIGNATURE + "    if (K > 0) return 1.0f;\n")]
 NO_X = NO_STAGE + [("    wait_inputs();\n    const uint4* xv", "    wait_inputs();\n    if (K > 0) return;\n"
                                                               "    const uint4* xv")]
-MATH_START = "        __half2 sum = __float2half2_rn(0.0f);\n"
-MATH_END = "        acc[r] += wide.x + wide.y;\n"
-NO_MATH = "        acc[r] += __uint_as_float((ww[0] ^ ww[1] ^ ww[2] ^ ww[3] ^ xw[r % VEC]) & 0x3f7fffffu);\n"
-DIAGNOSTICS = {"no stage": NO_STAGE, "no x": NO_X, "no math": "math", "no x, no math": NO_X + ["math"]}
+# A piece's conversion and products, as the K loop has them, and in their place a fold of the weight words.
+MATH = """        __half2 sum = __float2half2_rn(0.0f);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          __half2 even, odd;
+          e4m3_pairs(ww[i], even, odd);
+          sum = __hfma2(even, as_half2(xw[2 * i]), sum);
+          sum = __hfma2(odd, as_half2(xw[2 * i + 1]), sum);
+        }
+        const float2 wide = __half22float2(sum);
+        acc[r] += wide.x + wide.y;
+"""
+NO_MATH = [(MATH, "        acc[r] += __uint_as_float((ww[0] ^ ww[1] ^ ww[2] ^ ww[3] ^ xw[r % VEC]) & 0x3f7fffffu);\n")]
+DIAGNOSTICS = {"no stage": NO_STAGE, "no x": NO_X, "no math": NO_MATH, "no x, no math": NO_X + NO_MATH}
 
 
-def edited(text: str, edits: list) -> str:
+def edited(text: str, edits: list[tuple[str, str]]) -> str:
     """`text` with every edit applied; each must match exactly once (the kernel's source changed if not)."""
-    for edit in edits:
-        if edit == "math":
-            start, end = text.index(MATH_START), text.index(MATH_END) + len(MATH_END)
-            text = text[:start] + NO_MATH + text[end:]
-            continue
-        find, replace = edit
+    for find, replace in edits:
         if text.count(find) != 1:
             raise SystemExit(f"probe_fp8_gemv: gemv_fp8.cu no longer holds {find[:60]!r} once; update the probe")
         text = text.replace(find, replace)
@@ -75,7 +81,7 @@ def kernels() -> list[tuple[str, str, object]]:
         out.append((shape, "fp8 static", build[shape]("bfloat16", **{weight: True, static: True})[0]))
         for label, edits in DIAGNOSTICS.items():
             entry = f"{engine.entry}_{label.replace(',', '').replace(' ', '_')}"
-            instance = edited(engine.instance, [edits] if edits == "math" else edits).replace(engine.entry, entry)
+            instance = edited(engine.instance, edits).replace(engine.entry, entry)
             out.append((shape, label, dataclasses.replace(engine, entry=entry, instance=instance)))
         out.append((shape, "bf16 (engine)", build[shape]("bfloat16")[0]))
     return out
@@ -85,7 +91,7 @@ def compile_all(path: str) -> None:
     from kiln.plugins.nvcc import compile_cubin
 
     found = kernels()
-    with ThreadPoolExecutor(2) as pool:   # nvcc runs as a process
+    with ThreadPoolExecutor(os.cpu_count()) as pool:   # nvcc runs as a process
         cubins = list(pool.map(lambda k: compile_cubin(k[2], "sm_90"), found))
     with open(path, "wb") as f:
         pickle.dump([(shape, label, kernel, cubin) for (shape, label, kernel), cubin in zip(found, cubins)], f)

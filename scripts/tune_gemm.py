@@ -220,10 +220,9 @@ def _compile(index: int):
 
 def compile_all(path: str, only: str | None = None) -> None:
     names = None if only is None else only.split(",")
-    rows = ROWS_ONLY or None
     chosen = [i for i, (name, info, _) in enumerate(configs())
               if (names is None or name in names or info["label"].split()[0] in names)
-              and (rows is None or info["t"] in rows)]
+              and (not ROWS_ONLY or info["t"] in ROWS_ONLY)]
     count = len(chosen)
     with ProcessPoolExecutor(os.cpu_count()) as pool:
         cubins = dict(pool.map(_compile, chosen))
