@@ -2,12 +2,28 @@
 from __future__ import annotations
 
 import statistics
+import time
 
 REPEAT = 20
+# Replays before any is timed. A GPU left idle while a script builds its next inputs drops its SM clock, and
+# 5 replays of a few ms each ran before it came back: an H100 (session 44) timed the same FP8 GEMV at 47.9
+# and at 41.0 us, by where it came in the probe's order. The engine's step loop never idles so.
+WARM_S = 0.2
+
+
+def warm(graph) -> None:
+    """Replays `graph` for WARM_S seconds."""
+    import torch
+
+    start = time.perf_counter()
+    while time.perf_counter() - start < WARM_S:
+        graph.replay()
+        torch.cuda.synchronize()
 
 
 def graph_us(fn) -> float:
-    """Microseconds per call of `fn`, from a CUDA graph of REPEAT calls (median of 5 replays)."""
+    """Microseconds per call of `fn`, from a CUDA graph of REPEAT calls (median of 5 replays, after
+    WARM_S seconds of them)."""
     import torch
 
     fn()
@@ -16,6 +32,7 @@ def graph_us(fn) -> float:
     with torch.cuda.graph(graph):
         for _ in range(REPEAT):
             fn()
+    warm(graph)
     times = []
     for _ in range(5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -36,8 +53,7 @@ def replay_ms(fn, reps: int = 10) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    graph.replay()
-    torch.cuda.synchronize()
+    warm(graph)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
