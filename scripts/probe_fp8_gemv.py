@@ -10,9 +10,7 @@ activation scale, three diagnostic variants of it made by editing the kernel's s
 results are wrong by design): "no stage" (x loaded but not normalised, quantized or staged: no block
 reduction and no barrier), "no x" (not even loaded) and "no math" (each weight piece XOR-folded into
 the sum instead of converted and multiplied), and "no x, no math" (the load pattern alone); and the
-engine's bf16 GEMV of the shape. Where sm_90 has a GEMV of its own (gate/up's on the tensor cores,
-`gemv_fp8_sm90.cu`), "fp8 (engine)" is that one, and the f16 K loop of the other targets ("fp8 f16 loop") is
-timed beside it; the diagnostic variants are edits of the f16 loop. `run` checks the engine's kernels against the plugin's reference and
+engine's bf16 GEMV of the shape. `run` checks the engine's kernels against the plugin's reference and
 times every kernel through its plugin's launcher over 20 layers of weights (1-4.7 GB, so nothing
 comes from the L2) in a CUDA graph, launched for programmatic dependent launch as the engine does,
 beside the device copy rate measured in the same run. The gaps between the variants split a kernel's
@@ -32,7 +30,7 @@ SHAPES = ("qkv", "o_proj", "gate_up", "down")
 
 # The edits of `gemv_fp8.cu` that make the diagnostic variants: (text to find, replacement) pairs.
 STAGE_SIGNATURE = ("  __device__ __forceinline__ float stage(const __nv_bfloat16* norm, const float* x_static, "
-                   "void* xs, int K,\n                                         float eps) const {\n")
+                   "uint4* xs, int K,\n                                         float eps) const {\n")
 NO_STAGE = [(STAGE_SIGNATURE, STAGE_SIGNATURE + "    if (K > 0) return 1.0f;\n")]
 NO_X = NO_STAGE + [("    wait_inputs();\n    const uint4* xv", "    wait_inputs();\n    if (K > 0) return;\n"
                                                               "    const uint4* xv")]
@@ -78,16 +76,13 @@ def kernels() -> list[tuple[str, str, object]]:
     out = []
     for shape in SHAPES:
         weight, static = fp8_flags[shape]
-        fp8 = build[shape]("bfloat16", **{weight: True})
-        engine = fp8[-1]   # sm_90's: Hopper's own where the shape has one (gate/up's wgmma GEMV)
+        engine = build[shape]("bfloat16", **{weight: True})[0]
         out.append((shape, "fp8 (engine)", engine))
-        out.append((shape, "fp8 static", build[shape]("bfloat16", **{weight: True, static: True})[-1]))
-        if len(fp8) > 1:   # the f16 K loop the other FP8 targets run, which the diagnostics edit
-            out.append((shape, "fp8 f16 loop", fp8[0]))
+        out.append((shape, "fp8 static", build[shape]("bfloat16", **{weight: True, static: True})[0]))
         for label, edits in DIAGNOSTICS.items():
-            entry = f"{fp8[0].entry}_{label.replace(',', '').replace(' ', '_')}"
-            instance = edited(fp8[0].instance, edits).replace(fp8[0].entry, entry)
-            out.append((shape, label, dataclasses.replace(fp8[0], entry=entry, instance=instance)))
+            entry = f"{engine.entry}_{label.replace(',', '').replace(' ', '_')}"
+            instance = edited(engine.instance, edits).replace(engine.entry, entry)
+            out.append((shape, label, dataclasses.replace(engine, entry=entry, instance=instance)))
         out.append((shape, "bf16 (engine)", build[shape]("bfloat16")[0]))
     return out
 
@@ -173,7 +168,7 @@ def run(path: str) -> None:
             launch(layers[0])
             torch.cuda.synchronize()
             check = ""
-            if "engine" in label or static or label == "fp8 f16 loop":
+            if "engine" in label or static:
                 want = get_plugin(plugin).call_reference(
                     [t.cpu() if isinstance(t, torch.Tensor) else t for t in layers[0]], attrs).float()
                 err = float((out.float().cpu() - want).abs().max() / want.abs().max())

@@ -1,4 +1,4 @@
-"""The CUDA GEMVs (`plugins/linear/gemv.cu`, `gemv_fp8.cu` and `gemv_fp8_sm90.cu`, `plugins.linear.gemv`) without a GPU: which shapes and
+"""The CUDA GEMVs (`plugins/linear/gemv.cu` and `gemv_fp8.cu`, `plugins.linear.gemv`) without a GPU: which shapes and
 rows get them, that each entry point's C++ parameters are its declared signature, that nvcc builds every
 one for every target, what each launcher passes them at one and two rows, and that a build without
 nvcc leaves them out. Their numerics run on the GPU (test_gemv_gpu.py)."""
@@ -91,14 +91,8 @@ def test_fp8_weights_get_one_row_gemvs_for_the_fp8_targets():
     assert gemv.linear_kernels("bfloat16", 4096, 2 * 16384, fp8_weight=True) == []   # past FP8_KMAX
     assert gemv.linear_kernels("bfloat16", 8, 64, fp8_weight=True) == []             # 16 rows a block
     assert gemv.linear_kernels("float32", 4096, 4096, fp8_weight=True) == []
-    # SwiGLU: Hopper's on the tensor cores (built for sm_90a, 8 columns a warp), the others' 4 a warp.
-    swiglu, hopper = gemv.swiglu_kernels("bfloat16", {**SWIGLU, "fp8": True})
-    assert swiglu.meta["grid"] == ("448", "1", "1") and swiglu.meta["fp8"] and swiglu.targets == ("sm_89", "sm_100")
-    assert hopper.meta["grid"] == ("224", "1", "1") and hopper.meta["fp8"] and hopper.targets == ("sm_90",)
-    assert hopper.arch_specific and hopper.entry == swiglu.entry and hopper.meta["bucket"] == "gemv1"
-    assert hopper.instance.endswith("KILN_GEMV_FP8_SWIGLU_WGMMA(kiln_gemv_fp8_swiglu_t1, 4, 4096, false, false, false)")
-    (narrow,) = gemv.swiglu_kernels("bfloat16", {**SWIGLU, "I": 32, "fp8": True})   # I % 64: no warpgroup's worth
-    assert narrow.targets == FP8_TARGETS
+    (swiglu,) = gemv.swiglu_kernels("bfloat16", {**SWIGLU, "fp8": True})
+    assert swiglu.meta["grid"] == ("448", "1", "1") and swiglu.meta["fp8"] and swiglu.targets == FP8_TARGETS
     (qkv,) = gemv.qkv_kernels("bfloat16", {**QKV, "fp8": True, "norm_weight": True})
     assert qkv.instance.endswith("KILN_GEMV_FP8_QKV_ROPE(kiln_gemv_fp8_qkv_rope_t1, 2, 4096, true, false)")
     (fp8_kv,) = gemv.qkv_kernels("bfloat16", {**QKV, "fp8": True, "fp8_kv": True})   # writes e4m3, scaled
@@ -134,14 +128,13 @@ def test_a_static_activation_scale_gets_static_fp8_gemvs():
 
 def test_entry_points_take_their_signatures():
     """Each macro's C++ parameter list, in order, is the signature the runtime packs arguments by."""
-    source = gemv.SOURCE.read_text() + gemv.FP8_SOURCE.read_text() + gemv.FP8_SM90_SOURCE.read_text()
+    source = gemv.SOURCE.read_text() + gemv.FP8_SOURCE.read_text()
     params = {}
     for macro, body in re.findall(r"#define (KILN_GEMV_\w+)\(NAME[^)]*\)(.*?)\{", source, re.S):
         text = re.search(r"NAME\((.*)\)", body.replace("\\\n", " "), re.S).group(1)
         params[macro] = [C_TYPES[" ".join(p.split()[:-1])] for p in text.split(",")]
     assert set(params) == {"KILN_GEMV_LINEAR", "KILN_GEMV_QKV_ROPE", "KILN_GEMV_SWIGLU", "KILN_GEMV_FP8_LINEAR",
-                           "KILN_GEMV_FP8_QKV_ROPE", "KILN_GEMV_FP8_QKV_ROPE_FP8_KV", "KILN_GEMV_FP8_SWIGLU",
-                           "KILN_GEMV_FP8_SWIGLU_WGMMA"}
+                           "KILN_GEMV_FP8_QKV_ROPE", "KILN_GEMV_FP8_QKV_ROPE_FP8_KV", "KILN_GEMV_FP8_SWIGLU"}
     for kernel in every_kernel():
         call = kernel.instance.splitlines()[-1]
         macro = call.split("(")[0]
@@ -162,19 +155,18 @@ def ptx(kernel, target: str) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.cu"
         src.write_text(nvcc.source_text(kernel))
-        subprocess.run([nvcc.nvcc_path(), "-ptx", *kernel.options(target), "-o", f"{tmp}/k.ptx", str(src)],
+        subprocess.run([nvcc.nvcc_path(), "-ptx", f"-arch={target}", *nvcc.FLAGS, "-o", f"{tmp}/k.ptx", str(src)],
                        check=True, capture_output=True)
         return (Path(tmp) / "k.ptx").read_text()
 
 
 @pytest.mark.skipif(nvcc.nvcc_path() is None, reason="nvcc is not installed")
 def test_every_entry_reads_x_only_after_waiting_for_the_kernel_before():
-    """Programmatic dependent launch: from sm_90 on each entry lets the next kernel start and waits once for
+    """Programmatic dependent launch: on sm_90 each entry lets the next kernel start and waits once for
     the one before; its loads of x (16-byte loads that keep an L1 line: the weights' stream does not)
     all come after the wait, the first weight pieces before it. sm_80 has neither instruction."""
-    for kernel in every_kernel():   # Hopper's, or (built for the others) Blackwell's
-        target = "sm_90" if not kernel.targets or "sm_90" in kernel.targets else "sm_100"
-        lines = [line.strip() for line in ptx(kernel, target).splitlines()]
+    for kernel in every_kernel():
+        lines = [line.strip() for line in ptx(kernel, "sm_90").splitlines()]
         waits = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")]
         assert len(waits) == 1 and sum(line.startswith("griddepcontrol.launch_dependents") for line in lines) == 1
         x_loads = [i for i, line in enumerate(lines) if line.startswith("ld.global.nc.v4.u32")]

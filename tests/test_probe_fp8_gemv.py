@@ -14,9 +14,8 @@ def test_every_edit_applies_to_every_shape_and_changes_the_kernel():
     assert {shape for shape, _, _ in found} == set(probe.SHAPES)
     for shape in probe.SHAPES:
         variants = {label: kernel for s, label, kernel in found if s == shape}
-        loop = {"fp8 f16 loop"} if shape == "gate_up" else set()   # sm_90's own beside the others'
-        assert set(variants) == {"fp8 (engine)", "fp8 static", *loop, *probe.DIAGNOSTICS, "bf16 (engine)"}
-        engine = variants["fp8 f16 loop" if loop else "fp8 (engine)"]
+        assert set(variants) == {"fp8 (engine)", "fp8 static", *probe.DIAGNOSTICS, "bf16 (engine)"}
+        engine = variants["fp8 (engine)"]
         for label in probe.DIAGNOSTICS:
             assert variants[label].instance != engine.instance and variants[label].entry != engine.entry
 

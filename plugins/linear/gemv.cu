@@ -78,16 +78,16 @@ struct Guard {
   static constexpr bool value = B;
 };
 
-// Pieces it * U .. it * U + U - 1 (each a lane's 16 bytes, STEP of them a step: the lanes that share the
-// rows, `lane` this one's place among them) of R weight rows into buf. GUARD: the iteration may run past
-// the row's `pieces` (only the last one, when the row is not a multiple of U * STEP pieces); the full
-// iterations take no guard, as a branch around each load would leave fewer of them in flight.
-template <int R, int U, bool GUARD, int STEP = LANES>
+// Pieces it * U .. it * U + U - 1 (each a lane's 16 bytes, LANES of them a step) of R weight rows into
+// buf. GUARD: the iteration may run past the row's `pieces` (only the last one, when the row is not a
+// multiple of U * LANES pieces); the full iterations take no guard, as a branch around each load would
+// leave fewer of them in flight.
+template <int R, int U, bool GUARD>
 __device__ __forceinline__ void load(uint4 (&buf)[R][U], const uint4* const (&rows)[R], int it, int lane,
                                      int pieces) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const int piece = (it * U + u) * STEP + lane;
+    const int piece = (it * U + u) * LANES + lane;
 #pragma unroll
     for (int r = 0; r < R; ++r)
       buf[r][u] = !GUARD || piece < pieces ? stream_load(rows[r] + piece) : make_uint4(0, 0, 0, 0);
@@ -98,26 +98,25 @@ __device__ __forceinline__ void load(uint4 (&buf)[R][U], const uint4* const (&ro
 // the next iteration's in flight while `multiply(buf, it, Guard<...>{})` takes this one's. `early()`
 // runs once the first weight pieces are in flight (with BOTH, the first two iterations'): the wait for
 // the kernel before (`wait_inputs`), then what needs its writes (x's staging in `gemv_fp8.cu`, an
-// epilogue operand such as the residual or the RoPE row of a position), behind them. STEP: how many
-// lanes share the rows (`load`); all of the warp's unless each lane's rows are its own.
-template <int R, int U, bool BOTH = false, int STEP = LANES, class Early, class Multiply>
+// epilogue operand such as the residual or the RoPE row of a position), behind them.
+template <int R, int U, bool BOTH = false, class Early, class Multiply>
 __device__ __forceinline__ void stream_rows(const uint4* const (&rows)[R], int pieces, int lane, Early early,
                                             Multiply multiply) {
-  const int full = pieces / (U * STEP);   // iterations wholly inside the row
+  const int full = pieces / (U * LANES);   // iterations wholly inside the row
   uint4 a[R][U], b[R][U];
-  if (full > 0) load<R, U, false, STEP>(a, rows, 0, lane, pieces);
-  if (BOTH && full > 1) load<R, U, false, STEP>(b, rows, 1, lane, pieces);
+  if (full > 0) load<R, U, false>(a, rows, 0, lane, pieces);
+  if (BOTH && full > 1) load<R, U, false>(b, rows, 1, lane, pieces);
   early();
   // Two register buffers with static names: indexing one array by `it & 1` would put it in local memory.
 #pragma unroll 1
   for (int it = 0; it < full; it += 2) {
-    if (it + 1 < full && !(BOTH && it == 0)) load<R, U, false, STEP>(b, rows, it + 1, lane, pieces);
+    if (it + 1 < full && !(BOTH && it == 0)) load<R, U, false>(b, rows, it + 1, lane, pieces);
     multiply(a, it, Guard<false>{});
-    if (it + 2 < full) load<R, U, false, STEP>(a, rows, it + 2, lane, pieces);
+    if (it + 2 < full) load<R, U, false>(a, rows, it + 2, lane, pieces);
     if (it + 1 < full) multiply(b, it + 1, Guard<false>{});
   }
-  if (full * U * STEP < pieces) {
-    load<R, U, true, STEP>(a, rows, full, lane, pieces);
+  if (full * U * LANES < pieces) {
+    load<R, U, true>(a, rows, full, lane, pieces);
     multiply(a, full, Guard<true>{});
   }
 }

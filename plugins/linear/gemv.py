@@ -36,7 +36,6 @@ pointers as 0.
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from kiln.plugins.fp8 import FP8_TARGETS
@@ -44,7 +43,6 @@ from kiln.plugins.nvcc import NvccKernel
 
 SOURCE = Path(__file__).with_name("gemv.cu")
 FP8_SOURCE = Path(__file__).with_name("gemv_fp8.cu")
-FP8_SM90_SOURCE = Path(__file__).with_name("gemv_fp8_sm90.cu")
 WARPS = 8
 # Weight rows per warp of the plain GEMV at each row count it serves (one bucket each). Two at T = 1:
 # on an H200 (probe_cuda_gemv.py, 2026-12-02) o_proj 9.84 us against 10.48 with one, down 28.75
@@ -64,9 +62,6 @@ SWIGLU_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*bf16", "out": "*bf16",
 # against 10.34 with 4 and 11.20 with 1.
 FP8_KMAX = 16384
 FP8_LINEAR_ROWS, FP8_LINEAR_PIECES, FP8_SWIGLU_COLS, FP8_SWIGLU_PIECES, FP8_QKV_PIECES = 2, 4, 4, 1, 2
-# Hopper's SwiGLU GEMV (`gemv_fp8_sm90.cu`): 8 output columns a warp (a warpgroup's 64 rows), and the
-# 64-byte chunks of each of a lane's two rows an iteration.
-FP8_WGMMA_COLS, FP8_WGMMA_PIECES = 8, 4
 FP8_LINEAR_SIGNATURE = {"x": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "x_static": "*fp32", "bias": "*bf16",
                         "residual": "*bf16", "out": "*bf16", "N": "i32", "K": "i32"}
 FP8_SWIGLU_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "x_static": "*fp32",
@@ -100,16 +95,12 @@ def _serves(dtype: str, k: int, fp8_weight: bool) -> bool:
     return dtype == "bfloat16" and k % 8 == 0
 
 
-def _fp8_kernel(name: str, macro: str, args: str, signature: dict, meta: dict, static: bool,
-                hopper: bool = False) -> NvccKernel:
+def _fp8_kernel(name: str, macro: str, args: str, signature: dict, meta: dict, static: bool) -> NvccKernel:
     """An entry point of `gemv_fp8.cu`: that file and the call `macro(name, args, static)` appended to
-    `gemv.cu` (the last argument: whether it divides by a static activation scale, meta "static").
-    `hopper`: an entry of `gemv_fp8_sm90.cu` (appended after), built for sm_90a and serving sm_90 alone."""
+    `gemv.cu` (the last argument: whether it divides by a static activation scale, meta "static")."""
     call = f"{macro}({name}, {args}, {_cpp(static)})"
     meta = {**meta, "fp8": True, **({"static": True} if static else {})}
-    sources = [FP8_SOURCE.read_text(), *([FP8_SM90_SOURCE.read_text()] if hopper else []), call]
-    targets = ("sm_90",) if hopper else FP8_TARGETS
-    return NvccKernel(SOURCE, name, "\n".join(sources), signature, WARPS, meta, targets=targets, arch_specific=hopper)
+    return NvccKernel(SOURCE, name, f"{FP8_SOURCE.read_text()}\n{call}", signature, WARPS, meta, targets=FP8_TARGETS)
 
 
 def _cpp(flag: bool) -> str:
@@ -173,16 +164,9 @@ def swiglu_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
     flags = f"{_cpp(activation == 'gelu_tanh')}, {_cpp(shapes.get('norm_weight', False))}"
     meta = _meta(1, inter // (WARPS * cols), block=shapes["block"] or inter)
     if fp8_weight:
-        name, static = "kiln_gemv_fp8_swiglu_t1", shapes.get("fp8_static", False)
-        out = [_fp8_kernel(name, "KILN_GEMV_FP8_SWIGLU", f"{cols}, {FP8_SWIGLU_PIECES}, {k}, {flags}",
-                           FP8_SWIGLU_SIGNATURE, meta, static)]
-        if inter % (WARPS * FP8_WGMMA_COLS) == 0:   # Hopper's: on the tensor cores (`gemv_fp8_sm90.cu`)
-            generic = dataclasses.replace(out[0], targets=tuple(t for t in FP8_TARGETS if t != "sm_90"))
-            hopper = _fp8_kernel(name, "KILN_GEMV_FP8_SWIGLU_WGMMA", f"{FP8_WGMMA_PIECES}, {k}, {flags}",
-                                 FP8_SWIGLU_SIGNATURE, _meta(1, inter // (WARPS * FP8_WGMMA_COLS),
-                                                             block=shapes["block"] or inter), static, hopper=True)
-            out = [generic, hopper]
-        return out
+        name = "kiln_gemv_fp8_swiglu_t1"
+        return [_fp8_kernel(name, "KILN_GEMV_FP8_SWIGLU", f"{cols}, {FP8_SWIGLU_PIECES}, {k}, {flags}",
+                            FP8_SWIGLU_SIGNATURE, meta, shapes.get("fp8_static", False))]
     name = "kiln_gemv_swiglu_t1"
     return [NvccKernel(SOURCE, name, f"KILN_GEMV_SWIGLU({name}, 1, {flags})", SWIGLU_SIGNATURE, WARPS, meta)]
 

@@ -103,14 +103,15 @@ struct XRow {
     }
   }
 
-  // The row quantized to e4m3 into `xs` as `Layout` lays it out; returns its scale: *x_static (STATIC),
-  // else its own. A folded norm needs one pass for the largest magnitude: rounding |x| * rstd to bf16
-  // keeps the order of magnitudes. An unfolded weight reorders them, and a second pass finds it.
-  template <bool NORM, bool NORM_WEIGHT, bool STATIC, class Layout>
-  __device__ __forceinline__ float stage(const __nv_bfloat16* norm, const float* x_static, void* xs, int K,
+  // The row quantized to e4m3 into `xs` (as f16, in the layout of the file's header); returns its
+  // scale: *x_static (STATIC), else its own. A folded norm needs one pass for the largest magnitude:
+  // rounding |x| * rstd to bf16 keeps the order of magnitudes. An unfolded weight reorders them, and a
+  // second pass finds it.
+  template <bool NORM, bool NORM_WEIGHT, bool STATIC>
+  __device__ __forceinline__ float stage(const __nv_bfloat16* norm, const float* x_static, uint4* xs, int K,
                                          float eps) const {
     const uint4* nv = reinterpret_cast<const uint4*>(norm);
-    const int units = K / VEC;
+    const int units = K / VEC, half = K / 16;
     float sum = 0.0f, amax = 0.0f;
     if (NORM || !STATIC) {
 #pragma unroll
@@ -141,39 +142,25 @@ struct XRow {
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) {
       const int p = threadIdx.x + i * WARPS * LANES;
-      if (p >= Layout::units(K)) continue;
-      float f[VEC] = {};   // zeros past the row, where a layout pads it
-      if (p < units) gemm_input<NORM, NORM_WEIGHT>(f, v[i], nv, p, rstd);
-      Layout::put(xs, p, K, f, scale);
+      if (p >= units) continue;
+      float f[VEC];
+      gemm_input<NORM, NORM_WEIGHT>(f, v[i], nv, p, rstd);
+      // Each group of four values as the pairs (0, 2) and (1, 3): how `e4m3_pairs` unpacks a weight word.
+      uint32_t h[VEC / 2];
+#pragma unroll
+      for (int j = 0; j < VEC / 2; ++j) {
+        const int a = (j / 2) * 4 + j % 2;
+        // Saturating at +-448 as the reference's clamp does; the pair's first value goes to the low byte.
+        const __nv_fp8x2_storage_t q = __nv_cvt_float2_to_fp8x2(
+            make_float2(__fdiv_rn(f[a], scale), __fdiv_rn(f[a + 2], scale)), __NV_SATFINITE, __NV_E4M3);
+        const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(q, __NV_E4M3);
+        h[j] = static_cast<uint32_t>(pair.x) | (static_cast<uint32_t>(pair.y) << 16);
+      }
+      xs[(p % 2) * half + p / 2] = make_uint4(h[0], h[1], h[2], h[3]);
     }
-    Layout::publish();
     __syncthreads();
     return scale;
   }
-};
-
-// Two values v / scale as e4m3, saturating at +-448 as the reference's clamp does; a first, in the low byte.
-__device__ __forceinline__ __nv_fp8x2_storage_t e4m3x2(float a, float b, float scale) {
-  return __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(a, scale), __fdiv_rn(b, scale)), __NV_SATFINITE, __NV_E4M3);
-}
-
-// The staged row as the f16 K loop below reads it (the file's header): each group of four values as the
-// pairs (0, 2) and (1, 3), how `e4m3_pairs` unpacks a weight word.
-struct HalfPairs {
-  __device__ static int units(int K) { return K / VEC; }
-
-  __device__ static void put(void* xs, int p, int K, const float (&f)[VEC], float scale) {
-    uint32_t h[VEC / 2];
-#pragma unroll
-    for (int j = 0; j < VEC / 2; ++j) {
-      const int a = (j / 2) * 4 + j % 2;
-      const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(e4m3x2(f[a], f[a + 2], scale), __NV_E4M3);
-      h[j] = static_cast<uint32_t>(pair.x) | (static_cast<uint32_t>(pair.y) << 16);
-    }
-    static_cast<uint4*>(xs)[(p % 2) * (K / 16) + p / 2] = make_uint4(h[0], h[1], h[2], h[3]);
-  }
-
-  __device__ static void publish() {}
 };
 
 // A word of 4 e4m3 weights as two f16 pairs, values (0, 2) and (1, 3), each 2^-8 times the weight: sign
@@ -274,7 +261,7 @@ __device__ __forceinline__ void fp8_linear(const __nv_bfloat16* x, const uint8_t
   dot.run(w, row, K, xs, [&] {
     xr.load(x, K);
     if (owner && residual != nullptr) extra += bf16(residual + n);
-    scale = xr.template stage<false, false, STATIC, HalfPairs>(nullptr, x_static, xs, K, 0.0f);
+    scale = xr.template stage<false, false, STATIC>(nullptr, x_static, xs, K, 0.0f);
   });
   const float v = dot.mine(lane);
   if (owner) out[n] = __float2bfloat16(v * scale * ws + extra);
@@ -310,7 +297,7 @@ __device__ __forceinline__ void fp8_qkv_rope(const __nv_bfloat16* x, const __nv_
     if (owner && !is_q) slot = slots[0];
     if (owner && !is_q && kv_scales != nullptr)
       kv_scale = kv_scales[(layer * 2 + (is_v ? 1 : 0)) * KVH + (is_v ? h - H - KVH : h - H)];
-    scale = xr.template stage<true, NORM_WEIGHT, STATIC, HalfPairs>(norm, x_static, xs, K, eps);
+    scale = xr.template stage<true, NORM_WEIGHT, STATIC>(norm, x_static, xs, K, eps);
     if (owner && !is_v) {
       const float* r = rope + static_cast<size_t>(pos) * D + j;
       rc = r[0];
@@ -348,7 +335,7 @@ __device__ __forceinline__ void fp8_swiglu(const __nv_bfloat16* x, const __nv_bf
   float scale;
   dot.run(w, row, K, xs, [&] {
     xr.load(x, K);
-    scale = xr.template stage<true, NORM_WEIGHT, STATIC, HalfPairs>(norm, x_static, xs, K, eps);
+    scale = xr.template stage<true, NORM_WEIGHT, STATIC>(norm, x_static, xs, K, eps);
   });
   if (!owner) return;
   float g = 0.0f, u = 0.0f;
