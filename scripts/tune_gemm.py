@@ -285,6 +285,8 @@ def run_all(path: str, every: str | None = None) -> None:
             # from the L2 (the first sweep overstated o_proj and qkv so).
             if info.get("gu_block", n // 2) != n // 2:   # the engine's layout (`builder.passes.fold`)
                 w = interleave(w, info["gu_block"])
+                if scales:   # FP8: a scale a weight row, which moves with it
+                    scales[1] = interleave(scales[1].reshape(-1, 1), info["gu_block"]).reshape(scales[1].shape)
             copies = [w] + [w.clone() for _ in range(-(-L2_ROTATION // w.nbytes) - 1)] * (name != "row_scale")
             data[key] = (x, copies, ref, scales)
         x, copies, ref, scales = data[key]
