@@ -29,7 +29,7 @@ HEADS, KV_HEADS, D, HIDDEN, INTER = 32, 8, 128, 4096, 14336
 SHAPES = ("qkv", "o_proj", "gate_up", "down")
 
 # The edits of `gemv_fp8.cu` that make the diagnostic variants: (text to find, replacement) pairs.
-STAGE_SIGNATURE = ("  __device__ __forceinline__ float stage(const __nv_bfloat16* norm, float x_static, "
+STAGE_SIGNATURE = ("  __device__ __forceinline__ float stage(const __nv_bfloat16* norm, const float* x_static, "
                    "uint4* xs, int K,\n                                         float eps) const {\n")
 NO_STAGE = [(STAGE_SIGNATURE, STAGE_SIGNATURE + "    if (K > 0) return 1.0f;\n")]
 NO_X = NO_STAGE + [("    wait_inputs();\n    const uint4* xv", "    wait_inputs();\n    if (K > 0) return;\n"

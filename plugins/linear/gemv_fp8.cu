@@ -16,7 +16,7 @@
 // result is acc * x_scale * w_scale[n] as in `plugins.fp8.fp8_linear`, whose products are summed in
 // f32 throughout (the f16 partial sums add an error near f16's 2^-11, under the bf16 output's 2^-9).
 // An entry built STATIC takes the op's static activation scale (`x_static`, one float32 fixed at build
-// time, read with the weight scales before the first weight loads) instead: it divides by that, and finds no largest magnitude, so the entries without a norm skip
+// time) instead: it divides by that, and finds no largest magnitude, so the entries without a norm skip
 // the block's reduction altogether. Entries built without it take x_static as 0 and never read it.
 //
 // Shared memory holds the row as 16-byte units (8 values): unit q of the row at (q % 2) * K / 16 + q / 2,
@@ -104,12 +104,11 @@ struct XRow {
   }
 
   // The row quantized to e4m3 into `xs` (as f16, in the layout of the file's header); returns its
-  // scale: x_static (STATIC: the op's static scale, which the caller reads before its first weight
-  // loads, as it is no kernel's output), else its own. A folded norm needs one pass for the largest magnitude:
+  // scale: *x_static (STATIC), else its own. A folded norm needs one pass for the largest magnitude:
   // rounding |x| * rstd to bf16 keeps the order of magnitudes. An unfolded weight reorders them, and a
   // second pass finds it.
   template <bool NORM, bool NORM_WEIGHT, bool STATIC>
-  __device__ __forceinline__ float stage(const __nv_bfloat16* norm, float x_static, uint4* xs, int K,
+  __device__ __forceinline__ float stage(const __nv_bfloat16* norm, const float* x_static, uint4* xs, int K,
                                          float eps) const {
     const uint4* nv = reinterpret_cast<const uint4*>(norm);
     const int units = K / VEC, half = K / 16;
@@ -139,7 +138,7 @@ struct XRow {
       }
       amax = block_sum_max(0.0f, amax).y;
     }
-    const float scale = STATIC ? x_static : fmaxf(__fdiv_rn(amax, E4M3_MAX), MIN_SCALE);
+    const float scale = STATIC ? *x_static : fmaxf(__fdiv_rn(amax, E4M3_MAX), MIN_SCALE);
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) {
       const int p = threadIdx.x + i * WARPS * LANES;
@@ -247,7 +246,6 @@ __device__ __forceinline__ void fp8_linear(const __nv_bfloat16* x, const uint8_t
   const int lane = threadIdx.x % LANES, first = (blockIdx.x * WARPS + threadIdx.x / LANES) * R;
   const int n = first + lane % R;
   const bool owner = lane < R;
-  const float fixed = STATIC ? *x_static : 0.0f;
   launch_dependents();
   float extra = 0.0f, ws = 0.0f;
   if (owner) {
@@ -263,7 +261,7 @@ __device__ __forceinline__ void fp8_linear(const __nv_bfloat16* x, const uint8_t
   dot.run(w, row, K, xs, [&] {
     xr.load(x, K);
     if (owner && residual != nullptr) extra += bf16(residual + n);
-    scale = xr.template stage<false, false, STATIC>(nullptr, fixed, xs, K, 0.0f);
+    scale = xr.template stage<false, false, STATIC>(nullptr, x_static, xs, K, 0.0f);
   });
   const float v = dot.mine(lane);
   if (owner) out[n] = __float2bfloat16(v * scale * ws + extra);
@@ -285,7 +283,6 @@ __device__ __forceinline__ void fp8_qkv_rope(const __nv_bfloat16* x, const __nv_
   const bool is_q = h < H, is_v = h >= H + KVH, owner = lane == 0;
   float rc = 1.0f, rs = 0.0f, b0 = 0.0f, b1 = 0.0f, ws0 = 0.0f, ws1 = 0.0f, kv_scale = 1.0f;
   int slot = 0, pos = 0;
-  const float fixed = STATIC ? *x_static : 0.0f;
   launch_dependents();
   if (owner) {
     if (bias != nullptr) b0 = bf16(bias + row[0]), b1 = bf16(bias + row[1]);
@@ -300,7 +297,7 @@ __device__ __forceinline__ void fp8_qkv_rope(const __nv_bfloat16* x, const __nv_
     if (owner && !is_q) slot = slots[0];
     if (owner && !is_q && kv_scales != nullptr)
       kv_scale = kv_scales[(layer * 2 + (is_v ? 1 : 0)) * KVH + (is_v ? h - H - KVH : h - H)];
-    scale = xr.template stage<true, NORM_WEIGHT, STATIC>(norm, fixed, xs, K, eps);
+    scale = xr.template stage<true, NORM_WEIGHT, STATIC>(norm, x_static, xs, K, eps);
     if (owner && !is_v) {
       const float* r = rope + static_cast<size_t>(pos) * D + j;
       rc = r[0];
@@ -332,14 +329,13 @@ __device__ __forceinline__ void fp8_swiglu(const __nv_bfloat16* x, const __nv_bf
 #pragma unroll
   for (int c = 0; c < COLS; ++c)
     if (lane == c) wg = w_scale[row[2 * c]], wu = w_scale[row[2 * c + 1]];
-  const float fixed = STATIC ? *x_static : 0.0f;
   launch_dependents();
   XRow<KMAX> xr;
   Fp8DotRows<2 * COLS, UF, KMAX> dot;
   float scale;
   dot.run(w, row, K, xs, [&] {
     xr.load(x, K);
-    scale = xr.template stage<true, NORM_WEIGHT, STATIC>(norm, fixed, xs, K, eps);
+    scale = xr.template stage<true, NORM_WEIGHT, STATIC>(norm, x_static, xs, K, eps);
   });
   if (!owner) return;
   float g = 0.0f, u = 0.0f;
