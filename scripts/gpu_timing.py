@@ -11,13 +11,13 @@ REPEAT = 20
 WARM_S = 0.2
 
 
-def warm(graph) -> None:
-    """Replays `graph` for WARM_S seconds."""
+def warm(fn) -> None:
+    """Calls `fn` (a graph's replay, say) for WARM_S seconds."""
     import torch
 
     start = time.perf_counter()
     while time.perf_counter() - start < WARM_S:
-        graph.replay()
+        fn()
         torch.cuda.synchronize()
 
 
@@ -32,7 +32,7 @@ def graph_us(fn) -> float:
     with torch.cuda.graph(graph):
         for _ in range(REPEAT):
             fn()
-    warm(graph)
+    warm(graph.replay)
     times = []
     for _ in range(5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -53,7 +53,7 @@ def replay_ms(fn, reps: int = 10) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    warm(graph)
+    warm(graph.replay)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -27,11 +27,12 @@ from kiln.plugins.attention_o_proj import launch as attention_o_proj
 from kiln.runtime.cuda_executor import CudaExecutor
 from kiln.runtime.engine import load_engine
 from kiln.runtime.step import SequenceChunk, pack_step
+from scripts.gpu_timing import warm
 
 
 def time_ms(fn, repeats: int = 20) -> float:
-    """Median milliseconds of `fn` on the current stream, after one warm-up call."""
-    fn()
+    """Median milliseconds of `fn` on the current stream, after `gpu_timing.WARM_S` seconds of warm-up calls."""
+    warm(fn)
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
