@@ -154,10 +154,10 @@ def test_parity_norm_swiglu(request, activation, block, folded, t, k, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,k", [(1, 512), (5, 1024), (20, 256), (64, 768)])
+@pytest.mark.parametrize("t,k", [(1, 512), (5, 1024), (70, 512)])
 @pytest.mark.parametrize("name", ["linear", "linear_residual", "norm_swiglu"])
 def test_parity_split_k(request, name, t, k, dtype):
-    """K long enough that the decode and small buckets split it (into 4 and 2 parts)."""
+    """K long enough that the decode and medium buckets split it (into 4 parts each)."""
     def body():
         torch.manual_seed(t + k)
         tile = linear_tiles.pick_tile(t)

@@ -258,7 +258,7 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     the static activation scale x_static, if any)."""
     t, k = x.shape
     n = weight.shape[0]
-    tile = pick_tile(t, tiles=tiles_for(n, w_scale is not None))
+    tile = pick_tile(t, n)
     x, weight = x.contiguous(), weight.contiguous()
     bk = block_k(tile, weight.element_size())
     split, columns = split_k(tile, k, bk), triton.cdiv(n, tile.block_n)
@@ -282,7 +282,7 @@ def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool, f
     that takes a static activation scale)."""
     ptr, size = POINTER_TYPES[dtype], dtypes.element_bytes(dtype)
     kernels: list[AotKernel | NvccKernel] = gemv.linear_kernels(dtype, n, k, fp8_weight, fp8_static)
-    for tile in tiles_for(n, fp8_weight):
+    for tile in tiles_for(n):
         kernels += cute_gemm.linear_kernels(dtype, n, k, tile, fp8_weight)
         bk = block_k(tile, 1 if fp8_weight else size)
         split = split_k(tile, k, bk)

@@ -44,15 +44,19 @@ class Tile:
 
 # Measured on an H200 with scripts/tune_gemm.py (2026-11-29, bf16; BENCHMARKS.md has the table):
 # - Narrow weights (N = 4096, 6144) give too few programs to keep enough loads in flight:
-#   splitting K in 4 at T=1 (2 at T=64) fixes that. At T=1, o_proj (4096x4096) reaches 4.3
-#   TB/s and qkv 3.8 (against 3.5 unsplit); at T=64, down (4096x14336) 3.3 against under 2.9.
+#   splitting K in 4 at T=1 fixes that. At T=1, o_proj (4096x4096) reaches 4.3 TB/s and qkv 3.8
+#   (against 3.5 unsplit). At T=64 a pipeline of 6 stages keeps enough in flight unsplit, and
+#   the split-K partials cost more: on an H100 (session 44, weights cycled beyond the L2, warm
+#   clocks) o_proj took 14.3 us in bf16 against 16.7 split in 2 with 4 stages, down 43.2 against
+#   46.1; in e4m3 8.6 against 11.0 and 23.8 against 26.2; the 16-layer 8B decode step at b=64
+#   0.980x (bf16) and 0.963x (calibrated FP8).
 # - Wide weights (gate/up, LM head) already put several programs on every SM; shallow
 #   pipelines leave shared memory for more of them: 28672x4096 reaches 4.1 TB/s at T=1 with 3
 #   stages (3.2 with 6), and 3.9 TB/s at T=64 with 64x64 tiles.
 TILES = (
     # Decode: the 16 rows are tl.dot's minimum; long K tiles keep many loads in flight.
     Tile("decode", 16, 16, 64, 128, 4, stages=3, split_k=4),
-    Tile("small", 64, 64, 32, 128, 4, stages=4, split_k=2),
+    Tile("small", 64, 64, 32, 128, 4, stages=6),
     # Up to 128 rows (a prefill chunk of a short prompt, decode batches beyond 64): 64x128 tiles
     # with K split in 4, 256 programs for a 4096-row weight. On an H200 (2026-12-01,
     # `KILN_TUNE_MEDIUM_ROWS=128 scripts/tune_gemm.py`, weights cycled beyond the L2) down took
@@ -95,18 +99,9 @@ WIDE_TILES = (
 WIDE_N = 12288
 
 
-# e4m3 weights of a narrow weight from 17 to 64 rows ("small"): K unsplit, 6 stages where shared memory
-# holds them (sm_90, sm_100). On an H100 (session 44, `KILN_TUNE_FP8=1 KILN_TUNE_T=64 scripts/tune_gemm.py`,
-# weights cycled beyond the L2, warm clocks; two runs agreed) o_proj took 8.6 us at T = 64 against 11.0 with
-# K split in 2 and 4 stages, down 23.8 against 26.2.
-FP8_NARROW_SMALL = {"split_k": 1, "stages": 6}
-
-
-def tiles_for(weight_rows: int, fp8_weight: bool = False) -> tuple[Tile, ...]:
-    """The shape buckets for a weight of `weight_rows` rows (in e4m3 with `fp8_weight`)."""
-    if weight_rows >= WIDE_N:
-        return WIDE_TILES
-    return with_bucket(TILES, "small", **FP8_NARROW_SMALL) if fp8_weight else TILES
+def tiles_for(weight_rows: int) -> tuple[Tile, ...]:
+    """The shape buckets for a weight of `weight_rows` rows."""
+    return WIDE_TILES if weight_rows >= WIDE_N else TILES
 
 
 def pick_tile(rows: int, weight_rows: int = 0, tiles: tuple[Tile, ...] | None = None) -> Tile:
