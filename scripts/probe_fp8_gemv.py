@@ -3,18 +3,20 @@
     PYTHONPATH=. python3 scripts/probe_fp8_gemv.py compile probe.pkl   # anywhere: nvcc, no GPU needed
     PYTHONPATH=. python3 scripts/probe_fp8_gemv.py run probe.pkl       # on the GPU
 
-At one row of x, on an H100 (BENCHMARKS.md session 43), the bf16 GEMVs of Llama-3-8B's projections
-stream their weights at the copy rate while the FP8 ones lose 3.5-7 us a kernel. For each projection
-`compile` builds, for sm_90: the engine's FP8 GEMV (per-token scales), the same built for a static
-activation scale, three diagnostic variants of it made by editing the kernel's source here (their
-results are wrong by design): "no stage" (x loaded but not normalised, quantized or staged: no block
-reduction and no barrier), "no x" (not even loaded) and "no math" (each weight piece XOR-folded into
-the sum instead of converted and multiplied), and "no x, no math" (the load pattern alone); and the
+At one row of x, on an H100 with warm clocks (BENCHMARKS.md session 44), the bf16 GEMVs of Llama-3-8B's
+projections stream their weights at the copy rate while the FP8 ones lose 1.6-2.1 us a kernel, the static
+ones (o_proj's and down's in a calibrated engine) 0.8-2.4 us more. For each projection `compile` builds,
+for sm_90: the engine's FP8 GEMV (per-token scales); four diagnostic variants of it made by editing the
+kernel's source here (their results are wrong by design): "no stage" (x loaded but not normalised,
+quantized or staged: no block reduction and no barrier), "no x" (not even loaded), "no math" (each weight
+piece XOR-folded into the sum instead of converted and multiplied) and "no x, no math" (the load pattern
+alone); the same GEMV built for a static activation scale, and two variants of that one ("fp8 static,
+reduced": with the block's reduction that it skips put back, unused; "fp8 static, no stage"); and the
 engine's bf16 GEMV of the shape. `run` checks the engine's kernels against the plugin's reference and
-times every kernel through its plugin's launcher over 20 layers of weights (1-4.7 GB, so nothing
-comes from the L2) in a CUDA graph, launched for programmatic dependent launch as the engine does,
-beside the device copy rate measured in the same run. The gaps between the variants split a kernel's
-loss into its prologue (staging x), its arithmetic and its load pattern.
+times every kernel through its plugin's launcher over 20 layers of weights (1-4.7 GB, so nothing comes
+from the L2) in a CUDA graph, launched for programmatic dependent launch as the engine does, beside the
+device copy rate measured in the same run. The gaps between the variants split a kernel's loss into its
+prologue (staging x), its arithmetic and its load pattern.
 """
 from __future__ import annotations
 
@@ -48,6 +50,14 @@ MATH = """        __half2 sum = __float2half2_rn(0.0f);
 """
 NO_MATH = [(MATH, "        acc[r] += __uint_as_float((ww[0] ^ ww[1] ^ ww[2] ^ ww[3] ^ xw[r % VEC]) & 0x3f7fffffu);\n")]
 DIAGNOSTICS = {"no stage": NO_STAGE, "no x": NO_X, "no math": NO_MATH, "no x, no math": NO_X + NO_MATH}
+# Edits of the static entry. At one row o_proj's and down's static GEMVs ran 0.8-2.4 us slower than their
+# per-token ones (H100, session 44), though a static scale spares them the block's reduction: "reduced" puts
+# the reduction (and its barrier) back, unused; "no stage" is the static entry that stages nothing, what a
+# producer writing x in e4m3 for it would leave.
+REDUCED = [("    if (NORM || !STATIC) {\n", "    if (true) {\n"),
+           ("    const float2 stats = NORM || !STATIC ? block_sum_max(sum, amax) : make_float2(0.0f, 0.0f);\n",
+            "    const float2 stats = block_sum_max(sum, amax);\n")]
+STATIC_DIAGNOSTICS = {"fp8 static, reduced": REDUCED, "fp8 static, no stage": NO_STAGE}
 
 
 def edited(text: str, edits: list[tuple[str, str]]) -> str:
@@ -73,16 +83,19 @@ def kernels() -> list[tuple[str, str, object]]:
     }
     fp8_flags = {"qkv": ("fp8", "fp8_static"), "gate_up": ("fp8", "fp8_static"),
                  "o_proj": ("fp8_weight", "fp8_static"), "down": ("fp8_weight", "fp8_static")}
+    def variant(kernel, label: str, edits: list[tuple[str, str]]):
+        entry = f"{kernel.entry}_{label.replace(',', '').replace(' ', '_')}"
+        return dataclasses.replace(kernel, entry=entry, instance=edited(kernel.instance, edits).replace(kernel.entry, entry))
+
     out = []
     for shape in SHAPES:
         weight, static = fp8_flags[shape]
         engine = build[shape]("bfloat16", **{weight: True})[0]
+        fixed = build[shape]("bfloat16", **{weight: True, static: True})[0]
         out.append((shape, "fp8 (engine)", engine))
-        out.append((shape, "fp8 static", build[shape]("bfloat16", **{weight: True, static: True})[0]))
-        for label, edits in DIAGNOSTICS.items():
-            entry = f"{engine.entry}_{label.replace(',', '').replace(' ', '_')}"
-            instance = edited(engine.instance, edits).replace(engine.entry, entry)
-            out.append((shape, label, dataclasses.replace(engine, entry=entry, instance=instance)))
+        out.append((shape, "fp8 static", fixed))
+        out += [(shape, label, variant(fixed, label, edits)) for label, edits in STATIC_DIAGNOSTICS.items()]
+        out += [(shape, label, variant(engine, label, edits)) for label, edits in DIAGNOSTICS.items()]
         out.append((shape, "bf16 (engine)", build[shape]("bfloat16")[0]))
     return out
 
@@ -152,7 +165,7 @@ def run(path: str) -> None:
     for shape, group in itertools.groupby(built, key=lambda b: b[0]):
         made: dict[tuple[bool, bool], tuple] = {}   # one shape's weights at a time
         for _, label, kernel, cubin in group:
-            fp8, static = label != "bf16 (engine)", label == "fp8 static"
+            fp8, static = label != "bf16 (engine)", label.startswith("fp8 static")
             if (fp8, static) not in made:
                 made[fp8, static] = cases(shape, fp8, static, g)
             plugin, layers, out, attrs = made[fp8, static]
@@ -168,7 +181,7 @@ def run(path: str) -> None:
             launch(layers[0])
             torch.cuda.synchronize()
             check = ""
-            if "engine" in label or static:
+            if "engine" in label or label in ("fp8 static", "fp8 static, reduced"):
                 want = get_plugin(plugin).call_reference(
                     [t.cpu() if isinstance(t, torch.Tensor) else t for t in layers[0]], attrs).float()
                 err = float((out.float().cpu() - want).abs().max() / want.abs().max())
@@ -176,7 +189,7 @@ def run(path: str) -> None:
             weight_bytes = sizes[shape][0] * sizes[shape][1] * (1 if fp8 else 2)
             cycle = itertools.cycle(layers)
             us = graph_us(lambda: launch(next(cycle)))
-            print(f"{shape:8s} {label:15s} {us:7.2f} us  {weight_bytes / us / 1e6:5.2f} TB/s of weights "
+            print(f"{shape:8s} {label:20s} {us:7.2f} us  {weight_bytes / us / 1e6:5.2f} TB/s of weights "
                   f"(at the copy rate {weight_bytes / copy / 1e6:5.2f} us){check}", flush=True)
 
 
