@@ -10,13 +10,13 @@ for sm_90: the engine's FP8 GEMV (per-token scales); four diagnostic variants of
 kernel's source here (their results are wrong by design): "no stage" (x loaded but not normalised,
 quantized or staged: no block reduction and no barrier), "no x" (not even loaded), "no math" (each weight
 piece XOR-folded into the sum instead of converted and multiplied) and "no x, no math" (the load pattern
-alone); the same GEMV built for a static activation scale, and two variants of that one ("fp8 static,
-reduced": with the block's reduction that it skips put back, unused; "fp8 static, no stage"); and the
-engine's bf16 GEMV of the shape. `run` checks the engine's kernels against the plugin's reference and
-times every kernel through its plugin's launcher over 20 layers of weights (1-4.7 GB, so nothing comes
-from the L2) in a CUDA graph, launched for programmatic dependent launch as the engine does, beside the
-device copy rate measured in the same run. The gaps between the variants split a kernel's loss into its
-prologue (staging x), its arithmetic and its load pattern.
+alone); the same GEMV built for a static activation scale, and for o_proj and down two variants of that
+one ("fp8 static, reduced": with the block's reduction that it skips put back, unused; "fp8 static, no
+stage"); and the engine's bf16 GEMV of the shape. `run` checks the engine's kernels against the
+plugin's reference and times every kernel through its plugin's launcher over 20 layers of weights (1-4.7
+GB, so nothing comes from the L2) in a CUDA graph, launched for programmatic dependent launch as the
+engine does, beside the device copy rate measured in the same run. The gaps between the variants split a
+kernel's loss into its prologue (staging x), its arithmetic and its load pattern.
 """
 from __future__ import annotations
 
@@ -50,14 +50,16 @@ MATH = """        __half2 sum = __float2half2_rn(0.0f);
 """
 NO_MATH = [(MATH, "        acc[r] += __uint_as_float((ww[0] ^ ww[1] ^ ww[2] ^ ww[3] ^ xw[r % VEC]) & 0x3f7fffffu);\n")]
 DIAGNOSTICS = {"no stage": NO_STAGE, "no x": NO_X, "no math": NO_MATH, "no x, no math": NO_X + NO_MATH}
-# Edits of the static entry. At one row o_proj's and down's static GEMVs ran 0.8-2.4 us slower than their
-# per-token ones (H100, session 44), though a static scale spares them the block's reduction: "reduced" puts
-# the reduction (and its barrier) back, unused; "no stage" is the static entry that stages nothing, what a
-# producer writing x in e4m3 for it would leave.
+# Edits of the static entry of the projections without a norm (`STATIC_SHAPES`, the ones a calibrated engine
+# builds static). At one row their static GEMVs ran 0.8-2.4 us slower than their per-token ones (H100, session
+# 44), though a static scale spares them the block's reduction: "reduced" puts the reduction (and its
+# barrier) back, unused; "no stage" is the static entry that stages nothing, what a producer writing x in
+# e4m3 for it would leave.
 REDUCED = [("    if (NORM || !STATIC) {\n", "    if (true) {\n"),
            ("    const float2 stats = NORM || !STATIC ? block_sum_max(sum, amax) : make_float2(0.0f, 0.0f);\n",
             "    const float2 stats = block_sum_max(sum, amax);\n")]
 STATIC_DIAGNOSTICS = {"fp8 static, reduced": REDUCED, "fp8 static, no stage": NO_STAGE}
+STATIC_SHAPES = ("o_proj", "down")
 
 
 def edited(text: str, edits: list[tuple[str, str]]) -> str:
@@ -83,6 +85,7 @@ def kernels() -> list[tuple[str, str, object]]:
     }
     fp8_flags = {"qkv": ("fp8", "fp8_static"), "gate_up": ("fp8", "fp8_static"),
                  "o_proj": ("fp8_weight", "fp8_static"), "down": ("fp8_weight", "fp8_static")}
+
     def variant(kernel, label: str, edits: list[tuple[str, str]]):
         entry = f"{kernel.entry}_{label.replace(',', '').replace(' ', '_')}"
         return dataclasses.replace(kernel, entry=entry, instance=edited(kernel.instance, edits).replace(kernel.entry, entry))
@@ -94,7 +97,8 @@ def kernels() -> list[tuple[str, str, object]]:
         fixed = build[shape]("bfloat16", **{weight: True, static: True})[0]
         out.append((shape, "fp8 (engine)", engine))
         out.append((shape, "fp8 static", fixed))
-        out += [(shape, label, variant(fixed, label, edits)) for label, edits in STATIC_DIAGNOSTICS.items()]
+        out += [(shape, label, variant(fixed, label, edits)) for label, edits in STATIC_DIAGNOSTICS.items()
+                if shape in STATIC_SHAPES]
         out += [(shape, label, variant(engine, label, edits)) for label, edits in DIAGNOSTICS.items()]
         out.append((shape, "bf16 (engine)", build[shape]("bfloat16")[0]))
     return out

@@ -6,9 +6,9 @@
 `compile` builds every configuration into a cubin with `plugins.aot` (as build-engine does),
 spread over the CPU's cores; `run` loads them with `runtime.cuda_driver` (as the CUDA executor
 does), checks each against torch's matmul, and times it in a CUDA graph of 20 launches (median
-of 5 replays, after `gpu_timing.WARM_S` of them). Printed: the best configurations per shape with the bandwidth of weights they
-reach, beside the device copy rate measured in the same run; ALL.txt gets every configuration's
-time.
+of 5 replays, after `gpu_timing.WARM_S` of them). Printed: the best configurations per shape with
+the bandwidth of weights they reach, beside the device copy rate measured in the same run; ALL.txt
+gets every configuration's time.
 
 Shapes: Llama-3-8B's projections (qkv, o, gate/up, down) at T = 1 and 64, or one rank's of
 a TP engine with KILN_TUNE_TP=2 (or 4). KILN_TUNE_FP8=1 sweeps the W8A8 kernels instead (e4m3
