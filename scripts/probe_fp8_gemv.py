@@ -10,13 +10,15 @@ for sm_90: the engine's FP8 GEMV (per-token scales); four diagnostic variants of
 kernel's source here (their results are wrong by design): "no stage" (x loaded but not normalised,
 quantized or staged: no block reduction and no barrier), "no x" (not even loaded), "no math" (each weight
 piece XOR-folded into the sum instead of converted and multiplied) and "no x, no math" (the load pattern
-alone); the same GEMV built for a static activation scale, and for o_proj and down two variants of that
-one ("fp8 static, reduced": with the block's reduction that it skips put back, unused; "fp8 static, no
-stage"); and the engine's bf16 GEMV of the shape. `run` checks the engine's kernels against the
-plugin's reference and times every kernel through its plugin's launcher over 20 layers of weights (1-4.7
-GB, so nothing comes from the L2) in a CUDA graph, launched for programmatic dependent launch as the
-engine does, beside the device copy rate measured in the same run. The gaps between the variants split a
-kernel's loss into its prologue (staging x), its arithmetic and its load pattern.
+alone); the same GEMV built for a static activation scale, and for o_proj and down five variants of
+that one ("fp8 static, reduced": with the block's reduction that it skips put back, unused; "fp8 static,
+no stage"; "literal", "ldg" and "clamped": the scale compiled in, read through the read-only path, or
+clamped to the smallest scale as a per-token one is); and the engine's bf16 GEMV of the shape. `run`
+checks the engine's kernels against the plugin's reference and times every kernel through its plugin's
+launcher over 20 layers of weights (1-4.7 GB, so nothing comes from the L2) in a CUDA graph, launched for
+programmatic dependent launch as the engine does, beside the device copy rate measured in the same run.
+The gaps between the variants split a kernel's loss into its prologue (staging x), its arithmetic and its
+load pattern.
 """
 from __future__ import annotations
 
@@ -58,8 +60,25 @@ DIAGNOSTICS = {"no stage": NO_STAGE, "no x": NO_X, "no math": NO_MATH, "no x, no
 REDUCED = [("    if (NORM || !STATIC) {\n", "    if (true) {\n"),
            ("    const float2 stats = NORM || !STATIC ? block_sum_max(sum, amax) : make_float2(0.0f, 0.0f);\n",
             "    const float2 stats = block_sum_max(sum, amax);\n")]
-STATIC_DIAGNOSTICS = {"fp8 static, reduced": REDUCED, "fp8 static, no stage": NO_STAGE}
+# Where the static scale comes from: "literal" compiles the probe's scale in (no load at all), "ldg" reads it
+# through the read-only path, "clamped" clamps it to MIN_SCALE as the per-token scale is (so the compiler
+# knows the divisor is a normal float); all three give right results.
+STATIC_READ = "    const float scale = STATIC ? *x_static : "
+LITERAL = [(STATIC_READ, "    const float scale = STATIC ? 4.5f / 448.0f : ")]
+LDG = [(STATIC_READ, "    const float scale = STATIC ? __ldg(x_static) : ")]
+CLAMPED = [(STATIC_READ, "    const float scale = STATIC ? fmaxf(*x_static, MIN_SCALE) : ")]
+STATIC_DIAGNOSTICS = {"fp8 static, reduced": REDUCED, "fp8 static, no stage": NO_STAGE, "fp8 static, literal": LITERAL,
+                      "fp8 static, ldg": LDG, "fp8 static, clamped": CLAMPED}
 STATIC_SHAPES = ("o_proj", "down")
+# Other tilings of the per-token GEMVs (`plugins.linear.gemv`'s constants, chosen on an H200 in sessions 23
+# and 24 with the probe's clocks not yet warmed): more bytes in flight a lane (pieces an iteration), more
+# rows or columns a warp.
+TILINGS = {
+    "qkv": [{"FP8_QKV_PIECES": u} for u in (1, 4)],
+    "o_proj": [{"FP8_LINEAR_ROWS": r, "FP8_LINEAR_PIECES": u} for r, u in ((2, 8), (4, 4), (1, 8), (4, 2))],
+    "gate_up": [{"FP8_SWIGLU_COLS": c, "FP8_SWIGLU_PIECES": u} for c, u in ((4, 2), (2, 2), (2, 4), (8, 1))],
+    "down": [{"FP8_LINEAR_ROWS": r, "FP8_LINEAR_PIECES": u} for r, u in ((2, 8), (4, 4), (1, 8), (4, 2))],
+}
 
 
 def edited(text: str, edits: list[tuple[str, str]]) -> str:
@@ -100,6 +119,14 @@ def kernels() -> list[tuple[str, str, object]]:
         out += [(shape, label, variant(fixed, label, edits)) for label, edits in STATIC_DIAGNOSTICS.items()
                 if shape in STATIC_SHAPES]
         out += [(shape, label, variant(engine, label, edits)) for label, edits in DIAGNOSTICS.items()]
+        for tiling in TILINGS[shape]:
+            saved = {name: getattr(gemv, name) for name in tiling}
+            vars(gemv).update(tiling)
+            try:
+                label = "fp8 " + " ".join(f"{name.rsplit('_', 1)[1].lower()} {v}" for name, v in tiling.items())
+                out.append((shape, label, build[shape]("bfloat16", **{weight: True})[0]))
+            finally:
+                vars(gemv).update(saved)
         out.append((shape, "bf16 (engine)", build[shape]("bfloat16")[0]))
     return out
 
@@ -185,7 +212,8 @@ def run(path: str) -> None:
             launch(layers[0])
             torch.cuda.synchronize()
             check = ""
-            if "engine" in label or label in ("fp8 static", "fp8 static, reduced"):
+            if "engine" in label or "pieces" in label or label in ("fp8 static", "fp8 static, reduced", "fp8 static, literal", "fp8 static, ldg",
+                                                     "fp8 static, clamped"):
                 want = get_plugin(plugin).call_reference(
                     [t.cpu() if isinstance(t, torch.Tensor) else t for t in layers[0]], attrs).float()
                 err = float((out.float().cpu() - want).abs().max() / want.abs().max())
