@@ -10,10 +10,10 @@ for sm_90: the engine's FP8 GEMV (per-token scales); four diagnostic variants of
 kernel's source here (their results are wrong by design): "no stage" (x loaded but not normalised,
 quantized or staged: no block reduction and no barrier), "no x" (not even loaded), "no math" (each weight
 piece XOR-folded into the sum instead of converted and multiplied) and "no x, no math" (the load pattern
-alone); the same GEMV built for a static activation scale, and for o_proj and down five variants of
+alone); the same GEMV built for a static activation scale, and for o_proj and down six variants of
 that one ("fp8 static, reduced": with the block's reduction that it skips put back, unused; "fp8 static,
-no stage"; "literal", "ldg" and "clamped": the scale compiled in, read through the read-only path, or
-clamped to the smallest scale as a per-token one is); and the engine's bf16 GEMV of the shape. `run`
+no stage"; "literal", "ldg", "clamped" and "by value": the scale compiled in, read through the read-only
+path, clamped to the smallest scale as a per-token one is, or taken as a float parameter); and the engine's bf16 GEMV of the shape. `run`
 checks the engine's kernels against the plugin's reference and times every kernel through its plugin's
 launcher over 20 layers of weights (1-4.7 GB, so nothing comes from the L2) in a CUDA graph, launched for
 programmatic dependent launch as the engine does, beside the device copy rate measured in the same run.
@@ -67,8 +67,14 @@ STATIC_READ = "    const float scale = STATIC ? *x_static : "
 LITERAL = [(STATIC_READ, "    const float scale = STATIC ? 4.5f / 448.0f : ")]
 LDG = [(STATIC_READ, "    const float scale = STATIC ? __ldg(x_static) : ")]
 CLAMPED = [(STATIC_READ, "    const float scale = STATIC ? fmaxf(*x_static, MIN_SCALE) : ")]
+# "by value": the linear entry takes the scale as a float parameter (the probe's launch passes it there).
+BY_VALUE = [("NAME(const __nv_bfloat16* x, const uint8_t* w, const float* w_scale, const float* x_static,",
+             "NAME(const __nv_bfloat16* x, const uint8_t* w, const float* w_scale, float x_static_v,"),
+            ("fp8_linear<R, UF, KMAX, STATIC>(x, w, w_scale, x_static,",
+             "fp8_linear<R, UF, KMAX, STATIC>(x, w, w_scale, &x_static_v,")]
 STATIC_DIAGNOSTICS = {"fp8 static, reduced": REDUCED, "fp8 static, no stage": NO_STAGE, "fp8 static, literal": LITERAL,
-                      "fp8 static, ldg": LDG, "fp8 static, clamped": CLAMPED}
+                      "fp8 static, ldg": LDG, "fp8 static, clamped": CLAMPED, "fp8 static, by value": BY_VALUE}
+STATIC_VALUE = 4.5 / 448   # the probe's static scale
 STATIC_SHAPES = ("o_proj", "down")
 # Other tilings of the per-token GEMVs (`plugins.linear.gemv`'s constants, chosen on an H200 in sessions 23
 # and 24 with the probe's clocks not yet warmed): more bytes in flight a lane (pieces an iteration), more
@@ -107,7 +113,9 @@ def kernels() -> list[tuple[str, str, object]]:
 
     def variant(kernel, label: str, edits: list[tuple[str, str]]):
         entry = f"{kernel.entry}_{label.replace(',', '').replace(' ', '_')}"
-        return dataclasses.replace(kernel, entry=entry, instance=edited(kernel.instance, edits).replace(kernel.entry, entry))
+        signature = {**kernel.signature, **({"x_static": "fp32"} if edits is BY_VALUE else {})}
+        return dataclasses.replace(kernel, entry=entry, signature=signature,
+                                   instance=edited(kernel.instance, edits).replace(kernel.entry, entry))
 
     out = []
     for shape in SHAPES:
@@ -157,7 +165,7 @@ def cases(shape: str, fp8: bool, static: bool, g) -> tuple[str, list[list], obje
         return [list(quantize_rows(w)) if fp8 else [bf(w)] for w in made]
 
     # A static scale near the per-token one of a unit-normal row (largest magnitude about 4.5).
-    x_static = [torch.tensor([4.5 / 448], device="cuda")] if static else []
+    x_static = [torch.tensor([STATIC_VALUE], device="cuda")] if static else []
     if shape in ("o_proj", "down"):
         k = HIDDEN if shape == "o_proj" else INTER
         x, res = bf(randn(1, k)), bf(randn(1, HIDDEN))
@@ -175,6 +183,17 @@ def cases(shape: str, fp8: bool, static: bool, g) -> tuple[str, list[list], obje
               for w in weights((HEADS + 2 * KV_HEADS) * D, HIDDEN, 16)]
     attrs = {"eps": 1e-5, "layer": 0, "num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": D}
     return "norm_qkv_rope", layers, bf(randn(1, HEADS * D)), attrs
+
+
+class ByValue:
+    """A loaded linear GEMV whose static scale parameter is a float: the launcher's address of the scale
+    (its fourth argument) replaced by the probe's scale."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+
+    def launch(self, grid: tuple[int, int, int], args: list, stream: int = 0) -> None:
+        self.kernel.launch(grid, [*args[:3], STATIC_VALUE, *args[4:]], stream)
 
 
 def run(path: str) -> None:
@@ -204,6 +223,8 @@ def run(path: str) -> None:
             fn = load_kernel(cubin.binary, cubin.name, list(kernel.signature.values()), cubin.num_warps,
                              cubin.shared_bytes, cubin.global_scratch)
             fn.programmatic = True
+            if label == "fp8 static, by value":
+                fn = ByValue(fn)
 
             def launch(inputs: list) -> None:
                 launcher.launch([fn], [kernel.meta], inputs, attrs, out, {"T": 1},
@@ -213,7 +234,7 @@ def run(path: str) -> None:
             torch.cuda.synchronize()
             check = ""
             if "engine" in label or "pieces" in label or label in ("fp8 static", "fp8 static, reduced", "fp8 static, literal", "fp8 static, ldg",
-                                                     "fp8 static, clamped"):
+                                                     "fp8 static, clamped", "fp8 static, by value"):
                 want = get_plugin(plugin).call_reference(
                     [t.cpu() if isinstance(t, torch.Tensor) else t for t in layers[0]], attrs).float()
                 err = float((out.float().cpu() - want).abs().max() / want.abs().max())
