@@ -47,6 +47,15 @@ __device__ __forceinline__ uint4 stream_load(const uint4* p) {
   return v;
 }
 
+// A 16-byte piece of x, which the kernel before writes: a coherent load, never `ld.global.nc`. ptxas takes
+// an .nc load for data that no kernel writes while this one runs, and issues it before `wait_inputs`: the
+// FP8 GEMVs' x loads ran ahead of the wait in the SASS until session 45 (tests/test_gemv_sass.py).
+__device__ __forceinline__ uint4 input_load(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
 __device__ __forceinline__ void unpack(uint4 v, float (&f)[VEC]) {
   const uint32_t u[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -145,7 +154,7 @@ struct DotRows {
       float xf[T][VEC];
 #pragma unroll
       for (int t = 0; t < T; ++t) {
-        unpack(__ldg(x + t * k8 + piece), xf[t]);
+        unpack(input_load(x + t * k8 + piece), xf[t]);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) sumsq[t] = fmaf(xf[t][i], xf[t][i], sumsq[t]);
       }

@@ -93,13 +93,7 @@ struct XRow {
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) {
       const int p = threadIdx.x + i * WARPS * LANES;
-      if (p < K / VEC) {
-        asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v[i].x), "=r"(v[i].y), "=r"(v[i].z), "=r"(v[i].w)
-                     : "l"(xv + p));
-      } else {
-        v[i] = make_uint4(0, 0, 0, 0);
-      }
+      v[i] = p < K / VEC ? input_load(xv + p) : make_uint4(0, 0, 0, 0);
     }
   }
 
