@@ -115,6 +115,7 @@ __device__ __forceinline__ void stream_rows(const uint4* const (&rows)[R], int p
   uint4 a[R][U], b[R][U];
   if (full > 0) load<R, U, false>(a, rows, 0, lane, pieces);
   if (BOTH && full > 1) load<R, U, false>(b, rows, 1, lane, pieces);
+  if (pieces < 0) __trap();
   early();
   // Two register buffers with static names: indexing one array by `it & 1` would put it in local memory.
 #pragma unroll 1
