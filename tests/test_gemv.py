@@ -1,13 +1,11 @@
 """The CUDA GEMVs (`plugins/linear/gemv.cu` and `gemv_fp8.cu`, `plugins.linear.gemv`) without a GPU: which shapes and
 rows get them, that each entry point's C++ parameters are its declared signature, that nvcc builds every
 one for every target, what each launcher passes them at one and two rows, and that a build without
-nvcc leaves them out. Their numerics run on the GPU (test_gemv_gpu.py)."""
+nvcc leaves them out. Their numerics run on the GPU (test_gemv_gpu.py), their order around programmatic
+dependent launch is checked in the SASS (test_gemv_sass.py)."""
 from __future__ import annotations
 
 import re
-import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -149,31 +147,6 @@ def test_nvcc_builds_every_entry_for_every_target():
             cubin = compile_cubin(kernel, target)
             assert cubin.binary.startswith(b"\x7fELF") and cubin.name == kernel.entry
             assert kernel.entry.encode() in cubin.binary and cubin.shared_bytes == 0 and cubin.num_warps == 8
-
-
-def ptx(kernel, target: str) -> str:
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "k.cu"
-        src.write_text(nvcc.source_text(kernel))
-        subprocess.run([nvcc.nvcc_path(), "-ptx", f"-arch={target}", *nvcc.FLAGS, "-o", f"{tmp}/k.ptx", str(src)],
-                       check=True, capture_output=True)
-        return (Path(tmp) / "k.ptx").read_text()
-
-
-@pytest.mark.skipif(nvcc.nvcc_path() is None, reason="nvcc is not installed")
-def test_every_entry_reads_x_only_after_waiting_for_the_kernel_before():
-    """Programmatic dependent launch: on sm_90 each entry lets the next kernel start and waits once for
-    the one before; its loads of x (16-byte loads that keep an L1 line: the weights' stream does not)
-    all come after the wait, the first weight pieces before it. sm_80 has neither instruction."""
-    for kernel in every_kernel():
-        lines = [line.strip() for line in ptx(kernel, "sm_90").splitlines()]
-        waits = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")]
-        assert len(waits) == 1 and sum(line.startswith("griddepcontrol.launch_dependents") for line in lines) == 1
-        x_loads = [i for i, line in enumerate(lines) if line.startswith("ld.global.nc.v4.u32")]
-        weights = [i for i, line in enumerate(lines) if line.startswith("ld.global.nc.L1::no_allocate")]
-        assert x_loads and min(x_loads) > waits[0] and min(weights) < waits[0], kernel.entry
-    plain = next(k for k in every_kernel() if not k.targets)
-    assert "griddepcontrol" not in ptx(plain, "sm_80")
 
 
 class Recorder:

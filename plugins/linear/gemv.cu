@@ -24,7 +24,10 @@
 // issues its first weight loads before it waits for the kernel before it (`wait_inputs`). Weights, bias
 // and the norm weight are the engine's constants; everything else (x, the residual, positions, cache
 // slots) is read after the wait. So a step's chain of GEMVs streams weights across kernel boundaries
-// instead of draining and ramping at each.
+// instead of draining and ramping at each. The order that matters is the SASS's, not the PTX's, and
+// tests/test_gemv_sass.py checks it there: ptxas issued the wait ahead of the first weight loads until
+// `stream_rows` put a basic block between them, and an x read with `ld.global.nc` ahead of the wait
+// (`input_load` says why).
 //
 // Every kernel needs K % 8 == 0 and 16-byte aligned x and weights, and grid (rows / (8 * R), 1, 1)
 // with 256 threads: `plugins.linear.gemv` builds a bucket only for shapes that meet that.
@@ -48,8 +51,9 @@ __device__ __forceinline__ uint4 stream_load(const uint4* p) {
 }
 
 // A 16-byte piece of x, which the kernel before writes: a coherent load, never `ld.global.nc`. ptxas takes
-// an .nc load for data that no kernel writes while this one runs, and issues it before `wait_inputs`: the
-// FP8 GEMVs' x loads ran ahead of the wait in the SASS until session 45 (tests/test_gemv_sass.py).
+// an .nc load to read memory that nothing writes while the kernel runs, and moved the FP8 GEMVs' x loads
+// ahead of `wait_inputs` in the SASS: they could read x before the kernel before had written it (until
+// session 45; tests/test_gemv_sass.py).
 __device__ __forceinline__ uint4 input_load(const uint4* p) {
   uint4 v;
   asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
@@ -115,6 +119,10 @@ __device__ __forceinline__ void stream_rows(const uint4* const (&rows)[R], int p
   uint4 a[R][U], b[R][U];
   if (full > 0) load<R, U, false>(a, rows, 0, lane, pieces);
   if (BOTH && full > 1) load<R, U, false>(b, rows, 1, lane, pieces);
+  // A branch ends the basic block of those loads: ptxas schedules within a block, and without one it
+  // issued `early()`'s wait first and the loads after it (SASS, ptxas 13.0). On an H100 (BENCHMARKS.md
+  // session 45) the loads ahead of the wait took the 16-layer b=1 step from 1.876 to 1.855 ms in FP8 and
+  // from 2.783 to 2.746 in bf16. (A row never has fewer than no pieces: the trap is never taken.)
   if (pieces < 0) __trap();
   early();
   // Two register buffers with static names: indexing one array by `it & 1` would put it in local memory.

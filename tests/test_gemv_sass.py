@@ -1,0 +1,113 @@
+"""The order the CUDA GEMVs' machine code keeps around programmatic dependent launch, read from the SASS
+(`nvdisasm`, from the nvidia-cuda-nvdisasm wheel) of their sm_90 and sm_100 cubins, without a GPU.
+
+Under PDL a GEMV starts while the kernel before it still runs, and `griddepcontrol.wait` (ACQBULK in
+SASS) is where it waits for that kernel's writes. Every load issued before the wait must read only the
+engine's constants (weights and their scales, bias, the norm weight, RoPE's table), and the first weight
+loads should go out before it, to overlap the kernel before. The PTX had both right while ptxas moved the
+FP8 GEMVs' x loads (`ld.global.nc`) ahead of the wait and the weight loads behind it (session 45), so
+the check is on the SASS."""
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+from test_gemv import every_kernel
+
+from kiln.plugins import nvcc
+from kiln.plugins.aot import compile_cubin
+
+# Parameters a step writes: no load of them may come before the wait.
+STEP_WRITTEN = {"x", "residual", "positions", "slots", "kv", "out"}
+# Where a kernel's parameters start in constant bank 0.
+PARAM_BASE = {"sm_90": 0x210, "sm_100": 0x380}
+WAIT, WEIGHT_LOAD = "ACQBULK", "LDG.E.NA."   # the weights' stream loads do not allocate in L1
+
+
+def nvdisasm() -> str | None:
+    """The wheel's nvdisasm (under the `nvidia` namespace package), else one on the PATH."""
+    spec = importlib.util.find_spec("nvidia")
+    for root in spec.submodule_search_locations if spec else []:
+        for found in sorted(Path(root).glob("cu*/bin/nvdisasm")):
+            return str(found)
+    return shutil.which("nvdisasm")
+
+
+pytestmark = pytest.mark.skipif(nvcc.nvcc_path() is None or nvdisasm() is None,
+                                reason="needs nvcc and nvdisasm (make install puts nvidia-cuda-nvdisasm in)")
+
+
+def sass(kernel: nvcc.NvccKernel, target: str) -> list[str]:
+    """The kernel's instructions for `target`, one a line, predicates kept, without addresses."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(compile_cubin(kernel, target).binary)
+        text = subprocess.run([nvdisasm(), "-c", str(path)], capture_output=True, text=True, check=True).stdout
+    return [line.split("*/", 1)[1].split(";")[0].strip() for line in text.splitlines()
+            if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+
+
+def param_offsets(signature: dict[str, str], target: str) -> dict[int, str]:
+    """Constant-bank offset -> parameter name (8-byte pointers, 4-byte scalars, each aligned to its size)."""
+    offsets, at = {}, PARAM_BASE[target]
+    for name, kind in signature.items():
+        size = 8 if kind.startswith("*") else 4
+        at = -(-at // size) * size
+        offsets[at] = name
+        at += size
+    return offsets
+
+
+def address_params(code: list[str], i: int, offsets: dict[int, str]) -> set[str]:
+    """The parameters whose values flow into the address of the load at code[i]: a walk back through the
+    instructions that wrote its address registers (a 64-bit address is a register pair)."""
+    found = re.search(r"desc\[[^\]]*\]\[(U?R)(\d+)", code[i])
+    if found is None:
+        return set()
+    prefix, number = found.groups()
+    wanted, params = {f"{prefix}{number}", f"{prefix}{int(number) + 1}"}, set()
+    for line in reversed(code[:i]):
+        op, _, operands = re.sub(r"^@!?U?P\w+\s+", "", line).partition(" ")
+        parts = [p.strip() for p in operands.split(",")]
+        dest = re.fullmatch(r"(U?R)(\d+)(?:\.64)?", parts[0]) if parts[0] else None
+        if dest is None:
+            continue
+        written = {parts[0].split(".")[0]}
+        if ".64" in op or "WIDE" in op:
+            written.add(f"{dest.group(1)}{int(dest.group(2)) + 1}")
+        if not written & wanted:
+            continue
+        wanted -= written
+        params |= {offsets.get(int(offset, 16), offset) for offset in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]", operands)}
+        wanted |= set(re.findall(r"\bU?R\d+\b", ",".join(parts[1:]))) - {"RZ", "URZ"}
+    return params
+
+
+@pytest.mark.parametrize("target", ["sm_90", "sm_100"])
+def test_nothing_a_step_writes_is_read_before_the_wait_and_the_weights_go_first(target):
+    for kernel in every_kernel():
+        if kernel.targets and target not in kernel.targets:
+            continue
+        code, offsets = sass(kernel, target), param_offsets(kernel.signature, target)
+        waits = [i for i, line in enumerate(code) if line == WAIT]
+        assert len(waits) == 1, kernel.entry
+        early = set().union(*(address_params(code, i, offsets) for i in range(waits[0]) if "LDG" in code[i]))
+        assert early and not early & STEP_WRITTEN, (kernel.entry, target, early)
+        assert "w" in early and any(WEIGHT_LOAD in line for line in code[:waits[0]]), (kernel.entry, target)
+
+
+def test_the_walk_finds_a_load_of_x_ahead_of_the_wait():
+    """The check above can fail: a load of x issued before the wait is found as a read of x."""
+    code = ["LDC.64 R6, c[0x0][0x210]", "IMAD.WIDE R6, R2, 0x10, R6", "@!P2 LDG.E.128.CONSTANT R44, desc[UR6][R6.64]",
+            WAIT]
+    assert address_params(code, 2, param_offsets({"x": "*bf16", "w": "*bf16"}, "sm_90")) == {"x"}
+
+
+def test_sm80_builds_have_no_dependent_launch():
+    plain = next(k for k in every_kernel() if not k.targets)
+    assert not any(line in (WAIT, "PREEXIT") for line in sass(plain, "sm_80"))
