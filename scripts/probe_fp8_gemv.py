@@ -3,22 +3,29 @@
     PYTHONPATH=. python3 scripts/probe_fp8_gemv.py compile probe.pkl   # anywhere: nvcc, no GPU needed
     PYTHONPATH=. python3 scripts/probe_fp8_gemv.py run probe.pkl       # on the GPU
 
-At one row of x, on an H100 with warm clocks (BENCHMARKS.md session 44), the bf16 GEMVs of Llama-3-8B's
-projections stream their weights at the copy rate while the FP8 ones lose 1.6-2.1 us a kernel, the static
-ones (o_proj's and down's in a calibrated engine) 0.8-2.4 us more. For each projection `compile` builds,
-for sm_90: the engine's FP8 GEMV (per-token scales); four diagnostic variants of it made by editing the
-kernel's source here (their results are wrong by design): "no stage" (x loaded but not normalised,
-quantized or staged: no block reduction and no barrier), "no x" (not even loaded), "no math" (each weight
-piece XOR-folded into the sum instead of converted and multiplied) and "no x, no math" (the load pattern
-alone); the same GEMV built for a static activation scale, and for o_proj and down six variants of
-that one ("fp8 static, reduced": with the block's reduction that it skips put back, unused; "fp8 static,
-no stage"; "literal", "ldg", "clamped" and "by value": the scale compiled in, read through the read-only
-path, clamped to the smallest scale as a per-token one is, or taken as a float parameter); and the engine's bf16 GEMV of the shape. `run`
-checks the engine's kernels against the plugin's reference and times every kernel through its plugin's
-launcher over 20 layers of weights (1-4.7 GB, so nothing comes from the L2) in a CUDA graph, launched for
-programmatic dependent launch as the engine does, beside the device copy rate measured in the same run.
-The gaps between the variants split a kernel's loss into its prologue (staging x), its arithmetic and its
-load pattern.
+At one row of x, on an H100 with warm clocks (BENCHMARKS.md session 45), the bf16 GEMVs of Llama-3-8B's
+projections stream their weights at the copy rate while the FP8 ones lose 1-3 us a kernel, most of it to
+staging x. (The static ones, o_proj's and down's in a calibrated engine, ran 0.8-2.6 us slower than the
+per-token ones until session 45 found why: ptxas had moved the per-token ones' x loads ahead of the wait
+for the kernel before.)
+
+For each projection `compile` builds, for sm_90:
+- the engine's FP8 GEMV (per-token scales), and four diagnostic variants of it made by editing the
+  kernel's source here (their results are wrong by design): "no stage" (x loaded but not normalised,
+  quantized or staged: no block reduction and no barrier), "no x" (not even loaded), "no math" (each
+  weight piece XOR-folded into the sum instead of converted and multiplied) and "no x, no math" (the
+  load pattern alone);
+- the same GEMV built for a static activation scale, and for o_proj and down six variants of it: "fp8
+  static, reduced" (the block's reduction that it skips put back, unused), "fp8 static, no stage", and
+  "literal", "ldg", "clamped" and "by value" (the scale compiled in, read through the read-only path,
+  clamped to the smallest scale as a per-token one is, or taken as a float parameter);
+- other tilings of the per-token GEMV (`TILINGS`), and the engine's bf16 GEMV of the shape.
+
+`run` checks the engine's kernels against the plugin's reference and times every kernel through its
+plugin's launcher over 20 layers of weights (1-4.7 GB, so nothing comes from the L2) in a CUDA graph,
+launched for programmatic dependent launch as the engine does, beside the device copy rate measured in
+the same run. The gaps between the variants split a kernel's loss into its prologue (staging x), its
+arithmetic and its load pattern.
 """
 from __future__ import annotations
 

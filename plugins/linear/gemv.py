@@ -59,7 +59,8 @@ SWIGLU_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*bf16", "out": "*bf16",
 # down 16.70 with 2 and 4 against 19.01 with 2 and 2 and 21.38 with 1 and 4; gate/up 31.51 with 4
 # columns and 1 piece against 32.32 with 2 and 2 and 30.68 with 1 and 4 (in the engine's step 4
 # columns gave decode b=1 347 tok/s, 1 column and 4 pieces 314, session 23); qkv 9.18 with 2 pieces
-# against 10.34 with 4 and 11.20 with 1.
+# against 10.34 with 4 and 11.20 with 1. On an H100 (session 45), 4 rows x 4 pieces and 2 columns x 2
+# pieces, faster alone, gave the same b=1 step, and lost alone once x was read after the PDL wait.
 FP8_KMAX = 16384
 FP8_LINEAR_ROWS, FP8_LINEAR_PIECES, FP8_SWIGLU_COLS, FP8_SWIGLU_PIECES, FP8_QKV_PIECES = 2, 4, 4, 1, 2
 FP8_LINEAR_SIGNATURE = {"x": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "x_static": "*fp32", "bias": "*bf16",
