@@ -1,8 +1,8 @@
 """The CUDA GEMVs (`plugins/linear/gemv.cu` and `gemv_fp8.cu`, `plugins.linear.gemv`) without a GPU: which shapes and
-rows get them, that each entry point's C++ parameters are its declared signature, that nvcc builds every
-one for every target, what each launcher passes them at one and two rows, and that a build without
-nvcc leaves them out. Their numerics run on the GPU (test_gemv_gpu.py), their order around programmatic
-dependent launch is checked in the SASS (test_gemv_sass.py)."""
+rows get them, that each entry point's C++ parameters are its declared signature, what each launcher
+passes them at one and two rows, and that a build without nvcc leaves them out. Their cubins for every
+target, and the order their SASS keeps around programmatic dependent launch, are test_gemv_sass.py's;
+their numerics run on the GPU (test_gemv_gpu.py)."""
 from __future__ import annotations
 
 import re
@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from kiln.plugins import nvcc
-from kiln.plugins.aot import TARGET_CC, compile_cubin
 from kiln.plugins.fp8 import FP8_TARGETS, quantize_rows
 from kiln.plugins.linear import gemv
 from kiln.plugins.linear.launch import pick_bucket
@@ -138,15 +137,6 @@ def test_entry_points_take_their_signatures():
         macro = call.split("(")[0]
         assert list(kernel.signature.values()) == params[macro], kernel.entry
         assert call.startswith(f"{macro}({kernel.entry},")
-
-
-@pytest.mark.skipif(nvcc.nvcc_path() is None, reason="nvcc is not installed")
-def test_nvcc_builds_every_entry_for_every_target():
-    for kernel in every_kernel():
-        for target in kernel.targets or TARGET_CC:
-            cubin = compile_cubin(kernel, target)
-            assert cubin.binary.startswith(b"\x7fELF") and cubin.name == kernel.entry
-            assert kernel.entry.encode() in cubin.binary and cubin.shared_bytes == 0 and cubin.num_warps == 8
 
 
 class Recorder:

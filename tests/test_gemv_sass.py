@@ -1,5 +1,6 @@
-"""The order the CUDA GEMVs' machine code keeps around programmatic dependent launch, read from the SASS
-(`nvdisasm`, from the nvidia-cuda-nvdisasm wheel) of their sm_90 and sm_100 cubins, without a GPU.
+"""The CUDA GEMVs' cubins without a GPU: nvcc builds every entry point for every target, and the order
+their machine code keeps around programmatic dependent launch, read from the SASS (`nvdisasm`, from the
+nvidia-cuda-nvdisasm wheel) of their sm_90 and sm_100 cubins. Each cubin is compiled once (`built`).
 
 Under PDL a GEMV starts while the kernel before it still runs, and `griddepcontrol.wait` (ACQBULK in
 SASS) is where it waits for that kernel's writes. Every load issued before the wait must read only the
@@ -14,13 +15,14 @@ import re
 import shutil
 import subprocess
 import tempfile
+from functools import cache
 from pathlib import Path
 
 import pytest
 from test_gemv import every_kernel
 
 from kiln.plugins import nvcc
-from kiln.plugins.aot import compile_cubin
+from kiln.plugins.aot import TARGET_CC, Cubin, compile_cubin
 
 # Parameters a step writes: no load of them may come before the wait.
 STEP_WRITTEN = {"x", "residual", "positions", "slots", "kv", "out"}
@@ -38,15 +40,23 @@ def nvdisasm() -> str | None:
     return shutil.which("nvdisasm")
 
 
-pytestmark = pytest.mark.skipif(nvcc.nvcc_path() is None or nvdisasm() is None,
-                                reason="needs nvcc and nvdisasm (make install puts nvidia-cuda-nvdisasm in)")
+needs_nvcc = pytest.mark.skipif(nvcc.nvcc_path() is None, reason="nvcc is not installed")
+needs_nvdisasm = pytest.mark.skipif(nvcc.nvcc_path() is None or nvdisasm() is None,
+                                    reason="needs nvcc and nvdisasm (make install puts nvidia-cuda-nvdisasm in)")
 
 
-def sass(kernel: nvcc.NvccKernel, target: str) -> list[str]:
-    """The kernel's instructions for `target`, one a line, predicates kept, without addresses."""
+@cache
+def built(target: str) -> list[tuple[nvcc.NvccKernel, Cubin]]:
+    """Every GEMV entry built for `target` (those whose targets include it), with its cubin."""
+    return [(kernel, compile_cubin(kernel, target)) for kernel in every_kernel()
+            if not kernel.targets or target in kernel.targets]
+
+
+def sass(cubin: Cubin) -> list[str]:
+    """The cubin's instructions, one a line, predicates kept, without addresses."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
-        path.write_bytes(compile_cubin(kernel, target).binary)
+        path.write_bytes(cubin.binary)
         text = subprocess.run([nvdisasm(), "-c", str(path)], capture_output=True, text=True, check=True).stdout
     return [line.split("*/", 1)[1].split(";")[0].strip() for line in text.splitlines()
             if re.search(r"/\*[0-9a-f]{4}\*/", line)]
@@ -88,12 +98,20 @@ def address_params(code: list[str], i: int, offsets: dict[int, str]) -> set[str]
     return params
 
 
+@needs_nvcc
+def test_nvcc_builds_every_entry_for_every_target():
+    for target in TARGET_CC:
+        for kernel, cubin in built(target):
+            assert cubin.binary.startswith(b"\x7fELF") and cubin.name == kernel.entry
+            assert kernel.entry.encode() in cubin.binary and cubin.shared_bytes == 0 and cubin.num_warps == 8
+    assert sum(len(built(target)) for target in TARGET_CC) == sum(len(k.targets or TARGET_CC) for k in every_kernel())
+
+
+@needs_nvdisasm
 @pytest.mark.parametrize("target", ["sm_90", "sm_100"])
 def test_nothing_a_step_writes_is_read_before_the_wait_and_the_weights_go_first(target):
-    for kernel in every_kernel():
-        if kernel.targets and target not in kernel.targets:
-            continue
-        code, offsets = sass(kernel, target), param_offsets(kernel.signature, target)
+    for kernel, cubin in built(target):
+        code, offsets = sass(cubin), param_offsets(kernel.signature, target)
         waits = [i for i, line in enumerate(code) if line == WAIT]
         assert len(waits) == 1, kernel.entry
         early = set().union(*(address_params(code, i, offsets) for i in range(waits[0]) if "LDG" in code[i]))
@@ -108,6 +126,6 @@ def test_the_walk_finds_a_load_of_x_ahead_of_the_wait():
     assert address_params(code, 2, param_offsets({"x": "*bf16", "w": "*bf16"}, "sm_90")) == {"x"}
 
 
+@needs_nvdisasm
 def test_sm80_builds_have_no_dependent_launch():
-    plain = next(k for k in every_kernel() if not k.targets)
-    assert not any(line in (WAIT, "PREEXIT") for line in sass(plain, "sm_80"))
+    assert built("sm_80") and not any(line in (WAIT, "PREEXIT") for _, cubin in built("sm_80") for line in sass(cubin))
