@@ -94,6 +94,11 @@ TILINGS = {
 }
 
 
+def tiling_label(tiling: dict[str, int]) -> str:
+    """How a tiling of `TILINGS` is named in the results: {"FP8_LINEAR_ROWS": 4, ...} -> "fp8 rows 4 ..."."""
+    return "fp8 " + " ".join(f"{name.rsplit('_', 1)[1].lower()} {value}" for name, value in tiling.items())
+
+
 def edited(text: str, edits: list[tuple[str, str]]) -> str:
     """`text` with every edit applied; each must match exactly once (the kernel's source changed if not)."""
     for find, replace in edits:
@@ -138,8 +143,7 @@ def kernels() -> list[tuple[str, str, object]]:
             saved = {name: getattr(gemv, name) for name in tiling}
             vars(gemv).update(tiling)
             try:
-                label = "fp8 " + " ".join(f"{name.rsplit('_', 1)[1].lower()} {v}" for name, v in tiling.items())
-                out.append((shape, label, build[shape]("bfloat16", **{weight: True})[0]))
+                out.append((shape, tiling_label(tiling), build[shape]("bfloat16", **{weight: True})[0]))
             finally:
                 vars(gemv).update(saved)
         out.append((shape, "bf16 (engine)", build[shape]("bfloat16")[0]))

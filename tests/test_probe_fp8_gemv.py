@@ -1,6 +1,6 @@
 """The FP8 GEMV probe (`scripts/probe_fp8_gemv.py`) on the CPU: its diagnostic variants are edits of
 `gemv_fp8.cu`'s text, so a change to that file must either keep them applying or stop the probe with a
-message; and every variant of one shape compiles for sm_90."""
+message; its other tilings are other kernels; and every variant of one shape compiles for sm_90."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +15,9 @@ def test_every_edit_applies_to_every_shape_and_changes_the_kernel():
     for shape in probe.SHAPES:
         variants = {label: kernel for s, label, kernel in found if s == shape}
         static = probe.STATIC_DIAGNOSTICS if shape in probe.STATIC_SHAPES else {}
-        assert set(variants) == {"fp8 (engine)", "fp8 static", *static, *probe.DIAGNOSTICS, "bf16 (engine)"}
+        tilings = [probe.tiling_label(tiling) for tiling in probe.TILINGS[shape]]
+        assert set(variants) == {"fp8 (engine)", "fp8 static", *static, *probe.DIAGNOSTICS, *tilings, "bf16 (engine)"}
+        assert all(variants[label].instance != variants["fp8 (engine)"].instance for label in tilings), shape
         for base, labels in (("fp8 (engine)", probe.DIAGNOSTICS), ("fp8 static", static)):
             for label in labels:
                 assert variants[label].instance != variants[base].instance, (shape, label)
