@@ -1,10 +1,12 @@
 """The decode attention kernels take part in programmatic dependent launch on sm_90 and later, and only
-there: their PTX waits for the kernel before them (`griddepcontrol.wait`) before it reads anything, and
-lets the next one start (o_proj's GEMV, which streams its first weights meanwhile). The sm_80 and sm_89
+there: they wait for the kernel before them (`griddepcontrol.wait`) before they read anything, in their
+PTX and in the SASS that ptxas makes of it (which may move loads: it moved the FP8 GEMVs', session 45),
+and let the next one start (o_proj's GEMV, which streams its first weights meanwhile). The sm_80 and sm_89
 builds, under the same launch meta, carry neither instruction, which those targets do not have."""
 import pytest
 
 from gpu_build import compiled_json
+from sass import LAUNCH_DEPENDENTS, WAIT, disassemble, is_load, nvdisasm
 
 SCRIPT = """
 import json, sys
@@ -17,12 +19,14 @@ for kernel in aot_kernels("bfloat16", {"heads": 32, "kv_heads": 8, "head_dim": 1
     if role not in ("decode", "decode_split", "combine_splits", "prefill"):
         continue
     for target in kernel.targets or TARGET_CC:
-        lines = [line.strip() for line in compile_kernel(kernel, target).asm["ptx"].splitlines()]
+        compiled = compile_kernel(kernel, target)
+        lines = [line.strip() for line in compiled.asm["ptx"].splitlines()]
         # An instruction may carry a predicate (@%p1 ld.global...).
         first = lambda op: next((i for i, line in enumerate(lines) if op in line.split("//")[0]), None)
         result.append({"role": role, "target": target, "pdl": bool(kernel.meta.get("pdl")),
                        "wait": first("griddepcontrol.wait"), "launch": first("griddepcontrol.launch_dependents"),
-                       "read": min(i for i in (first("ld.global"), first("cp.async")) if i is not None)})
+                       "read": min(i for i in (first("ld.global"), first("cp.async")) if i is not None),
+                       "cubin": compiled.asm["cubin"].hex()})
 sys.stdout.write(json.dumps(result))
 """
 
@@ -32,15 +36,31 @@ def kernels() -> list[dict]:
     return compiled_json(SCRIPT)
 
 
+def named(k: dict) -> tuple[str, str]:
+    return k["role"], k["target"]
+
+
 def test_decode_kernels_wait_before_reading_on_sm90_and_later(kernels):
     decode = [k for k in kernels if k["role"] != "prefill"]
     assert {k["role"] for k in decode} == {"decode", "decode_split", "combine_splits"}
     for k in decode:
-        assert k["pdl"], k
+        assert k["pdl"], named(k)
         if k["target"] in ("sm_90", "sm_100"):
-            assert k["wait"] is not None and k["launch"] is not None and k["wait"] < k["read"], k
+            assert k["wait"] is not None and k["launch"] is not None and k["wait"] < k["read"], named(k)
         else:
-            assert k["wait"] is None and k["launch"] is None, k
+            assert k["wait"] is None and k["launch"] is None, named(k)
+
+
+@pytest.mark.skipif(nvdisasm() is None, reason="needs nvdisasm (make install puts nvidia-cuda-nvdisasm in)")
+def test_decode_kernels_wait_before_reading_in_their_sass(kernels):
+    dependent = [k for k in kernels if k["role"] != "prefill" and k["target"] in ("sm_90", "sm_100")]
+    assert dependent
+    for k in dependent:
+        code = disassemble(bytes.fromhex(k["cubin"]))
+        waits = [i for i, line in enumerate(code) if line == WAIT]
+        assert len(waits) == 1 and LAUNCH_DEPENDENTS in code, named(k)
+        assert not any(is_load(line) for line in code[:waits[0]]), named(k)
+        assert any(is_load(line) for line in code[waits[0]:]), named(k)
 
 
 def test_prefill_kernels_launch_as_before(kernels):

@@ -10,15 +10,12 @@ FP8 GEMVs' x loads (`ld.global.nc`) ahead of the wait and the weight loads behin
 the check is on the SASS."""
 from __future__ import annotations
 
-import importlib.util
 import re
-import shutil
-import subprocess
-import tempfile
 from functools import cache
-from pathlib import Path
 
 import pytest
+
+from sass import LAUNCH_DEPENDENTS, WAIT, disassemble, is_load, nvdisasm
 from test_gemv import every_kernel
 
 from kiln.plugins import nvcc
@@ -28,16 +25,7 @@ from kiln.plugins.aot import TARGET_CC, Cubin, compile_cubin
 STEP_WRITTEN = {"x", "residual", "positions", "slots", "kv", "out"}
 # Where a kernel's parameters start in constant bank 0.
 PARAM_BASE = {"sm_90": 0x210, "sm_100": 0x380}
-WAIT, WEIGHT_LOAD = "ACQBULK", "LDG.E.NA."   # the weights' stream loads do not allocate in L1
-
-
-def nvdisasm() -> str | None:
-    """The wheel's nvdisasm (under the `nvidia` namespace package), else one on the PATH."""
-    spec = importlib.util.find_spec("nvidia")
-    for root in spec.submodule_search_locations if spec else []:
-        for found in sorted(Path(root).glob("cu*/bin/nvdisasm")):
-            return str(found)
-    return shutil.which("nvdisasm")
+WEIGHT_LOAD = "LDG.E.NA."   # the weights' stream loads do not allocate in L1
 
 
 needs_nvcc = pytest.mark.skipif(nvcc.nvcc_path() is None, reason="nvcc is not installed")
@@ -50,16 +38,6 @@ def built(target: str) -> list[tuple[nvcc.NvccKernel, Cubin]]:
     """Every GEMV entry built for `target` (those whose targets include it), with its cubin."""
     return [(kernel, compile_cubin(kernel, target)) for kernel in every_kernel()
             if not kernel.targets or target in kernel.targets]
-
-
-def sass(cubin: Cubin) -> list[str]:
-    """The cubin's instructions, one a line, predicates kept, without addresses."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "k.cubin"
-        path.write_bytes(cubin.binary)
-        text = subprocess.run([nvdisasm(), "-c", str(path)], capture_output=True, text=True, check=True).stdout
-    return [line.split("*/", 1)[1].split(";")[0].strip() for line in text.splitlines()
-            if re.search(r"/\*[0-9a-f]{4}\*/", line)]
 
 
 def param_offsets(signature: dict[str, str], target: str) -> dict[int, str]:
@@ -111,10 +89,10 @@ def test_nvcc_builds_every_entry_for_every_target():
 @pytest.mark.parametrize("target", ["sm_90", "sm_100"])
 def test_nothing_a_step_writes_is_read_before_the_wait_and_the_weights_go_first(target):
     for kernel, cubin in built(target):
-        code, offsets = sass(cubin), param_offsets(kernel.signature, target)
+        code, offsets = disassemble(cubin.binary), param_offsets(kernel.signature, target)
         waits = [i for i, line in enumerate(code) if line == WAIT]
         assert len(waits) == 1, kernel.entry
-        early = set().union(*(address_params(code, i, offsets) for i in range(waits[0]) if "LDG" in code[i]))
+        early = set().union(*(address_params(code, i, offsets) for i in range(waits[0]) if is_load(code[i])))
         assert early and not early & STEP_WRITTEN, (kernel.entry, target, early)
         assert "w" in early and any(WEIGHT_LOAD in line for line in code[:waits[0]]), (kernel.entry, target)
 
@@ -128,4 +106,5 @@ def test_the_walk_finds_a_load_of_x_ahead_of_the_wait():
 
 @needs_nvdisasm
 def test_sm80_builds_have_no_dependent_launch():
-    assert built("sm_80") and not any(line in (WAIT, "PREEXIT") for _, cubin in built("sm_80") for line in sass(cubin))
+    assert built("sm_80") and not any(line in (WAIT, LAUNCH_DEPENDENTS) for _, cubin in built("sm_80")
+                                  for line in disassemble(cubin.binary))
