@@ -20,12 +20,25 @@ from test_gemv import every_kernel
 
 from kiln.plugins import nvcc
 from kiln.plugins.aot import TARGET_CC, Cubin, compile_cubin
+from kiln.plugins.linear import gemv
 
 # Parameters a step writes: no load of them may come before the wait.
 STEP_WRITTEN = {"x", "residual", "positions", "slots", "kv", "out"}
 # Where a kernel's parameters start in constant bank 0.
 PARAM_BASE = {"sm_90": 0x210, "sm_100": 0x380}
 WEIGHT_LOAD = "LDG.E.NA."   # the weights' stream loads do not allocate in L1
+# A lane's weight loads an iteration of `stream_rows` (rows x pieces) in each entry, and how many iterations
+# go out before the wait: two in the FP8 GEMVs, one in the bf16 ones (BENCHMARKS.md session 46).
+BF16_PIECES = 4   # gemv.cu's U
+ITERATION_LOADS = {
+    "kiln_gemv_linear_t1": (gemv.LINEAR_ROWS_PER_WARP[1] * BF16_PIECES, 1),
+    "kiln_gemv_linear_t2": (gemv.LINEAR_ROWS_PER_WARP[2] * BF16_PIECES, 1),
+    "kiln_gemv_qkv_rope_t1": (2 * BF16_PIECES, 1),
+    "kiln_gemv_swiglu_t1": (2 * BF16_PIECES, 1),
+    "kiln_gemv_fp8_linear_t1": (gemv.FP8_LINEAR_ROWS * gemv.FP8_LINEAR_PIECES, 2),
+    "kiln_gemv_fp8_qkv_rope_t1": (2 * gemv.FP8_QKV_PIECES, 2),
+    "kiln_gemv_fp8_swiglu_t1": (2 * gemv.FP8_SWIGLU_COLS * gemv.FP8_SWIGLU_PIECES, 2),
+}
 
 
 needs_nvcc = pytest.mark.skipif(nvcc.nvcc_path() is None, reason="nvcc is not installed")
@@ -95,6 +108,16 @@ def test_nothing_a_step_writes_is_read_before_the_wait_and_the_weights_go_first(
         early = set().union(*(address_params(code, i, offsets) for i in range(waits[0]) if is_load(code[i])))
         assert early and not early & STEP_WRITTEN, (kernel.entry, target, early)
         assert "w" in early and any(WEIGHT_LOAD in line for line in code[:waits[0]]), (kernel.entry, target)
+
+
+@needs_nvdisasm
+@pytest.mark.parametrize("target", ["sm_90", "sm_100"])
+def test_each_entry_issues_its_iterations_of_weight_loads_before_the_wait(target):
+    for kernel, cubin in built(target):
+        code = disassemble(cubin.binary)
+        early = sum(WEIGHT_LOAD in line for line in code[:code.index(WAIT)])
+        loads, iterations = ITERATION_LOADS[kernel.entry]
+        assert early == loads * iterations, (kernel.entry, target, early)
 
 
 def test_the_walk_finds_a_load_of_x_ahead_of_the_wait():

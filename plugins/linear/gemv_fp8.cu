@@ -29,10 +29,6 @@
 namespace {
 
 constexpr float E4M3_MAX = 448.0f;
-// A row this long or longer stages behind two iterations' weight pieces, not one (`stream_rows`' BOTH):
-// on an H200 (scripts/probe_fp8_gemv.py) that took down (K = 14,336) from 21.5 to 19.2 us, and made
-// gate/up and qkv (K = 4,096) slower, 34.3 against 32.1 and 11.9 against 10.4.
-constexpr int LONG_ROW = 8192;
 constexpr float MIN_SCALE = 1.0f / (448.0f * 512.0f);   // plugins.fp8.MIN_SCALE
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
@@ -184,7 +180,7 @@ __device__ __forceinline__ __half2 as_half2(uint32_t v) { return *reinterpret_ca
 
 // The K loop of one warp over R e4m3 weight rows: acc[r] = xq . w[rows[r]], summed over the lanes, with
 // xq staged in shared memory by the caller's `early` step (`XRow::stage`).
-template <int R, int UF, int KMAX>
+template <int R, int UF>
 struct Fp8DotRows {
   float acc[R];
 
@@ -225,8 +221,13 @@ struct Fp8DotRows {
       rows[r] = reinterpret_cast<const uint4*>(w + static_cast<size_t>(row[r]) * K);
       acc[r] = 0.0f;
     }
-    constexpr bool long_row = KMAX >= LONG_ROW;
-    stream_rows<R, UF, long_row>(rows, pieces, lane, early, [&](const uint4(&buf)[R][UF], int it, auto guard) {
+    // x is staged behind two iterations' weight pieces (`stream_rows`' BOTH), which go out before the wait
+    // for the kernel before. Once the wait came after the first loads (session 45), two iterations for every
+    // entry took the 16-layer b=1 step on an H100 from 1.775 to 1.762 ms per token and from 1.762 to 1.756
+    // calibrated; before, only rows of 8,192 or more took two (down, 21.5 to 19.2 us on an H200; gate/up and
+    // qkv were slower then). The bf16 GEMVs stay at one: two made their step 0.8% slower (BENCHMARKS.md
+    // session 46).
+    stream_rows<R, UF, true>(rows, pieces, lane, early, [&](const uint4(&buf)[R][UF], int it, auto guard) {
       multiply<decltype(guard)::value>(buf, xs, it, lane, pieces);
     });
 #pragma unroll
@@ -262,7 +263,7 @@ __device__ __forceinline__ void fp8_linear(const __nv_bfloat16* x, const uint8_t
 #pragma unroll
   for (int r = 0; r < R; ++r) row[r] = first + r;
   XRow<KMAX> xr;
-  Fp8DotRows<R, UF, KMAX> dot;
+  Fp8DotRows<R, UF> dot;
   float scale;
   dot.run(w, row, K, xs, [&] {
     xr.load(x, K);
@@ -295,7 +296,7 @@ __device__ __forceinline__ void fp8_qkv_rope(const __nv_bfloat16* x, const __nv_
     ws0 = w_scale[row[0]], ws1 = w_scale[row[1]];
   }
   XRow<KMAX> xr;
-  Fp8DotRows<2, UF, KMAX> dot;
+  Fp8DotRows<2, UF> dot;
   float scale;
   dot.run(w, row, K, xs, [&] {
     xr.load(x, K);
@@ -337,7 +338,7 @@ __device__ __forceinline__ void fp8_swiglu(const __nv_bfloat16* x, const __nv_bf
     if (lane == c) wg = w_scale[row[2 * c]], wu = w_scale[row[2 * c + 1]];
   launch_dependents();
   XRow<KMAX> xr;
-  Fp8DotRows<2 * COLS, UF, KMAX> dot;
+  Fp8DotRows<2 * COLS, UF> dot;
   float scale;
   dot.run(w, row, K, xs, [&] {
     xr.load(x, K);
