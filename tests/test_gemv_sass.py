@@ -53,6 +53,12 @@ def built(target: str) -> list[tuple[nvcc.NvccKernel, Cubin]]:
             if not kernel.targets or target in kernel.targets]
 
 
+@cache
+def disassembled(target: str) -> list[tuple[nvcc.NvccKernel, list[str]]]:
+    """Every GEMV entry built for `target`, with its cubin's instructions (`disassemble`), read once."""
+    return [(kernel, disassemble(cubin.binary)) for kernel, cubin in built(target)]
+
+
 def param_offsets(signature: dict[str, str], target: str) -> dict[int, str]:
     """Constant-bank offset -> parameter name (8-byte pointers, 4-byte scalars, each aligned to its size)."""
     offsets, at = {}, PARAM_BASE[target]
@@ -101,8 +107,8 @@ def test_nvcc_builds_every_entry_for_every_target():
 @needs_nvdisasm
 @pytest.mark.parametrize("target", ["sm_90", "sm_100"])
 def test_nothing_a_step_writes_is_read_before_the_wait_and_the_weights_go_first(target):
-    for kernel, cubin in built(target):
-        code, offsets = disassemble(cubin.binary), param_offsets(kernel.signature, target)
+    for kernel, code in disassembled(target):
+        offsets = param_offsets(kernel.signature, target)
         waits = [i for i, line in enumerate(code) if line == WAIT]
         assert len(waits) == 1, kernel.entry
         early = set().union(*(address_params(code, i, offsets) for i in range(waits[0]) if is_load(code[i])))
@@ -113,8 +119,7 @@ def test_nothing_a_step_writes_is_read_before_the_wait_and_the_weights_go_first(
 @needs_nvdisasm
 @pytest.mark.parametrize("target", ["sm_90", "sm_100"])
 def test_each_entry_issues_its_iterations_of_weight_loads_before_the_wait(target):
-    for kernel, cubin in built(target):
-        code = disassemble(cubin.binary)
+    for kernel, code in disassembled(target):
         early = sum(WEIGHT_LOAD in line for line in code[:code.index(WAIT)])
         loads, iterations = ITERATION_LOADS[kernel.entry]
         assert early == loads * iterations, (kernel.entry, target, early)
@@ -129,5 +134,4 @@ def test_the_walk_finds_a_load_of_x_ahead_of_the_wait():
 
 @needs_nvdisasm
 def test_sm80_builds_have_no_dependent_launch():
-    assert built("sm_80") and not any(line in (WAIT, LAUNCH_DEPENDENTS) for _, cubin in built("sm_80")
-                                  for line in disassemble(cubin.binary))
+    assert disassembled("sm_80") and not any(line in (WAIT, LAUNCH_DEPENDENTS) for _, code in disassembled("sm_80") for line in code)
