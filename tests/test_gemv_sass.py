@@ -134,4 +134,5 @@ def test_the_walk_finds_a_load_of_x_ahead_of_the_wait():
 
 @needs_nvdisasm
 def test_sm80_builds_have_no_dependent_launch():
-    assert disassembled("sm_80") and not any(line in (WAIT, LAUNCH_DEPENDENTS) for _, code in disassembled("sm_80") for line in code)
+    code = [line for _, lines in disassembled("sm_80") for line in lines]
+    assert code and not any(line in (WAIT, LAUNCH_DEPENDENTS) for line in code)
