@@ -4,7 +4,9 @@ is checked against (CPU references and GPU kernels alike).
 - Weights: float8_e4m3fn [N, K] and one float32 scale per output feature, w ~ wq * scale[:, None];
   the scale maps the row's largest magnitude onto e4m3's largest finite value (448).
 - Activations: quantized per token (row) when they are made, x ~ xq * scale[:, None], with the
-  same rule per row. A row of zeros gets the smallest scale, so nothing divides by zero. Or,
+  same rule per row. A row of zeros gets the smallest scale, so nothing divides by zero. An
+  RMSNorm'd row times a norm weight g takes its largest magnitude as rstd * max |x * g|, rounded
+  to x's dtype (`normed_row_scales`): what a fused kernel knows after one pass over x. Or,
   static: one float32 scale for the whole tensor, fixed at build time from a calibration run
   (the largest magnitude seen, over 448); a larger value at run time saturates at +-448.
 - GEMM: the products of e4m3 values are exact in float32, so y = (xq @ wq^T in float32)
@@ -32,12 +34,25 @@ def to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
 
 
-def row_scales(x: torch.Tensor) -> torch.Tensor:
-    """One float32 scale per row of a 2-D tensor: its largest magnitude over 448."""
-    amax = x.float().abs().amax(dim=-1)
+def _scales(amax: torch.Tensor) -> torch.Tensor:
     # Divided by a tensor, not the number: on a GPU torch divides by a Python scalar as a product
     # with its reciprocal, a float32 ulp off at times (the kernels divide exactly).
     return (amax / torch.full_like(amax, E4M3_MAX)).clamp(min=MIN_SCALE)
+
+
+def row_scales(x: torch.Tensor) -> torch.Tensor:
+    """One float32 scale per row of a 2-D tensor: its largest magnitude over 448."""
+    return _scales(x.float().abs().amax(dim=-1))
+
+
+def normed_row_scales(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """The per-token scales of the rows RMSNorm(x) * weight (rstd: each row's RMSNorm factor,
+    [T] or [T, 1]): rstd * max |x * weight| rounded to x's dtype, over 448. The normalized
+    values are rounded twice on their own way (`rms_norm.reference`), so the largest may land a
+    step above this and saturate at 448; the kernels find the scale in the pass over x that
+    finds rstd, without a second pass (and a second block-wide reduction) over the row."""
+    amax = (x.float() * weight.float()).abs().amax(dim=-1) * rstd.float().reshape(-1)
+    return _scales(amax.to(x.dtype).float())
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,12 +86,12 @@ def widened(q: torch.Tensor) -> torch.Tensor:
 
 def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
                x_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T with W8A8 numerics: x quantized per token here, or with the static per-tensor
-    `x_scale` ([1]) when given; accumulated in float32; returns x's dtype."""
+    """y = x W^T with W8A8 numerics: x quantized per token here, or with the given `x_scale`: a
+    static per-tensor one ([1]) or one per row ([T]); accumulated in float32; returns x's dtype."""
     if x_scale is None:
         xq, x_scale = quantize_rows(x)
     else:
-        x_scale = x_scale.float().reshape(1).expand(x.shape[0])
+        x_scale = x_scale.float().reshape(-1).expand(x.shape[0])
         xq = to_e4m3(x, x_scale[:, None])
     acc = xq.float() @ widened(wq).t()
     return (acc * x_scale[:, None] * w_scale.float()[None, :]).to(x.dtype)

@@ -20,8 +20,9 @@ import kiln.plugins.linear.kernels as linear_kernels  # noqa: E402
 import kiln.plugins.linear.tiles as linear_tiles  # noqa: E402
 from kiln.plugins.attention import kernels as attention_kernels  # noqa: E402
 from kiln.plugins.attention_o_proj import kernels as attention_o_proj_kernels  # noqa: E402
-from kiln.plugins.fp8 import FP8, quantize_rows, to_e4m3  # noqa: E402
+from kiln.plugins.fp8 import FP8, quantize_rows, row_scales, to_e4m3  # noqa: E402
 from kiln.plugins.linear import fp8, tma  # noqa: E402
+from kiln.plugins.linear.reference import normed_input_scales  # noqa: E402
 from kiln.plugins.linear_residual import kernels as linear_residual_kernels  # noqa: E402
 from kiln.plugins.norm_qkv_rope import kernels as norm_qkv_rope_kernels  # noqa: E402
 from kiln.plugins.norm_swiglu import kernels as norm_swiglu_kernels  # noqa: E402
@@ -94,8 +95,8 @@ def test_float32_rounding_to_e4m3_is_torchs_cast():
 @pytest.mark.parametrize("norm", ["none", "folded", "unfolded"])
 @pytest.mark.parametrize("k", [100, 512, 5000])
 def test_quantize_rows_gives_the_reference_rows(k, norm, dtype):
-    """The pre-pass's e4m3 rows and scales are those of `plugins.fp8.quantize_rows` applied to
-    the GEMM input (x, or the RMSNorm'd row in x's dtype), exactly, whether a row is read once
+    """The pre-pass's e4m3 rows and scales are the reference's for the GEMM input (x, or the
+    RMSNorm'd row in x's dtype, with `linear.reference.normed_input_scales`), exactly, whether a row is read once
     (k up to fp8.ONE_READ_MAX_K) or walked in blocks twice (k = 5000 with that limit lowered);
     a zero row gets the smallest scale, and a row with one huge value saturates nothing. A
     float32 RMSNorm'd row is not rounded to a coarser dtype, so there the order of the kernel's
@@ -109,7 +110,9 @@ def test_quantize_rows_gives_the_reference_rows(k, norm, dtype):
     with mock.patch.object(fp8, "ONE_READ_MAX_K", 4096 if k > 4096 else fp8.ONE_READ_MAX_K):
         assert (fp8.quantize_block_k(k) >= k) == (k <= 4096)
         xq, scales = linear_kernels.quantize_rows(x, g, norm != "none", EPS)
-    expected_q, expected_scales = quantize_rows(x if norm == "none" else rms_norm(x, g, EPS))
+    gemm_input = x if norm == "none" else rms_norm(x, g, EPS)
+    expected_scales = row_scales(x) if norm == "none" else normed_input_scales(x, g, EPS)
+    expected_q = to_e4m3(gemm_input, expected_scales[:, None])
     if dtype == torch.float32 and norm != "none":
         torch.testing.assert_close(scales, expected_scales, rtol=1e-6, atol=0)
         off = xq.float() != expected_q.float()

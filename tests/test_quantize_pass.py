@@ -10,6 +10,7 @@ from kiln.builder.passes.fold import interleave
 from kiln.builder.passes.quantize import PER_TOKEN_OPS, quantize_fp8, scale_input
 from kiln.plugins import get_plugin
 from kiln.plugins.fp8 import FP8, dequantize_rows, fp8_linear, quantize_rows
+from kiln.plugins.linear.reference import normed_input_scales
 from kiln.plugins.rms_norm.reference import rms_norm
 from pass_graphs import *  # noqa: F401,F403
 
@@ -98,7 +99,7 @@ def test_w8a8_references_quantize_the_exact_gemm_input():
     x, g = torch.randn(5, 32, dtype=torch.bfloat16), torch.rand(32) + 0.5
     wq, scale = quantize_rows(torch.randn(64, 32))
     got = get_plugin("norm_swiglu").call_reference([x, g, wq, scale], {"eps": 1e-6, "block": 0, "activation": "silu"})
-    y = fp8_linear(rms_norm(x, g, 1e-6), wq, scale)
+    y = fp8_linear(rms_norm(x, g, 1e-6), wq, scale, normed_input_scales(x, g, 1e-6))
     assert torch.equal(got, torch.nn.functional.silu(y[:, :32]) * y[:, 32:])
     residual = torch.randn(5, 64, dtype=torch.bfloat16)
     got = get_plugin("linear_residual").call_reference(

@@ -1,6 +1,7 @@
 """The W8A8 (FP8) numerics of every GEMM plugin's FP8 kernels, on the GPU (`plugins.fp8`'s; their
 GEMM core is `linear.kernels.fp8_gemm_tile`): e4m3 weights [N, K] with a float32 scale per weight
-row, the GEMM input quantized per token (its largest magnitude over 448, round to nearest even,
+row, the GEMM input quantized per token (its largest magnitude, as `plugins.fp8` defines it after
+an unfolded norm weight, over 448; round to nearest even,
 saturating) by `quantize_rows_kernel`, e4m3 products summed in float32, then
 acc * x_scale[row] * w_scale[col].
 
@@ -110,33 +111,44 @@ def normalized(x, rstd, norm_ptr, cols, mask_k, NORM: tl.constexpr, EMULATE: tl.
 
 
 @triton.jit
+def magnitudes(x, norm_ptr, cols, mask_k, NORM: tl.constexpr):
+    """The largest |x| of each row of a tile of x, or with NORM and an unfolded norm weight the
+    largest |x * g|: times rstd and rounded to x's dtype, the normalized row's largest magnitude
+    as `plugins.fp8` defines it (`normed_row_scales`), found in the pass that finds rstd."""
+    x = x.to(tl.float32)
+    if NORM and norm_ptr is not None:
+        x = x * tl.load(norm_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)[None, :]
+    return tl.max(tl.abs(x), axis=1)
+
+
+@triton.jit
+def scale_of(amax, rstd, dtype: tl.constexpr, NORM: tl.constexpr, EMULATE: tl.constexpr):
+    """The e4m3 scale of a row from `magnitudes`' largest value and its RMSNorm factor."""
+    if NORM:
+        amax = round_to(amax * rstd, dtype, EMULATE).to(tl.float32)
+    return tl.maximum(tl.math.div_rn(amax, _MAX), _MIN_SCALE)
+
+
+@triton.jit
 def row_stats(x_ptr, norm_ptr, offs_m, mask_m, eps, K: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_K: tl.constexpr, NORM: tl.constexpr, EMULATE: tl.constexpr, AMAX: tl.constexpr = True):
-    """(x_scale, rstd) of rows offs_m of x [., K]: the e4m3 scale of each row's GEMM input and,
-    with NORM, its RMSNorm scale (else 1). A folded norm needs one pass: |x| * rstd rounded to
-    x's dtype grows with |x|, so the normalized row's largest magnitude is that of x's largest.
-    An unfolded norm weight reorders the magnitudes, and a second pass finds it, unless the caller
-    has its scale already (not AMAX: x_scale is then meaningless)."""
+    """(x_scale, rstd) of rows offs_m of x [., K], in one pass: the e4m3 scale of each row's GEMM
+    input and, with NORM, its RMSNorm factor (else 1). Without AMAX (the caller has its scale
+    already) x_scale is meaningless and the norm weight is not read."""
     offs_k = tl.arange(0, BLOCK_K)
     ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :]
     sumsq = tl.zeros((BLOCK_M,), tl.float32)
     amax = tl.zeros((BLOCK_M,), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        x = tl.load(ptrs + k0, mask=mask_m[:, None] & (offs_k < K - k0)[None, :], other=0.0).to(tl.float32)
+        mask_k = offs_k < K - k0
+        x = tl.load(ptrs + k0, mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
         sumsq += tl.sum(x * x, axis=1)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        if AMAX:
+            amax = tl.maximum(amax, magnitudes(x, norm_ptr, k0 + offs_k, mask_k, NORM))
     rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
     if NORM:
         rstd = tl.rsqrt(sumsq / K + eps)
-        amax = round_to(amax * rstd, x_ptr.dtype.element_ty, EMULATE).to(tl.float32)
-        if AMAX and norm_ptr is not None:
-            amax = tl.zeros((BLOCK_M,), tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                mask_k = offs_k < K - k0
-                x = tl.load(ptrs + k0, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                xn = normalized(x, rstd, norm_ptr, k0 + offs_k, mask_k, NORM, EMULATE).to(tl.float32)
-                amax = tl.maximum(amax, tl.max(tl.abs(xn), axis=1))
-    return tl.maximum(tl.math.div_rn(amax, _MAX), _MIN_SCALE), rstd
+    return scale_of(amax, rstd, x_ptr.dtype.element_ty, NORM, EMULATE), rstd
 
 
 @triton.jit
@@ -146,7 +158,8 @@ def quantize_rows_kernel(x_ptr, norm_ptr, xq_ptr, scale_ptr, static_ptr, T, eps,
     the row's scale to scale[T]. The scale is the row's own, or with static_ptr the static
     per-tensor one it holds ([1], fixed at build time; larger values saturate), copied to every
     row so that the GEMMs read one form. A row that fits one block is read once and kept in
-    registers; a longer one is walked twice (`row_stats`, then the quantization)."""
+    registers; a longer one is walked twice (`row_stats`, then the quantization). An unfolded norm
+    weight's row scale is `plugins.fp8.normed_row_scales`: the largest |x * g| times rstd."""
     row = tl.program_id(0) + tl.zeros((1,), tl.int32)
     mask_m = row < T
     offs_k = tl.arange(0, BLOCK_K)
@@ -163,7 +176,8 @@ def quantize_rows_kernel(x_ptr, norm_ptr, xq_ptr, scale_ptr, static_ptr, T, eps,
         if static_ptr is not None:
             x_scale = tl.load(static_ptr + tl.zeros((1,), tl.int32))
         else:
-            x_scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(xn), axis=1), _MAX), _MIN_SCALE)
+            x_scale = scale_of(magnitudes(x, norm_ptr, offs_k, mask_k, NORM), rstd, x_ptr.dtype.element_ty, NORM,
+                               EMULATE)
         tl.store(xq_ptr + offs, to_e4m3(xn, x_scale, ROUND_E4M3), mask=mask)
     else:
         x_scale, rstd = row_stats(x_ptr, norm_ptr, row, mask_m, eps, K, 1, BLOCK_K, NORM, EMULATE,

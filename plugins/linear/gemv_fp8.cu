@@ -104,9 +104,8 @@ struct XRow {
   }
 
   // The row quantized to e4m3 into `xs` (as f16, in the layout of the file's header); returns its
-  // scale: *x_static (STATIC), else its own. A folded norm needs one pass for the largest magnitude:
-  // rounding |x| * rstd to bf16 keeps the order of magnitudes. An unfolded weight reorders them, and a
-  // second pass finds it.
+  // scale: *x_static (STATIC), else its own, found in the pass that finds rstd: the largest |x| (or with an
+  // unfolded norm weight |x * g|) times rstd, rounded to bf16 (`plugins.fp8.normed_row_scales`).
   template <bool NORM, bool NORM_WEIGHT, bool STATIC>
   __device__ __forceinline__ float stage(const __nv_bfloat16* norm, const float* x_static, uint4* xs, int K,
                                          float eps) const {
@@ -116,28 +115,20 @@ struct XRow {
     if (NORM || !STATIC) {
 #pragma unroll
       for (int i = 0; i < PER_THREAD; ++i) {
-        float f[VEC];
+        const int p = threadIdx.x + i * WARPS * LANES;
+        float f[VEC], g[VEC];
         unpack(v[i], f);   // zeros past the row
+        if (NORM_WEIGHT && !STATIC) unpack(p < units ? __ldg(nv + p) : make_uint4(0, 0, 0, 0), g);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) sum = fmaf(f[j], f[j], sum), amax = fmaxf(amax, fabsf(f[j]));
+        for (int j = 0; j < VEC; ++j) {
+          sum = fmaf(f[j], f[j], sum);
+          amax = fmaxf(amax, fabsf(NORM_WEIGHT && !STATIC ? f[j] * g[j] : f[j]));
+        }
       }
     }
     const float2 stats = NORM || !STATIC ? block_sum_max(sum, amax) : make_float2(0.0f, 0.0f);
     const float rstd = NORM ? rsqrtf(stats.x / K + eps) : 1.0f;
     amax = NORM ? round_bf16(stats.y * rstd) : stats.y;
-    if (NORM_WEIGHT && !STATIC) {
-      amax = 0.0f;
-#pragma unroll
-      for (int i = 0; i < PER_THREAD; ++i) {
-        const int p = threadIdx.x + i * WARPS * LANES;
-        if (p >= units) continue;
-        float f[VEC];
-        gemm_input<NORM, true>(f, v[i], nv, p, rstd);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, fabsf(f[j]));
-      }
-      amax = block_sum_max(0.0f, amax).y;
-    }
     const float scale = STATIC ? *x_static : fmaxf(__fdiv_rn(amax, E4M3_MAX), MIN_SCALE);
     const float inverse = __frcp_rn(scale);
 #pragma unroll

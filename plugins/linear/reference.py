@@ -2,14 +2,16 @@
 parallel) or gathered from them (the vocabulary-parallel LM head: `all_gather_columns`, which the
 CUDA executor calls too); and `project`, the one GEMM every projection's reference runs: in the
 model dtype, or W8A8 with `plugins.fp8`'s numerics when the weight is float8_e4m3fn with its
-per-output-feature scale."""
+per-output-feature scale; and `project_normed`, the same after an RMSNorm, as the norm plugins'
+references run it."""
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from kiln.plugins.fp8 import fp8_linear
+from kiln.plugins.fp8 import fp8_linear, normed_row_scales, row_scales
+from kiln.plugins.rms_norm.reference import rms_norm, rstd
 
 
 # Calibration (builder/calibrate.py) watches what every GEMM multiplies, through this one function.
@@ -29,13 +31,32 @@ def observing_gemm_inputs(observe: Callable[[torch.Tensor], None]) -> Iterator[N
 def project(x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.Tensor],
             bias: Optional[torch.Tensor] = None, input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x W^T (+ b). With `weight_scale` the weight is e4m3 and x is quantized per token, or with
-    the static per-tensor `input_scale` when given."""
+    `input_scale` when given: static per tensor ([1]) or per row ([T])."""
     for observe in _GEMM_INPUT_OBSERVERS:
         observe(x)
     if weight_scale is None:
         return torch.nn.functional.linear(x, weight, bias)
     y = fp8_linear(x, weight, weight_scale, input_scale)
     return y + bias if bias is not None else y
+
+
+def normed_input_scales(x: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """The per-token e4m3 scales of the rows rms_norm(x, norm_weight, eps) as the fused FP8
+    kernels find them: of the normalized rows themselves where the norm weight is folded (None),
+    else `plugins.fp8.normed_row_scales`."""
+    if norm_weight is None:
+        return row_scales(rms_norm(x, None, eps))
+    return normed_row_scales(x, norm_weight, rstd(x, eps))
+
+
+def project_normed(x: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float, weight: torch.Tensor,
+                   weight_scale: Optional[torch.Tensor], bias: Optional[torch.Tensor] = None,
+                   input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """project(rms_norm(x, norm_weight, eps), ...), an FP8 one quantizing per token with the
+    fused kernels' scales (`normed_input_scales`)."""
+    if weight_scale is not None and input_scale is None and norm_weight is not None:
+        input_scale = normed_input_scales(x, norm_weight, eps)
+    return project(rms_norm(x, norm_weight, eps), weight, weight_scale, bias, input_scale)
 
 
 def all_reduce_if(y: torch.Tensor, all_reduce: bool) -> torch.Tensor:

@@ -3,7 +3,7 @@
 One projection against the concatenated [Wq; Wk; Wv] (norm weight folded in once the fold
 pass has run), bias, optional per-head q/k norm, RoPE on q and k; k and v go straight into
 their KV cache slots and only q is returned. With `w_qkv_scale` the projection is W8A8
-(`linear.reference.project`): the normalized rows are quantized per token.
+(`linear.reference.project_normed`): the normalized rows are quantized per token.
 """
 from typing import Optional
 
@@ -11,8 +11,7 @@ import torch
 
 from kiln.plugins.attention.reference import write_kv
 from kiln.plugins.head_rms_norm.reference import head_rms_norm
-from kiln.plugins.linear.reference import project
-from kiln.plugins.rms_norm.reference import rms_norm
+from kiln.plugins.linear.reference import project_normed
 from kiln.plugins.rope.reference import apply_rope
 
 
@@ -24,7 +23,7 @@ def norm_qkv_rope(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_qkv: t
                   kv_scales: Optional[torch.Tensor] = None,
                   w_qkv_scale: Optional[torch.Tensor] = None,
                   w_qkv_input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    qkv = project(rms_norm(x, norm_weight, eps), w_qkv, w_qkv_scale, b_qkv, w_qkv_input_scale)
+    qkv = project_normed(x, norm_weight, eps, w_qkv, w_qkv_scale, b_qkv, w_qkv_input_scale)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
     if q_norm is not None and k_norm is not None:
         q, k = head_rms_norm(q, q_norm, eps, head_dim), head_rms_norm(k, k_norm, eps, head_dim)

@@ -3,15 +3,14 @@ gate/up weights, act(gate) * up with act silu (SwiGLU) or tanh-approximated GELU
 
 `w_gu` holds gate and up rows interleaved in blocks of `block` rows ([g0 u0 g1 u1 ...]) so a
 kernel tile sees matching gate and up columns; `block` = 0 means plain [W_gate; W_up]. With
-`w_gu_scale` the projection is W8A8 (`linear.reference.project`).
+`w_gu_scale` the projection is W8A8 (`linear.reference.project_normed`).
 """
 from typing import Optional
 
 import torch
 
 from kiln.plugins.gelu_mul.reference import gelu_mul
-from kiln.plugins.linear.reference import project
-from kiln.plugins.rms_norm.reference import rms_norm
+from kiln.plugins.linear.reference import project_normed
 from kiln.plugins.silu_mul.reference import silu_mul
 
 # activation attr -> the primitive gated op it stands for
@@ -34,5 +33,6 @@ def norm_swiglu(x: torch.Tensor, norm_weight: Optional[torch.Tensor], w_gu: torc
     """`out_scale` only tells the GPU kernels to hand the output on in e4m3 too (`linear.fp8`)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"norm_swiglu: unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
-    gate, up = split_gate_up(project(rms_norm(x, norm_weight, eps), w_gu, w_gu_scale, input_scale=w_gu_input_scale), block)
+    gate, up = split_gate_up(project_normed(x, norm_weight, eps, w_gu, w_gu_scale, input_scale=w_gu_input_scale),
+                             block)
     return ACTIVATIONS[activation](gate, up)

@@ -4,10 +4,14 @@ from typing import Optional
 import torch
 
 
+def rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """rsqrt(mean(x^2) + eps) over the last dim in float32, kept as a trailing dim of 1."""
+    return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+
+
 def normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) over the last dim, in float32, cast back to x's dtype."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    """x * rstd(x) in float32, cast back to x's dtype."""
+    return (x.float() * rstd(x, eps)).to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
