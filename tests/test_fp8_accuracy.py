@@ -12,12 +12,15 @@ from fp8_accuracy_check import AGREEMENT, MODELS, PERPLEXITY_RATIO, engines, gre
 
 # What each model measures (fp8_accuracy_check's docstring): a regression guard, so that a change
 # in the numerics shows even where the bar is not met. SmolLM2's ratio moves with the machine (the
-# CPU's bf16 arithmetic, most likely): 1.056 where it was first measured, 1.064 (35.73 -> 38.01)
-# with the same code on an AMD EPYC without AVX512-BF16; the guard's margin covers both.
-MEASURED_RATIO = {"gemma3-270m": 1.011, "smollm2-135m": 1.06}
+# CPU's bf16 arithmetic, most likely): with session 48's numerics 1.056, 1.064 and 1.071 on three
+# machines; the guard's margin covers that spread. Both ratios are chaotic in the scales (W8A8 in
+# the small, test_fp8_gpu's docstring): multiplying every per-token scale after a norm by
+# 1 + 0.0007 i (i = -8..8) spread SmolLM2's over 1.06-1.11 and Gemma's over 1.00-1.05 (standard
+# deviations 0.012-0.018, session 49), so any change to the numerics needs these measured again.
+MEASURED_RATIO = {"gemma3-270m": 1.0135, "smollm2-135m": 1.084}
 MARGIN = 0.015
 # SmolLM2-135M misses the 2% bar: the e4m3 rounding of the weights of its 30 layers.
-MISSES_THE_BAR = {"smollm2-135m": "measured ratio 1.056-1.064: the e4m3 rounding of the weights of 30 layers"}
+MISSES_THE_BAR = {"smollm2-135m": "measured ratio 1.056-1.084: the e4m3 rounding of the weights of 30 layers"}
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -55,7 +58,7 @@ def test_fp8_perplexity_within_2_percent_of_bf16(built, ppl, request):
 
 # Static activation scales (fp8_accuracy_check's docstring): a scale for o_proj's and down's inputs from eight
 # calibration prompts costs accuracy against per-token scales, and these guard where it stands.
-STATIC_MEASURED = {"gemma3-270m": (0.971, 1.013), "smollm2-135m": (0.918, 1.093)}
+STATIC_MEASURED = {"gemma3-270m": (0.973, 1.031), "smollm2-135m": (0.910, 1.081)}
 
 
 def test_static_activation_scales_keep_the_agreement_bar(built, module_dir, record_property):
