@@ -127,8 +127,7 @@ def test_quantize_rows_gives_the_reference_rows(k, norm, dtype):
 def test_quantize_rows_with_a_static_scale_gives_the_reference_rows(k, norm):
     """With a static activation scale the pre-pass divides every row by it (values past 448 times
     it saturate) and writes it as each row's scale, bit for bit as `plugins.fp8.to_e4m3` does, in
-    one read and in the two-pass walk (whose second pass for an unfolded norm weight's largest
-    value it skips)."""
+    one read and in the two-pass walk (whose first pass then reads no norm weight)."""
     torch.manual_seed(k + len(norm))
     x = rand(5, k, dtype=torch.bfloat16, scale=3.0)
     x[1] = 0
