@@ -42,7 +42,8 @@ def named(k: dict) -> tuple[str, str]:
 
 def test_decode_kernels_wait_before_reading_on_sm90_and_later(kernels):
     decode = [k for k in kernels if k["role"] != "prefill"]
-    assert {k["role"] for k in decode} == {"decode", "decode_split", "combine_splits"}
+    # A bf16 cache has no combine kernel: the split kernel merges its parts.
+    assert {k["role"] for k in decode} == {"decode", "decode_split"}
     for k in decode:
         assert k["pdl"], named(k)
         if k["target"] in ("sm_90", "sm_100"):

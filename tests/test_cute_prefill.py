@@ -158,8 +158,8 @@ def test_the_launcher_takes_it_for_prefill_rows_without_a_window(window, cute):
     with recorded_descriptors():
         attention_launch.launch(fns, metas, inputs, attrs, out, {"T": tokens, "S": 3, "D": 2}, 7,
                                 {name: torch.empty(1 << 20, dtype=torch.uint8)
-                                 for name in ("attention_part", "attention_stats")})
-    # the decode rows (split over their keys), then the prompt: the CuTe kernel a block a tile (3 tile ids x
-    # 32 heads)
-    assert [role for role, _, _ in log] == ["decode_split", "combine_splits", "prefill_cute" if cute else "prefill"]
+                                 for name in ("attention_part", "attention_stats", "attention_arrivals")})
+    # the decode rows (split over their keys, merged by the split kernel), then the prompt: the CuTe
+    # kernel a block a tile (3 tile ids x 32 heads)
+    assert [role for role, _, _ in log] == ["decode_split", "prefill_cute" if cute else "prefill"]
     assert not cute or log[-1][1] == (3 * heads, 1, 1)

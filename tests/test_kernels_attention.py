@@ -72,11 +72,12 @@ def close(out: torch.Tensor, ref: torch.Tensor) -> bool:
     return (out.float() - ref.float()).abs().max().item() <= tol
 
 
-def make_step(spec: list, heads: int, dtype: torch.dtype, seed: int = 0) -> dict:
-    """Step inputs, q/k/v and a random KV cache (2 layers) for sequences `spec`."""
+def make_step(spec: list, heads: int, dtype: torch.dtype, seed: int = 0, table_blocks: int = 0) -> dict:
+    """Step inputs, q/k/v and a random KV cache (2 layers) for sequences `spec`, the block tables
+    `table_blocks` wide (default: one more than the longest sequence's blocks)."""
     gen = torch.Generator().manual_seed(seed)
     chunks = [SequenceChunk(list(range(n)), start, blocks) for start, n, blocks in spec]
-    step = pack_step(chunks, BLOCK_SIZE, max(len(b) for _, _, b in spec) + 1)
+    step = pack_step(chunks, BLOCK_SIZE, table_blocks or max(len(b) for _, _, b in spec) + 1)
     rand = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)  # noqa: E731
     t, kv = step.num_tokens, KV_HEADS * HEAD_DIM
     return {"step": step, "q": rand(t, heads * HEAD_DIM), "k": rand(t, kv), "v": rand(t, kv),
@@ -169,6 +170,38 @@ def test_attention_decode_step_split_kv(dtype):
         attention_kernels.paged_attention(data["q"], cache, s.block_tables, s.query_lens, s.context_lens,
                                           out, attrs, splits, SMALL_TILES)
         assert close(out, ref), f"num_splits={splits}"
+
+
+@needs_interpreter
+def test_split_decode_merges_its_parts_and_leaves_its_arrivals_at_zero():
+    """The engine's split-KV decode kernel through its launcher (interpreted stand-ins for the cubins): the
+    last part of each program row and kv head to finish merges them, then sets their arrival count back to
+    0, so that the next launch on the same scratch (a graph replay, another layer) merges again."""
+    from interpreted_launch import Running, targeted
+    from kiln.plugins.attention import launch as attention_launch
+    from kiln.runtime.cuda_executor import op_scratch
+
+    # Tables of 70 blocks (280 keys) split the keys in 2 parts of 64-key tiles: the first sequence's 81 keys
+    # fill both, the others' only the first.
+    spec = [(80, 1, list(range(21))), *DECODE_STEP[1:]]
+    data = make_step(spec, 4, torch.float32, seed=5, table_blocks=70)
+    attrs = attention_attrs(4, 0)
+    ref, _ = reference_attention(data, attrs, with_kv=False)
+    cache = prepared_cache(data, attrs, with_kv=False)
+    shapes = {"heads": 4, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE}
+    kernels = targeted(attention_kernels.aot_kernels("float32", shapes), "sm_89")
+    limits = {"T": 8, "S": 8, "B": 70, "block_size": BLOCK_SIZE, "element_bytes": 4}
+    scratch = {name: torch.zeros(nbytes, dtype=torch.uint8)
+               for name, nbytes in op_scratch(attention_launch, attrs, [k.meta for k in kernels], limits).items()}
+    inputs = attention_inputs(data, cache, with_kv=False)
+    for _ in range(2):
+        out, log = torch.full_like(ref, float("nan")), []
+        tensors = [t for t in [*inputs, out, cache[1, 0], cache[1, 1], *scratch.values()] if t is not None]
+        attention_launch.launch([Running(k, tensors, log) for k in kernels], [k.meta for k in kernels], inputs,
+                                attrs, out, {"T": 4}, 0, scratch)
+        assert log == [("attention_kernel", (4, KV_HEADS, 2))]
+        assert close(out, ref)
+        assert not scratch["attention_arrivals"].any()
 
 
 def test_num_splits_only_for_decode_steps_that_leave_the_gpu_idle():

@@ -203,15 +203,15 @@ def compare(op: str, jit: list[JitLaunch], driver: list[DriverLaunch], external:
 
 def check_op(op: str, kernels: list[AotKernel], signatures: list[list[str]], metas: list[dict], inputs: list,
              attrs: dict, out: torch.Tensor, dims: dict[str, int], scratch: dict[str, torch.Tensor],
-             external: list[torch.Tensor]) -> int:
-    """Run the op both ways and compare; returns the number of launches."""
+             external: list[torch.Tensor]) -> list[tuple[str, tuple[int, int, int]]]:
+    """Run the op both ways and compare; returns the launches' kernel names and grids."""
     with recording_jit() as jit:
         KERNELS[op].run(inputs, attrs, out)
     driver: list[DriverLaunch] = []
     stand_ins = [RecordingKernel(k, s, driver) for k, s in zip(kernels, signatures)]
     LAUNCHERS[op].launch(stand_ins, metas, inputs, attrs, out, dims, 0, scratch)
     compare(op, jit, driver, [t for t in inputs if t is not None] + [out] + external, scratch)
-    return len(jit)
+    return [(launch.fn.fn.__name__, launch.grid) for launch in jit]
 
 
 # -- engines and steps -------------------------------------------------------------------------
@@ -277,7 +277,7 @@ def _json(meta: dict) -> dict:
 
 
 def check_variant(op: str, dtype: str, shapes: dict, inputs: list, attrs: dict, out: torch.Tensor, dims: dict,
-                  scratch: dict, external: list) -> int:
+                  scratch: dict, external: list) -> list[tuple[str, tuple[int, int, int]]]:
     kernels = [k for k in KERNELS[op].aot_kernels(dtype, shapes) if k.targets is None or TARGET in k.targets]
     signatures = [[t for t in k.signature.values() if t != "constexpr"] for k in kernels]
     return check_op(op, kernels, signatures, [_json(k.meta) for k in kernels], inputs, attrs, out, dims, scratch,
@@ -350,7 +350,9 @@ def test_launchers_pass_what_run_passes(engines, family, dtype, max_seq_len, hid
                                 external)
             checked.setdefault(name, set()).add(step_name)
             if name in ("attention_o_proj", "attention"):
-                attention_paths.add(launches)
+                # (launches, whether attention split its keys)
+                attention_paths.add((len(launches), any(fn == "attention_kernel" and grid[2] > 1
+                                                        for fn, grid in launches)))
             for v_op, shapes, v_inputs, v_attrs, v_out in variants(name, engine, entry, args, op.attrs, out):
                 check_variant(v_op, dtype, shapes, v_inputs, v_attrs, v_out, dims, scratch,
                               external + [t for t in v_inputs if t is not None])
@@ -361,10 +363,12 @@ def test_launchers_pass_what_run_passes(engines, family, dtype, max_seq_len, hid
     unused = UNUSED_OPS.get(family, LLAMA_UNUSED_OPS)
     assert {name.removesuffix(" variant") for name in checked} == set(LAUNCHED_OPS) - unused
     assert all(steps == {"prefill", "mixed", "decode"} for steps in checked.values()), checked
-    # attention (then the GEMM, fused); a split-KV decode adds the combine kernel, and the mixed
-    # step's two leading decode rows the decode kernel before the prefill one.
+    # attention (then the GEMM, fused); the mixed step's two leading decode rows add the decode kernel
+    # before the prefill one. Tables of 512 keys split a decode step's keys (the mixed step's decode rows
+    # too), each split kernel merging its parts.
     kernels = 1 if "attention_o_proj" in unused else 2
-    assert attention_paths == ({kernels, kernels + 1, kernels + 2} if max_seq_len > 256 else {kernels, kernels + 1})
+    split = max_seq_len > 256
+    assert attention_paths == {(kernels, False), (kernels + 1, split), (kernels, split)}
     split_buckets = {k.launch["bucket"] for k in manifest.kernels.values() if k.launch.get("split_k", 1) > 1}
     if hidden >= 512:
         assert split_buckets == {"decode", "medium", "large"}   # "small" runs K unsplit, 6 stages deep

@@ -15,11 +15,14 @@ counted from sequence `first_seq` = D (whose queries start at row D). In the pre
 rows alone (BENCHMARKS.md, session 29). A block's rows are (query token, head of the group)
 pairs in that order, so every program shares one kv head's K/V tiles across its whole GQA group.
 Grid axis 1 is the kv head; axis 2 splits the key range of each block (split-KV, for decode
-steps with few sequences), the parts being merged by `combine_splits_kernel`. Built for an FP8 engine's o_proj with a static scale (h_ptr given), the decode kernel and the combine also
-write their output quantized for o_proj's GEMM (`linear.fp8`'s handoff). Built with PDL (sm_90 on),
-the decode kernels and the combine are programmatic dependent launches: each waits for the kernel before
-it, then lets the next start, so each launch overlaps the end of the kernel before (o_proj's GEMV
-issues its first weight loads before it waits).
+steps with few sequences). The decode kernel's parts are merged by the last of them to finish (an
+arrival count per program row and kv head), saving a launch and a round trip through memory; the
+other kernels' parts, and `decode_fp8`'s, by `combine_splits_kernel`. Built for an FP8 engine's o_proj
+with a static scale (h_ptr given), the decode kernels and the combine also write their output quantized
+for o_proj's GEMM (`linear.fp8`'s handoff). Built with PDL (sm_90 on), the decode kernels and the
+combine are programmatic dependent launches: each waits for the kernel before it, then lets the next
+start, so each launch overlaps the end of the kernel before (o_proj's GEMV issues its first weight loads
+before it waits).
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kiln.plugins.linear.fp8 import HANDOFF_ROWS, store_handoff
 
 _HANDOFF_MAX = tl.constexpr(HANDOFF_ROWS[1])
+MAX_SPLITS = 32             # S=1, 8192 keys on an H200: 16 splits give 1.7 TB/s, 32 give 2.1
+_MAX_SPLITS = tl.constexpr(MAX_SPLITS)
 
 
 @triton.jit
@@ -130,7 +135,7 @@ def _load_v_transposed(v_cache_ptr, table, start, hi, kv_head, d, d_ok, NUM_KV_H
 
 
 @triton.jit
-def attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_ptr,
+def attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_ptr, arrivals_ptr,
                       block_tables_ptr, query_lens_ptr, context_lens_ptr, scale_ptr, h_ptr, h_scale_ptr, h_static_ptr,
                       num_seqs, first_seq, q_stride, out_stride, table_stride, scale, window,
                       NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -186,6 +191,7 @@ def attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_p
         lo = lo // V_RUN * V_RUN
     if SPLIT:
         chunk = tl.cdiv(tl.cdiv(hi - lo, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        live = tl.cdiv(hi - lo, chunk)   # the parts with keys; the rest stay empty
         lo = lo + tl.program_id(2) * chunk
         hi = tl.minimum(hi, lo + chunk)
 
@@ -235,13 +241,46 @@ def attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_p
                  mask=row_ok[:, None] & d_ok[None, :])
         tl.store(stats_ptr + part * 2, m, mask=row_ok)
         tl.store(stats_ptr + part * 2 + 1, l, mask=row_ok)
-    else:
-        o = (acc / tl.where(l > 0, l, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + q_rows[:, None] * out_stride + head[:, None] * HEAD_DIM + d[None, :],
-                 o, mask=row_ok[:, None] & d_ok[None, :])
-        if h_ptr is not None:
-            _hand_off(o, q_rows, head, row_ok, d, d_ok, h_ptr, h_scale_ptr, h_static_ptr, NUM_HEADS, HEAD_DIM,
-                      ROUND_E4M3)
+        if arrivals_ptr is None:
+            return   # combine_splits_kernel merges the parts
+        # The last of the block's parts to arrive merges them all. The barrier puts every thread's
+        # stores before the one thread's release (the atomic), whose result reaches the others through
+        # shared memory after another barrier: the acquire of their stores.
+        tl.debug_barrier()
+        arrival = arrivals_ptr + tl.program_id(0) * NUM_KV_HEADS + kv_head
+        if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") < tl.num_programs(2) - 1:
+            return
+        tl.store(arrival, 0)   # ready for the next launch
+        acc, l = _merge_parts(part_ptr, stats_ptr, part - tl.program_id(2), live, row_ok, d, d_ok, HEAD_DIM)
+    o = (acc / tl.where(l > 0, l, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + q_rows[:, None] * out_stride + head[:, None] * HEAD_DIM + d[None, :],
+             o, mask=row_ok[:, None] & d_ok[None, :])
+    if h_ptr is not None:
+        _hand_off(o, q_rows, head, row_ok, d, d_ok, h_ptr, h_scale_ptr, h_static_ptr, NUM_HEADS, HEAD_DIM,
+                  ROUND_E4M3)
+
+
+@triton.jit
+def _merge_parts(part_ptr, stats_ptr, first, live, row_ok, d, d_ok, HEAD_DIM: tl.constexpr):
+    """(sum of acc, sum of l) over the `live` parts from part index `first` on of each row, each part
+    weighted by 2^(m - the largest m): combine_splits_kernel's arithmetic without the empty parts (their
+    acc and l are 0). `.cg` loads: the other programs' stores are in the L2, not in this SM's L1."""
+    sp = tl.arange(0, _MAX_SPLITS)
+    ok = row_ok[:, None] & (sp < live)[None, :]
+    top = tl.max(tl.load(stats_ptr + (first[:, None] + sp[None, :]) * 2, mask=ok, other=-1.0e30,
+                         cache_modifier=".cg"), 1)
+    acc = tl.zeros([row_ok.shape[0], d.shape[0]], tl.float32)
+    l = tl.zeros([row_ok.shape[0]], tl.float32)
+    PARTS: tl.constexpr = 4   # loaded at once
+    for base in range(0, live, PARTS):
+        s = first[:, None] + base + tl.arange(0, PARTS)[None, :]
+        s_ok = row_ok[:, None] & (base + tl.arange(0, PARTS) < live)[None, :]
+        w = tl.exp2(tl.load(stats_ptr + s * 2, mask=s_ok, other=-1.0e30, cache_modifier=".cg") - top[:, None])
+        l += tl.sum(tl.load(stats_ptr + s * 2 + 1, mask=s_ok, other=0.0, cache_modifier=".cg") * w, 1)
+        a = tl.load(part_ptr + s[:, :, None] * HEAD_DIM + d[None, None, :], mask=s_ok[:, :, None] & d_ok[None, None, :],
+                    other=0.0, cache_modifier=".cg")
+        acc += tl.sum(a * w[:, :, None], 1)
+    return acc, l
 
 
 @triton.jit

@@ -11,14 +11,13 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from kiln.plugins.attention import decode_fp8, prefill_sm90
-from kiln.plugins.attention.flash import attention_kernel, combine_splits_kernel
+from kiln.plugins.attention.flash import MAX_SPLITS, attention_kernel, combine_splits_kernel
 from kiln.plugins.aot import FP8_POINTER, POINTER_TYPES, TARGET_CC, AotKernel, absent_as_none, pointer_params
 from kiln.plugins.linear import fp8
 from kiln.plugins.nvcc import NvccKernel
 from kiln.plugins.attention.cache_write import check_layout, layer_scales, write_kv, write_kv_aot
 from kiln.plugins.step_inputs import decode_rows
 
-MAX_SPLITS = 32             # S=1, 8192 keys on an H200: 16 splits give 1.7 TB/s, 32 give 2.1
 SPLIT_MIN_KEYS = 256        # fewer keys per split than this cost more to merge than they save
 TARGET_PROGRAMS = 512       # about 4 programs per SM on an H100/H200: enough to fill the GPU
 SEQ_CHUNK = 128             # sequences read per step of the in-kernel prefix sum
@@ -77,13 +76,15 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     grid = (seqs * decode_blocks(heads, kv_heads, block_m) if decode
             else (tokens - first_seq) * group // block_m + seqs - first_seq, kv_heads, num_splits)
     split = num_splits > 1
-    part = stats = None
+    part = stats = arrivals = None
     if split:
         part = torch.empty(tokens, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         stats = torch.empty(tokens, heads, num_splits, 2, dtype=torch.float32, device=q.device)
+        # A decode kernel's last part to finish merges them (`flash`); a prefill split takes the combine.
+        arrivals = torch.zeros(grid[0], kv_heads, dtype=torch.int32, device=q.device) if decode else None
     layer = attrs["layer"]
     attention_kernel[grid](
-        q, kv_cache[layer, 0], kv_cache[layer, 1], out, part, stats,
+        q, kv_cache[layer, 0], kv_cache[layer, 1], out, part, stats, arrivals,
         block_tables, query_lens, context_lens, layer_scales(kv_scales, attrs["layer"]), None, None, None,
         seqs, first_seq, q.stride(0), out.stride(0), block_tables.stride(0), attrs["scale"], attrs["window"],
         NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=kv_cache.shape[3],
@@ -91,7 +92,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         SPLIT=split, PURE_DECODE=decode, INTERPRETER=isinstance(attention_kernel, InterpretedFunction), PDL=False,
         ROUND_E4M3=None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if split:
+    if split and not decode:
         combine_splits_kernel[(tokens, heads)](
             part, stats, out, None, None, None, out.stride(0), num_splits, NUM_HEADS=heads, HEAD_DIM=head_dim,
             BLOCK_D=_head_block(head_dim), MAX_SPLITS=MAX_SPLITS, PDL=False, ROUND_E4M3=None)
@@ -135,7 +136,9 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
     head_dim elements as the k and v cache pointers, and step inputs as they are; with fp8_kv,
     kv_scales + layer * 2 * kv_heads as scale_ptr (the kernels built without it take none). With
     num_splits > 1 it also passes fp32 workspaces part [T, heads, num_splits, head_dim] and stats
-    [T, heads, num_splits, 2], and launches the combine kernel after the attention kernel. An e4m3
+    [T, heads, num_splits, 2]; to Triton's split kernel (meta "merges"), whose last part to finish merges
+    them, an int32 count of arrivals a program row and kv head, zero before the launch (the kernel leaves it
+    so), and after the CUDA one the combine kernel, which merges them. An e4m3
     cache of the shapes `decode_fp8` serves also gets its CUDA decode kernels (roles decode_fp8 and
     decode_fp8_split), which the launcher takes where they are (the build had nvcc); a bf16 cache of
     the shapes `prefill_sm90` serves gets its CuTe prefill for sm_90 (role prefill_cute).
@@ -151,7 +154,7 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
     no_handoff = {"h_ptr": "constexpr", "h_scale_ptr": "constexpr", "h_static_ptr": "constexpr"}
     attention_sig = {
         "q_ptr": ptr, "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": ptr,
-        "part_ptr": "*fp32", "stats_ptr": "*fp32", "block_tables_ptr": "*i32",
+        "part_ptr": "*fp32", "stats_ptr": "*fp32", "arrivals_ptr": "constexpr", "block_tables_ptr": "*i32",
         "query_lens_ptr": "*i32", "context_lens_ptr": "*i32", **scales, **no_handoff,
         "num_seqs": "i32", "first_seq": "i32",
         "q_stride": "i32",
@@ -178,8 +181,12 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
         constexprs = {**common, "BLOCK_SIZE": shapes["block_size"], "BLOCK_M": cfg["BLOCK_M"],
                       "BLOCK_N": cfg["BLOCK_N"], "SEQ_CHUNK": SEQ_CHUNK, "SPLIT": split, "PURE_DECODE": decode,
                       "INTERPRETER": False, **scale_const}
-        handoff = role == "decode" and shapes.get("handoff", False)
+        handoff = decode and shapes.get("handoff", False)
         signature = {**attention_sig, "PDL": "constexpr", **(HANDOFF_SIGNATURE if handoff else {})}
+        if split:
+            # Its last part to finish merges them, counting arrivals in "attention_arrivals" (launch.py).
+            signature["arrivals_ptr"] = "*i32"
+            meta["merges"] = True
         if handoff:
             meta.update(handoff=True, scratch=fp8.handoff_scratch(heads * head_dim))
         kernels += [AotKernel(attention_kernel, signature,
@@ -187,15 +194,16 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], aligned=aligned,
                               targets=group_targets, meta=meta)
                     for pdl, group_targets in _pdl_groups(decode, targets)]
-    if decode_fp8.serves(dtype, shapes):
-        kernels += decode_fp8.kernels(dtype, shapes, DECODE_ROWS)
+    if not decode_fp8.serves(dtype, shapes):
+        return kernels + prefill_sm90.engine_kernels(dtype, shapes)
+    kernels += decode_fp8.kernels(dtype, shapes, DECODE_ROWS)
     handoff = shapes.get("handoff", False)
     combine = {"part_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": ptr, **no_handoff, "out_stride": "i32",
                "num_splits": "i32", "NUM_HEADS": "constexpr", "HEAD_DIM": "constexpr",
                "BLOCK_D": "constexpr", "MAX_SPLITS": "constexpr", "PDL": "constexpr", "ROUND_E4M3": "constexpr",
                **(HANDOFF_SIGNATURE if handoff else {})}
     meta = {"role": "combine_splits", "grid": f"(T, {heads}, 1)", "pointer_alignment": 16, "pdl": True,
-            "when": "after a decode_split attention kernel"}
+            "when": "after a decode_fp8_split kernel"}
     if handoff:
         meta.update(handoff=True, scratch=fp8.handoff_scratch(heads * head_dim))
     kernels += [AotKernel(

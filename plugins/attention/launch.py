@@ -1,7 +1,8 @@
 """Driver launch of `attention`'s AOT kernels: KV-cache write, paged attention (prefill,
-decode, or split-KV decode with its combine kernel), picked as `kernels.run` picks them (an e4m3
-cache's decode by the CUDA kernels of `decode_fp8`, and on sm_90 a prefill without a sliding window
-by the CuTe kernel of `prefill_sm90`, where the engine has them).
+decode, or split-KV decode: Triton's merges its parts itself, the CUDA one's parts take the combine
+kernel), picked as `kernels.run` picks them (an e4m3 cache's decode by the CUDA kernels of `decode_fp8`,
+and on sm_90 a prefill without a sliding window by the CuTe kernel of `prefill_sm90`, where the engine
+has them).
 
 The split-KV workspaces come from the executor's scratch buffers, allocated once for the
 engine's bounds (`scratch_bytes`), so a step allocates nothing. See `plugins.driver_launch`
@@ -33,9 +34,12 @@ def _max_split_rows(attrs: dict, limits: dict[str, int]) -> int:
 
 
 def scratch_bytes(attrs: dict, limits: dict[str, int]) -> dict[str, int]:
-    """Split-KV workspaces: part [T, heads, splits, head_dim] and stats [T, heads, splits, 2]."""
+    """Split-KV workspaces: part [T, heads, splits, head_dim], stats [T, heads, splits, 2], and the
+    arrivals Triton's split kernel counts: one int32 a program row and kv head, at most T * heads (a
+    program row holds one query head or more of its sequence). The arena starts them zeroed."""
     rows = _max_split_rows(attrs, limits) * attrs["num_heads"]
-    return {"attention_part": rows * attrs["head_dim"] * FP32_BYTES, "attention_stats": rows * 2 * FP32_BYTES}
+    return {"attention_part": rows * attrs["head_dim"] * FP32_BYTES, "attention_stats": rows * 2 * FP32_BYTES,
+            "attention_arrivals": limits["T"] * attrs["num_heads"] * FP32_BYTES}
 
 
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
@@ -65,18 +69,20 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
 
     def attend(role: str, names: dict[str, int], num_seqs: int, first_seq: int, splits: int) -> None:
         part = stats = None
+        i = roles[role]
+        merges = metas[i].get("merges", False)
         if role.endswith("_split"):
             count = names["T"] * attrs["num_heads"] * splits
             part = scratch["attention_part"][:count * attrs["head_dim"] * FP32_BYTES]
             stats = scratch["attention_stats"][:count * 2 * FP32_BYTES]
-        i = roles[role]
         check_aligned(metas[i], q, k_cache, v_cache, out)
         kernels[i].launch(grid(metas[i]["grid"], {**names, "num_splits": splits}),
                           [q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), ptr(part),
-                           ptr(stats), block_tables.data_ptr(), query_lens.data_ptr(), context_lens.data_ptr(),
+                           ptr(stats), *([scratch["attention_arrivals"].data_ptr()] if merges else []),
+                           block_tables.data_ptr(), query_lens.data_ptr(), context_lens.data_ptr(),
                            *scales, *handoff_args(metas[i]), num_seqs, first_seq, q.stride(0), out.stride(0),
                            block_tables.stride(0), attrs["scale"], attrs["window"]], stream)
-        if part is not None:
+        if part is not None and not merges:
             i = roles["combine_splits"]
             kernels[i].launch(grid(metas[i]["grid"], names),
                               [part.data_ptr(), stats.data_ptr(), out.data_ptr(), *handoff_args(metas[i]),
