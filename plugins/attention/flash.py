@@ -33,8 +33,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kiln.plugins.linear.fp8 import HANDOFF_ROWS, store_handoff
 
 _HANDOFF_MAX = tl.constexpr(HANDOFF_ROWS[1])
-MAX_SPLITS = 32             # S=1, 8192 keys on an H200: 16 splits give 1.7 TB/s, 32 give 2.1
-_MAX_SPLITS = tl.constexpr(MAX_SPLITS)
 
 
 @triton.jit
@@ -263,23 +261,27 @@ def attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_p
 @triton.jit
 def _merge_parts(part_ptr, stats_ptr, first, live, row_ok, d, d_ok, HEAD_DIM: tl.constexpr):
     """(sum of acc, sum of l) over the `live` parts from part index `first` on of each row, each part
-    weighted by 2^(m - the largest m): combine_splits_kernel's arithmetic without the empty parts (their
-    acc and l are 0). `.cg` loads: the other programs' stores are in the L2, not in this SM's L1."""
-    sp = tl.arange(0, _MAX_SPLITS)
-    ok = row_ok[:, None] & (sp < live)[None, :]
-    top = tl.max(tl.load(stats_ptr + (first[:, None] + sp[None, :]) * 2, mask=ok, other=-1.0e30,
-                         cache_modifier=".cg"), 1)
+    weighted by 2^(m - the largest m), as combine_splits_kernel weighs them, without the empty parts (their
+    acc and l are 0). One pass, rescaling as the largest m grows, so that up to PARTS parts (every part of
+    a short context's) cost one round of loads. `.cg` loads: the other programs' stores are in the L2, not
+    in this SM's L1."""
     acc = tl.zeros([row_ok.shape[0], d.shape[0]], tl.float32)
     l = tl.zeros([row_ok.shape[0]], tl.float32)
-    PARTS: tl.constexpr = 4   # loaded at once
+    top = tl.full([row_ok.shape[0]], -1.0e30, tl.float32)
+    PARTS: tl.constexpr = 4
     for base in range(0, live, PARTS):
         s = first[:, None] + base + tl.arange(0, PARTS)[None, :]
         s_ok = row_ok[:, None] & (base + tl.arange(0, PARTS) < live)[None, :]
-        w = tl.exp2(tl.load(stats_ptr + s * 2, mask=s_ok, other=-1.0e30, cache_modifier=".cg") - top[:, None])
-        l += tl.sum(tl.load(stats_ptr + s * 2 + 1, mask=s_ok, other=0.0, cache_modifier=".cg") * w, 1)
+        m_s = tl.load(stats_ptr + s * 2, mask=s_ok, other=-1.0e30, cache_modifier=".cg")
+        l_s = tl.load(stats_ptr + s * 2 + 1, mask=s_ok, other=0.0, cache_modifier=".cg")
         a = tl.load(part_ptr + s[:, :, None] * HEAD_DIM + d[None, None, :], mask=s_ok[:, :, None] & d_ok[None, None, :],
                     other=0.0, cache_modifier=".cg")
-        acc += tl.sum(a * w[:, :, None], 1)
+        new_top = tl.maximum(top, tl.max(m_s, 1))
+        alpha = tl.exp2(top - new_top)
+        w = tl.exp2(m_s - new_top[:, None])
+        l = l * alpha + tl.sum(l_s * w, 1)
+        acc = acc * alpha[:, None] + tl.sum(a * w[:, :, None], 1)
+        top = new_top
     return acc, l
 
 
