@@ -3,14 +3,14 @@
     PYTHONPATH=. python3 scripts/tune_attention.py compile cubins.pkl   # anywhere: AOT, no GPU needed
     PYTHONPATH=. python3 scripts/tune_attention.py run cubins.pkl       # on the GPU
 
-`compile` builds `attention_kernel` (decode and split-KV decode) and the split combine kernel
-for Llama-3-8B's heads (32 query, 8 KV, head_dim 128, 16-token cache blocks) at each tiling
-into cubins, as build-engine does; `run` loads them through `runtime.cuda_driver`, launches
-them on grids chosen as the engine's launcher chooses them (the split count from the batch
-and the engine's 4,352-token bound, `choose_num_splits`), checks the output against the
-plugin's reference for a few sequences, and times each in a CUDA graph of 20 launches that
-cycle through enough KV caches that none is read from the L2. Printed per batch and
-context: the best tilings with the KV bytes they stream per second.
+`compile` builds `attention_kernel` (decode, and split-KV decode that merges its own parts as the
+engine's does) and the split combine kernel (which the CUDA e4m3 split kernel takes) for Llama-3-8B's
+heads (32 query, 8 KV, head_dim 128, 16-token cache blocks) at each tiling into cubins, as build-engine
+does; `run` loads them through `runtime.cuda_driver`, launches them on grids chosen as the engine's
+launcher chooses them (the split count from the batch and the engine's 4,352-token bound,
+`choose_num_splits`), checks the output against the plugin's reference for a few sequences, and times
+each in a CUDA graph of 20 launches that cycle through enough KV caches that none is read from the L2.
+Printed per batch and context: the best tilings with the KV bytes they stream per second.
 
 With KILN_TUNE_FP8_KV=1 (at compile and at run) the decode kernels read an e4m3 cache (unit
 scales, v's blocks transposed), as an engine built with --kv-cache-dtype fp8 does, and KV bytes
@@ -77,9 +77,13 @@ def configs(kind: str = "decode") -> list[tuple[dict, AotKernel]]:
         label = f"bn{block_n} w{warps} s{stages}" if kind == "decode" else f"bm{block_m} bn{block_n} w{warps} s{stages}"
         if kind == "decode" and not pure:
             label += " prefix-sum"
-        out.append(({"split": split, "block_m": block_m, "pure": pure, "label": label},
-                    AotKernel(attention_kernel, signature, constexprs, num_warps=warps, num_stages=stages,
-                              aligned=pointer_params(signature))))
+        # A split kernel merges its own parts, as the engine's does: it counts arrivals after stats_ptr.
+        items = list(signature.items())
+        at = [name for name, _ in items].index("stats_ptr") + 1
+        sig = dict(items[:at] + [("arrivals_ptr", "*i32")] + items[at:]) if split else signature
+        out.append(({"split": split, "merges": split, "block_m": block_m, "pure": pure, "label": label},
+                    AotKernel(attention_kernel, sig, constexprs, num_warps=warps, num_stages=stages,
+                              aligned=pointer_params(sig))))
     combine = {"part_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": "*bf16", "out_stride": "i32", "num_splits": "i32",
                "NUM_HEADS": "constexpr", "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "MAX_SPLITS": "constexpr"}
     if kind == "decode" and FP8_KV:
@@ -186,6 +190,7 @@ def run_all(path: str, kind: str = "decode") -> None:
     combine = next(fn for info, fn in loaded if info.get("combine"))
     part = torch.empty(256 * HEADS * MAX_SPLITS * HEAD_DIM, dtype=torch.float32, device="cuda")
     stats = torch.empty(256 * HEADS * MAX_SPLITS * 2, dtype=torch.float32, device="cuda")
+    arrivals = torch.zeros(256 * HEADS, dtype=torch.int32, device="cuda")  # each merging launch leaves it at zero
     scale = HEAD_DIM ** -0.5
     unit_scales = torch.ones(2 * KV_HEADS, dtype=torch.float32, device="cuda")  # kept alive: its address is passed
     kv_scales = [unit_scales.data_ptr()] if FP8_KV else []
@@ -209,10 +214,11 @@ def run_all(path: str, kind: str = "decode") -> None:
                 kv = cache if cache is not None else case["caches"][next(turn) % len(case["caches"])]
                 stream = torch.cuda.current_stream().cuda_stream
                 fn.launch(grid, [q.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(), out.data_ptr(), part.data_ptr(),
-                                 stats.data_ptr(), case["tables"].data_ptr(), case["query_lens"].data_ptr(),
+                                 stats.data_ptr(), *([arrivals.data_ptr()] if info.get("merges") else []),
+                                 case["tables"].data_ptr(), case["query_lens"].data_ptr(),
                                  case["context_lens"].data_ptr(), *kv_scales, seqs, 0, q.stride(0), out.stride(0),
                                  case["tables"].stride(0), scale, 0], stream)
-                if count > 1:
+                if count > 1 and not info.get("merges"):
                     combine.launch((seqs, HEADS, 1), [part.data_ptr(), stats.data_ptr(), out.data_ptr(),
                                                       out.stride(0), count], stream)
             us = graph_us(call)
