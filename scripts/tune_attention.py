@@ -33,7 +33,7 @@ import pickle
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-from kiln.plugins.aot import AotKernel, pointer_params
+from kiln.plugins.aot import AotKernel, absent_as_none, pointer_params
 from kiln.plugins.attention.flash import attention_kernel, combine_splits_kernel
 from kiln.plugins.attention.kernels import MAX_SPLITS, SEQ_CHUNK, _head_block, choose_num_splits, decode_blocks
 from scripts.gpu_timing import copy_rate, graph_us
@@ -57,7 +57,8 @@ def configs(kind: str = "decode") -> list[tuple[dict, AotKernel]]:
     cache = "*fp8e4nv" if FP8_KV and kind == "decode" else "*bf16"
     signature = {
         "q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": "*bf16",
-        "part_ptr": "*fp32", "stats_ptr": "*fp32", "block_tables_ptr": "*i32", "query_lens_ptr": "*i32",
+        "part_ptr": "*fp32", "stats_ptr": "*fp32", "arrivals_ptr": "constexpr", "block_tables_ptr": "*i32",
+        "query_lens_ptr": "*i32",
         "context_lens_ptr": "*i32", **({"scale_ptr": "*fp32"} if cache == "*fp8e4nv" else {}), "num_seqs": "i32", "first_seq": "i32",
         "q_stride": "i32", "out_stride": "i32",
         "table_stride": "i32", "scale": "fp32", "window": "i32",
@@ -77,13 +78,11 @@ def configs(kind: str = "decode") -> list[tuple[dict, AotKernel]]:
         label = f"bn{block_n} w{warps} s{stages}" if kind == "decode" else f"bm{block_m} bn{block_n} w{warps} s{stages}"
         if kind == "decode" and not pure:
             label += " prefix-sum"
-        # A split kernel merges its own parts, as the engine's does: it counts arrivals after stats_ptr.
-        items = list(signature.items())
-        at = [name for name, _ in items].index("stats_ptr") + 1
-        sig = dict(items[:at] + [("arrivals_ptr", "*i32")] + items[at:]) if split else signature
+        # A split kernel merges its own parts, as the engine's does, counting arrivals.
+        sig = {**signature, "arrivals_ptr": "*i32"} if split else signature
         out.append(({"split": split, "merges": split, "block_m": block_m, "pure": pure, "label": label},
-                    AotKernel(attention_kernel, sig, constexprs, num_warps=warps, num_stages=stages,
-                              aligned=pointer_params(sig))))
+                    AotKernel(attention_kernel, sig, absent_as_none(sig, constexprs), num_warps=warps,
+                              num_stages=stages, aligned=pointer_params(sig))))
     combine = {"part_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": "*bf16", "out_stride": "i32", "num_splits": "i32",
                "NUM_HEADS": "constexpr", "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "MAX_SPLITS": "constexpr"}
     if kind == "decode" and FP8_KV:

@@ -195,24 +195,23 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], aligned=aligned,
                               targets=group_targets, meta=meta)
                     for pdl, group_targets in _pdl_groups(decode, targets)]
-    if not decode_fp8.serves(dtype, shapes):
-        return kernels + prefill_sm90.engine_kernels(dtype, shapes)
-    kernels += decode_fp8.kernels(dtype, shapes, DECODE_ROWS)
-    handoff = shapes.get("handoff", False)
-    combine = {"part_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": ptr, **no_handoff, "out_stride": "i32",
-               "num_splits": "i32", "NUM_HEADS": "constexpr", "HEAD_DIM": "constexpr",
-               "BLOCK_D": "constexpr", "MAX_SPLITS": "constexpr", "PDL": "constexpr", "ROUND_E4M3": "constexpr",
-               **(HANDOFF_SIGNATURE if handoff else {})}
-    meta = {"role": "combine_splits", "grid": f"(T, {heads}, 1)", "pointer_alignment": 16, "pdl": True,
-            "when": "after a decode_fp8_split kernel"}
-    if handoff:
-        meta.update(handoff=True, scratch=fp8.handoff_scratch(heads * head_dim))
-    kernels += [AotKernel(
-        combine_splits_kernel, combine,
-        absent_as_none(combine, {"NUM_HEADS": heads, "HEAD_DIM": head_dim, "BLOCK_D": _head_block(head_dim),
-                                 "MAX_SPLITS": MAX_SPLITS, "PDL": pdl, **handoff_rounding(handoff, pdl)}),
-        aligned=pointer_params(combine), targets=group_targets, meta=meta)
-        for pdl, group_targets in _pdl_groups(True, None)]
+    if decode_fp8.serves(dtype, shapes):   # its split kernel's parts take the combine kernel
+        kernels += decode_fp8.kernels(dtype, shapes, DECODE_ROWS)
+        handoff = shapes.get("handoff", False)
+        combine = {"part_ptr": "*fp32", "stats_ptr": "*fp32", "out_ptr": ptr, **no_handoff, "out_stride": "i32",
+                   "num_splits": "i32", "NUM_HEADS": "constexpr", "HEAD_DIM": "constexpr",
+                   "BLOCK_D": "constexpr", "MAX_SPLITS": "constexpr", "PDL": "constexpr", "ROUND_E4M3": "constexpr",
+                   **(HANDOFF_SIGNATURE if handoff else {})}
+        meta = {"role": "combine_splits", "grid": f"(T, {heads}, 1)", "pointer_alignment": 16, "pdl": True,
+                "when": "after a decode_fp8_split kernel"}
+        if handoff:
+            meta.update(handoff=True, scratch=fp8.handoff_scratch(heads * head_dim))
+        kernels += [AotKernel(
+            combine_splits_kernel, combine,
+            absent_as_none(combine, {"NUM_HEADS": heads, "HEAD_DIM": head_dim, "BLOCK_D": _head_block(head_dim),
+                                     "MAX_SPLITS": MAX_SPLITS, "PDL": pdl, **handoff_rounding(handoff, pdl)}),
+            aligned=pointer_params(combine), targets=group_targets, meta=meta)
+            for pdl, group_targets in _pdl_groups(True, None)]
     return kernels + prefill_sm90.engine_kernels(dtype, shapes)
 
 
