@@ -1,125 +1,24 @@
-"""The GEMM-family Triton kernels (linear, linear_residual, norm_swiglu, norm_qkv_rope) against
-their plugins' PyTorch references on the CPU, and their AOT compilation to cubins.
-
-Parity runs under Triton's interpreter and AOT compilation needs compiled-mode kernels; the
-mode is fixed when the kernel modules are imported. This module asks for the interpreter
-before anything imports triton; a test whose mode this process does not have (another module
-imported the kernels first, or the AOT tests here) runs in one child pytest process per mode
-with TRITON_INTERPRET set accordingly, and reports the child's outcome for the same test.
+"""The GEMM-family Triton kernels (linear, linear_residual, norm_swiglu, norm_qkv_rope), the
+TMA ones of sm_90 and later included, against their plugins' PyTorch references on the CPU,
+under Triton's interpreter (`gemm_modes` runs a test in a child process where this one's
+kernels were built for a GPU). Their AOT compilation is test_kernels_gemm_aot.py.
 """
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import dataclasses  # noqa: E402
-import functools  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import xml.etree.ElementTree as ET  # noqa: E402
-from pathlib import Path  # noqa: E402
 from unittest import mock  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import kiln.plugins.linear.kernels as linear_kernels  # noqa: E402
 import kiln.plugins.linear.tiles as linear_tiles  # noqa: E402
-from kiln.plugins.aot import MAX_SHARED_BYTES  # noqa: E402
 import kiln.plugins.linear.tma as tma  # noqa: E402
-import kiln.plugins.linear_residual.kernels as linear_residual_kernels  # noqa: E402
 import kiln.plugins.norm_qkv_rope.kernels as norm_qkv_rope_kernels  # noqa: E402
 import kiln.plugins.norm_swiglu.kernels as norm_swiglu_kernels  # noqa: E402
 from kiln.plugins import get_plugin  # noqa: E402
-from kiln.plugins.aot import compile_cubin, kernel_name  # noqa: E402
-from kiln.plugins.linear import cute_gemm  # noqa: E402
-from kiln.plugins.nvcc import NvccKernel, cutlass_available  # noqa: E402
-
-KERNELS = {"linear": linear_kernels, "linear_residual": linear_residual_kernels,
-           "norm_swiglu": norm_swiglu_kernels, "norm_qkv_rope": norm_qkv_rope_kernels}
-# True: every kernel was imported in interpreter mode; False: none was; None: a mix.
-_MODES = {isinstance(f, InterpretedFunction) for f in (
-    linear_kernels.gemm_tile, linear_kernels.linear_kernel, norm_swiglu_kernels.norm_swiglu_kernel,
-    norm_qkv_rope_kernels.norm_qkv_rope_kernel, tma.tma_linear_kernel)}
-INTERPRETED = _MODES.pop() if len(_MODES) == 1 else None
-CHILD = "KILN_GEMM_TEST_CHILD"
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-EPS = 1e-5
-
-# Llama-3-8B-like shapes, one projection of each kind.
-LLAMA = {"linear": {"K": 4096, "N": 4096},
-         "linear_residual": {"K": 14336, "N": 4096},
-         "norm_swiglu": {"K": 4096, "I": 14336, "block": 64},
-         "norm_qkv_rope": {"K": 4096, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128}}
-# Every optional input present (Qwen2/Qwen3-like, unfolded norms), on one target.
-ALL_OPTIONAL = {"linear": {"K": 4096, "N": 1024, "bias": True},
-                "norm_swiglu": {"K": 4096, "I": 1536, "block": 0, "norm_weight": True},
-                "norm_qkv_rope": {"K": 2048, "num_heads": 16, "num_kv_heads": 2, "head_dim": 128, "bias": True,
-                                  "qk_norm": True, "norm_weight": True}}
-# Shared memory per block on each target (sm_89's 99 KiB is the tightest).
-
-
-@functools.cache
-def child_outcomes(interpret: bool) -> tuple[dict[str, str], str]:
-    """Run this module's tests that need the other Triton mode in a fresh process; returns
-    {test name: "passed" or the failure text} and the child's output."""
-    if os.environ.get(CHILD):
-        pytest.fail(f"the kernels were imported with TRITON_INTERPRET={os.environ['TRITON_INTERPRET']} "
-                    "in a child process that set it: something imported them before this module")
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.xml"
-        env = {**os.environ, "TRITON_INTERPRET": "1" if interpret else "0", CHILD: "1"}
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-             "-k", "parity" if interpret else "aot", f"--junitxml={report}"],
-            env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
-        outcomes = {}
-        if report.exists():
-            for case in ET.parse(report).iter("testcase"):
-                problems = [f"{p.tag}: {p.get('message')}" for p in case]
-                outcomes[case.get("name")] = "; ".join(problems) or "passed"
-    return outcomes, proc.stdout[-4000:] + proc.stderr[-2000:]
-
-
-def in_mode(request, interpret: bool, body) -> None:
-    """Run `body` here when this process has the wanted Triton mode, else take this test's
-    outcome from a child process that has it."""
-    if INTERPRETED is interpret:
-        body()
-        return
-    outcomes, log = child_outcomes(interpret)
-    outcome = outcomes.get(request.node.name, "not run")
-    assert outcome == "passed", f"in a TRITON_INTERPRET={int(interpret)} child: {outcome}\n{log}"
-
-
-def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    if out.dtype == torch.float32:
-        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    else:
-        err = (out.float() - ref.float()).abs().max().item()
-        assert err <= 2e-2 * ref.float().abs().max().item(), f"max error {err}"
-
-
-def rand(*shape, dtype, scale=1.0) -> torch.Tensor:
-    return (torch.randn(*shape) * scale).to(dtype)
-
-
-def check(name: str, inputs: list, attrs: dict, out_shape: tuple, ref_inputs: list | None = None) -> None:
-    """Run the kernel on `inputs` and the reference on `ref_inputs` (default: the same)."""
-    ref = get_plugin(name).call_reference(inputs if ref_inputs is None else ref_inputs, attrs)
-    out = torch.full(out_shape, float("nan"), dtype=ref.dtype)
-    KERNELS[name].run(inputs, attrs, out)
-    assert_matches(out, ref)
-
-
-def with_norm(w: torch.Tensor, folded: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(norm_weight, projection): the RMSNorm weight given, or multiplied into W as fold does."""
-    g = 1 + 0.2 * torch.randn(w.shape[1])
-    if folded:
-        return None, (w.float() * g).to(w.dtype)
-    return g.to(w.dtype), w
+from gemm_modes import DTYPES, EPS, assert_matches, check, in_mode, rand, with_norm  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -270,83 +169,6 @@ def test_parity_norm_qkv_rope(request, qk_norm, bias, folded, t, k, d, dtype):
         assert torch.equal(kv_cache[~written], before[~written])
     in_mode(request, True, body)
 
-
-def check_cubins(name: str, shapes: dict, targets) -> None:
-    """Every target gets one kernel per bucket (the TMA ones on sm_90 and later, which need
-    global scratch for their descriptors) and, with TMA norm GEMMs or a bucket that reads row
-    scales, the row-scale pre-pass."""
-    kernels = KERNELS[name].aot_kernels("bfloat16", shapes)
-    for target in targets:
-        mine = [k for k in kernels if k.targets is None or target in k.targets]
-        buckets = [k for k in mine if "bucket" in k.meta]
-        # The CUDA GEMVs lead: for one and two rows in the plain GEMMs, one row in the fused qkv
-        # (without q/k norm, which needs whole heads) and in gate/up (`linear.gemv`).
-        gemv = {"linear": ["gemv1", "gemv2"], "linear_residual": ["gemv1", "gemv2"],
-                "norm_qkv_rope": [] if shapes.get("qk_norm") else ["gemv1"], "norm_swiglu": ["gemv1"]}[name]
-        # A wide weight (gate/up) has no xlarge bucket: its 128-row tiles fill the GPU from 257 rows.
-        weight_rows = 2 * shapes["I"] if name == "norm_swiglu" else shapes.get("N", 0)
-        # On sm_90 the plain GEMMs of narrow weights, and qkv with a folded norm weight and no q/k norm,
-        # take a CuTe GEMM ahead of the 129-256-row bucket's pointer kernel, where CUTLASS's headers are
-        # installed (`linear.cute_gemm`).
-        served = (name in ("linear", "linear_residual") and weight_rows < linear_tiles.WIDE_N
-                  or name == "norm_qkv_rope" and not shapes.get("qk_norm") and not shapes.get("norm_weight"))
-        cute = [cute_gemm.BUCKET] if target == "sm_90" and served and cutlass_available() else []
-        assert [k.meta["bucket"] for k in buckets if k.meta.get("cute")] == cute
-        assert [k.meta["bucket"] for k in buckets] == gemv + [b for t in linear_tiles.tiles_for(weight_rows)
-                                                              for b in [t.name] * (1 + (t.name in cute))]
-        uses_tma = any(k.meta.get("tma") for k in buckets)
-        # The TMA norm GEMMs need the norm weight folded, and norm_swiglu an interleaved W_gu.
-        assert uses_tma == (target in tma.TMA_TARGETS and not shapes.get("norm_weight")
-                            and shapes.get("block", 1) > 0), target
-        # The fused norm GEMMs' small bucket reads the row-scale pre-pass's scales on every target.
-        prescaled = any(k.meta.get("row_scale_input") for k in buckets)
-        assert prescaled == name.startswith("norm_"), target
-        assert len(mine) == len(buckets) + ((uses_tma and name.startswith("norm_")) or prescaled)
-        for kernel in mine:
-            # (the CUDA kernels' parameters are checked against their source by test_gemv.py)
-            assert isinstance(kernel, NvccKernel) or set(kernel.signature) == set(kernel.fn.arg_names)
-            if "bucket" in kernel.meta and not kernel.meta.get("tma") and not kernel.meta.get("cute"):
-                assert len(kernel.meta["grid"]) == 3 and kernel.meta["grid"][2] == str(kernel.meta["split_k"])
-            cubin = compile_cubin(kernel, target)
-            assert cubin.binary.startswith(b"\x7fELF") and cubin.name == kernel_name(kernel)
-            assert cubin.shared_bytes <= MAX_SHARED_BYTES[target], (kernel.meta, target, cubin.shared_bytes)
-            # Device-made TMA descriptors live in global scratch; nothing else asks for any.
-            assert (cubin.global_scratch > 0) == bool(kernel.meta.get("tma")), (kernel.meta, target)
-
-
-@pytest.mark.parametrize("name", list(LLAMA))
-def test_aot_llama_shapes(request, name):
-    in_mode(request, False, lambda: check_cubins(name, LLAMA[name], list(MAX_SHARED_BYTES)))
-
-
-def test_aot_tp2_gate_up_gets_the_deep_pipeline_on_sm_90(request):
-    """TP 2's gate/up (7,168 intermediate rows a rank) up to 64 rows: 128-deep K tiles of 128
-    weight rows, 48 KiB a stage, get 2 stages on sm_80/sm_89 and 4 on sm_90/sm_100
-    (`linear.tiles.pipelined`), 8 warps and the pre-pass's row scales, and every cubin fits its
-    target's shared memory."""
-    shapes = {"K": 4096, "I": 7168, "block": 64}
-
-    def body():
-        check_cubins("norm_swiglu", shapes, list(MAX_SHARED_BYTES))
-        small = [k for k in norm_swiglu_kernels.aot_kernels("bfloat16", shapes) if k.meta.get("bucket") == "small"]
-        assert [(k.targets, k.num_stages) for k in small] == [(("sm_80", "sm_89"), 2), (("sm_90", "sm_100"), 4)]
-        assert all(k.num_warps == 8 and k.meta["row_scale_input"] for k in small)
-    in_mode(request, False, body)
-
-
-def test_pipelined_splits_a_kernel_only_where_the_depths_differ():
-    kernel = next(k for k in norm_swiglu_kernels.aot_kernels("bfloat16", LLAMA["norm_swiglu"])
-                  if not k.meta.get("gemv"))
-    (one,) = linear_tiles.pipelined(kernel, 16, 64, 128, 2, cap=3)      # 20 KiB a stage: 3 everywhere
-    assert one.targets == kernel.targets and one.num_stages == 3
-    ada_only = dataclasses.replace(kernel, targets=("sm_89",))
-    (shallow,) = linear_tiles.pipelined(ada_only, 64, 128, 128, 2, cap=3)
-    assert shallow.targets == ("sm_89",) and shallow.num_stages == 2
-
-
-@pytest.mark.parametrize("name", list(ALL_OPTIONAL))
-def test_aot_all_optional_inputs(request, name):
-    in_mode(request, False, lambda: check_cubins(name, ALL_OPTIONAL[name], ["sm_90"]))
 
 
 # The persistent TMA kernels of sm_90 and later, in the interpreter: small tiles, a grid with
