@@ -24,7 +24,7 @@ from kiln.plugins.linear_residual import kernels as linear_residual
 from kiln.plugins.nvcc import cutlass_available
 
 O_PROJ = {"K": 4096, "N": 4096}
-# `make install` puts CUTLASS's headers in the venv; without them the kernel is left out (test_kernels_gemm).
+# `make install` puts CUTLASS's headers in the venv; without them the kernel is left out (test_kernels_gemm_aot).
 needs_cutlass = pytest.mark.skipif(not cutlass_available(), reason="CUTLASS's headers are not installed")
 
 
