@@ -39,7 +39,7 @@ def scratch_bytes(attrs: dict, limits: dict[str, int]) -> dict[str, int]:
     program row holds one query head or more of its sequence). The arena starts them zeroed."""
     rows = _max_split_rows(attrs, limits) * attrs["num_heads"]
     return {"attention_part": rows * attrs["head_dim"] * FP32_BYTES, "attention_stats": rows * 2 * FP32_BYTES,
-            "attention_arrivals": limits["T"] * attrs["num_heads"] * FP32_BYTES}
+            "attention_arrivals": limits["T"] * attrs["num_heads"] * torch.int32.itemsize}
 
 
 def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: torch.Tensor,
