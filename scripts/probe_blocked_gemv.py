@@ -23,7 +23,8 @@ import pickle
 import sys
 from pathlib import Path
 
-from scripts.probe_cuda_gemv import LAYERS, RESIDUAL, SHAPES, gemv_kernel, kernel_entry, layer_weights, load
+from scripts.probe_cuda_gemv import LAYERS, RESIDUAL, SHAPES, gemv_kernel, layer_weights
+from scripts.sweep import kernel_entry, load
 
 SOURCE = Path(__file__).with_name("probe_blocked_gemv.cu")
 WARPS = 8

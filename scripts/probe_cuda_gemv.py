@@ -30,6 +30,8 @@ import itertools
 import pickle
 import sys
 
+from scripts.sweep import kernel_entry, load
+
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 RESIDUAL = {"qkv": False, "o_proj": True, "gate_up": False, "down": True}
 LAYERS = 32
@@ -87,13 +89,6 @@ def extra_kernels() -> dict[str, object]:
     return {"norm_swiglu": swiglu, "linear_residual": linear}
 
 
-def kernel_entry(kernel) -> tuple:
-    """(cubin, runtime parameter types, launch meta) of one kernel compiled for sm_90."""
-    from kiln.plugins.aot import compile_cubin
-
-    return compile_cubin(kernel, "sm_90"), [t for t in kernel.signature.values() if t != "constexpr"], kernel.meta
-
-
 def compile_all(path: str) -> None:
     import triton
 
@@ -115,15 +110,6 @@ def compile_all(path: str) -> None:
     print(f"{len(cuda)} CUDA GEMVs, {len(cute)} CuTe decode GEMMs, "
           f"{len(triton_kernels)} Triton decode kernels, "
           f"{sum(map(len, engine.values()))} engine kernels -> {path}")
-
-
-def load(entry: tuple):
-    from kiln.runtime.cuda_driver import load_kernel, programmatic_launch
-
-    cubin, params, meta = entry
-    kernel = load_kernel(cubin.binary, cubin.name, params, cubin.num_warps, cubin.shared_bytes, cubin.global_scratch)
-    kernel.programmatic = programmatic_launch(meta)
-    return kernel, meta
 
 
 def run_all(path: str, mode: str = "all") -> None:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import pickle
 import sys
 
-from scripts.probe_cuda_gemv import gemv_kernel, kernel_entry, load
+from scripts.probe_cuda_gemv import gemv_kernel
+from scripts.sweep import kernel_entry, load
 
 I, K, BLOCK, LAYERS = 14336, 4096, 64, 20
 # Appended to gemv.cu, whose DotRows, WARPS and LANES it uses.
