@@ -84,7 +84,9 @@ TILES = (
 # 128-token prefill chunk with a few decode rows beside it took 120.0 us in gate/up against 69.5
 # at 128 rows. 64-row tiles pad less and take 89.5 us at 130 rows (`linear.tma.LAUNCH`). From 193
 # rows on, the prefill bucket's kernel (the same as "medium"'s) serves. The bucket names are
-# TILES' (the rows each serves differ).
+# TILES' (the rows each serves differ). At 256 rows its 224 tiles fill 85% of two waves on 132 SMs, and
+# nothing that fills them better has won on an H100 (session 54): 64x128 tiles (896, 97%) took 127 us
+# against 118-120, and a stream-K tail 158, its partial tiles costing more than the idle SMs.
 WIDE_TILES = (
     Tile("decode", 16, 16, 32, 128, 4, stages=3),
     Tile("small", 64, 64, 64, 64, 4, stages=3),
