@@ -159,10 +159,14 @@ def attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_p
     if PURE_DECODE:
         # A pure decode step (T == S): sequence s has one query, packed at row s, and owns
         # DECODE_BLOCKS programs in a row. No prefix sum over the query lengths: at 1,024
-        # sequences that search cost every program more than its keys did.
+        # sequences that search cost every program more than its keys did. The kv heads run fastest in
+        # launch order, so that a sequence's heads read its cache blocks (their rows interleaved) together.
+        launch = pid + kv_head * tl.num_programs(0)
+        kv_head = launch % NUM_KV_HEADS
+        pid = launch // NUM_KV_HEADS
         DECODE_BLOCKS: tl.constexpr = (GROUP + BLOCK_M - 1) // BLOCK_M
-        seq = tl.program_id(0) // DECODE_BLOCKS
-        block = tl.program_id(0) % DECODE_BLOCKS
+        seq = pid // DECODE_BLOCKS
+        block = pid % DECODE_BLOCKS
         q_start = seq
         q_len = 1
     else:
@@ -245,7 +249,7 @@ def attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_p
         # stores before the one thread's release (the atomic), whose result reaches the others through
         # shared memory after another barrier: the acquire of their stores.
         tl.debug_barrier()
-        arrival = arrivals_ptr + tl.program_id(0) * NUM_KV_HEADS + kv_head
+        arrival = arrivals_ptr + pid * NUM_KV_HEADS + kv_head
         if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") < tl.num_programs(2) - 1:
             return
         tl.store(arrival, 0)   # ready for the next launch
