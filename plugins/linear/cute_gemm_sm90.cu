@@ -80,9 +80,11 @@ struct RotaryPairRows {
   }
 };
 
-// out = sums (+ bias) (+ residual). Every load goes out before the first store: the residual may be
-// `out` itself (each element is read and written by the same thread), so the compiler would keep a
-// load after each earlier store, one memory round trip a pair.
+// out = sums (+ bias) (+ residual). An epilogue's `prefetch` loads what it adds before the tile's K loop
+// (`gemm`), so that the loads are in flight during it: at 129-256 rows a block has one tile, and loads
+// issued after the loop would each be a memory round trip the launch waits for. The residual may be
+// `out` itself: each element is read and written by the same thread, and its tile's loads go out before
+// any of its stores.
 template <int BN>
 struct BiasResidual {
   const __nv_bfloat16* bias;
@@ -90,36 +92,49 @@ struct BiasResidual {
   __nv_bfloat16* out;
   int N;
 
-  template <class Acc, class Where>
-  __device__ __forceinline__ void store(const Acc& acc, const Where& where, int row0, int n_tile, int M) const {
-    check_layout<BN>(acc, where);
-    const int col0 = n_tile * BN;
+  struct Loaded {
     float2 add[BN / 4];   // size(acc) / 2
+  };
+
+  template <class Where>
+  __device__ __forceinline__ Loaded prefetch(const Where& where, int row0, int n_tile, int M) const {
+    Loaded loaded;
+    const int col0 = n_tile * BN;
     CUTE_UNROLL
     for (int i = 0; i < BN / 2; i += 2) {
       const int row = row0 + get<0>(where(i)), col = col0 + get<1>(where(i));
-      add[i / 2] = make_float2(0.f, 0.f);
+      float2& add = loaded.add[i / 2];
+      add = make_float2(0.f, 0.f);
       if (row < M && bias != nullptr)
-        add[i / 2] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bias + col));
+        add = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bias + col));
       if (row < M && residual != nullptr) {
         const float2 r = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(residual + size_t(row) * N + col));
-        add[i / 2].x += r.x;
-        add[i / 2].y += r.y;
+        add.x += r.x;
+        add.y += r.y;
       }
     }
+    return loaded;
+  }
+
+  template <class Acc, class Where>
+  __device__ __forceinline__ void store(const Acc& acc, const Where& where, int row0, int n_tile, int M,
+                                        const Loaded& loaded) const {
+    check_layout<BN>(acc, where);
+    const int col0 = n_tile * BN;
     CUTE_UNROLL
     for (int i = 0; i < BN / 2; i += 2) {
       const int row = row0 + get<0>(where(i)), col = col0 + get<1>(where(i));
       if (row < M)
         *reinterpret_cast<__nv_bfloat162*>(out + size_t(row) * N + col) =
-            __floats2bfloat162_rn(acc(i) + add[i / 2].x, acc(i + 1) + add[i / 2].y);
+            __floats2bfloat162_rn(acc(i) + loaded.add[i / 2].x, acc(i + 1) + loaded.add[i / 2].y);
     }
   }
 };
 
 // norm_qkv_rope's epilogue over a RotaryPairRows tile: a pair's first-half sums at index i, its
-// second-half ones PAIRS / 2 indices on (its column + PAIRS). The inputs are read through the
-// read-only path, so their loads need not wait for the stores before them.
+// second-half ones PAIRS / 2 indices on (its column + PAIRS). Its inputs (row scales, positions and their
+// angles, slots, bias) are loaded before the K loop (`prefetch`, as BiasResidual's), through the read-only
+// path.
 template <int PAIRS, int D>
 struct RotaryQkv {
   const float* row_scale;        // [T]: rsqrt(mean(x^2) + eps), the row-scale pre-pass's
@@ -131,34 +146,67 @@ struct RotaryQkv {
   __nv_bfloat16* out;
   int num_slots, layer, heads, kv_heads;
 
+  static constexpr int HALF = D / 2, GROUPS = PAIRS / 8;
+
+  // A thread's two rows (r) and GROUPS pairs of columns (g): what its epilogue reads.
+  struct Loaded {
+    float scale[2];
+    size_t slot[2];
+    float2 cos[2][GROUPS], sin[2][GROUPS];
+    float2 bias_lo[GROUPS], bias_hi[GROUPS];
+  };
+
+  template <class Where>
+  __device__ __forceinline__ Loaded prefetch(const Where& where, int row0, int n_tile, int M) const {
+    Loaded loaded;
+    CUTE_UNROLL
+    for (int g = 0; g < GROUPS; ++g) {
+      const int pair = n_tile * PAIRS + get<1>(where(4 * g));
+      const int h = pair / HALF, j = pair % HALF;
+      loaded.bias_lo[g] = loaded.bias_hi[g] = make_float2(0.f, 0.f);
+      if (bias != nullptr) {
+        loaded.bias_lo[g] = __bfloat1622float2(__ldg(reinterpret_cast<const __nv_bfloat162*>(bias + h * D + j)));
+        loaded.bias_hi[g] =
+            __bfloat1622float2(__ldg(reinterpret_cast<const __nv_bfloat162*>(bias + h * D + HALF + j)));
+      }
+    }
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const int t = row0 + get<0>(where(2 * r));
+      const bool live = t < M;
+      loaded.scale[r] = live ? __ldg(row_scale + t) : 0.f;
+      loaded.slot[r] = live ? __ldg(slots + t) : 0;
+      const float* angles = rope + size_t(live ? __ldg(positions + t) : 0) * D;
+      CUTE_UNROLL
+      for (int g = 0; g < GROUPS; ++g) {
+        // v's columns load angles they do not use: one branch less, and the loads are in flight anyway.
+        const int j = (n_tile * PAIRS + get<1>(where(4 * g + 2 * r))) % HALF;
+        loaded.cos[r][g] = __ldg(reinterpret_cast<const float2*>(angles + j));
+        loaded.sin[r][g] = __ldg(reinterpret_cast<const float2*>(angles + HALF + j));
+      }
+    }
+    return loaded;
+  }
+
   template <class Acc, class Where>
-  __device__ __forceinline__ void store(const Acc& acc, const Where& where, int row0, int n_tile, int M) const {
-    constexpr int HALF = D / 2;
+  __device__ __forceinline__ void store(const Acc& acc, const Where& where, int row0, int n_tile, int M,
+                                        const Loaded& loaded) const {
     check_layout<2 * PAIRS>(acc, where);
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
       const int t = row0 + get<0>(where(2 * r));
       if (t >= M) continue;
-      const float scale = __ldg(row_scale + t);
-      const float* angles = rope + size_t(__ldg(positions + t)) * D;
-      const size_t slot = __ldg(slots + t);
+      const float scale = loaded.scale[r];
       CUTE_UNROLL
-      for (int g = 0; g < PAIRS / 8; ++g) {
+      for (int g = 0; g < GROUPS; ++g) {
         const int i = 4 * g + 2 * r;
         const int pair = n_tile * PAIRS + get<1>(where(i));
         const int h = pair / HALF, j = pair % HALF;
-        float2 lo = make_float2(acc(i) * scale, acc(i + 1) * scale);
-        float2 hi = make_float2(acc(i + PAIRS / 2) * scale, acc(i + 1 + PAIRS / 2) * scale);
-        if (bias != nullptr) {
-          const float2 b_lo = __bfloat1622float2(__ldg(reinterpret_cast<const __nv_bfloat162*>(bias + h * D + j)));
-          const float2 b_hi =
-              __bfloat1622float2(__ldg(reinterpret_cast<const __nv_bfloat162*>(bias + h * D + HALF + j)));
-          lo = make_float2(lo.x + b_lo.x, lo.y + b_lo.y);
-          hi = make_float2(hi.x + b_hi.x, hi.y + b_hi.y);
-        }
+        float2 lo = make_float2(acc(i) * scale + loaded.bias_lo[g].x, acc(i + 1) * scale + loaded.bias_lo[g].y);
+        float2 hi = make_float2(acc(i + PAIRS / 2) * scale + loaded.bias_hi[g].x,
+                                acc(i + 1 + PAIRS / 2) * scale + loaded.bias_hi[g].y);
         if (h < heads + kv_heads) {   // q and k rotate; v does not
-          const float2 c = __ldg(reinterpret_cast<const float2*>(angles + j));
-          const float2 s = __ldg(reinterpret_cast<const float2*>(angles + HALF + j));
+          const float2 c = loaded.cos[r][g], s = loaded.sin[r][g];
           const float2 rotated = make_float2(lo.x * c.x - hi.x * s.x, lo.y * c.y - hi.y * s.y);
           hi = make_float2(hi.x * c.x + lo.x * s.x, hi.y * c.y + lo.y * s.y);
           lo = rotated;
@@ -169,7 +217,7 @@ struct RotaryQkv {
         } else {
           const bool v = h >= heads + kv_heads;
           const int kv_head = h - heads - (v ? kv_heads : 0);
-          head = kv + ((size_t(layer) * 2 + v) * num_slots + slot) * kv_heads * D + kv_head * D;
+          head = kv + ((size_t(layer) * 2 + v) * num_slots + loaded.slot[r]) * kv_heads * D + kv_head * D;
         }
         *reinterpret_cast<__nv_bfloat162*>(head + j) = __floats2bfloat162_rn(lo.x, lo.y);
         *reinterpret_cast<__nv_bfloat162*>(head + HALF + j) = __floats2bfloat162_rn(hi.x, hi.y);
@@ -235,12 +283,15 @@ __device__ __forceinline__ void gemm(const CUtensorMap* x_map, const CUtensorMap
     int m_tile, n_tile, first, end;
     tile_of<GROUP_M>(t / PARTS, m_tiles, n_tiles, m_tile, n_tile);
     k_range(t, first, end);
+    // The epilogue's loads go out now and land during the K loop (a split's every part loads them; the
+    // last to arrive uses them).
+    const auto loaded = epilogue.prefetch(where, m_tile * BM, n_tile, M);
     it = accumulate(mma, x_frag, w_frag, acc, s.ring, it, end - first, signals);
     if constexpr (PARTS > 1) {
       if (end == first) clear(acc);   // more parts than K tiles: this one adds nothing, and still counts
       if (!gather_parts(acc, part, count, t / PARTS * WGS + wg, t % PARTS, PARTS, wg, s.last)) continue;
     }
-    epilogue.store(acc, where, m_tile * BM, n_tile, M);
+    epilogue.store(acc, where, m_tile * BM, n_tile, M, loaded);
   }
 }
 }  // namespace kiln_cute
