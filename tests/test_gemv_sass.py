@@ -10,12 +10,11 @@ FP8 GEMVs' x loads (`ld.global.nc`) ahead of the wait and the weight loads behin
 the check is on the SASS."""
 from __future__ import annotations
 
-import re
 from functools import cache
 
 import pytest
 
-from sass import LAUNCH_DEPENDENTS, WAIT, disassemble, is_load, nvdisasm
+from sass import LAUNCH_DEPENDENTS, WAIT, address_params, disassemble, is_load, nvdisasm, param_offsets
 from test_gemv import every_kernel
 
 from kiln.plugins import nvcc
@@ -24,8 +23,6 @@ from kiln.plugins.linear import gemv
 
 # Parameters a step writes: no load of them may come before the wait.
 STEP_WRITTEN = {"x", "residual", "positions", "slots", "kv", "out"}
-# Where a kernel's parameters start in constant bank 0.
-PARAM_BASE = {"sm_90": 0x210, "sm_100": 0x380}
 WEIGHT_LOAD = "LDG.E.NA."   # the weights' stream loads do not allocate in L1
 # A lane's weight loads an iteration of `stream_rows` (rows x pieces) in each entry, and how many iterations
 # go out before the wait: two in the FP8 GEMVs, one in the bf16 ones (BENCHMARKS.md session 46).
@@ -57,42 +54,6 @@ def built(target: str) -> list[tuple[nvcc.NvccKernel, Cubin]]:
 def disassembled(target: str) -> list[tuple[nvcc.NvccKernel, list[str]]]:
     """Every GEMV entry built for `target`, with its cubin's instructions (`disassemble`), read once."""
     return [(kernel, disassemble(cubin.binary)) for kernel, cubin in built(target)]
-
-
-def param_offsets(signature: dict[str, str], target: str) -> dict[int, str]:
-    """Constant-bank offset -> parameter name (8-byte pointers, 4-byte scalars, each aligned to its size)."""
-    offsets, at = {}, PARAM_BASE[target]
-    for name, kind in signature.items():
-        size = 8 if kind.startswith("*") else 4
-        at = -(-at // size) * size
-        offsets[at] = name
-        at += size
-    return offsets
-
-
-def address_params(code: list[str], i: int, offsets: dict[int, str]) -> set[str]:
-    """The parameters whose values flow into the address of the load at code[i]: a walk back through the
-    instructions that wrote its address registers (a 64-bit address is a register pair)."""
-    found = re.search(r"desc\[[^\]]*\]\[(U?R)(\d+)", code[i])
-    if found is None:
-        return set()
-    prefix, number = found.groups()
-    wanted, params = {f"{prefix}{number}", f"{prefix}{int(number) + 1}"}, set()
-    for line in reversed(code[:i]):
-        op, _, operands = re.sub(r"^@!?U?P\w+\s+", "", line).partition(" ")
-        parts = [p.strip() for p in operands.split(",")]
-        dest = re.fullmatch(r"(U?R)(\d+)(?:\.64)?", parts[0]) if parts[0] else None
-        if dest is None:
-            continue
-        written = {parts[0].split(".")[0]}
-        if ".64" in op or "WIDE" in op:
-            written.add(f"{dest.group(1)}{int(dest.group(2)) + 1}")
-        if not written & wanted:
-            continue
-        wanted -= written
-        params |= {offsets.get(int(offset, 16), offset) for offset in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]", operands)}
-        wanted |= set(re.findall(r"\bU?R\d+\b", ",".join(parts[1:]))) - {"RZ", "URZ"}
-    return params
 
 
 @needs_nvcc

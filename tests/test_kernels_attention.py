@@ -204,6 +204,54 @@ def test_split_decode_merges_its_parts_and_leaves_its_arrivals_at_zero():
         assert not scratch["attention_arrivals"].any()
 
 
+class Recording:
+    """A stand-in's launches by role, beside the stand-in (`interpreted_launch.Running`) that runs them."""
+
+    def __init__(self, running, roles: list) -> None:
+        self.running, self.roles = running, roles
+
+    def launch(self, grid: tuple[int, int, int], args: list, stream: int) -> None:
+        self.roles.append(self.running.kernel.meta["role"])
+        self.running.launch(grid, args, stream)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("table_blocks,context,window", [
+    (70, 150, 0),   # two parts of 128 and 22 keys: the newest key in the second part's preloaded tile
+    (70, 100, 0),   # two parts of 64 and 36 keys
+    (70, 3, 0),     # the first part's 3 keys, the second part empty
+    (40, 100, 0),   # one part: the newest key after the preloaded tile, in the masked loop
+    (40, 10, 0),
+    (70, 150, 5)])  # a sliding window: the part's keys start past 0
+def test_one_sequence_decode_reads_its_first_tile_early_on_sm90(table_blocks, context, window):
+    """A step of one sequence on sm_90 takes the EARLY kernels (`kernels.EARLY_ROLES`), which read their
+    first tile of earlier keys before the PDL wait, and the newest key (the qkv kernel's) after it."""
+    from interpreted_launch import Running, targeted
+    from kiln.plugins.attention import launch as attention_launch
+    from kiln.runtime.cuda_executor import op_scratch
+
+    blocks = list(range(-(-(context + 1) // BLOCK_SIZE)))
+    data = make_step([(context, 1, blocks)], 4, torch.float32, seed=context, table_blocks=table_blocks)
+    data["cache"] = torch.randn(2, 2, 64, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(1))
+    attrs = attention_attrs(4, window)
+    ref, _ = reference_attention(data, attrs, with_kv=False)
+    cache = prepared_cache(data, attrs, with_kv=False)
+    shapes = {"heads": 4, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE}
+    kernels = targeted(attention_kernels.aot_kernels("float32", shapes), "sm_90")
+    limits = {"T": 8, "S": 8, "B": table_blocks, "block_size": BLOCK_SIZE, "element_bytes": 4}
+    scratch = {name: torch.zeros(nbytes, dtype=torch.uint8)
+               for name, nbytes in op_scratch(attention_launch, attrs, [k.meta for k in kernels], limits).items()}
+    inputs = attention_inputs(data, cache, with_kv=False)
+    out, log, roles = torch.full_like(ref, float("nan")), [], []
+    tensors = [t for t in [*inputs, out, cache[1, 0], cache[1, 1], *scratch.values()] if t is not None]
+    attention_launch.launch([Recording(Running(k, tensors, log), roles) for k in kernels], [k.meta for k in kernels],
+                            inputs, attrs, out, {"T": 1}, 0, scratch)
+    splits = attention_kernels.choose_num_splits(1, 1, KV_HEADS, table_blocks * BLOCK_SIZE)
+    assert roles == ["decode_one_split" if splits > 1 else "decode_one"]
+    assert close(out, ref)
+    assert not scratch["attention_arrivals"].any()
+
+
 def test_num_splits_only_for_decode_steps_that_leave_the_gpu_idle():
     assert attention_kernels.choose_num_splits(40, 4, 8, 8192) == 1       # prefill in the step
     assert attention_kernels.choose_num_splits(1, 1, 8, 8192) == attention_kernels.MAX_SPLITS
