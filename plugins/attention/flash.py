@@ -74,23 +74,28 @@ def _find_sequence(query_lens_ptr, first_seq, num_seqs, pid, GROUP: tl.constexpr
 @triton.jit
 def _attend(q, acc, m, l, start, hi, pos, window, table, k_cache_ptr, v_cache_ptr, kv_head, d, d_ok, qk_scale,
             NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-            MASKED: tl.constexpr, V_T: tl.constexpr, INTERPRETER: tl.constexpr):
+            MASKED: tl.constexpr, V_T: tl.constexpr, INTERPRETER: tl.constexpr, k_pre=None, v_pre=None):
     """One key tile of the online softmax: returns the updated (acc, m, l). Unmasked, every key
     of the tile is below `hi` and seen by every row. V_T: v's cache blocks are transposed (an
     e4m3 cache's, `cache_write.v_offset`). v is loaded after the scores, as measured fastest
-    (BENCHMARKS.md session 49: loading it beside k was not)."""
+    (BENCHMARKS.md session 49: loading it beside k was not). k_pre, v_pre: the tile as `_preload` read it."""
     keys = start + tl.arange(0, BLOCK_N)
     if MASKED:
         key_ok = keys < hi
-        page = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0)
+    if k_pre is None:
+        if MASKED:
+            page = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0)
+        else:
+            page = tl.load(table + keys // BLOCK_SIZE)
+        slot = page.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
+        kv_off = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM
+        if MASKED:
+            k_t = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None], mask=d_ok[:, None] & key_ok[None, :],
+                          other=0.0)
+        else:
+            k_t = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None], mask=d_ok[:, None], other=0.0)
     else:
-        page = tl.load(table + keys // BLOCK_SIZE)
-    slot = page.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
-    kv_off = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM
-    if MASKED:
-        k_t = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None], mask=d_ok[:, None] & key_ok[None, :], other=0.0)
-    else:
-        k_t = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None], mask=d_ok[:, None], other=0.0)
+        k_t = k_pre
     s = _dot(q, k_t.to(q.dtype), INTERPRETER) * qk_scale
     if MASKED:
         seen = (keys[None, :] <= pos[:, None]) & key_ok[None, :]
@@ -100,7 +105,9 @@ def _attend(q, acc, m, l, start, hi, pos, window, table, k_cache_ptr, v_cache_pt
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
-    if V_T:
+    if v_pre is not None:
+        v = v_pre
+    elif V_T:
         v = _load_v_transposed(v_cache_ptr, table, start, hi, kv_head, d, d_ok, NUM_KV_HEADS, HEAD_DIM,
                                BLOCK_SIZE, BLOCK_N, MASKED)
     elif MASKED:
@@ -115,7 +122,7 @@ def _attend(q, acc, m, l, start, hi, pos, window, table, k_cache_ptr, v_cache_pt
 def _preload(start, hi, table, k_cache_ptr, v_cache_ptr, kv_head, d, d_ok, NUM_KV_HEADS: tl.constexpr,
              HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """The key tile from `start` of a bf16 cache, keys below `hi` (the rest zeros): (k transposed, v), for
-    `_attend_preloaded`."""
+    `_attend`."""
     keys = start + tl.arange(0, BLOCK_N)
     key_ok = keys < hi
     page = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0)
@@ -123,24 +130,6 @@ def _preload(start, hi, table, k_cache_ptr, v_cache_ptr, kv_head, d, d_ok, NUM_K
     k_t = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None], mask=d_ok[:, None] & key_ok[None, :], other=0.0)
     v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
     return k_t, v
-
-
-@triton.jit
-def _attend_preloaded(q, acc, m, l, k_t, v, start, hi, pos, window, qk_scale, BLOCK_N: tl.constexpr,
-                      INTERPRETER: tl.constexpr):
-    """`_attend`'s masked step over a tile that `_preload` read: returns the updated (acc, m, l). Its own
-    copy of the softmax step: with one helper for both, Triton's call boundary changed the register
-    allocation of the kernels every batch takes (sm_89, the e4m3 cache's; session 55), which keep theirs."""
-    keys = start + tl.arange(0, BLOCK_N)
-    s = _dot(q, k_t.to(q.dtype), INTERPRETER) * qk_scale
-    seen = (keys[None, :] <= pos[:, None]) & (keys < hi)[None, :]
-    seen = seen & ((window <= 0) | (pos[:, None] - keys[None, :] < window))
-    s = tl.where(seen, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, 1)
-    return acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), INTERPRETER), m_new, l
 
 
 @triton.jit
@@ -268,8 +257,9 @@ def attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_p
         # and v * v_scale to the accumulated p.v, once, instead of to each loaded element.
         qk_scale = qk_scale * tl.load(scale_ptr + kv_head)
     if EARLY:
-        acc, m, l = _attend_preloaded(q, acc, m, l, k_pre, v_pre, lo, old_hi, pos, window, qk_scale, BLOCK_N,
-                                      INTERPRETER)
+        acc, m, l = _attend(q, acc, m, l, lo, old_hi, pos, window, table, k_cache_ptr, v_cache_ptr, kv_head, d,
+                            d_ok, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, INTERPRETER,
+                            k_pre, v_pre)
         if (lo <= first_pos) & (first_pos < tl.minimum(hi, lo + BLOCK_N)):
             # The newest key, left out of the preloaded tile: a tile of one key from it.
             acc, m, l = _attend(q, acc, m, l, first_pos, first_pos + 1, pos, window, table, k_cache_ptr,
