@@ -125,7 +125,7 @@ def test_a_static_activation_scale_gets_static_fp8_gemvs():
 
 def test_entry_points_take_their_signatures():
     """Each macro's C++ parameter list, in order, is the signature the runtime packs arguments by."""
-    source = gemv.SOURCE.read_text() + gemv.FP8_SOURCE.read_text()
+    source = "".join(path.read_text() for path in (gemv.SOURCE, gemv.FP8_SOURCE, gemv.FP8_QKV_SOURCE))
     params = {}
     for macro, body in re.findall(r"#define (KILN_GEMV_\w+)\(NAME[^)]*\)(.*?)\{", source, re.S):
         text = re.search(r"NAME\((.*)\)", body.replace("\\\n", " "), re.S).group(1)

@@ -43,6 +43,7 @@ from kiln.plugins.nvcc import NvccKernel
 
 SOURCE = Path(__file__).with_name("gemv.cu")
 FP8_SOURCE = Path(__file__).with_name("gemv_fp8.cu")
+FP8_QKV_SOURCE = Path(__file__).with_name("gemv_fp8_qkv.cu")   # norm_qkv_rope's, appended after FP8_SOURCE
 WARPS = 8
 # Weight rows per warp of the plain GEMV at each row count it serves (one bucket each). Two at T = 1:
 # on an H200 (probe_cuda_gemv.py, 2026-12-02) o_proj 9.84 us against 10.48 with one, down 28.75
@@ -96,12 +97,15 @@ def _serves(dtype: str, k: int, fp8_weight: bool) -> bool:
     return dtype == "bfloat16" and k % 8 == 0
 
 
-def _fp8_kernel(name: str, macro: str, args: str, signature: dict, meta: dict, static: bool) -> NvccKernel:
-    """An entry point of `gemv_fp8.cu`: that file and the call `macro(name, args, static)` appended to
-    `gemv.cu` (the last argument: whether it divides by a static activation scale, meta "static")."""
+def _fp8_kernel(name: str, macro: str, args: str, signature: dict, meta: dict, static: bool,
+                sources: tuple[Path, ...] = (FP8_SOURCE,)) -> NvccKernel:
+    """An FP8 entry point: `sources` (gemv_fp8.cu and the files after it) and the call `macro(name, args,
+    static)` appended to `gemv.cu` (the last argument: whether it divides by a static activation scale,
+    meta "static")."""
     call = f"{macro}({name}, {args}, {_cpp(static)})"
     meta = {**meta, "fp8": True, **({"static": True} if static else {})}
-    return NvccKernel(SOURCE, name, f"{FP8_SOURCE.read_text()}\n{call}", signature, WARPS, meta, targets=FP8_TARGETS)
+    text = "\n".join(source.read_text() for source in sources)
+    return NvccKernel(SOURCE, name, f"{text}\n{call}", signature, WARPS, meta, targets=FP8_TARGETS)
 
 
 def _cpp(flag: bool) -> str:
@@ -148,7 +152,8 @@ def qkv_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
         macro = "KILN_GEMV_FP8_QKV_ROPE_FP8_KV" if fp8_kv else "KILN_GEMV_FP8_QKV_ROPE"
         args = f"{FP8_QKV_PIECES}, {k}, {_cpp(shapes.get('norm_weight', False))}"
         return [_fp8_kernel(name, macro, args, FP8_QKV_FP8_KV_SIGNATURE if fp8_kv else FP8_QKV_SIGNATURE,
-                            {**meta, "fp8_kv": fp8_kv}, shapes.get("fp8_static", False))]
+                            {**meta, "fp8_kv": fp8_kv}, shapes.get("fp8_static", False),
+                            (FP8_SOURCE, FP8_QKV_SOURCE))]
     name = "kiln_gemv_qkv_rope_t1"
     return [NvccKernel(SOURCE, name, f"KILN_GEMV_QKV_ROPE({name}, 1)", QKV_SIGNATURE, WARPS, meta)]
 

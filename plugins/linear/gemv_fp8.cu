@@ -1,7 +1,7 @@
 // FP8 (W8A8) decode GEMVs for one row of x, compiled appended to gemv.cu (whose K loop, `stream_rows`,
 // they share): e4m3 weights [N, K] with a float32 scale per row, x bf16, out bf16. The "gemv1" buckets
-// of FP8 linear, linear_residual, norm_qkv_rope and norm_swiglu (`plugins.linear.gemv` builds them for
-// the FP8 targets only: the conversions below are sm_89's instructions).
+// of FP8 linear, linear_residual, norm_qkv_rope (whose entry gemv_fp8_qkv.cu adds) and norm_swiglu
+// (`plugins.linear.gemv` builds them for the FP8 targets only: the conversions below are sm_89's).
 //
 // x is quantized as `plugins.fp8` defines it (per token: the GEMM input's largest magnitude over 448,
 // a correctly rounded division, round to nearest even, saturating), but by every block itself rather
@@ -41,12 +41,6 @@ __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(_
 __device__ __forceinline__ float divided(float v, float scale, float inverse) {
   const float q = v * inverse;
   return __fmaf_rn(__fmaf_rn(-q, scale, v), inverse, q);
-}
-
-// A value of an e4m3 cache: v / scale, saturating at +-448, ties to even (`plugins.fp8.to_e4m3`).
-template <>
-__device__ __forceinline__ void put(__nv_fp8_storage_t* p, float v, float scale) {
-  *p = __nv_cvt_float_to_fp8(__fdiv_rn(v, scale), __NV_SATFINITE, __NV_E4M3);
 }
 
 // The sum and the largest of one value per thread, over the block; every thread gets both.
@@ -265,48 +259,6 @@ __device__ __forceinline__ void fp8_linear(const __nv_bfloat16* x, const uint8_t
   if (owner) out[n] = __float2bfloat16(v * scale * ws + extra);
 }
 
-// RMSNorm + q/k/v projection (+ bias) + RoPE with e4m3 weights: `qkv_rope` of gemv.cu otherwise. Cache:
-// bf16, or e4m3 (`__nv_fp8_storage_t`) with kv_scales [layers, 2, KVH].
-template <int UF, int KMAX, bool NORM_WEIGHT, bool STATIC, class Cache>
-__device__ __forceinline__ void fp8_qkv_rope(const __nv_bfloat16* x, const __nv_bfloat16* norm, const uint8_t* w,
-                                             const float* w_scale, const float* x_static,
-                                             const __nv_bfloat16* bias, const int* positions,
-                                             const float* rope, Cache* kv, const int* slots, const float* kv_scales,
-                                             int kv_block, __nv_bfloat16* out, int num_slots, int layer, float eps,
-                                             int H, int KVH, int D, int K) {
-  __shared__ uint4 xs[KMAX / VEC];
-  const int lane = threadIdx.x % LANES, pair = blockIdx.x * WARPS + threadIdx.x / LANES;
-  const int half = D / 2, h = pair / half, j = pair % half;
-  const int row[2] = {h * D + j, h * D + j + half};
-  const bool is_q = h < H, is_v = h >= H + KVH, owner = lane == 0;
-  float rc = 1.0f, rs = 0.0f, b0 = 0.0f, b1 = 0.0f, ws0 = 0.0f, ws1 = 0.0f, kv_scale = 1.0f;
-  int slot = 0, pos = 0;
-  launch_dependents();
-  if (owner) {
-    if (bias != nullptr) b0 = bf16(bias + row[0]), b1 = bf16(bias + row[1]);
-    ws0 = w_scale[row[0]], ws1 = w_scale[row[1]];
-  }
-  XRow<KMAX> xr;
-  Fp8DotRows<2, UF> dot;
-  float scale;
-  dot.run(w, row, K, xs, [&] {
-    xr.load(x, K);
-    if (owner && !is_v) pos = positions[0];
-    if (owner && !is_q) slot = slots[0];
-    if (owner && !is_q && kv_scales != nullptr)
-      kv_scale = kv_scales[(layer * 2 + (is_v ? 1 : 0)) * KVH + (is_v ? h - H - KVH : h - H)];
-    scale = xr.template stage<true, NORM_WEIGHT, STATIC>(norm, x_static, xs, K, eps);
-    if (owner && !is_v) {
-      const float* r = rope + static_cast<size_t>(pos) * D + j;
-      rc = r[0];
-      rs = r[half];
-    }
-  });
-  if (!owner) return;
-  rope_store(dot.acc[0] * scale * ws0 + b0, dot.acc[1] * scale * ws1 + b1, rc, rs, out, kv, kv_scale, 0, h, j,
-             slot, num_slots, layer, H, KVH, D, kv_block);
-}
-
 // RMSNorm + gate/up projection + act(gate) * up with e4m3 weights: `swiglu` of gemv.cu otherwise, with
 // COLS output columns a warp (their gate and up rows), so a block stages x once for 8 * COLS of them.
 template <int COLS, int UF, int KMAX, bool GELU_TANH, bool NORM_WEIGHT, bool STATIC>
@@ -351,29 +303,6 @@ __device__ __forceinline__ void fp8_swiglu(const __nv_bfloat16* x, const __nv_bf
       NAME(const __nv_bfloat16* x, const uint8_t* w, const float* w_scale, const float* x_static,       \
            const __nv_bfloat16* bias, const __nv_bfloat16* residual, __nv_bfloat16* out, int N, int K) {\
     fp8_linear<R, UF, KMAX, STATIC>(x, w, w_scale, x_static, bias, residual, out, N, K);                \
-  }
-
-#define KILN_GEMV_FP8_QKV_ROPE(NAME, UF, KMAX, NORM_WEIGHT, STATIC)                                     \
-  extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                           \
-      NAME(const __nv_bfloat16* x, const __nv_bfloat16* norm, const uint8_t* w, const float* w_scale,   \
-           const float* x_static, const __nv_bfloat16* bias, const int* positions, const float* rope,   \
-           __nv_bfloat16* kv, const int* slots, __nv_bfloat16* out, int num_slots, int layer, float eps,\
-           int H, int KVH, int D, int K) {                                                              \
-    fp8_qkv_rope<UF, KMAX, NORM_WEIGHT, STATIC>(x, norm, w, w_scale, x_static, bias, positions, rope, kv,\
-                                                slots, nullptr, 0, out, num_slots, layer, eps, H, KVH, D, K);\
-  }
-
-// The same with an e4m3 cache (v's blocks of kv_block slots transposed) and its scales.
-#define KILN_GEMV_FP8_QKV_ROPE_FP8_KV(NAME, UF, KMAX, NORM_WEIGHT, STATIC)                              \
-  extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                           \
-      NAME(const __nv_bfloat16* x, const __nv_bfloat16* norm, const uint8_t* w, const float* w_scale,   \
-           const float* x_static, const __nv_bfloat16* bias, const int* positions, const float* rope,   \
-           uint8_t* kv, const int* slots, const float* kv_scales, int kv_block, __nv_bfloat16* out,     \
-           int num_slots, int layer, float eps, int H, int KVH, int D, int K) {                         \
-    fp8_qkv_rope<UF, KMAX, NORM_WEIGHT, STATIC>(x, norm, w, w_scale, x_static, bias, positions, rope,   \
-                                                reinterpret_cast<__nv_fp8_storage_t*>(kv), slots,       \
-                                                kv_scales, kv_block, out, num_slots, layer, eps, H, KVH,\
-                                                D, K);                                                  \
   }
 
 #define KILN_GEMV_FP8_SWIGLU(NAME, COLS, UF, KMAX, GELU_TANH, NORM_WEIGHT, STATIC)                      \
