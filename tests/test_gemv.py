@@ -24,7 +24,8 @@ from kiln.plugins.linear_residual import launch as residual_launch
 QKV = {"K": 4096, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
 SWIGLU = {"K": 4096, "I": 14336, "block": 64}
 C_TYPES = {"const __nv_bfloat16*": "*bf16", "__nv_bfloat16*": "*bf16", "const int*": "*i32", "const float*": "*fp32",
-           "const uint8_t*": "*fp8e4nv", "uint8_t*": "*fp8e4nv", "int": "i32", "float": "fp32"}
+           "const uint8_t*": "*fp8e4nv", "uint8_t*": "*fp8e4nv", "const __half*": "*fp16", "__half*": "*fp16",
+           "int": "i32", "float": "fp32"}
 
 
 def every_kernel() -> list[nvcc.NvccKernel]:
@@ -131,7 +132,8 @@ def test_entry_points_take_their_signatures():
         text = re.search(r"NAME\((.*)\)", body.replace("\\\n", " "), re.S).group(1)
         params[macro] = [C_TYPES[" ".join(p.split()[:-1])] for p in text.split(",")]
     assert set(params) == {"KILN_GEMV_LINEAR", "KILN_GEMV_QKV_ROPE", "KILN_GEMV_SWIGLU", "KILN_GEMV_FP8_LINEAR",
-                           "KILN_GEMV_FP8_QKV_ROPE", "KILN_GEMV_FP8_QKV_ROPE_FP8_KV", "KILN_GEMV_FP8_SWIGLU"}
+                           "KILN_GEMV_FP8_QKV_ROPE", "KILN_GEMV_FP8_QKV_ROPE_FP8_KV", "KILN_GEMV_FP8_SWIGLU",
+                           "KILN_GEMV_FP8_LINEAR_PRESTAGED", "KILN_GEMV_FP8_SWIGLU_HANDOFF"}
     for kernel in every_kernel():
         call = kernel.instance.splitlines()[-1]
         macro = call.split("(")[0]
