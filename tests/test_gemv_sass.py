@@ -21,8 +21,8 @@ from kiln.plugins import nvcc
 from kiln.plugins.aot import TARGET_CC, Cubin, compile_cubin
 from kiln.plugins.linear import gemv
 
-# Parameters a step writes: no load of them may come before the wait.
-STEP_WRITTEN = {"x", "residual", "positions", "slots", "kv", "out"}
+# Parameters a step writes: no load of them may come before the wait. ("staged": the one-row handoff's row.)
+STEP_WRITTEN = {"x", "residual", "positions", "slots", "kv", "out", "staged"}
 WEIGHT_LOAD = "LDG.E.NA."   # the weights' stream loads do not allocate in L1
 # A lane's weight loads an iteration of `stream_rows` (rows x pieces) in each entry, and how many iterations
 # go out before the wait: two in the FP8 GEMVs, one in the bf16 ones (BENCHMARKS.md session 46).
@@ -35,6 +35,8 @@ ITERATION_LOADS = {
     "kiln_gemv_fp8_linear_t1": (gemv.FP8_LINEAR_ROWS * gemv.FP8_LINEAR_PIECES, 2),
     "kiln_gemv_fp8_qkv_rope_t1": (2 * gemv.FP8_QKV_PIECES, 2),
     "kiln_gemv_fp8_swiglu_t1": (2 * gemv.FP8_SWIGLU_COLS * gemv.FP8_SWIGLU_PIECES, 2),
+    "kiln_gemv_fp8_linear_prestaged_t1": (gemv.FP8_LINEAR_ROWS * gemv.FP8_LINEAR_PIECES, 2),
+    "kiln_gemv_fp8_swiglu_handoff_t1": (2 * gemv.FP8_SWIGLU_COLS * gemv.FP8_SWIGLU_PIECES, 2),
 }
 
 
@@ -84,6 +86,24 @@ def test_each_entry_issues_its_iterations_of_weight_loads_before_the_wait(target
         early = sum(WEIGHT_LOAD in line for line in code[:code.index(WAIT)])
         loads, iterations = ITERATION_LOADS[kernel.entry]
         assert early == loads * iterations, (kernel.entry, target, early)
+
+
+@needs_nvdisasm
+@pytest.mark.parametrize("target", ["sm_90", "sm_100"])
+def test_the_prestaged_gemv_reads_the_staged_row_after_the_wait_without_a_barrier(target):
+    """Down's GEMV at one row with the handoff stages nothing: no block barrier, and x comes from the staged
+    row, which the kernel before wrote, so by coherent loads (no `ld.global.nc`, LDG...CONSTANT) after the
+    wait; the SwiGLU GEMV that stages it keeps its own barrier and stores the row."""
+    entries = {kernel.entry: (kernel, code) for kernel, code in disassembled(target)}
+    kernel, code = entries["kiln_gemv_fp8_linear_prestaged_t1"]
+    offsets = param_offsets(kernel.signature, target)
+    wait = code.index(WAIT)
+    staged = [line for i, line in enumerate(code) if is_load(line) and "staged" in address_params(code, i, offsets)]
+    assert staged and not any(".CONSTANT" in line for line in staged), (target, staged)
+    assert all(code.index(line) > wait for line in staged)
+    assert not any(line.startswith("BAR") for line in code), target
+    kernel, code = entries["kiln_gemv_fp8_swiglu_handoff_t1"]
+    assert any(line.startswith("BAR.SYNC") for line in code) and any(line.startswith("STG.E.U16") for line in code)
 
 
 def test_the_walk_finds_a_load_of_x_ahead_of_the_wait():

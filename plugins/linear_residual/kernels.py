@@ -27,7 +27,9 @@ def run(inputs: list, attrs: dict, out: torch.Tensor) -> None:
 
 def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
     """shapes: {"K": in features, "N": out features, "bias": bool (default False), "fp8": bool
-    (default False), "fp8_static": bool (default False)}. The kernels are `linear_kernel` with a
-    residual pointer, one per shape bucket (and for FP8 the quantize pre-pass)."""
+    (default False), "fp8_static": bool (default False), "fp8_handoff": bool (default False: x's
+    producer does not hand x on)}. The kernels are `linear_kernel` with a residual pointer, one per
+    shape bucket (and for FP8 the quantize pre-pass), after the GEMVs (`linear.gemv`)."""
     return linear_aot_kernels(dtype, shapes["N"], shapes["K"], shapes.get("bias", False), residual=True,
-                              fp8_weight=shapes.get("fp8", False), fp8_static=shapes.get("fp8_static", False))
+                              fp8_weight=shapes.get("fp8", False), fp8_static=shapes.get("fp8_static", False),
+                              fp8_handoff=shapes.get("fp8_handoff", False))
