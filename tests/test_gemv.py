@@ -41,7 +41,8 @@ def every_kernel() -> list[nvcc.NvccKernel]:
             + gemv.qkv_kernels("bfloat16", {**QKV, "fp8": True, "fp8_static": True, "norm_weight": True})
             + gemv.swiglu_kernels("bfloat16", {**SWIGLU, "fp8": True, "fp8_static": True})
             + gemv.swiglu_kernels("bfloat16", {**SWIGLU, "fp8": True, "out_scale": True})
-            + gemv.linear_kernels("bfloat16", 4096, 14336, fp8_weight=True, fp8_static=True, fp8_handoff=True))
+            + gemv.linear_kernels("bfloat16", 4096, 14336, fp8_weight=True, fp8_static=True,
+                                  staged_targets=FP8_TARGETS))
 
 
 def test_which_shapes_get_the_gemv_buckets():
@@ -138,7 +139,8 @@ def test_the_one_row_handoff_gets_its_two_gemvs_where_both_sides_have_one():
                                     "false, false)")
     assert swiglu.meta["scratch"] == {HANDOFF[0]: 2 * 14336} and swiglu.targets == FP8_TARGETS
     assert list(swiglu.signature)[5:8] == ["out", "staged", "out_scale"]
-    (down,) = gemv.linear_kernels("bfloat16", 4096, 14336, fp8_weight=True, fp8_static=True, fp8_handoff=True)
+    (down,) = residual_kernels.aot_kernels("bfloat16", {"K": 14336, "N": 4096, "fp8": True, "fp8_static": True,
+                                                         "fp8_handoff": True})[:1]
     assert down.entry == "kiln_gemv_fp8_linear_prestaged_t1" and down.meta["prestaged"] and down.meta["static"]
     assert down.instance.endswith("KILN_GEMV_FP8_LINEAR_PRESTAGED(kiln_gemv_fp8_linear_prestaged_t1, 2, 4, 14336, "
                                   "true)")
@@ -149,12 +151,17 @@ def test_the_one_row_handoff_gets_its_two_gemvs_where_both_sides_have_one():
         assert not gemv.one_row_handoff("bfloat16", hidden, inter)
         assert all("handoff" not in k.meta for k in gemv.swiglu_kernels("bfloat16", {**handing, "K": hidden,
                                                                                       "I": inter}))
-        assert all("prestaged" not in k.meta for k in gemv.linear_kernels("bfloat16", hidden, inter, True, True, True))
+        assert all("prestaged" not in k.meta for k in residual_kernels.aot_kernels(
+            "bfloat16", {"K": inter, "N": hidden, "fp8": True, "fp8_static": True, "fp8_handoff": True}))
     assert gemv.one_row_handoff("bfloat16", 4096, 14336)
     # Without the plan's handoff, or without a static scale, the entries are the plain ones.
     assert gemv.swiglu_kernels("bfloat16", {**SWIGLU, "fp8": True})[0].entry == "kiln_gemv_fp8_swiglu_t1"
     assert gemv.linear_kernels("bfloat16", 4096, 14336, True, True)[0].entry == "kiln_gemv_fp8_linear_t1"
-    assert gemv.linear_kernels("bfloat16", 4096, 14336, True, False, True)[0].entry == "kiln_gemv_fp8_linear_t1"
+    assert gemv.linear_kernels("bfloat16", 4096, 14336, True, False, FP8_TARGETS)[0].entry == "kiln_gemv_fp8_linear_t1"
+    # Staged on some targets only (o_proj's, by the EARLY attention on sm_90 on): the plain entry for the others.
+    staged, own = gemv.linear_kernels("bfloat16", 4096, 4096, True, True, ("sm_90", "sm_100"))
+    assert (staged.entry, staged.targets, own.entry, own.targets) == (
+        "kiln_gemv_fp8_linear_prestaged_t1", ("sm_90", "sm_100"), "kiln_gemv_fp8_linear_t1", ("sm_89",))
     # In the plugins: linear_residual's compile shapes carry the attr, and each GEMV serves one row.
     shapes = {"weight": (4096, 14336), "bias": None, "weight_scale": (4096,), "weight_input_scale": (1,)}
     assert get_plugin("linear_residual").compile_shapes(shapes, {"fp8_handoff": True}, 16)["fp8_handoff"]
@@ -368,6 +375,47 @@ def test_the_one_row_handoff_passes_the_staged_row():
         kernel, _, args = launched(residual_launch, residual_kernels.aot_kernels("bfloat16", shapes),
                                    [act, w, None, res, scale, static], attrs, out, scratch)
         assert kernel.entry == "kiln_gemv_fp8_linear_t1" and args[0] == act.data_ptr()
+
+
+@pytest.mark.parametrize("target,staged", [("sm_90", True), ("sm_89", False)])
+def test_o_proj_reads_its_row_staged_by_the_early_attention_on_sm90(target, staged):
+    """attention_o_proj with the handoff (a static FP8 o_proj, a bf16 cache), at one row: on sm_90 the EARLY
+    decode attention hands the handoff's scratch its output staged (`attention.flash`), and o_proj's GEMV takes
+    that scratch in place of x; on sm_89, which has no EARLY kernels, the GEMV stages the attention output."""
+    from interpreted_launch import targeted
+    from kiln.plugins.attention_o_proj import kernels as o_proj_kernels
+    from kiln.plugins.attention_o_proj import launch as o_proj_launch
+    from kiln.runtime.cuda_executor import op_scratch
+
+    shapes = {"heads": 32, "kv_heads": 8, "head_dim": 128, "block_size": 16, "hidden": 4096, "fp8": True,
+              "fp8_static": True, "handoff": True}
+    aot = targeted(o_proj_kernels.aot_kernels("bfloat16", shapes), target)
+    attrs = {"layer": 0, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "scale": 0.1, "window": 0,
+             "all_reduce": False}
+    limits = {"T": 8, "S": 8, "B": 16, "block_size": 16, "element_bytes": 2}
+    scratch = {name: torch.zeros(nbytes, dtype=torch.uint8)
+               for name, nbytes in op_scratch(o_proj_launch, attrs, [k.meta for k in aot], limits).items()}
+    w, scale = e4m3(4096, 4096)
+    q, res, out, static = bf16(1, 4096), bf16(1, 4096), bf16(1, 4096), torch.tensor([0.02])
+    step = [torch.zeros(1, dtype=torch.int32), torch.zeros(1, 16, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+            torch.tensor([40], dtype=torch.int32)]
+    inputs = [q, None, None, torch.zeros(1, 2, 4, 16, 8, 128, dtype=torch.bfloat16), *step, w, None, res, None, scale,
+              static]
+    calls: list = []
+
+    class Named:
+        def __init__(self, kernel) -> None:
+            self.kernel = kernel
+
+        def launch(self, grid, args, stream=0) -> None:
+            calls.append((self.kernel, args))
+
+    o_proj_launch.launch([Named(k) for k in aot], [k.meta for k in aot], inputs, attrs, out, {"T": 1}, 0, scratch)
+    (attention, _), (gemm, args) = calls
+    assert attention.meta["role"].startswith("decode_one" if staged else "decode") and attention.meta["handoff"]
+    assert gemm.meta["bucket"] == "gemv1" and bool(gemm.meta.get("prestaged")) == staged
+    x = scratch[HANDOFF[0]] if staged else scratch["attention_o_proj_attn"]
+    assert args[0] == x.data_ptr() and args[1:4] == [w.data_ptr(), scale.data_ptr(), static.data_ptr()]
 
 
 def test_a_build_without_nvcc_leaves_the_gemvs_out(factory, tmp_path, monkeypatch):

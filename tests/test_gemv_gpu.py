@@ -260,3 +260,40 @@ def test_the_one_row_handoff_gives_what_the_gemvs_that_stage_x_give(norm_weight)
     want = get_plugin("linear_residual").call_reference([t if t is None else t.cpu() for t in down_inputs],
                                                         LINEAR_ATTRS)
     assert close(out.float().cpu(), want.float())
+
+
+def test_o_proj_reads_the_row_the_early_attention_staged():
+    """attention_o_proj with the handoff at one row on sm_90 on: the EARLY decode attention stages its output
+    in the handoff's scratch and o_proj's GEMV multiplies it from there, giving bit for bit what the same
+    kernels without the handoff give (the GEMV staging the attention output itself). Launched for
+    programmatic dependent launch as in a step, over a scratch of NaNs."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the EARLY decode attention is built for sm_90 on")
+    shapes = {"heads": 32, "kv_heads": 8, "head_dim": 128, "block_size": 16, "hidden": 4096, "fp8": True,
+              "fp8_static": True}
+    attrs = {"layer": 0, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "scale": 128 ** -0.5, "window": 0,
+             "all_reduce": False}
+    g = torch.Generator().manual_seed(11)
+    randn = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    cache = randn(1, 2, 4, 16, 8, 128).to("cuda", torch.bfloat16)
+    step = [torch.tensor(t, dtype=torch.int32, device="cuda") for t in ([0], [[2]], [1], [13])]
+    w, scale = quantize_rows((randn(4096, 4096) / 32).to("cuda", torch.bfloat16))
+    q, residual = randn(1, 4096).to("cuda", torch.bfloat16), randn(1, 4096).to("cuda", torch.bfloat16)
+    static = torch.tensor([0.004], device="cuda")   # the largest attention outputs saturate
+    inputs = [q, None, None, cache, *step, w, None, residual, None, scale, static]
+    stream = torch.cuda.current_stream().cuda_stream
+    outs = []
+    for handoff in (True, False):
+        launcher, fns, metas, scratch = load_plugin_kernels("attention_o_proj", {**shapes, "handoff": handoff}, attrs, 1)
+        assert any(m.get("prestaged") for m in metas) == handoff
+        for fn, meta in zip(fns, metas):
+            fn.programmatic = programmatic_launch(meta)
+        for buffer in scratch.values():
+            buffer.fill_(0xFF)
+        scratch["attention_arrivals"].zero_()
+        out = torch.full((1, 4096), float("nan"), dtype=torch.bfloat16, device="cuda")
+        launcher.launch(fns, metas, inputs, attrs, out, {"T": 1}, stream, scratch)
+        torch.cuda.synchronize()
+        outs.append(out)
+    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
+

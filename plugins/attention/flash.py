@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kiln.plugins.linear.fp8 import HANDOFF_ROWS, store_handoff
+from kiln.plugins.linear.fp8 import HANDOFF_ROWS, store_handoff, to_e4m3
 
 _HANDOFF_MAX = tl.constexpr(HANDOFF_ROWS[1])
 
@@ -308,7 +308,7 @@ def attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_p
              o, mask=row_ok[:, None] & d_ok[None, :])
     if h_ptr is not None:
         _hand_off(o, q_rows, head, row_ok, d, d_ok, h_ptr, h_scale_ptr, h_static_ptr, NUM_HEADS, HEAD_DIM,
-                  ROUND_E4M3)
+                  ROUND_E4M3, EARLY)
 
 
 @triton.jit
@@ -340,15 +340,27 @@ def _merge_parts(part_ptr, stats_ptr, first, live, row_ok, d, d_ok, HEAD_DIM: tl
 
 @triton.jit
 def _hand_off(o, q_rows, head, row_ok, d, d_ok, h_ptr, h_scale_ptr, h_static_ptr, NUM_HEADS: tl.constexpr,
-              HEAD_DIM: tl.constexpr, ROUND_E4M3: tl.constexpr):
+              HEAD_DIM: tl.constexpr, ROUND_E4M3: tl.constexpr, STAGED: tl.constexpr = False):
     """The output rows o [rows, BLOCK_D] (query row q_rows, head `head` each), as stored, quantized with
     the static scale at h_static_ptr for o_proj's GEMM (`linear.fp8`'s handoff): e4m3 values to h
     [T, NUM_HEADS * HEAD_DIM], the scale to h_scale[T] from head 0's row; only the rows the handoff
-    holds (HANDOFF_ROWS' most)."""
-    ok = row_ok & (q_rows < _HANDOFF_MAX)
-    offs = q_rows.to(tl.int64)[:, None] * (NUM_HEADS * HEAD_DIM) + head[:, None] * HEAD_DIM + d[None, :]
-    store_handoff(o, q_rows, offs, ok[:, None] & d_ok[None, :], ok & (head == 0), h_ptr, h_scale_ptr, h_static_ptr,
-                  ROUND_E4M3)
+    holds (HANDOFF_ROWS' most). STAGED (an EARLY kernel's: one row): the row as o_proj's one-row GEMV
+    stages it for itself instead (`gemv_fp8.cu`'s header: the e4m3 values as f16, unit u of 8 values at
+    (u % 2) * K / 16 + u / 2, each unit's values in the order 0, 2, 1, 3, 4, 6, 5, 7), which that GEMV
+    reads there (meta "prestaged")."""
+    if STAGED:
+        K: tl.constexpr = NUM_HEADS * HEAD_DIM
+        col = head[:, None] * HEAD_DIM + d[None, :]
+        unit, i = col // 8, col % 8
+        at = ((unit % 2) * (K // 16) + unit // 2) * 8 + (i // 4) * 4 + (i % 2) * 2 + (i % 4) // 2
+        scale = tl.load(h_static_ptr + tl.zeros_like(q_rows))
+        staged = h_ptr.to(tl.pointer_type(tl.float16))
+        tl.store(staged + at, to_e4m3(o, scale, ROUND_E4M3).to(tl.float16), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        ok = row_ok & (q_rows < _HANDOFF_MAX)
+        offs = q_rows.to(tl.int64)[:, None] * (NUM_HEADS * HEAD_DIM) + head[:, None] * HEAD_DIM + d[None, :]
+        store_handoff(o, q_rows, offs, ok[:, None] & d_ok[None, :], ok & (head == 0), h_ptr, h_scale_ptr,
+                      h_static_ptr, ROUND_E4M3)
 
 
 @triton.jit

@@ -27,7 +27,8 @@ pre-pass of its own (attr "fp8_handoff", `builder.passes.quantize`). Those are t
 the pre-pass would have written from the stored output, so nothing changes but a launch. At one
 row, where the CUDA GEMVs serve both (`linear.gemv.one_row_handoff`), the producer's GEMV writes
 the row into HANDOFF[0] as the consumer's would stage it for itself (f16 e4m3 values in
-`gemv_fp8.cu`'s layout), and the consumer's multiplies it without staging.
+`gemv_fp8.cu`'s layout), and the consumer's multiplies it without staging; o_proj's GEMV reads the
+row so on sm_90 on, where the EARLY decode attention of a one-sequence step stages it (`attention.flash`).
 
 Quantizing divides each element by its row's scale with a correctly rounded division, as
 `plugins.fp8.to_e4m3` does: multiplying by the reciprocal is off by a float32 ulp at times, and

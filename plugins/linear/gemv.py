@@ -32,7 +32,8 @@ and its launch the weight scales after the weight, then the static activation sc
 and take 0 there. Where norm_swiglu hands its output on to a static down projection (`linear.fp8`'s
 handoff) and both get a GEMV (`one_row_handoff`), norm_swiglu's stages its output for down's too (meta
 "handoff": the handoff's scratch and down's scale after its output), and down's reads x staged there
-instead of staging it (meta "prestaged": that scratch in place of x). Each bucket's meta carries "gemv",
+instead of staging it (meta "prestaged": that scratch in place of x); so does o_proj's on sm_90 on, staged
+by the EARLY decode attention (`attention_o_proj`'s "staged_targets"). Each bucket's meta carries "gemv",
 "pdl" (its kernel waits in the kernel for the one before: `runtime.cuda_driver` launches it so) and the
 constant grid; the launchers pass the kernel's parameters (the .cu files' entry points) with absent
 optional pointers as 0.
@@ -108,14 +109,14 @@ def _serves(dtype: str, k: int, fp8_weight: bool) -> bool:
 
 
 def _fp8_kernel(name: str, macro: str, args: str, signature: dict, meta: dict, static: bool,
-                sources: tuple[Path, ...] = (FP8_SOURCE,)) -> NvccKernel:
+                sources: tuple[Path, ...] = (FP8_SOURCE,), targets: tuple[str, ...] = FP8_TARGETS) -> NvccKernel:
     """An FP8 entry point: `sources` (gemv_fp8.cu and the files after it) and the call `macro(name, args,
     static)` appended to `gemv.cu` (the last argument: whether it divides by a static activation scale,
     meta "static")."""
     call = f"{macro}({name}, {args}, {_cpp(static)})"
     meta = {**meta, "fp8": True, **({"static": True} if static else {})}
     text = "\n".join(source.read_text() for source in sources)
-    return NvccKernel(SOURCE, name, f"{text}\n{call}", signature, WARPS, meta, targets=FP8_TARGETS)
+    return NvccKernel(SOURCE, name, f"{text}\n{call}", signature, WARPS, meta, targets=targets)
 
 
 def _cpp(flag: bool) -> str:
@@ -138,20 +139,25 @@ def one_row_handoff(dtype: str, hidden: int, inter: int) -> bool:
 
 
 def linear_kernels(dtype: str, n: int, k: int, fp8_weight: bool = False, fp8_static: bool = False,
-                   fp8_handoff: bool = False) -> list[NvccKernel]:
-    """out = x W^T (+ bias) (+ residual) for W [n, k]; with `fp8_handoff` (down's: x's producer is an FP8
-    norm_swiglu that hands it on) the FP8 one reads x staged by that GEMV where `one_row_handoff` holds."""
+                   staged_targets: tuple[str, ...] = ()) -> list[NvccKernel]:
+    """out = x W^T (+ bias) (+ residual) for W [n, k]; on `staged_targets` (where x's producer stages x at one
+    row for a static FP8 GEMM: down's SwiGLU GEMV, `one_row_handoff`, or o_proj's EARLY decode attention) the
+    FP8 one reads x staged there, on the other FP8 targets it stages x itself."""
     if not _serves(dtype, k, fp8_weight):
         return []
     if fp8_weight:
         if n % (WARPS * FP8_LINEAR_ROWS):
             return []
         args, meta = f"{FP8_LINEAR_ROWS}, {FP8_LINEAR_PIECES}, {k}", _meta(1, n // (WARPS * FP8_LINEAR_ROWS))
-        if fp8_handoff and fp8_static and one_row_handoff(dtype, n, k):
-            return [_fp8_kernel("kiln_gemv_fp8_linear_prestaged_t1", "KILN_GEMV_FP8_LINEAR_PRESTAGED", args,
-                                FP8_LINEAR_PRESTAGED_SIGNATURE, {**meta, "prestaged": True}, fp8_static)]
-        return [_fp8_kernel("kiln_gemv_fp8_linear_t1", "KILN_GEMV_FP8_LINEAR", args, FP8_LINEAR_SIGNATURE, meta,
-                            fp8_static)]
+        staged = tuple(t for t in FP8_TARGETS if t in staged_targets) if fp8_static else ()
+        own = tuple(t for t in FP8_TARGETS if t not in staged)
+        kernels = [_fp8_kernel("kiln_gemv_fp8_linear_prestaged_t1", "KILN_GEMV_FP8_LINEAR_PRESTAGED", args,
+                               FP8_LINEAR_PRESTAGED_SIGNATURE, {**meta, "prestaged": True}, fp8_static,
+                               targets=staged)] if staged else []
+        if own:
+            kernels.append(_fp8_kernel("kiln_gemv_fp8_linear_t1", "KILN_GEMV_FP8_LINEAR", args, FP8_LINEAR_SIGNATURE,
+                                       meta, fp8_static, targets=own))
+        return kernels
     kernels = []
     for t, r in LINEAR_ROWS_PER_WARP.items():
         if n % (WARPS * r) == 0:
