@@ -174,23 +174,20 @@ def attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_p
         # The next kernel (o_proj's GEMV) may start now; this one waits below, after its early reads.
         gdc_launch_dependents()
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
-    kv_head = tl.program_id(1)
-    pid = tl.program_id(0)
+    # The GPU starts programs in launch order (axis 0 fastest). The kv heads run fastest in it, so that a
+    # block's heads run together: a decode sequence's heads then read its cache blocks (their rows
+    # interleaved) at once.
+    launch = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
+    kv_head = launch % NUM_KV_HEADS
+    pid = launch // NUM_KV_HEADS
     if not PURE_DECODE:
-        # Longest first: a causal block's keys grow with its position, and the GPU starts programs
-        # in launch order (axis 0 fastest), so the launch walks the blocks from the last down, every
-        # kv head's in turn, and the short blocks fill the tail of the launch.
-        launch = pid + kv_head * tl.num_programs(0)
-        kv_head = launch % NUM_KV_HEADS
-        pid = tl.num_programs(0) - 1 - launch // NUM_KV_HEADS
+        # Longest first: a causal block's keys grow with its position, so the launch walks the blocks
+        # from the last down and the short blocks fill the tail of the launch.
+        pid = tl.num_programs(0) - 1 - pid
     if PURE_DECODE:
         # A pure decode step (T == S): sequence s has one query, packed at row s, and owns
         # DECODE_BLOCKS programs in a row. No prefix sum over the query lengths: at 1,024
-        # sequences that search cost every program more than its keys did. The kv heads run fastest in
-        # launch order, so that a sequence's heads read its cache blocks (their rows interleaved) together.
-        launch = pid + kv_head * tl.num_programs(0)
-        kv_head = launch % NUM_KV_HEADS
-        pid = launch // NUM_KV_HEADS
+        # sequences that search cost every program more than its keys did.
         DECODE_BLOCKS: tl.constexpr = (GROUP + BLOCK_M - 1) // BLOCK_M
         seq = pid // DECODE_BLOCKS
         block = pid % DECODE_BLOCKS
