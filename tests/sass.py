@@ -12,6 +12,8 @@ from pathlib import Path
 
 # `griddepcontrol.wait`, and `griddepcontrol.launch_dependents`, as SASS names them.
 WAIT, LAUNCH_DEPENDENTS = "ACQBULK", "PREEXIT"
+# Where a kernel's parameters start in constant bank 0.
+PARAM_BASE = {"sm_90": 0x210, "sm_100": 0x380}
 
 
 def nvdisasm() -> str | None:
@@ -36,3 +38,39 @@ def disassemble(binary: bytes) -> list[str]:
 def is_load(instruction: str) -> bool:
     """A load from global memory: LDG, an asynchronous copy to shared memory (LDGSTS) or a TMA load."""
     return re.search(r"\b(LDG|LDGSTS|UTMALDG|UBLKCP)\b", instruction) is not None
+
+
+def param_offsets(signature: dict[str, str], target: str) -> dict[int, str]:
+    """Constant-bank offset -> parameter name (8-byte pointers, 4-byte scalars, each aligned to its size)."""
+    offsets, at = {}, PARAM_BASE[target]
+    for name, kind in signature.items():
+        size = 8 if kind.startswith("*") else 4
+        at = -(-at // size) * size
+        offsets[at] = name
+        at += size
+    return offsets
+
+
+def address_params(code: list[str], i: int, offsets: dict[int, str]) -> set[str]:
+    """The parameters whose values flow into the address of the load at code[i]: a walk back through the
+    instructions that wrote its address registers (a 64-bit address is a register pair)."""
+    found = re.search(r"desc\[[^\]]*\]\[(U?R)(\d+)", code[i])
+    if found is None:
+        return set()
+    prefix, number = found.groups()
+    wanted, params = {f"{prefix}{number}", f"{prefix}{int(number) + 1}"}, set()
+    for line in reversed(code[:i]):
+        op, _, operands = re.sub(r"^@!?U?P\w+\s+", "", line).partition(" ")
+        parts = [p.strip() for p in operands.split(",")]
+        dest = re.fullmatch(r"(U?R)(\d+)(?:\.64)?", parts[0]) if parts[0] else None
+        if dest is None:
+            continue
+        written = {parts[0].split(".")[0]}
+        if ".64" in op or "WIDE" in op:
+            written.add(f"{dest.group(1)}{int(dest.group(2)) + 1}")
+        if not written & wanted:
+            continue
+        wanted -= written
+        params |= {offsets.get(int(offset, 16), offset) for offset in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]", operands)}
+        wanted |= set(re.findall(r"\bU?R\d+\b", ",".join(parts[1:]))) - {"RZ", "URZ"}
+    return params

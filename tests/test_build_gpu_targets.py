@@ -152,7 +152,8 @@ def test_fp8_engine_compiles_for_the_fp8_targets(activations, factory, fp8_cache
     static activation scales (--calibration-prompts here: o_proj's and down's) the pre-pass is the one
     that takes the op's scale, and so are the FP8 GEMVs (meta "static"); and
     norm_swiglu's decode tiles and attention_o_proj's decode kernels hand the next GEMM its input in
-    e4m3 (`linear.fp8`'s handoff, meta "handoff")."""
+    e4m3 (`linear.fp8`'s handoff, meta "handoff"), and at one row norm_swiglu's GEMV stages it for down's,
+    which reads it so (meta "prestaged", `linear.gemv.one_row_handoff`)."""
     from kiln.plugins.fp8 import FP8
     targets = ["sm_89", "sm_90"]
     extra = ["--quantization", "fp8"]
@@ -180,12 +181,18 @@ def test_fp8_engine_compiles_for_the_fp8_targets(activations, factory, fp8_cache
             pre_pass = [k for k in kernels if k.entry == "quantize_rows_kernel"]
             assert len(pre_pass) == 1, (op.op, target, [k.entry for k in kernels])
             assert bool(pre_pass[0].launch.get("static")) == static
-            # norm_swiglu's decode and small tiles, attention_o_proj's decode kernel and combine.
+            # norm_swiglu's GEMV, decode and small tiles; attention_o_proj's decode kernels, unsplit and split,
+            # and on sm_90 their EARLY builds for one sequence too.
             handoffs = [k for k in kernels if k.launch.get("handoff")]
-            handing = op.op in ("norm_swiglu", "attention_o_proj") and activations == "static"
-            assert len(handoffs) == (2 if handing else 0), (op.op, target, [k.entry for k in handoffs])
+            early = 2 if target == "sm_90" else 0
+            handing = {"norm_swiglu": 3, "attention_o_proj": 2 + early}.get(op.op, 0) if activations == "static" else 0
+            assert len(handoffs) == handing, (op.op, target, [k.entry for k in handoffs])
             gemvs = [k for k in kernels if k.launch.get("gemv")]
             assert all(bool(k.launch.get("static")) == static for k in gemvs), (op.op, target)
+            # down's x staged by the SwiGLU GEMV; o_proj's on sm_90 by the EARLY decode attention.
+            staged_by = {"linear_residual": targets, "attention_o_proj": ["sm_90"]}.get(op.op, [])
+            prestaged = activations == "static" and target in staged_by
+            assert all(bool(k.launch.get("prestaged")) == prestaged for k in gemvs), (op.op, target)
             with_gemv.update(op.op for _ in gemvs)
     assert with_gemv == {"attention_o_proj", "norm_swiglu", "linear_residual"}   # qwen3's q/k norm: no qkv GEMV
     layers = sum(op.op == "norm_qkv_rope" for op in m.plan)

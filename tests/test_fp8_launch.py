@@ -4,7 +4,6 @@ quantize pre-pass into the executor's scratch buffers (sized from the kernels' m
 CUDA executor sizes them), then the GEMM reading its e4m3 rows: on sm_90 in the prefill bucket
 the persistent TMA GEMM. Each loaded kernel is a stand-in that runs the AOT kernel's function in
 the interpreter (`interpreted_launch`)."""
-import dataclasses
 import importlib
 import os
 from unittest import mock
@@ -14,7 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from interpreted_launch import Running, interpreted_only, targeted  # noqa: E402
+from interpreted_launch import Running, interpretable, interpreted_only, targeted  # noqa: E402
 from kiln.plugins.aot import AotKernel  # noqa: E402
 from kiln.plugins.fp8 import FP8, quantize_rows  # noqa: E402
 from kiln.plugins.registry import get_plugin  # noqa: E402
@@ -30,14 +29,6 @@ EPS = 1e-5
 MAX_ROWS = 320          # the engine's T bound: the executor sizes per-row scratch for it
 SMS = 3                 # fewer programs than tiles: each persistent TMA program walks several
 LINEAR_ATTRS = {"parallel": "none", "heads": 0, "all_reduce": False}
-
-
-def interpretable(kernel: AotKernel) -> AotKernel:
-    """The kernel with the constexprs that work around the interpreter's float conversions
-    (`linear.fp8`) set, as `kernels.run` sets them there; launch arguments do not depend on them."""
-    fixes = {name: True for name in ("UPCAST_DOT", "INTERPRETER", "EMULATE", "ROUND_E4M3")
-             if name in kernel.constexprs}
-    return dataclasses.replace(kernel, constexprs={**kernel.constexprs, **fixes})
 
 
 def launch(plugin: str, shapes: dict, target: str, inputs: list, attrs: dict, out: torch.Tensor,

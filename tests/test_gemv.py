@@ -10,9 +10,10 @@ import re
 import pytest
 import torch
 
-from kiln.plugins import nvcc
+from kiln.plugins import get_plugin, nvcc
 from kiln.plugins.fp8 import FP8_TARGETS, quantize_rows
 from kiln.plugins.linear import gemv
+from kiln.plugins.linear.fp8 import HANDOFF
 from kiln.plugins.linear.launch import pick_bucket
 from kiln.plugins.norm_qkv_rope import kernels as qkv_kernels
 from kiln.plugins.norm_qkv_rope import launch as qkv_launch
@@ -24,7 +25,8 @@ from kiln.plugins.linear_residual import launch as residual_launch
 QKV = {"K": 4096, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
 SWIGLU = {"K": 4096, "I": 14336, "block": 64}
 C_TYPES = {"const __nv_bfloat16*": "*bf16", "__nv_bfloat16*": "*bf16", "const int*": "*i32", "const float*": "*fp32",
-           "const uint8_t*": "*fp8e4nv", "uint8_t*": "*fp8e4nv", "int": "i32", "float": "fp32"}
+           "const uint8_t*": "*fp8e4nv", "uint8_t*": "*fp8e4nv", "const __half*": "*fp16", "__half*": "*fp16",
+           "int": "i32", "float": "fp32"}
 
 
 def every_kernel() -> list[nvcc.NvccKernel]:
@@ -37,7 +39,10 @@ def every_kernel() -> list[nvcc.NvccKernel]:
             + gemv.swiglu_kernels("bfloat16", {**SWIGLU, "fp8": True, "activation": "gelu_tanh"})
             + gemv.linear_kernels("bfloat16", 4096, 14336, fp8_weight=True, fp8_static=True)
             + gemv.qkv_kernels("bfloat16", {**QKV, "fp8": True, "fp8_static": True, "norm_weight": True})
-            + gemv.swiglu_kernels("bfloat16", {**SWIGLU, "fp8": True, "fp8_static": True}))
+            + gemv.swiglu_kernels("bfloat16", {**SWIGLU, "fp8": True, "fp8_static": True})
+            + gemv.swiglu_kernels("bfloat16", {**SWIGLU, "fp8": True, "out_scale": True})
+            + gemv.linear_kernels("bfloat16", 4096, 14336, fp8_weight=True, fp8_static=True,
+                                  staged_targets=FP8_TARGETS))
 
 
 def test_which_shapes_get_the_gemv_buckets():
@@ -123,15 +128,63 @@ def test_a_static_activation_scale_gets_static_fp8_gemvs():
         assert "static" not in kernels[0].meta and kernels[0].instance.endswith(", false)")
 
 
+def test_the_one_row_handoff_gets_its_two_gemvs_where_both_sides_have_one():
+    """norm_swiglu with the down projection's scale (out_scale) and down with attr fp8_handoff (a compile shape)
+    get the entries that stage x in one and read it staged in the other, at one row, exactly where both would
+    have a GEMV; elsewhere each keeps its own (down stages x itself), and two rows go to the Triton handoff."""
+    handing = {**SWIGLU, "fp8": True, "out_scale": True}
+    (swiglu,) = gemv.swiglu_kernels("bfloat16", handing)
+    assert swiglu.entry == "kiln_gemv_fp8_swiglu_handoff_t1" and swiglu.meta["handoff"]
+    assert swiglu.instance.endswith("KILN_GEMV_FP8_SWIGLU_HANDOFF(kiln_gemv_fp8_swiglu_handoff_t1, 4, 1, 4096, false, "
+                                    "false, false)")
+    assert swiglu.meta["scratch"] == {HANDOFF[0]: 2 * 14336} and swiglu.targets == FP8_TARGETS
+    assert list(swiglu.signature)[5:8] == ["out", "staged", "out_scale"]
+    (down,) = residual_kernels.aot_kernels("bfloat16", {"K": 14336, "N": 4096, "fp8": True, "fp8_static": True,
+                                                         "fp8_handoff": True})[:1]
+    assert down.entry == "kiln_gemv_fp8_linear_prestaged_t1" and down.meta["prestaged"] and down.meta["static"]
+    assert down.instance.endswith("KILN_GEMV_FP8_LINEAR_PRESTAGED(kiln_gemv_fp8_linear_prestaged_t1, 2, 4, 14336, "
+                                  "true)")
+    assert list(down.signature) == ["staged", *list(gemv.FP8_LINEAR_SIGNATURE)[1:]] and down.targets == FP8_TARGETS
+    # Where either side has no GEMV, neither hands on at one row: a hidden size off the linear GEMV's 16 rows a
+    # block, an intermediate size past FP8_KMAX (down's K) or off the SwiGLU GEMV's 32 columns a block.
+    for hidden, inter in ((4104, 14336), (4096, 2 * 16384), (4096, 14352)):
+        assert not gemv.one_row_handoff("bfloat16", hidden, inter)
+        assert all("handoff" not in k.meta for k in gemv.swiglu_kernels("bfloat16", {**handing, "K": hidden,
+                                                                                      "I": inter}))
+        assert all("prestaged" not in k.meta for k in residual_kernels.aot_kernels(
+            "bfloat16", {"K": inter, "N": hidden, "fp8": True, "fp8_static": True, "fp8_handoff": True}))
+    assert gemv.one_row_handoff("bfloat16", 4096, 14336)
+    # Without the plan's handoff, or without a static scale, the entries are the plain ones.
+    assert gemv.swiglu_kernels("bfloat16", {**SWIGLU, "fp8": True})[0].entry == "kiln_gemv_fp8_swiglu_t1"
+    assert gemv.linear_kernels("bfloat16", 4096, 14336, True, True)[0].entry == "kiln_gemv_fp8_linear_t1"
+    assert gemv.linear_kernels("bfloat16", 4096, 14336, True, False, FP8_TARGETS)[0].entry == "kiln_gemv_fp8_linear_t1"
+    # Staged on some targets only (o_proj's, by the EARLY attention on sm_90 on): the plain entry for the others.
+    staged, own = gemv.linear_kernels("bfloat16", 4096, 4096, True, True, ("sm_90", "sm_100"))
+    assert (staged.entry, staged.targets, own.entry, own.targets) == (
+        "kiln_gemv_fp8_linear_prestaged_t1", ("sm_90", "sm_100"), "kiln_gemv_fp8_linear_t1", ("sm_89",))
+    # In the plugins: linear_residual's compile shapes carry the attr, and each GEMV serves one row.
+    shapes = {"weight": (4096, 14336), "bias": None, "weight_scale": (4096,), "weight_input_scale": (1,)}
+    assert get_plugin("linear_residual").compile_shapes(shapes, {"fp8_handoff": True}, 16)["fp8_handoff"]
+    assert "fp8_handoff" not in get_plugin("linear_residual").compile_shapes(shapes, {}, 16)
+    for kernels, entry in ((swiglu_kernels.aot_kernels("bfloat16", {**handing, "fp8_static": True}),
+                            "kiln_gemv_fp8_swiglu_handoff_t1"),
+                           (residual_kernels.aot_kernels("bfloat16", {"K": 14336, "N": 4096, "fp8": True,
+                                                                      "fp8_static": True, "fp8_handoff": True}),
+                            "kiln_gemv_fp8_linear_prestaged_t1")):
+        metas = [k.meta for k in kernels]
+        assert kernels[pick_bucket(metas, 1)].entry == entry and metas[pick_bucket(metas, 2)]["bucket"] == "decode"
+
+
 def test_entry_points_take_their_signatures():
     """Each macro's C++ parameter list, in order, is the signature the runtime packs arguments by."""
-    source = gemv.SOURCE.read_text() + gemv.FP8_SOURCE.read_text()
+    source = "".join(path.read_text() for path in (gemv.SOURCE, gemv.FP8_SOURCE, gemv.FP8_QKV_SOURCE))
     params = {}
     for macro, body in re.findall(r"#define (KILN_GEMV_\w+)\(NAME[^)]*\)(.*?)\{", source, re.S):
         text = re.search(r"NAME\((.*)\)", body.replace("\\\n", " "), re.S).group(1)
         params[macro] = [C_TYPES[" ".join(p.split()[:-1])] for p in text.split(",")]
     assert set(params) == {"KILN_GEMV_LINEAR", "KILN_GEMV_QKV_ROPE", "KILN_GEMV_SWIGLU", "KILN_GEMV_FP8_LINEAR",
-                           "KILN_GEMV_FP8_QKV_ROPE", "KILN_GEMV_FP8_QKV_ROPE_FP8_KV", "KILN_GEMV_FP8_SWIGLU"}
+                           "KILN_GEMV_FP8_QKV_ROPE", "KILN_GEMV_FP8_QKV_ROPE_FP8_KV", "KILN_GEMV_FP8_SWIGLU",
+                           "KILN_GEMV_FP8_LINEAR_PRESTAGED", "KILN_GEMV_FP8_SWIGLU_HANDOFF"}
     for kernel in every_kernel():
         call = kernel.instance.splitlines()[-1]
         macro = call.split("(")[0]
@@ -149,11 +202,11 @@ class Recorder:
         self.calls.append((grid, args))
 
 
-def launched(module, aot: list, inputs: list, attrs: dict, out: torch.Tensor):
-    """(the kernel the launcher chose, its grid, its arguments) for one launch."""
+def launched(module, aot: list, inputs: list, attrs: dict, out: torch.Tensor, scratch: dict | None = None):
+    """(the kernel the launcher chose, its grid, its arguments) for one launch (`scratch`: the executor's)."""
     calls: list = []
     kernels = [Recorder(calls) for _ in aot]
-    module.launch(kernels, [k.meta for k in aot], inputs, attrs, out, {"T": out.shape[0]}, 0, {})
+    module.launch(kernels, [k.meta for k in aot], inputs, attrs, out, {"T": out.shape[0]}, 0, scratch or {})
     (grid, args), = calls
     chosen = aot[pick_bucket([k.meta for k in aot], out.shape[0])]
     assert len(args) == len(chosen.signature)
@@ -289,6 +342,80 @@ def test_fp8_launchers_pass_the_static_scale_its_gemv_was_built_for():
     _, _, args = launched(qkv_launch, aot, [x, None, w, None, None, None, positions, rope, cache, slots, None, scale,
                                             static], attrs, out)
     assert args[3:5] == [scale.data_ptr(), static.data_ptr()]
+
+
+def test_the_one_row_handoff_passes_the_staged_row():
+    """At one row with the handoff, norm_swiglu's GEMV takes the handoff's scratch and down's static scale after
+    its output, and down's GEMV takes that scratch in place of x; a plan and kernels that disagree are refused.
+    Where down's GEMV is its own (no handoff entries), it takes x, attr or not."""
+    scratch = {HANDOFF[0]: torch.zeros(64 * 14336, dtype=torch.uint8), HANDOFF[1]: torch.zeros(64 * 4)}
+    x, act, static = bf16(1, 4096), bf16(1, 14336), torch.tensor([0.02])
+    w_gu, s_gu = e4m3(2 * 14336, 4096)
+    attrs = {"eps": 1e-5, "block": 64, "activation": "silu"}
+    aot = swiglu_kernels.aot_kernels("bfloat16", {**SWIGLU, "fp8": True, "out_scale": True})
+    kernel, grid, args = launched(swiglu_launch, aot, [x, None, w_gu, s_gu, None, static], attrs, act, scratch)
+    assert kernel.entry == "kiln_gemv_fp8_swiglu_handoff_t1" and grid[0] * gemv.WARPS * gemv.FP8_SWIGLU_COLS == 14336
+    assert args == [x.data_ptr(), 0, w_gu.data_ptr(), s_gu.data_ptr(), 0, act.data_ptr(),
+                    scratch[HANDOFF[0]].data_ptr(), static.data_ptr(), 14336, 64, 1e-5, 4096]
+    with pytest.raises(ValueError, match="hands its output on, and the plan gives it no out_scale"):
+        launched(swiglu_launch, aot, [x, None, w_gu, s_gu], attrs, act, scratch)
+
+    res, out = bf16(1, 4096), bf16(1, 4096)
+    w, scale = e4m3(4096, 14336)
+    shapes = {"K": 14336, "N": 4096, "fp8": True, "fp8_static": True}
+    aot = residual_kernels.aot_kernels("bfloat16", {**shapes, "fp8_handoff": True})
+    kernel, grid, args = launched(residual_launch, aot, [act, w, None, res, scale, static], {"fp8_handoff": True}, out,
+                                  scratch)
+    assert kernel.entry == "kiln_gemv_fp8_linear_prestaged_t1"
+    assert args == [scratch[HANDOFF[0]].data_ptr(), w.data_ptr(), scale.data_ptr(), static.data_ptr(), 0,
+                    res.data_ptr(), out.data_ptr(), 4096, 14336]
+    with pytest.raises(ValueError, match="read x staged by the kernel before, in a plan that does not hand x on"):
+        launched(residual_launch, aot, [act, w, None, res, scale, static], {}, out, scratch)
+    for attrs in ({"fp8_handoff": True}, {}):
+        kernel, _, args = launched(residual_launch, residual_kernels.aot_kernels("bfloat16", shapes),
+                                   [act, w, None, res, scale, static], attrs, out, scratch)
+        assert kernel.entry == "kiln_gemv_fp8_linear_t1" and args[0] == act.data_ptr()
+
+
+@pytest.mark.parametrize("target,staged", [("sm_90", True), ("sm_89", False)])
+def test_o_proj_reads_its_row_staged_by_the_early_attention_on_sm90(target, staged):
+    """attention_o_proj with the handoff (a static FP8 o_proj, a bf16 cache), at one row: on sm_90 the EARLY
+    decode attention hands the handoff's scratch its output staged (`attention.flash`), and o_proj's GEMV takes
+    that scratch in place of x; on sm_89, which has no EARLY kernels, the GEMV stages the attention output."""
+    from interpreted_launch import targeted
+    from kiln.plugins.attention_o_proj import kernels as o_proj_kernels
+    from kiln.plugins.attention_o_proj import launch as o_proj_launch
+    from kiln.runtime.cuda_executor import op_scratch
+
+    shapes = {"heads": 32, "kv_heads": 8, "head_dim": 128, "block_size": 16, "hidden": 4096, "fp8": True,
+              "fp8_static": True, "handoff": True}
+    aot = targeted(o_proj_kernels.aot_kernels("bfloat16", shapes), target)
+    attrs = {"layer": 0, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "scale": 0.1, "window": 0,
+             "all_reduce": False}
+    limits = {"T": 8, "S": 8, "B": 16, "block_size": 16, "element_bytes": 2}
+    scratch = {name: torch.zeros(nbytes, dtype=torch.uint8)
+               for name, nbytes in op_scratch(o_proj_launch, attrs, [k.meta for k in aot], limits).items()}
+    w, scale = e4m3(4096, 4096)
+    q, res, out, static = bf16(1, 4096), bf16(1, 4096), bf16(1, 4096), torch.tensor([0.02])
+    step = [torch.zeros(1, dtype=torch.int32), torch.zeros(1, 16, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+            torch.tensor([40], dtype=torch.int32)]
+    inputs = [q, None, None, torch.zeros(1, 2, 4, 16, 8, 128, dtype=torch.bfloat16), *step, w, None, res, None, scale,
+              static]
+    calls: list = []
+
+    class Named:
+        def __init__(self, kernel) -> None:
+            self.kernel = kernel
+
+        def launch(self, grid, args, stream=0) -> None:
+            calls.append((self.kernel, args))
+
+    o_proj_launch.launch([Named(k) for k in aot], [k.meta for k in aot], inputs, attrs, out, {"T": 1}, 0, scratch)
+    (attention, _), (gemm, args) = calls
+    assert attention.meta["role"].startswith("decode_one" if staged else "decode") and attention.meta["handoff"]
+    assert gemm.meta["bucket"] == "gemv1" and bool(gemm.meta.get("prestaged")) == staged
+    x = scratch[HANDOFF[0]] if staged else scratch["attention_o_proj_attn"]
+    assert args[0] == x.data_ptr() and args[1:4] == [w.data_ptr(), scale.data_ptr(), static.data_ptr()]
 
 
 def test_a_build_without_nvcc_leaves_the_gemvs_out(factory, tmp_path, monkeypatch):

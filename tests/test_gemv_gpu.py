@@ -5,7 +5,9 @@ one row). Shapes with K tails (K not a multiple of a lane iteration's elements),
 weights, biases, the KV-cache write (bf16 and e4m3), both activations and interleaved and plain gate/up weights are
 each covered, with bf16 and with e4m3 weights (whose reference runs in bf16, so that x is rounded where
 the kernels round it before they quantize it), per-token and static activation scales; the engine tests
-cover the Llama shapes at decode."""
+cover the Llama shapes at decode. The one-row FP8 handoff (norm_swiglu's GEMV staging its output for the
+static down projection's, `linear.gemv.one_row_handoff`) runs its two GEMVs one after the other as a step
+does."""
 from __future__ import annotations
 
 import pytest
@@ -13,8 +15,10 @@ import torch
 
 from gpu_kernels import load_plugin_kernels
 from kiln.plugins import get_plugin
-from kiln.plugins.fp8 import FP8_TARGETS, quantize_rows
+from kiln.plugins.fp8 import FP8_TARGETS, quantize_rows, to_e4m3
+from kiln.plugins.linear.fp8 import HANDOFF
 from kiln.plugins.linear.launch import pick_bucket
+from kiln.runtime.cuda_driver import programmatic_launch
 
 pytestmark = pytest.mark.gpu
 
@@ -186,3 +190,110 @@ def test_gemv_matches_the_reference(loaded, name, rows):
         was = before.float().cpu()
         was = untransposed_v(was) if shapes.get("fp8_kv") else was
         assert torch.equal(cache[~written], was[~written])
+
+
+# norm_swiglu of HANDOFF_HIDDEN to HANDOFF_INTER features and the down projection back, for the one-row handoff:
+# both K loops end in a tail (1,040 and 4,672 values: 2 full iterations of 512 and 2,048, and part of a third),
+# and the gate/up rows interleave in whole blocks of 64.
+HANDOFF_HIDDEN, HANDOFF_INTER = 1040, 4672
+
+
+def staged_row(act: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """act [1, I] as down's FP8 GEMV stages it (`gemv_fp8.cu`'s header, `XRow::stage`): its e4m3 values (the
+    reference's `to_e4m3`) as f16, each unit of 8 values as the pairs (0, 2), (1, 3), (4, 6), (5, 7), the
+    even units first, then the odd ones."""
+    units = to_e4m3(act[0].cpu(), scale.cpu()).to(torch.float16).view(-1, 8)[:, [0, 2, 1, 3, 4, 6, 5, 7]]
+    return torch.cat([units[0::2], units[1::2]]).flatten()
+
+
+@pytest.mark.parametrize("norm_weight", [False, True])
+def test_the_one_row_handoff_gives_what_the_gemvs_that_stage_x_give(norm_weight):
+    """norm_swiglu's GEMV built to hand its output on stores the same output, and stages it for down exactly as
+    down's own GEMV would (the reference's e4m3 values, in the staging layout); down's GEMV that reads it
+    staged gives bit for bit what the one that stages x itself gives, and matches the reference. The two run
+    back to back as in a step, launched for programmatic dependent launch where the GPU has it, over a staged
+    row of NaNs, so a read of it ahead of the wait would show. The scale saturates the largest values."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip(f"FP8 GEMVs are built for {', '.join(FP8_TARGETS)} only")
+    k, inter = HANDOFF_HIDDEN, HANDOFF_INTER
+    attrs = {"eps": EPS, "block": 64, "activation": "silu"}
+    gu_shapes = {"K": k, "I": inter, "block": 64, "norm_weight": norm_weight, "fp8": True}
+    down_shapes = {"K": inter, "N": k, "fp8": True, "fp8_static": True}
+    handing = load_plugin_kernels("norm_swiglu", {**gu_shapes, "out_scale": True}, attrs, 1)
+    plain = load_plugin_kernels("norm_swiglu", gu_shapes, attrs, 1)
+    prestaged = load_plugin_kernels("linear_residual", {**down_shapes, "fp8_handoff": True}, LINEAR_ATTRS, 1)
+    staging = load_plugin_kernels("linear_residual", down_shapes, LINEAR_ATTRS, 1)
+    for (_, _, metas, _), handoff in ((handing, True), (prestaged, True), (plain, False), (staging, False)):
+        meta = metas[pick_bucket(metas, 1)]
+        assert meta["bucket"] == "gemv1" and bool(meta.get("handoff") or meta.get("prestaged")) == handoff
+    g = torch.Generator().manual_seed(5 + norm_weight)
+    randn = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    x = (3 * randn(1, k)).to("cuda", torch.bfloat16)
+    norm = (1 + 0.2 * randn(k)).to("cuda", torch.bfloat16) if norm_weight else None
+    w_gu, s_gu = quantize_rows((randn(2 * inter, k) / 16).to("cuda", torch.bfloat16))
+    w_down, s_down = quantize_rows((randn(k, inter) / 32).to("cuda", torch.bfloat16))
+    residual = randn(1, k).to("cuda", torch.bfloat16)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def run(loaded, inputs: list, attrs: dict, width: int, scratch: dict | None = None) -> torch.Tensor:
+        launcher, fns, metas, own = loaded
+        for fn, meta in zip(fns, metas):
+            fn.programmatic = programmatic_launch(meta)
+        out = torch.full((1, width), float("nan"), dtype=torch.bfloat16, device="cuda")
+        launcher.launch(fns, metas, inputs, attrs, out, {"T": 1}, stream, scratch or own)
+        return out
+
+    act_plain = run(plain, [x, norm, w_gu, s_gu], attrs, inter)
+    scale = (act_plain.float().abs().max() / 448 / 1.5).reshape(1)
+    own = run(staging, [act_plain, w_down, None, residual, s_down, scale], LINEAR_ATTRS, k)
+    handing[3][HANDOFF[0]].fill_(0xFF)   # f16 NaNs
+    torch.cuda.synchronize()
+    act = run(handing, [x, norm, w_gu, s_gu, None, scale], attrs, inter)
+    down_inputs = [act, w_down, None, residual, s_down, scale]
+    out = run(prestaged, down_inputs, {**LINEAR_ATTRS, "fp8_handoff": True}, k,
+              {**prestaged[3], HANDOFF[0]: handing[3][HANDOFF[0]]})
+    torch.cuda.synchronize()
+    assert torch.equal(act, act_plain)
+    staged = handing[3][HANDOFF[0]][:2 * inter].view(torch.int16).cpu()
+    assert torch.equal(staged, staged_row(act, scale).view(torch.int16))
+    assert torch.equal(out, own)
+    want = get_plugin("linear_residual").call_reference([t if t is None else t.cpu() for t in down_inputs],
+                                                        LINEAR_ATTRS)
+    assert close(out.float().cpu(), want.float())
+
+
+def test_o_proj_reads_the_row_the_early_attention_staged():
+    """attention_o_proj with the handoff at one row on sm_90 on: the EARLY decode attention stages its output
+    in the handoff's scratch and o_proj's GEMV multiplies it from there, giving bit for bit what the same
+    kernels without the handoff give (the GEMV staging the attention output itself). Launched for
+    programmatic dependent launch as in a step, over a scratch of NaNs."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the EARLY decode attention is built for sm_90 on")
+    shapes = {"heads": 32, "kv_heads": 8, "head_dim": 128, "block_size": 16, "hidden": 4096, "fp8": True,
+              "fp8_static": True}
+    attrs = {"layer": 0, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "scale": 128 ** -0.5, "window": 0,
+             "all_reduce": False}
+    g = torch.Generator().manual_seed(11)
+    randn = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    cache = randn(1, 2, 4, 16, 8, 128).to("cuda", torch.bfloat16)
+    step = [torch.tensor(t, dtype=torch.int32, device="cuda") for t in ([0], [[2]], [1], [13])]
+    w, scale = quantize_rows((randn(4096, 4096) / 32).to("cuda", torch.bfloat16))
+    q, residual = randn(1, 4096).to("cuda", torch.bfloat16), randn(1, 4096).to("cuda", torch.bfloat16)
+    static = torch.tensor([0.004], device="cuda")   # the largest attention outputs saturate
+    inputs = [q, None, None, cache, *step, w, None, residual, None, scale, static]
+    stream = torch.cuda.current_stream().cuda_stream
+    outs = []
+    for handoff in (True, False):
+        launcher, fns, metas, scratch = load_plugin_kernels("attention_o_proj", {**shapes, "handoff": handoff}, attrs, 1)
+        assert any(m.get("prestaged") for m in metas) == handoff
+        for fn, meta in zip(fns, metas):
+            fn.programmatic = programmatic_launch(meta)
+        for buffer in scratch.values():
+            buffer.fill_(0xFF)
+        scratch["attention_arrivals"].zero_()
+        out = torch.full((1, 4096), float("nan"), dtype=torch.bfloat16, device="cuda")
+        launcher.launch(fns, metas, inputs, attrs, out, {"T": 1}, stream, scratch)
+        torch.cuda.synchronize()
+        outs.append(out)
+    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
+

@@ -10,22 +10,19 @@ FP8 GEMVs' x loads (`ld.global.nc`) ahead of the wait and the weight loads behin
 the check is on the SASS."""
 from __future__ import annotations
 
-import re
 from functools import cache
 
 import pytest
 
-from sass import LAUNCH_DEPENDENTS, WAIT, disassemble, is_load, nvdisasm
+from sass import LAUNCH_DEPENDENTS, WAIT, address_params, disassemble, is_load, nvdisasm, param_offsets
 from test_gemv import every_kernel
 
 from kiln.plugins import nvcc
 from kiln.plugins.aot import TARGET_CC, Cubin, compile_cubin
 from kiln.plugins.linear import gemv
 
-# Parameters a step writes: no load of them may come before the wait.
-STEP_WRITTEN = {"x", "residual", "positions", "slots", "kv", "out"}
-# Where a kernel's parameters start in constant bank 0.
-PARAM_BASE = {"sm_90": 0x210, "sm_100": 0x380}
+# Parameters a step writes: no load of them may come before the wait. ("staged": the one-row handoff's row.)
+STEP_WRITTEN = {"x", "residual", "positions", "slots", "kv", "out", "staged"}
 WEIGHT_LOAD = "LDG.E.NA."   # the weights' stream loads do not allocate in L1
 # A lane's weight loads an iteration of `stream_rows` (rows x pieces) in each entry, and how many iterations
 # go out before the wait: two in the FP8 GEMVs, one in the bf16 ones (BENCHMARKS.md session 46).
@@ -38,6 +35,8 @@ ITERATION_LOADS = {
     "kiln_gemv_fp8_linear_t1": (gemv.FP8_LINEAR_ROWS * gemv.FP8_LINEAR_PIECES, 2),
     "kiln_gemv_fp8_qkv_rope_t1": (2 * gemv.FP8_QKV_PIECES, 2),
     "kiln_gemv_fp8_swiglu_t1": (2 * gemv.FP8_SWIGLU_COLS * gemv.FP8_SWIGLU_PIECES, 2),
+    "kiln_gemv_fp8_linear_prestaged_t1": (gemv.FP8_LINEAR_ROWS * gemv.FP8_LINEAR_PIECES, 2),
+    "kiln_gemv_fp8_swiglu_handoff_t1": (2 * gemv.FP8_SWIGLU_COLS * gemv.FP8_SWIGLU_PIECES, 2),
 }
 
 
@@ -57,42 +56,6 @@ def built(target: str) -> list[tuple[nvcc.NvccKernel, Cubin]]:
 def disassembled(target: str) -> list[tuple[nvcc.NvccKernel, list[str]]]:
     """Every GEMV entry built for `target`, with its cubin's instructions (`disassemble`), read once."""
     return [(kernel, disassemble(cubin.binary)) for kernel, cubin in built(target)]
-
-
-def param_offsets(signature: dict[str, str], target: str) -> dict[int, str]:
-    """Constant-bank offset -> parameter name (8-byte pointers, 4-byte scalars, each aligned to its size)."""
-    offsets, at = {}, PARAM_BASE[target]
-    for name, kind in signature.items():
-        size = 8 if kind.startswith("*") else 4
-        at = -(-at // size) * size
-        offsets[at] = name
-        at += size
-    return offsets
-
-
-def address_params(code: list[str], i: int, offsets: dict[int, str]) -> set[str]:
-    """The parameters whose values flow into the address of the load at code[i]: a walk back through the
-    instructions that wrote its address registers (a 64-bit address is a register pair)."""
-    found = re.search(r"desc\[[^\]]*\]\[(U?R)(\d+)", code[i])
-    if found is None:
-        return set()
-    prefix, number = found.groups()
-    wanted, params = {f"{prefix}{number}", f"{prefix}{int(number) + 1}"}, set()
-    for line in reversed(code[:i]):
-        op, _, operands = re.sub(r"^@!?U?P\w+\s+", "", line).partition(" ")
-        parts = [p.strip() for p in operands.split(",")]
-        dest = re.fullmatch(r"(U?R)(\d+)(?:\.64)?", parts[0]) if parts[0] else None
-        if dest is None:
-            continue
-        written = {parts[0].split(".")[0]}
-        if ".64" in op or "WIDE" in op:
-            written.add(f"{dest.group(1)}{int(dest.group(2)) + 1}")
-        if not written & wanted:
-            continue
-        wanted -= written
-        params |= {offsets.get(int(offset, 16), offset) for offset in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]", operands)}
-        wanted |= set(re.findall(r"\bU?R\d+\b", ",".join(parts[1:]))) - {"RZ", "URZ"}
-    return params
 
 
 @needs_nvcc
@@ -123,6 +86,24 @@ def test_each_entry_issues_its_iterations_of_weight_loads_before_the_wait(target
         early = sum(WEIGHT_LOAD in line for line in code[:code.index(WAIT)])
         loads, iterations = ITERATION_LOADS[kernel.entry]
         assert early == loads * iterations, (kernel.entry, target, early)
+
+
+@needs_nvdisasm
+@pytest.mark.parametrize("target", ["sm_90", "sm_100"])
+def test_the_prestaged_gemv_reads_the_staged_row_after_the_wait_without_a_barrier(target):
+    """Down's GEMV at one row with the handoff stages nothing: no block barrier, and x comes from the staged
+    row, which the kernel before wrote, so by coherent loads (no `ld.global.nc`, LDG...CONSTANT) after the
+    wait; the SwiGLU GEMV that stages it keeps its own barrier and stores the row."""
+    entries = {kernel.entry: (kernel, code) for kernel, code in disassembled(target)}
+    kernel, code = entries["kiln_gemv_fp8_linear_prestaged_t1"]
+    offsets = param_offsets(kernel.signature, target)
+    wait = code.index(WAIT)
+    staged = [line for i, line in enumerate(code) if is_load(line) and "staged" in address_params(code, i, offsets)]
+    assert staged and not any(".CONSTANT" in line for line in staged), (target, staged)
+    assert all(code.index(line) > wait for line in staged)
+    assert not any(line.startswith("BAR") for line in code), target
+    kernel, code = entries["kiln_gemv_fp8_swiglu_handoff_t1"]
+    assert any(line.startswith("BAR.SYNC") for line in code) and any(line.startswith("STG.E.U16") for line in code)
 
 
 def test_the_walk_finds_a_load_of_x_ahead_of_the_wait():

@@ -22,7 +22,9 @@ with a static scale (h_ptr given), the decode kernels and the combine also write
 for o_proj's GEMM (`linear.fp8`'s handoff). Built with PDL (sm_90 on), the decode kernels and the
 combine are programmatic dependent launches: each waits for the kernel before it, then lets the next
 start, so each launch overlaps the end of the kernel before (o_proj's GEMV issues its first weight loads
-before it waits).
+before it waits). Built EARLY for a step of one sequence, the decode kernels let the next kernel start
+first and read their first tile of earlier keys before they wait, so that the chain of loads (context
+length, block table, cache) runs while the qkv GEMV does; only the newest key is the qkv kernel's.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kiln.plugins.linear.fp8 import HANDOFF_ROWS, store_handoff
+from kiln.plugins.linear.fp8 import HANDOFF_ROWS, store_handoff, to_e4m3
 
 _HANDOFF_MAX = tl.constexpr(HANDOFF_ROWS[1])
 
@@ -72,22 +74,28 @@ def _find_sequence(query_lens_ptr, first_seq, num_seqs, pid, GROUP: tl.constexpr
 @triton.jit
 def _attend(q, acc, m, l, start, hi, pos, window, table, k_cache_ptr, v_cache_ptr, kv_head, d, d_ok, qk_scale,
             NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-            MASKED: tl.constexpr, V_T: tl.constexpr, INTERPRETER: tl.constexpr):
+            MASKED: tl.constexpr, V_T: tl.constexpr, INTERPRETER: tl.constexpr, k_pre=None, v_pre=None):
     """One key tile of the online softmax: returns the updated (acc, m, l). Unmasked, every key
     of the tile is below `hi` and seen by every row. V_T: v's cache blocks are transposed (an
-    e4m3 cache's, `cache_write.v_offset`)."""
+    e4m3 cache's, `cache_write.v_offset`). v is loaded after the scores, as measured fastest
+    (BENCHMARKS.md session 49: loading it beside k was not). k_pre, v_pre: the tile as `_preload` read it."""
     keys = start + tl.arange(0, BLOCK_N)
     if MASKED:
         key_ok = keys < hi
-        page = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0)
+    if k_pre is None:
+        if MASKED:
+            page = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0)
+        else:
+            page = tl.load(table + keys // BLOCK_SIZE)
+        slot = page.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
+        kv_off = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM
+        if MASKED:
+            k_t = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None], mask=d_ok[:, None] & key_ok[None, :],
+                          other=0.0)
+        else:
+            k_t = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None], mask=d_ok[:, None], other=0.0)
     else:
-        page = tl.load(table + keys // BLOCK_SIZE)
-    slot = page.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
-    kv_off = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM
-    if MASKED:
-        k_t = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None], mask=d_ok[:, None] & key_ok[None, :], other=0.0)
-    else:
-        k_t = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None], mask=d_ok[:, None], other=0.0)
+        k_t = k_pre
     s = _dot(q, k_t.to(q.dtype), INTERPRETER) * qk_scale
     if MASKED:
         seen = (keys[None, :] <= pos[:, None]) & key_ok[None, :]
@@ -97,7 +105,9 @@ def _attend(q, acc, m, l, start, hi, pos, window, table, k_cache_ptr, v_cache_pt
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
-    if V_T:
+    if v_pre is not None:
+        v = v_pre
+    elif V_T:
         v = _load_v_transposed(v_cache_ptr, table, start, hi, kv_head, d, d_ok, NUM_KV_HEADS, HEAD_DIM,
                                BLOCK_SIZE, BLOCK_N, MASKED)
     elif MASKED:
@@ -106,6 +116,20 @@ def _attend(q, acc, m, l, start, hi, pos, window, table, k_cache_ptr, v_cache_pt
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
     acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), INTERPRETER)
     return acc, m_new, l
+
+
+@triton.jit
+def _preload(start, hi, table, k_cache_ptr, v_cache_ptr, kv_head, d, d_ok, NUM_KV_HEADS: tl.constexpr,
+             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key tile from `start` of a bf16 cache, keys below `hi` (the rest zeros): (k transposed, v), for
+    `_attend`."""
+    keys = start + tl.arange(0, BLOCK_N)
+    key_ok = keys < hi
+    page = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0)
+    kv_off = ((page.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE) * NUM_KV_HEADS + kv_head) * HEAD_DIM
+    k_t = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None], mask=d_ok[:, None] & key_ok[None, :], other=0.0)
+    v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    return k_t, v
 
 
 @triton.jit
@@ -140,11 +164,14 @@ def attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_p
                       BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr, SEQ_CHUNK: tl.constexpr, SPLIT: tl.constexpr,
                       PURE_DECODE: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr = False,
-                      ROUND_E4M3: tl.constexpr = False):
-    if PDL:
+                      ROUND_E4M3: tl.constexpr = False, EARLY: tl.constexpr = False):
+    if PDL and not EARLY:
         # Launched as a programmatic dependent (sm_90 on): wait for the qkv kernel before, then let the
         # next kernel's programs start.
         gdc_wait()
+        gdc_launch_dependents()
+    if PDL and EARLY:
+        # The next kernel (o_proj's GEMV) may start now; this one waits below, after its early reads.
         gdc_launch_dependents()
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
     # The GPU starts programs in launch order (axis 0 fastest). The kv heads run fastest in it, so that a
@@ -196,6 +223,17 @@ def attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_p
 
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
+    if EARLY:
+        tl.static_assert(PURE_DECODE and scale_ptr is None, "EARLY: a decode step's kernel over a bf16 cache")
+        table = block_tables_ptr + seq.to(tl.int64) * table_stride
+        # One sequence's decode (kernels.EARLY_ROLES): its first tile of keys from earlier steps is read
+        # before the wait for the qkv kernel, which writes only q and the newest key, at first_pos. The
+        # context lengths and block tables are the step's inputs, copied in before its first kernel.
+        old_hi = tl.minimum(hi, first_pos)
+        k_pre, v_pre = _preload(lo, old_hi, table, k_cache_ptr, v_cache_ptr, kv_head, d, d_ok, NUM_KV_HEADS,
+                                HEAD_DIM, BLOCK_SIZE, BLOCK_N)
+        if PDL:
+            gdc_wait()
     q_rows = q_start + tok
     q = tl.load(q_ptr + q_rows[:, None] * q_stride + head[:, None] * HEAD_DIM + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -215,11 +253,22 @@ def attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_p
         # program has its kv head's scale, so k * k_scale is applied to the scores (q.k * k_scale)
         # and v * v_scale to the accumulated p.v, once, instead of to each loaded element.
         qk_scale = qk_scale * tl.load(scale_ptr + kv_head)
-    table = block_tables_ptr + seq.to(tl.int64) * table_stride
+    if EARLY:
+        acc, m, l = _attend(q, acc, m, l, lo, old_hi, pos, window, table, k_cache_ptr, v_cache_ptr, kv_head, d,
+                            d_ok, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, INTERPRETER,
+                            k_pre, v_pre)
+        if (lo <= first_pos) & (first_pos < tl.minimum(hi, lo + BLOCK_N)):
+            # The newest key, left out of the preloaded tile: a tile of one key from it.
+            acc, m, l = _attend(q, acc, m, l, first_pos, first_pos + 1, pos, window, table, k_cache_ptr,
+                                v_cache_ptr, kv_head, d, d_ok, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                                True, False, INTERPRETER)
+        lo += BLOCK_N   # the other tiles as any decode's, masked
+    else:
+        table = block_tables_ptr + seq.to(tl.int64) * table_stride
     # Whole key tiles that every row of the block sees (causal: up to its first query; no window)
     # take no mask: in a long prefill that is all but the tiles on the diagonal.
     visible = lo
-    if window <= 0:
+    if window <= 0 and not EARLY:
         first_query = first_pos + block * BLOCK_M // GROUP
         visible = lo + tl.maximum(tl.minimum(hi, first_query + 1) - lo, 0) // BLOCK_N * BLOCK_N
     for start in range(lo, visible, BLOCK_N):
@@ -256,7 +305,7 @@ def attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_p
              o, mask=row_ok[:, None] & d_ok[None, :])
     if h_ptr is not None:
         _hand_off(o, q_rows, head, row_ok, d, d_ok, h_ptr, h_scale_ptr, h_static_ptr, NUM_HEADS, HEAD_DIM,
-                  ROUND_E4M3)
+                  ROUND_E4M3, EARLY)
 
 
 @triton.jit
@@ -288,15 +337,27 @@ def _merge_parts(part_ptr, stats_ptr, first, live, row_ok, d, d_ok, HEAD_DIM: tl
 
 @triton.jit
 def _hand_off(o, q_rows, head, row_ok, d, d_ok, h_ptr, h_scale_ptr, h_static_ptr, NUM_HEADS: tl.constexpr,
-              HEAD_DIM: tl.constexpr, ROUND_E4M3: tl.constexpr):
+              HEAD_DIM: tl.constexpr, ROUND_E4M3: tl.constexpr, STAGED: tl.constexpr = False):
     """The output rows o [rows, BLOCK_D] (query row q_rows, head `head` each), as stored, quantized with
     the static scale at h_static_ptr for o_proj's GEMM (`linear.fp8`'s handoff): e4m3 values to h
     [T, NUM_HEADS * HEAD_DIM], the scale to h_scale[T] from head 0's row; only the rows the handoff
-    holds (HANDOFF_ROWS' most)."""
-    ok = row_ok & (q_rows < _HANDOFF_MAX)
-    offs = q_rows.to(tl.int64)[:, None] * (NUM_HEADS * HEAD_DIM) + head[:, None] * HEAD_DIM + d[None, :]
-    store_handoff(o, q_rows, offs, ok[:, None] & d_ok[None, :], ok & (head == 0), h_ptr, h_scale_ptr, h_static_ptr,
-                  ROUND_E4M3)
+    holds (HANDOFF_ROWS' most). STAGED (an EARLY kernel's: one row): the row as o_proj's one-row GEMV
+    stages it for itself instead (`gemv_fp8.cu`'s header: the e4m3 values as f16, unit u of 8 values at
+    (u % 2) * K / 16 + u / 2, each unit's values in the order 0, 2, 1, 3, 4, 6, 5, 7), which that GEMV
+    reads there (meta "prestaged")."""
+    if STAGED:
+        K: tl.constexpr = NUM_HEADS * HEAD_DIM
+        col = head[:, None] * HEAD_DIM + d[None, :]
+        unit, i = col // 8, col % 8
+        at = ((unit % 2) * (K // 16) + unit // 2) * 8 + (i // 4) * 4 + (i % 2) * 2 + (i % 4) // 2
+        scale = tl.load(h_static_ptr + tl.zeros_like(q_rows))
+        staged = h_ptr.to(tl.pointer_type(tl.float16))
+        tl.store(staged + at, to_e4m3(o, scale, ROUND_E4M3).to(tl.float16), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        ok = row_ok & (q_rows < _HANDOFF_MAX)
+        offs = q_rows.to(tl.int64)[:, None] * (NUM_HEADS * HEAD_DIM) + head[:, None] * HEAD_DIM + d[None, :]
+        store_handoff(o, q_rows, offs, ok[:, None] & d_ok[None, :], ok & (head == 0), h_ptr, h_scale_ptr,
+                      h_static_ptr, ROUND_E4M3)
 
 
 @triton.jit

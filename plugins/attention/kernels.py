@@ -38,6 +38,11 @@ DECODE = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
 # 2026-12-03) 153.4 us at 256 x 1,024 keys, 407.3 at 256 x 3,072 and 551.5 at 512 x 2,048 (3.5-3.95 TB/s),
 # against 163.6, 456.7 and 617.3 with 64-key tiles and 196.2, 551.8 and 745.0 before the transposition.
 DECODE_FP8_KV = {**DECODE, "BLOCK_N": 128, "num_warps": 2, "num_stages": 2}
+# The decode kernels a step of one sequence takes on sm_90 on, by the role it would take otherwise: built
+# EARLY (`flash`), they read the first tile of earlier keys while the qkv GEMV still runs, with the registers
+# that costs: 153-168 a thread against 126-128 (sm_90, Llama-3-8B's heads), too many for batches of 8, whose
+# 512 programs then need two waves (session 47's form of it, at about 200, took b=8 2-3% slower).
+EARLY_ROLES = {"decode_one": "decode", "decode_one_split": "decode_split"}
 
 
 def _head_block(head_dim: int) -> int:
@@ -142,7 +147,9 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
     so), and after the CUDA one the combine kernel, which merges them. An e4m3
     cache of the shapes `decode_fp8` serves also gets its CUDA decode kernels (roles decode_fp8 and
     decode_fp8_split), which the launcher takes where they are (the build had nvcc); a bf16 cache of
-    the shapes `prefill_sm90` serves gets its CuTe prefill for sm_90 (role prefill_cute).
+    the shapes `prefill_sm90` serves gets its CuTe prefill for sm_90 (role prefill_cute). A bf16 cache's
+    decode kernels also come built EARLY for sm_90 on (`EARLY_ROLES`), which the launcher takes for a step of
+    one sequence.
     """
     ptr = POINTER_TYPES[dtype]
     fp8_kv = shapes.get("fp8_kv", False)
@@ -167,13 +174,16 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
     aligned = tuple(p for p in pointer_params(attention_sig) if p != "scale_ptr")
     kernels = [write_kv_aot(ptr, cache, fp8_kv, kv_heads * head_dim, head_dim, shapes["block_size"])]
     group = heads // kv_heads
+    one = "the decode of one sequence (T = S = 1) that {} would take, where the GPU has PDL"
+    early = () if fp8_kv else (("decode_one", DECODE, False, one.format("decode"), SM90_TARGETS),
+                               ("decode_one_split", DECODE, True, one.format("decode_split"), SM90_TARGETS))
     for role, cfg, split, when, targets in (
             ("prefill", PREFILL, False, MIXED, tuple(t for t in TARGET_CC if t not in SM90_TARGETS)),
             ("prefill", PREFILL_SM90, False, MIXED, SM90_TARGETS),
             ("decode", DECODE_FP8_KV if fp8_kv else DECODE, False, f"{DECODE_ROWS}, and choose_num_splits(...) == 1",
              None),
             ("decode_split", DECODE_FP8_KV if fp8_kv else DECODE, True,
-             f"{DECODE_ROWS}, and num_splits = choose_num_splits(...) > 1", None)):
+             f"{DECODE_ROWS}, and num_splits = choose_num_splits(...) > 1", None), *early):
         decode = role != "prefill"
         rows = (f"S * {decode_blocks(heads, kv_heads, cfg['BLOCK_M'])}" if decode
                 else f"T * {group} // {cfg['BLOCK_M']} + S")
@@ -190,11 +200,13 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
             meta["merges"] = True
         if handoff:
             meta.update(handoff=True, scratch=fp8.handoff_scratch(heads * head_dim))
-        kernels += [AotKernel(attention_kernel, signature,
-                              absent_as_none(signature, {**constexprs, "PDL": pdl, **handoff_rounding(handoff, pdl)}),
+        is_early = role in EARLY_ROLES
+        kernels += [AotKernel(attention_kernel, {**signature, **({"EARLY": "constexpr"} if is_early else {})},
+                              absent_as_none(signature, {**constexprs, "PDL": pdl, **handoff_rounding(handoff, pdl),
+                                                         **({"EARLY": True} if is_early else {})}),
                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], aligned=aligned,
                               targets=group_targets, meta=meta)
-                    for pdl, group_targets in _pdl_groups(decode, targets)]
+                    for pdl, group_targets in _pdl_groups(decode, targets) if group_targets != ()]
     if decode_fp8.serves(dtype, shapes):   # its split kernel's parts take the combine kernel
         kernels += decode_fp8.kernels(dtype, shapes, DECODE_ROWS)
         handoff = shapes.get("handoff", False)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from kiln.plugins.attention import prefill_sm90
-from kiln.plugins.attention.kernels import choose_num_splits, padded
+from kiln.plugins.attention.kernels import EARLY_ROLES, choose_num_splits, padded
 from kiln.plugins.driver_launch import check_aligned, grid, ptr
 from kiln.plugins.linear.fp8 import HANDOFF
 
@@ -101,7 +101,11 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
 
     def decode(rows: int) -> None:
         splits = choose_num_splits(rows, rows, attrs["num_kv_heads"], max_keys)
-        attend(decoder if splits == 1 else f"{decoder}_split", {"T": rows, "S": rows}, rows, 0, splits)
+        role = decoder if splits == 1 else f"{decoder}_split"
+        if rows == 1:
+            # One sequence's decode: its EARLY kernel where the build made one (sm_90 on, a bf16 cache).
+            role = next((one for one, other in EARLY_ROLES.items() if other == role and one in roles), role)
+        attend(role, {"T": rows, "S": rows}, rows, 0, splits)
 
     if tokens == seqs:
         decode(seqs)

@@ -37,5 +37,8 @@ def aot_kernels(dtype: str, shapes: dict) -> list[AotKernel | NvccKernel]:
     with its scales; default False) and fp8_static (a static activation scale; default False). The
     launcher provides a [T, heads*head_dim] scratch buffer between the two stages."""
     gemm = {"K": shapes["heads"] * shapes["head_dim"], "N": shapes["hidden"], "bias": shapes.get("bias", False),
-            "fp8": shapes.get("fp8", False), "fp8_static": shapes.get("fp8_static", False)}
+            "fp8": shapes.get("fp8", False), "fp8_static": shapes.get("fp8_static", False),
+            # Where the decode attention hands its output on, a step of one sequence takes the EARLY kernels,
+            # which stage it for o_proj's GEMV (`attention.flash`).
+            "staged_targets": attention.SM90_TARGETS if shapes.get("handoff") else ()}
     return attention.aot_kernels(dtype, shapes) + linear_residual.aot_kernels(dtype, gemm)

@@ -10,7 +10,6 @@ import torch
 
 from kiln.plugins.attention import launch as attention
 from kiln.plugins.attention.kernels import padded
-from kiln.plugins.linear import fp8
 from kiln.plugins.linear.launch import launch_gemm
 
 
@@ -36,7 +35,8 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
     handing = any(m.get("handoff") for m in attention_metas)
     attention.launch([kernels[i] for i in attention_idx], attention_metas, list(inputs[:8]) + [kv_scales], attrs,
                      attn, dims, stream, scratch, x_static if handing else None)
-    # A pure decode step's attention output comes whole from the decode kernels, which handed it on.
-    handoff = handing and q.shape[0] == inputs[6].shape[0] and fp8.handoff_rows(q.shape[0])
+    # A pure decode step's attention output comes whole from the decode kernels, which handed it on (e4m3
+    # rows at HANDOFF_ROWS rows, at one row on sm_90 on staged by the EARLY kernels: `launch_gemm` takes each).
+    handoff = handing and q.shape[0] == inputs[6].shape[0]
     launch_gemm([kernels[i] for i in gemm_idx], [metas[i] for i in gemm_idx], attn, w_o, b_o, residual, out, stream,
                 scratch, w_scale, x_static, handoff)

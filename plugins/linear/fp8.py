@@ -24,7 +24,11 @@ projection's, from norm_swiglu) the producer's epilogue can quantize it as it st
 kernels for HANDOFF_ROWS rows also write the e4m3 rows and their scales into the scratch
 buffers HANDOFF names (`store_handoff`), and the consumer's GEMM reads them there without a
 pre-pass of its own (attr "fp8_handoff", `builder.passes.quantize`). Those are the same bytes
-the pre-pass would have written from the stored output, so nothing changes but a launch.
+the pre-pass would have written from the stored output, so nothing changes but a launch. At one
+row, where the CUDA GEMVs serve both (`linear.gemv.one_row_handoff`), the producer's GEMV writes
+the row into HANDOFF[0] as the consumer's would stage it for itself (f16 e4m3 values in
+`gemv_fp8.cu`'s layout), and the consumer's multiplies it without staging; o_proj's GEMV reads the
+row so on sm_90 on, where the EARLY decode attention of a one-sequence step stages it (`attention.flash`).
 
 Quantizing divides each element by its row's scale with a correctly rounded division, as
 `plugins.fp8.to_e4m3` does: multiplying by the reciprocal is off by a float32 ulp at times, and
@@ -209,6 +213,12 @@ def handoff_rows(rows: int) -> bool:
 def handoff_scratch(k: int) -> dict[str, int]:
     """The scratch bytes of a handoff of rows of k elements: for HANDOFF_ROWS' most rows only."""
     return {HANDOFF[0]: HANDOFF_ROWS[1] * k, HANDOFF[1]: HANDOFF_ROWS[1] * 4}
+
+
+def staged_scratch(k: int) -> dict[str, int]:
+    """The scratch bytes of the one-row handoff between the GEMVs (`linear.gemv.one_row_handoff`): a row of k
+    values staged as f16 in HANDOFF[0], which the other rows' handoff sizes for far more."""
+    return {HANDOFF[0]: 2 * k}
 
 
 @triton.jit

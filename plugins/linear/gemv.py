@@ -29,20 +29,26 @@ gets a "gemv1" bucket where K % 16 == 0 and K <= FP8_KMAX (each block stages x, 
 memory), in place of the quantize pre-pass and Triton tile at one row; its meta carries "fp8" too
 and its launch the weight scales after the weight, then the static activation scale: a plugin with one
 ("fp8_static") gets entries built to divide by it (meta "static"), the others find each row's scale
-and take 0 there. Each bucket's meta carries "gemv", "pdl" (its
-kernel waits in the kernel for the one before: `runtime.cuda_driver` launches it so) and the constant
-grid; the launchers pass the kernel's parameters (the .cu files' entry points) with absent optional
-pointers as 0.
+and take 0 there. Where norm_swiglu hands its output on to a static down projection (`linear.fp8`'s
+handoff) and both get a GEMV (`one_row_handoff`), norm_swiglu's stages its output for down's too (meta
+"handoff": the handoff's scratch and down's scale after its output), and down's reads x staged there
+instead of staging it (meta "prestaged": that scratch in place of x); so does o_proj's on sm_90 on, staged
+by the EARLY decode attention (`attention_o_proj`'s "staged_targets"). Each bucket's meta carries "gemv",
+"pdl" (its kernel waits in the kernel for the one before: `runtime.cuda_driver` launches it so) and the
+constant grid; the launchers pass the kernel's parameters (the .cu files' entry points) with absent
+optional pointers as 0.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 from kiln.plugins.fp8 import FP8_TARGETS
+from kiln.plugins.linear.fp8 import staged_scratch
 from kiln.plugins.nvcc import NvccKernel
 
 SOURCE = Path(__file__).with_name("gemv.cu")
 FP8_SOURCE = Path(__file__).with_name("gemv_fp8.cu")
+FP8_QKV_SOURCE = Path(__file__).with_name("gemv_fp8_qkv.cu")   # norm_qkv_rope's, appended after FP8_SOURCE
 WARPS = 8
 # Weight rows per warp of the plain GEMV at each row count it serves (one bucket each). Two at T = 1:
 # on an H200 (probe_cuda_gemv.py, 2026-12-02) o_proj 9.84 us against 10.48 with one, down 28.75
@@ -67,6 +73,12 @@ FP8_LINEAR_SIGNATURE = {"x": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "x_st
                         "residual": "*bf16", "out": "*bf16", "N": "i32", "K": "i32"}
 FP8_SWIGLU_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32", "x_static": "*fp32",
                         "out": "*bf16", "I": "i32", "block": "i32", "eps": "fp32", "K": "i32"}
+# The one-row handoff's entries: the SwiGLU GEMV's also takes the staged row and down's static scale after its
+# output, and down's takes the staged row (f16, `gemv_fp8.cu`'s layout) in place of x.
+FP8_SWIGLU_HANDOFF_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*fp8e4nv", "w_scale": "*fp32",
+                                "x_static": "*fp32", "out": "*bf16", "staged": "*fp16", "out_scale": "*fp32",
+                                "I": "i32", "block": "i32", "eps": "fp32", "K": "i32"}
+FP8_LINEAR_PRESTAGED_SIGNATURE = {"staged": "*fp16", **{k: v for k, v in FP8_LINEAR_SIGNATURE.items() if k != "x"}}
 QKV_SIGNATURE = {"x": "*bf16", "norm": "*bf16", "w": "*bf16", "bias": "*bf16", "positions": "*i32",
                  "rope": "*fp32", "kv": "*bf16", "slots": "*i32", "out": "*bf16", "num_slots": "i32",
                  "layer": "i32", "eps": "fp32", "H": "i32", "KVH": "i32", "D": "i32", "K": "i32"}
@@ -96,12 +108,15 @@ def _serves(dtype: str, k: int, fp8_weight: bool) -> bool:
     return dtype == "bfloat16" and k % 8 == 0
 
 
-def _fp8_kernel(name: str, macro: str, args: str, signature: dict, meta: dict, static: bool) -> NvccKernel:
-    """An entry point of `gemv_fp8.cu`: that file and the call `macro(name, args, static)` appended to
-    `gemv.cu` (the last argument: whether it divides by a static activation scale, meta "static")."""
+def _fp8_kernel(name: str, macro: str, args: str, signature: dict, meta: dict, static: bool,
+                sources: tuple[Path, ...] = (FP8_SOURCE,), targets: tuple[str, ...] = FP8_TARGETS) -> NvccKernel:
+    """An FP8 entry point: `sources` (gemv_fp8.cu and the files after it) and the call `macro(name, args,
+    static)` appended to `gemv.cu` (the last argument: whether it divides by a static activation scale,
+    meta "static")."""
     call = f"{macro}({name}, {args}, {_cpp(static)})"
     meta = {**meta, "fp8": True, **({"static": True} if static else {})}
-    return NvccKernel(SOURCE, name, f"{FP8_SOURCE.read_text()}\n{call}", signature, WARPS, meta, targets=FP8_TARGETS)
+    text = "\n".join(source.read_text() for source in sources)
+    return NvccKernel(SOURCE, name, f"{text}\n{call}", signature, WARPS, meta, targets=targets)
 
 
 def _cpp(flag: bool) -> str:
@@ -114,16 +129,35 @@ def _meta(rows: int, programs: int, **extra) -> dict:
             "grid": (str(programs), "1", "1"), "pdl": True, **extra}
 
 
-def linear_kernels(dtype: str, n: int, k: int, fp8_weight: bool = False, fp8_static: bool = False) -> list[NvccKernel]:
-    """out = x W^T (+ bias) (+ residual) for W [n, k]."""
+def one_row_handoff(dtype: str, hidden: int, inter: int) -> bool:
+    """Whether an FP8 norm_swiglu of `hidden` to `inter` features that hands its output on to a static down
+    projection of `inter` to `hidden` (`builder.passes.quantize.hand_off_fp8`) does so at one row too: where
+    both get a GEMV. Each side asks it of the same two sizes (norm_swiglu's K and I, down's N and K), so
+    norm_swiglu's GEMV stages the row exactly when down's reads it."""
+    return (_serves(dtype, hidden, True) and inter % (WARPS * FP8_SWIGLU_COLS) == 0
+            and _serves(dtype, inter, True) and hidden % (WARPS * FP8_LINEAR_ROWS) == 0)
+
+
+def linear_kernels(dtype: str, n: int, k: int, fp8_weight: bool = False, fp8_static: bool = False,
+                   staged_targets: tuple[str, ...] = ()) -> list[NvccKernel]:
+    """out = x W^T (+ bias) (+ residual) for W [n, k]; on `staged_targets` (where x's producer stages x at one
+    row for a static FP8 GEMM: down's SwiGLU GEMV, `one_row_handoff`, or o_proj's EARLY decode attention) the
+    FP8 one reads x staged there, on the other FP8 targets it stages x itself."""
     if not _serves(dtype, k, fp8_weight):
         return []
     if fp8_weight:
         if n % (WARPS * FP8_LINEAR_ROWS):
             return []
-        name = "kiln_gemv_fp8_linear_t1"
-        return [_fp8_kernel(name, "KILN_GEMV_FP8_LINEAR", f"{FP8_LINEAR_ROWS}, {FP8_LINEAR_PIECES}, {k}",
-                            FP8_LINEAR_SIGNATURE, _meta(1, n // (WARPS * FP8_LINEAR_ROWS)), fp8_static)]
+        args, meta = f"{FP8_LINEAR_ROWS}, {FP8_LINEAR_PIECES}, {k}", _meta(1, n // (WARPS * FP8_LINEAR_ROWS))
+        staged = tuple(t for t in FP8_TARGETS if t in staged_targets) if fp8_static else ()
+        own = tuple(t for t in FP8_TARGETS if t not in staged)
+        kernels = [_fp8_kernel("kiln_gemv_fp8_linear_prestaged_t1", "KILN_GEMV_FP8_LINEAR_PRESTAGED", args,
+                               FP8_LINEAR_PRESTAGED_SIGNATURE, {**meta, "prestaged": True}, fp8_static,
+                               targets=staged)] if staged else []
+        if own:
+            kernels.append(_fp8_kernel("kiln_gemv_fp8_linear_t1", "KILN_GEMV_FP8_LINEAR", args, FP8_LINEAR_SIGNATURE,
+                                       meta, fp8_static, targets=own))
+        return kernels
     kernels = []
     for t, r in LINEAR_ROWS_PER_WARP.items():
         if n % (WARPS * r) == 0:
@@ -148,14 +182,16 @@ def qkv_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
         macro = "KILN_GEMV_FP8_QKV_ROPE_FP8_KV" if fp8_kv else "KILN_GEMV_FP8_QKV_ROPE"
         args = f"{FP8_QKV_PIECES}, {k}, {_cpp(shapes.get('norm_weight', False))}"
         return [_fp8_kernel(name, macro, args, FP8_QKV_FP8_KV_SIGNATURE if fp8_kv else FP8_QKV_SIGNATURE,
-                            {**meta, "fp8_kv": fp8_kv}, shapes.get("fp8_static", False))]
+                            {**meta, "fp8_kv": fp8_kv}, shapes.get("fp8_static", False),
+                            (FP8_SOURCE, FP8_QKV_SOURCE))]
     name = "kiln_gemv_qkv_rope_t1"
     return [NvccKernel(SOURCE, name, f"KILN_GEMV_QKV_ROPE({name}, 1)", QKV_SIGNATURE, WARPS, meta)]
 
 
 def swiglu_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
     """norm_swiglu's bucket for `shapes` (the plugin's compile shapes), where it serves them: one row,
-    a warp per output column (its gate and up rows), FP8_SWIGLU_COLS of them with FP8 weights."""
+    a warp per output column (its gate and up rows), FP8_SWIGLU_COLS of them with FP8 weights; with
+    "out_scale" (its output handed on to down) the one that stages it for down where `one_row_handoff` holds."""
     inter, k = shapes["I"], shapes["K"]
     activation = shapes.get("activation", "silu")
     fp8_weight = shapes.get("fp8", False)
@@ -165,9 +201,13 @@ def swiglu_kernels(dtype: str, shapes: dict) -> list[NvccKernel]:
     flags = f"{_cpp(activation == 'gelu_tanh')}, {_cpp(shapes.get('norm_weight', False))}"
     meta = _meta(1, inter // (WARPS * cols), block=shapes["block"] or inter)
     if fp8_weight:
-        name = "kiln_gemv_fp8_swiglu_t1"
-        return [_fp8_kernel(name, "KILN_GEMV_FP8_SWIGLU", f"{cols}, {FP8_SWIGLU_PIECES}, {k}, {flags}",
-                            FP8_SWIGLU_SIGNATURE, meta, shapes.get("fp8_static", False))]
+        args = f"{cols}, {FP8_SWIGLU_PIECES}, {k}, {flags}"
+        if shapes.get("out_scale") and one_row_handoff(dtype, k, inter):
+            meta = {**meta, "handoff": True, "scratch": staged_scratch(inter)}
+            return [_fp8_kernel("kiln_gemv_fp8_swiglu_handoff_t1", "KILN_GEMV_FP8_SWIGLU_HANDOFF", args,
+                                FP8_SWIGLU_HANDOFF_SIGNATURE, meta, shapes.get("fp8_static", False))]
+        return [_fp8_kernel("kiln_gemv_fp8_swiglu_t1", "KILN_GEMV_FP8_SWIGLU", args, FP8_SWIGLU_SIGNATURE, meta,
+                            shapes.get("fp8_static", False))]
     name = "kiln_gemv_swiglu_t1"
     return [NvccKernel(SOURCE, name, f"KILN_GEMV_SWIGLU({name}, 1, {flags})", SWIGLU_SIGNATURE, WARPS, meta)]
 

@@ -1,7 +1,7 @@
 // FP8 (W8A8) decode GEMVs for one row of x, compiled appended to gemv.cu (whose K loop, `stream_rows`,
 // they share): e4m3 weights [N, K] with a float32 scale per row, x bf16, out bf16. The "gemv1" buckets
-// of FP8 linear, linear_residual, norm_qkv_rope and norm_swiglu (`plugins.linear.gemv` builds them for
-// the FP8 targets only: the conversions below are sm_89's instructions).
+// of FP8 linear, linear_residual, norm_qkv_rope (whose entry gemv_fp8_qkv.cu adds) and norm_swiglu
+// (`plugins.linear.gemv` builds them for the FP8 targets only: the conversions below are sm_89's).
 //
 // x is quantized as `plugins.fp8` defines it (per token: the GEMM input's largest magnitude over 448,
 // a correctly rounded division, round to nearest even, saturating), but by every block itself rather
@@ -23,6 +23,11 @@
 // so the two halves of a weight piece's x come from two arrays that consecutive lanes read without bank
 // conflicts. Every kernel needs K % 16 == 0, K <= the KMAX it was built for, 16-byte aligned x and
 // weights, and 256 threads.
+//
+// At one row the down projection's x is the SwiGLU GEMV's output, and with a static scale nothing in its
+// staging needs the whole row: the SwiGLU entry built HANDOFF stages each value it stores (`hand_on`) into
+// a global row in that layout, and the linear entry built PRESTAGED multiplies that row as it is, with no
+// staging and no block barrier, which stalled the weight stream (BENCHMARKS.md sessions 46-48).
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
@@ -41,12 +46,6 @@ __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(_
 __device__ __forceinline__ float divided(float v, float scale, float inverse) {
   const float q = v * inverse;
   return __fmaf_rn(__fmaf_rn(-q, scale, v), inverse, q);
-}
-
-// A value of an e4m3 cache: v / scale, saturating at +-448, ties to even (`plugins.fp8.to_e4m3`).
-template <>
-__device__ __forceinline__ void put(__nv_fp8_storage_t* p, float v, float scale) {
-  *p = __nv_cvt_float_to_fp8(__fdiv_rn(v, scale), __NV_SATFINITE, __NV_E4M3);
 }
 
 // The sum and the largest of one value per thread, over the block; every thread gets both.
@@ -170,8 +169,9 @@ __device__ __forceinline__ void e4m3_pairs(uint32_t w, __half2& even, __half2& o
 __device__ __forceinline__ __half2 as_half2(uint32_t v) { return *reinterpret_cast<const __half2*>(&v); }
 
 // The K loop of one warp over R e4m3 weight rows: acc[r] = xq . w[rows[r]], summed over the lanes, with
-// xq staged in shared memory by the caller's `early` step (`XRow::stage`).
-template <int R, int UF>
+// xq staged in shared memory by the caller's `early` step (`XRow::stage`), or HANDED in global memory by
+// the kernel before (`hand_on`), read with coherent loads (`input_load` says why) after the caller's wait.
+template <int R, int UF, bool HANDED = false>
 struct Fp8DotRows {
   float acc[R];
 
@@ -182,7 +182,8 @@ struct Fp8DotRows {
     for (int u = 0; u < UF; ++u) {
       const int piece = (it * UF + u) * LANES + lane;
       if (GUARD && piece >= pieces) continue;
-      const uint4 x0 = xs[piece], x1 = xs[pieces + piece];
+      const uint4 x0 = HANDED ? input_load(xs + piece) : xs[piece];
+      const uint4 x1 = HANDED ? input_load(xs + pieces + piece) : xs[pieces + piece];
       const uint32_t xw[VEC] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
       for (int r = 0; r < R; ++r) {
@@ -236,11 +237,13 @@ struct Fp8DotRows {
 };
 
 // out[n] = xq . w[n] * x_scale * w_scale[n] (+ bias[n]) (+ residual[n]), R consecutive rows a warp.
-template <int R, int UF, int KMAX, bool STATIC>
-__device__ __forceinline__ void fp8_linear(const __nv_bfloat16* x, const uint8_t* w, const float* w_scale,
-                                           const float* x_static, const __nv_bfloat16* bias,
+// PRESTAGED: xq is `staged`, the row the kernel before staged (`hand_on`) with the static scale; x unused.
+template <int R, int UF, int KMAX, bool STATIC, bool PRESTAGED = false>
+__device__ __forceinline__ void fp8_linear(const __nv_bfloat16* x, const uint4* staged, const uint8_t* w,
+                                           const float* w_scale, const float* x_static, const __nv_bfloat16* bias,
                                            const __nv_bfloat16* residual, __nv_bfloat16* out, int N, int K) {
-  __shared__ uint4 xs[KMAX / VEC];
+  static_assert(STATIC || !PRESTAGED, "a staged row was divided by the static scale");
+  __shared__ uint4 xs[PRESTAGED ? 1 : KMAX / VEC];
   const int lane = threadIdx.x % LANES, first = (blockIdx.x * WARPS + threadIdx.x / LANES) * R;
   const int n = first + lane % R;
   const bool owner = lane < R;
@@ -254,65 +257,36 @@ __device__ __forceinline__ void fp8_linear(const __nv_bfloat16* x, const uint8_t
 #pragma unroll
   for (int r = 0; r < R; ++r) row[r] = first + r;
   XRow<KMAX> xr;
-  Fp8DotRows<R, UF> dot;
+  Fp8DotRows<R, UF, PRESTAGED> dot;
   float scale;
-  dot.run(w, row, K, xs, [&] {
-    xr.load(x, K);
+  dot.run(w, row, K, PRESTAGED ? staged : xs, [&] {
+    if (PRESTAGED) wait_inputs();
+    else xr.load(x, K);
     if (owner && residual != nullptr) extra += bf16(residual + n);
-    scale = xr.template stage<false, false, STATIC>(nullptr, x_static, xs, K, 0.0f);
+    scale = PRESTAGED ? *x_static : xr.template stage<false, false, STATIC>(nullptr, x_static, xs, K, 0.0f);
   });
   const float v = dot.mine(lane);
   if (owner) out[n] = __float2bfloat16(v * scale * ws + extra);
 }
 
-// RMSNorm + q/k/v projection (+ bias) + RoPE with e4m3 weights: `qkv_rope` of gemv.cu otherwise. Cache:
-// bf16, or e4m3 (`__nv_fp8_storage_t`) with kv_scales [layers, 2, KVH].
-template <int UF, int KMAX, bool NORM_WEIGHT, bool STATIC, class Cache>
-__device__ __forceinline__ void fp8_qkv_rope(const __nv_bfloat16* x, const __nv_bfloat16* norm, const uint8_t* w,
-                                             const float* w_scale, const float* x_static,
-                                             const __nv_bfloat16* bias, const int* positions,
-                                             const float* rope, Cache* kv, const int* slots, const float* kv_scales,
-                                             int kv_block, __nv_bfloat16* out, int num_slots, int layer, float eps,
-                                             int H, int KVH, int D, int K) {
-  __shared__ uint4 xs[KMAX / VEC];
-  const int lane = threadIdx.x % LANES, pair = blockIdx.x * WARPS + threadIdx.x / LANES;
-  const int half = D / 2, h = pair / half, j = pair % half;
-  const int row[2] = {h * D + j, h * D + j + half};
-  const bool is_q = h < H, is_v = h >= H + KVH, owner = lane == 0;
-  float rc = 1.0f, rs = 0.0f, b0 = 0.0f, b1 = 0.0f, ws0 = 0.0f, ws1 = 0.0f, kv_scale = 1.0f;
-  int slot = 0, pos = 0;
-  launch_dependents();
-  if (owner) {
-    if (bias != nullptr) b0 = bf16(bias + row[0]), b1 = bf16(bias + row[1]);
-    ws0 = w_scale[row[0]], ws1 = w_scale[row[1]];
-  }
-  XRow<KMAX> xr;
-  Fp8DotRows<2, UF> dot;
-  float scale;
-  dot.run(w, row, K, xs, [&] {
-    xr.load(x, K);
-    if (owner && !is_v) pos = positions[0];
-    if (owner && !is_q) slot = slots[0];
-    if (owner && !is_q && kv_scales != nullptr)
-      kv_scale = kv_scales[(layer * 2 + (is_v ? 1 : 0)) * KVH + (is_v ? h - H - KVH : h - H)];
-    scale = xr.template stage<true, NORM_WEIGHT, STATIC>(norm, x_static, xs, K, eps);
-    if (owner && !is_v) {
-      const float* r = rope + static_cast<size_t>(pos) * D + j;
-      rc = r[0];
-      rs = r[half];
-    }
-  });
-  if (!owner) return;
-  rope_store(dot.acc[0] * scale * ws0 + b0, dot.acc[1] * scale * ws1 + b1, rc, rs, out, kv, kv_scale, 0, h, j,
-             slot, num_slots, layer, H, KVH, D, kv_block);
+// Output column j of I, stored as y, into `staged` as the down projection's `XRow::stage` would stage it
+// with the static scale `scale`: the same division and conversions, unit j / 8 where the header puts it,
+// and the value at its place among the unit's pairs (0, 2), (1, 3), (4, 6), (5, 7).
+__device__ __forceinline__ void hand_on(__half* staged, float scale, int j, int I, __nv_bfloat16 y) {
+  const int unit = j / VEC, i = j % VEC;
+  const int at = ((unit % 2) * (I / 16) + unit / 2) * VEC + (i / 4) * 4 + (i % 2) * 2 + (i % 4) / 2;
+  const float q = divided(__bfloat162float(y), scale, __frcp_rn(scale));
+  staged[at] = __half(__nv_cvt_fp8_to_halfraw(__nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3), __NV_E4M3));
 }
 
 // RMSNorm + gate/up projection + act(gate) * up with e4m3 weights: `swiglu` of gemv.cu otherwise, with
 // COLS output columns a warp (their gate and up rows), so a block stages x once for 8 * COLS of them.
-template <int COLS, int UF, int KMAX, bool GELU_TANH, bool NORM_WEIGHT, bool STATIC>
+// HANDOFF: each output also goes to `staged` for the down projection (`hand_on`, *out_scale its scale).
+template <int COLS, int UF, int KMAX, bool GELU_TANH, bool NORM_WEIGHT, bool STATIC, bool HANDOFF = false>
 __device__ __forceinline__ void fp8_swiglu(const __nv_bfloat16* x, const __nv_bfloat16* norm, const uint8_t* w,
-                                           const float* w_scale, const float* x_static, __nv_bfloat16* out, int I,
-                                           int block, float eps, int K) {
+                                           const float* w_scale, const float* x_static, __nv_bfloat16* out,
+                                           __half* staged, const float* out_scale, int I, int block, float eps,
+                                           int K) {
   __shared__ uint4 xs[KMAX / VEC];
   const int lane = threadIdx.x % LANES, first = (blockIdx.x * WARPS + threadIdx.x / LANES) * COLS;
   int row[2 * COLS];
@@ -327,6 +301,7 @@ __device__ __forceinline__ void fp8_swiglu(const __nv_bfloat16* x, const __nv_bf
 #pragma unroll
   for (int c = 0; c < COLS; ++c)
     if (lane == c) wg = w_scale[row[2 * c]], wu = w_scale[row[2 * c + 1]];
+  const float handoff_scale = HANDOFF && owner ? *out_scale : 0.0f;
   launch_dependents();
   XRow<KMAX> xr;
   Fp8DotRows<2 * COLS, UF> dot;
@@ -341,7 +316,9 @@ __device__ __forceinline__ void fp8_swiglu(const __nv_bfloat16* x, const __nv_bf
   for (int c = 0; c < COLS; ++c)
     if (lane == c) g = dot.acc[2 * c] * scale * wg, u = dot.acc[2 * c + 1] * scale * wu;
   const float z = GELU_TANH ? 1.5957691216057308f * (g + 0.044715f * g * g * g) : g;
-  out[first + lane] = __float2bfloat16(g / (1.0f + __expf(-z)) * u);
+  const __nv_bfloat16 y = __float2bfloat16(g / (1.0f + __expf(-z)) * u);
+  out[first + lane] = y;
+  if (HANDOFF) hand_on(staged, handoff_scale, first + lane, I, y);
 }
 
 }  // namespace
@@ -350,36 +327,32 @@ __device__ __forceinline__ void fp8_swiglu(const __nv_bfloat16* x, const __nv_bf
   extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                           \
       NAME(const __nv_bfloat16* x, const uint8_t* w, const float* w_scale, const float* x_static,       \
            const __nv_bfloat16* bias, const __nv_bfloat16* residual, __nv_bfloat16* out, int N, int K) {\
-    fp8_linear<R, UF, KMAX, STATIC>(x, w, w_scale, x_static, bias, residual, out, N, K);                \
+    fp8_linear<R, UF, KMAX, STATIC>(x, nullptr, w, w_scale, x_static, bias, residual, out, N, K);       \
   }
 
-#define KILN_GEMV_FP8_QKV_ROPE(NAME, UF, KMAX, NORM_WEIGHT, STATIC)                                     \
+// The down projection at one row, its x staged by the SwiGLU GEMV before it (`KILN_GEMV_FP8_SWIGLU_HANDOFF`).
+#define KILN_GEMV_FP8_LINEAR_PRESTAGED(NAME, R, UF, KMAX, STATIC)                                       \
   extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                           \
-      NAME(const __nv_bfloat16* x, const __nv_bfloat16* norm, const uint8_t* w, const float* w_scale,   \
-           const float* x_static, const __nv_bfloat16* bias, const int* positions, const float* rope,   \
-           __nv_bfloat16* kv, const int* slots, __nv_bfloat16* out, int num_slots, int layer, float eps,\
-           int H, int KVH, int D, int K) {                                                              \
-    fp8_qkv_rope<UF, KMAX, NORM_WEIGHT, STATIC>(x, norm, w, w_scale, x_static, bias, positions, rope, kv,\
-                                                slots, nullptr, 0, out, num_slots, layer, eps, H, KVH, D, K);\
-  }
-
-// The same with an e4m3 cache (v's blocks of kv_block slots transposed) and its scales.
-#define KILN_GEMV_FP8_QKV_ROPE_FP8_KV(NAME, UF, KMAX, NORM_WEIGHT, STATIC)                              \
-  extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                           \
-      NAME(const __nv_bfloat16* x, const __nv_bfloat16* norm, const uint8_t* w, const float* w_scale,   \
-           const float* x_static, const __nv_bfloat16* bias, const int* positions, const float* rope,   \
-           uint8_t* kv, const int* slots, const float* kv_scales, int kv_block, __nv_bfloat16* out,     \
-           int num_slots, int layer, float eps, int H, int KVH, int D, int K) {                         \
-    fp8_qkv_rope<UF, KMAX, NORM_WEIGHT, STATIC>(x, norm, w, w_scale, x_static, bias, positions, rope,   \
-                                                reinterpret_cast<__nv_fp8_storage_t*>(kv), slots,       \
-                                                kv_scales, kv_block, out, num_slots, layer, eps, H, KVH,\
-                                                D, K);                                                  \
+      NAME(const __half* staged, const uint8_t* w, const float* w_scale, const float* x_static,         \
+           const __nv_bfloat16* bias, const __nv_bfloat16* residual, __nv_bfloat16* out, int N, int K) {\
+    fp8_linear<R, UF, KMAX, STATIC, true>(nullptr, reinterpret_cast<const uint4*>(staged), w, w_scale,  \
+                                          x_static, bias, residual, out, N, K);                         \
   }
 
 #define KILN_GEMV_FP8_SWIGLU(NAME, COLS, UF, KMAX, GELU_TANH, NORM_WEIGHT, STATIC)                      \
   extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                           \
       NAME(const __nv_bfloat16* x, const __nv_bfloat16* norm, const uint8_t* w, const float* w_scale,   \
            const float* x_static, __nv_bfloat16* out, int I, int block, float eps, int K) {             \
-    fp8_swiglu<COLS, UF, KMAX, GELU_TANH, NORM_WEIGHT, STATIC>(x, norm, w, w_scale, x_static, out, I,   \
-                                                               block, eps, K);                          \
+    fp8_swiglu<COLS, UF, KMAX, GELU_TANH, NORM_WEIGHT, STATIC>(x, norm, w, w_scale, x_static, out,      \
+                                                               nullptr, nullptr, I, block, eps, K);     \
+  }
+
+// The same, its output staged for the down projection at one row too (`KILN_GEMV_FP8_LINEAR_PRESTAGED`).
+#define KILN_GEMV_FP8_SWIGLU_HANDOFF(NAME, COLS, UF, KMAX, GELU_TANH, NORM_WEIGHT, STATIC)              \
+  extern "C" __global__ void __launch_bounds__(WARPS * LANES)                                           \
+      NAME(const __nv_bfloat16* x, const __nv_bfloat16* norm, const uint8_t* w, const float* w_scale,   \
+           const float* x_static, __nv_bfloat16* out, __half* staged, const float* out_scale, int I,    \
+           int block, float eps, int K) {                                                               \
+    fp8_swiglu<COLS, UF, KMAX, GELU_TANH, NORM_WEIGHT, STATIC, true>(x, norm, w, w_scale, x_static, out,\
+                                                                     staged, out_scale, I, block, eps, K);\
   }

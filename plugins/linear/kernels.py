@@ -272,16 +272,18 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def linear_aot_kernels(dtype: str, n: int, k: int, bias: bool, residual: bool, fp8_weight: bool = False,
-                       fp8_static: bool = False) -> list[AotKernel | NvccKernel]:
+                       fp8_static: bool = False, staged_targets: tuple[str, ...] = ()) -> list[AotKernel | NvccKernel]:
     """The CUDA GEMVs for one and two rows where they serve the shape (`linear.gemv`), then one
     linear_kernel per shape bucket of TILES, and for the TMA buckets the persistent TMA GEMM for
     sm_90 and later beside it (the pointer kernel then serves sm_80 and sm_89); ahead of the
     "large" bucket's pointer kernel the CuTe GEMM for sm_90 where it serves (`linear.cute_gemm`). FP8
     (`fp8_weight`): kernels for fp8.FP8_TARGETS only, the TMA buckets' e4m3 TMA GEMM beside
     sm_89's pointer kernel, and the quantize pre-pass whose rows they all read (`fp8_static`: the one
-    that takes a static activation scale)."""
+    that takes a static activation scale; `staged_targets`: where x's producer stages x at one row,
+    `linear.gemv.linear_kernels`)."""
     ptr, size = POINTER_TYPES[dtype], dtypes.element_bytes(dtype)
-    kernels: list[AotKernel | NvccKernel] = gemv.linear_kernels(dtype, n, k, fp8_weight, fp8_static)
+    kernels: list[AotKernel | NvccKernel] = gemv.linear_kernels(dtype, n, k, fp8_weight, fp8_static,
+                                                                          staged_targets)
     for tile in tiles_for(n):
         kernels += cute_gemm.linear_kernels(dtype, n, k, tile, fp8_weight)
         bk = block_k(tile, 1 if fp8_weight else size)

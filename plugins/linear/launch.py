@@ -90,6 +90,17 @@ def gemv_scale_args(meta: dict, w_scale: torch.Tensor | None, x_static: torch.Te
     return [w_scale.data_ptr(), address(x_static)]
 
 
+def gemv_input(meta: dict, x: torch.Tensor, scratch: dict[str, torch.Tensor], handoff: bool) -> int:
+    """A linear GEMV's x operand: x, or for one built to read x prestaged (meta "prestaged", `linear.gemv`) the
+    row x's producer staged in the handoff's scratch, which it writes only where the plan hands x on."""
+    if not meta.get("prestaged"):
+        return x.data_ptr()
+    if not handoff:
+        raise ValueError("FP8 GEMV built to read x staged by the kernel before, in a plan that does not hand x "
+                         "on: the engine's kernels and plan disagree; rebuild the engine")
+    return scratch[fp8.HANDOFF[0]].data_ptr()
+
+
 def launch_quantize(kernels: list, metas: list[dict], x: torch.Tensor, norm_weight: torch.Tensor | None,
                     eps: float, stream: int, scratch: dict[str, torch.Tensor],
                     x_static: torch.Tensor | None = None) -> tuple[int, int]:
@@ -145,8 +156,9 @@ def launch_gemm(kernels: list, metas: list[dict], x: torch.Tensor, weight: torch
                 x_static: torch.Tensor | None = None, handoff: bool = False) -> None:
     """out = x weight^T (+ bias) (+ residual) with the bucket kernel for x's row count, W8A8 when
     the kernels were built for FP8 (w_scale: the weight's scales; x_static: the static activation
-    scale, for kernels built with one; `handoff`: x's producer wrote x's e4m3 rows for this op at
-    this row count, `linear.fp8`). `linear_kernel` takes bias
+    scale, for kernels built with one; `handoff`: x's producer hands x on to this op, `linear.fp8`:
+    the Triton GEMMs read its e4m3 rows at HANDOFF_ROWS rows, the GEMV built for it, meta "prestaged",
+    the row it staged). `linear_kernel` takes bias
     and residual pointers only when built with them; the GEMVs and the CuTe GEMM always (0 when
     absent), the CuTe GEMM x and the weight as TMA descriptors (and its split-K workspace when it
     splits K)."""
@@ -155,8 +167,9 @@ def launch_gemm(kernels: list, metas: list[dict], x: torch.Tensor, weight: torch
     check_fp8(metas[i], w_scale)
     check_aligned(metas[i], x, weight, w_scale, bias, residual, out)
     if metas[i].get("gemv"):
-        args = [x.data_ptr(), weight.data_ptr(), *gemv_scale_args(metas[i], w_scale, x_static), address(bias),
-                address(residual), out.data_ptr(), *weight.shape]
+        args = [gemv_input(metas[i], x, scratch, handoff), weight.data_ptr(),
+                *gemv_scale_args(metas[i], w_scale, x_static), address(bias), address(residual), out.data_ptr(),
+                *weight.shape]
         kernels[i].launch(grid(metas[i]["grid"], {}), args, stream)
         return
     if metas[i].get("cute"):
@@ -167,7 +180,8 @@ def launch_gemm(kernels: list, metas: list[dict], x: torch.Tensor, weight: torch
                 address(bias), address(residual), out.data_ptr(), *split_args(metas[i], scratch), rows, n, k]
         kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)
         return
-    args = gemm_input_args(kernels, metas, i, x, None, 0.0, stream, scratch, x_static, handoff) + [weight.data_ptr()]
+    args = gemm_input_args(kernels, metas, i, x, None, 0.0, stream, scratch, x_static,
+                           handoff and fp8.handoff_rows(rows)) + [weight.data_ptr()]
     args += [t.data_ptr() for t in (w_scale, bias, residual) if t is not None]
     args += [out.data_ptr(), *split_args(metas[i], scratch), rows]
     kernels[i].launch(grid(metas[i]["grid"], {"T": rows}), args, stream)

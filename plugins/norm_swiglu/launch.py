@@ -21,7 +21,7 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
     then w_gu_scale [2I] (FP8), w_gu_input_scale (a static activation scale) and out_scale (the next
     GEMM's, for the handoff) when given. An FP8 bucket that reads e4m3 rows gets them from the quantize
     pre-pass, which applies the norm (and its weight); one built to hand its output on writes it to
-    the handoff's scratch too."""
+    the handoff's scratch too (at one row, the GEMV built for it stages it there for down's GEMV)."""
     x, norm_weight, w_gu, w_scale, x_static, out_scale = (*inputs, None, None, None)[:6]
     rows = x.shape[0]
     i = pick_bucket(metas, rows)
@@ -30,9 +30,13 @@ def launch(kernels: list, metas: list[dict], inputs: list, attrs: dict, out: tor
                          "next GEMM expects: the engine's kernels and plan disagree; rebuild the engine")
     check_fp8(metas[i], w_scale)
     check_aligned(metas[i], x, norm_weight, w_gu, w_scale, out)
+    if metas[i].get("handoff") and out_scale is None:
+        raise ValueError("norm_swiglu's kernel hands its output on, and the plan gives it no out_scale: the "
+                         "engine's kernels and plan disagree; rebuild the engine")
     if metas[i].get("gemv"):
+        staged = [scratch[fp8.HANDOFF[0]].data_ptr(), out_scale.data_ptr()] if metas[i].get("handoff") else []
         args = [x.data_ptr(), address(norm_weight), w_gu.data_ptr(), *gemv_scale_args(metas[i], w_scale, x_static),
-                out.data_ptr(), out.shape[1], metas[i]["block"], attrs["eps"], x.shape[1]]
+                out.data_ptr(), *staged, out.shape[1], metas[i]["block"], attrs["eps"], x.shape[1]]
         kernels[i].launch(grid(metas[i]["grid"], {}), args, stream)
         return
     args = norm_gemm_input_args(kernels, metas, i, x, norm_weight, attrs["eps"], stream, scratch, x_static)
