@@ -177,10 +177,15 @@ class CudaExecutor(ArenaExecutor):
         return ops
 
     def _stage_inputs(self, step: StepInputs, dims: dict[str, int]) -> None:
-        """Pack the inputs into the pinned buffer, then one asynchronous copy to the arena."""
+        """Pack the inputs into the pinned buffer, then one asynchronous copy to the arena of the bytes
+        they fill. The copy runs between two steps' kernels, and the region is sized for the engine's
+        bounds: about 410 KB at 8,192 tokens and 256 sequences of 4,352 tokens, 280 KB of them block
+        tables, which the memory plan puts last. A decode step of a few sequences fills a few of their
+        rows, so its copy ends about 130 KB in."""
         self.staged.synchronize()  # the previous step's copy has left the buffer
-        self.inputs.pack(step, self.staging)
-        self.arena[self.inputs.start:self.inputs.end].copy_(self.staging, non_blocking=True)
+        used = self.inputs.pack(step, self.staging)
+        start = self.inputs.start
+        self.arena[start:start + used].copy_(self.staging[:used], non_blocking=True)
         self.staged.record()
 
     @staticmethod

@@ -44,11 +44,15 @@ class InputRegion:
         offset = self.slots[name][0] - self.start
         return buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
-    def pack(self, step: StepInputs, buffer: torch.Tensor) -> None:
-        """Write the step inputs into `buffer` (uint8, `nbytes` long) where the arena holds them."""
+    def pack(self, step: StepInputs, buffer: torch.Tensor) -> int:
+        """Write the step inputs into `buffer` (uint8, `nbytes` long) where the arena holds them; returns
+        how many bytes from the start hold them, all that a copy of this step needs."""
+        used = 0
         for spec in STEP_INPUTS:
             value = getattr(step, spec.name)
             self._slot(buffer, spec.name, torch_dtype(spec.dtype), value.shape).copy_(value)
+            used = max(used, self.slots[spec.name][0] - self.start + value.numel() * value.element_size())
+        return used
 
     def unpack(self, buffer: torch.Tensor, sizes: tuple[int, int, int]) -> StepInputs:
         """The step that `pack` wrote into `buffer`, as views of it; `sizes` are its tokens,

@@ -48,9 +48,13 @@ def test_input_region_packs_a_step_where_the_arena_holds_it_and_unpacks_it(facto
     step = pack_step([SequenceChunk([5, 6, 7], 0, [3, 1]), SequenceChunk([9], 4, [2, 0], all_logits=True)], bs, nb)
     region = InputRegion(engine)
     buffer = torch.zeros(region.nbytes, dtype=torch.uint8)
-    region.pack(step, buffer)
+    used = region.pack(step, buffer)
     back = region.unpack(buffer, step.sizes)
     assert all(torch.equal(getattr(back, name), value) for name, value in step.as_dict().items())
+    # What the CUDA executor copies: through the block tables' two rows, which the memory plan puts last.
+    offset = region.slots["block_tables"][0] - region.start
+    assert used == offset + step.block_tables.numel() * 4 < region.nbytes
+    assert back.block_tables.data_ptr() + back.block_tables.numel() * 4 == buffer.data_ptr() + used
     ex._stage_inputs(step, ex._dims(step))  # a fresh arena, zeros elsewhere like the buffer
     assert torch.equal(ex.arena[region.start:region.end], buffer)
 

@@ -79,6 +79,21 @@ def test_plan_memory_no_overlapping_lifetimes_share_bytes(pipeline):
     assert plan.arena_bytes < total
 
 
+def test_plan_memory_puts_the_step_inputs_first_smallest_first():
+    """The step inputs fill the arena's start, in order of their size at the bounds, so the block tables
+    (sequences x blocks) end the region that the CUDA executor uploads only as far as a step fills it."""
+    g = make_llama(layers=2)
+    bounds = {"T": 64, "S": 8, "L": 8, "B": 40}
+    plan = plan_memory(g, bounds)
+    inputs = [n for n in g.inputs if g.tensors[n].kind == "input"]
+    by_offset = sorted(inputs, key=lambda n: plan.slots[n].offset)
+    sizes = [plan.slots[n].nbytes for n in by_offset]
+    assert sizes == sorted(sizes) and by_offset[-1] == "block_tables"
+    assert plan.slots[by_offset[0]].offset == 0
+    assert all(plan.slots[a].offset + plan.slots[a].nbytes == plan.slots[b].offset
+               for a, b in zip(by_offset, by_offset[1:]))
+
+
 def _chain(n: int) -> Graph:
     b = GraphBuilder()
     x = b.node("embedding", "embed", input_ids="input_ids", weight=b.weight("embed.weight", VOCAB, H), scale=1.0)

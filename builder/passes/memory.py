@@ -31,9 +31,12 @@ def plan_memory(graph: Graph, bounds: dict[str, int]) -> MemoryPlan:
     """Place every step input and activation of `graph`, with its symbolic dims at `bounds`."""
     end = len(graph.nodes)
     life: dict[str, list[int]] = {}
-    for name in graph.inputs:
-        if graph.tensors[name].kind == "input":
-            life[name] = [-1, -1]
+    # The step inputs go first, smallest first: the CUDA executor uploads them up to the last byte a step
+    # fills, so the largest (the block tables, sequences x blocks) goes last, where a small step's few
+    # rows of it end the copy early.
+    inputs = [name for name in graph.inputs if graph.tensors[name].kind == "input"]
+    for name in sorted(inputs, key=lambda n: nbytes(graph.tensors[n].shape, graph.tensors[n].dtype, bounds)):
+        life[name] = [-1, -1]
     for i, node in enumerate(graph.nodes):
         for t in node.tensor_inputs():
             if t in life:
