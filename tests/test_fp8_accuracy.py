@@ -5,6 +5,7 @@ here), so the only difference between them is the W8A8 projections."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -17,10 +18,30 @@ from fp8_accuracy_check import AGREEMENT, MODELS, PERPLEXITY_RATIO, engines, gre
 # the small, test_fp8_gpu's docstring): multiplying every per-token scale after a norm by
 # 1 + 0.0007 i (i = -8..8) spread SmolLM2's over 1.06-1.11 and Gemma's over 1.00-1.05 (standard
 # deviations 0.012-0.018, session 49), so any change to the numerics needs these measured again.
-MEASURED_RATIO = {"gemma3-270m": 1.0135, "smollm2-135m": 1.084}
+#
+# Gemma's moves with the CPU's kind too: on an AMD EPYC with AVX2 and no bf16 dot-product instructions (session 58)
+# both engines' perplexities came out the same on main and on three GPU-only branches, and their ratio 1.0318 where
+# the machines before had measured 1.0135; the bf16 references' GEMMs round differently there, most likely.
+
+
+def _bf16_dot_instructions() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX), as the machines before session 58
+    had."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return True
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+BF16_DOT = _bf16_dot_instructions()
+MEASURED_RATIO = {"gemma3-270m": 1.0135 if BF16_DOT else 1.0318, "smollm2-135m": 1.084}
 MARGIN = 0.015
-# SmolLM2-135M misses the 2% bar: the e4m3 rounding of the weights of its 30 layers.
-MISSES_THE_BAR = {"smollm2-135m": "measured ratio 1.056-1.084: the e4m3 rounding of the weights of 30 layers"}
+# SmolLM2-135M misses the 2% bar: the e4m3 rounding of the weights of its 30 layers. So does Gemma 3 270M on a CPU
+# without bf16 dot-product instructions.
+MISSES_THE_BAR = {"smollm2-135m": "measured ratio 1.056-1.084: the e4m3 rounding of the weights of 30 layers",
+                  **({} if BF16_DOT else {"gemma3-270m": "measured ratio 1.0318 on an AVX2 CPU without bf16 dot "
+                                                         "products (1.0135 with them)"})}
 
 
 @pytest.fixture(scope="module", params=MODELS)
