@@ -27,6 +27,7 @@ read -r -a build_flags <<< "${GATES_FLAGS:---max-seq-len 4352 --max-num-tokens 8
 read -r -a bench_flags <<< "${GATES_BENCH:-}"
 device=$(python3 -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')
 target=$([ "$device" = cuda ] && echo sm_90 || echo cpu)
+fp8kv=(--quantization fp8 --kv-cache-dtype fp8)   # the offline gate's FP8 engine: e4m3 weights and cache
 
 build() { python3 -c 'from kiln.builder.cli import build_engine; build_engine()' "$@"; }
 bench() {   # bench-engine, its progress bars left out of the log
@@ -73,15 +74,15 @@ for stage in "$@"; do
   echo "== $stage $(date -u +%H:%M:%S)" | tee -a "$out/stages.txt"
   case $stage in
     build)
-      checkpoint && offline_engine bf16 && offline_engine fp8kv --quantization fp8 --kv-cache-dtype fp8 ;;
+      offline_engine bf16 && offline_engine fp8kv "${fp8kv[@]}" ;;
     decode)
       bench decode --work-dir "$work" --shape "$shape" --quantization fp8 --calibration-prompts "$(calibration_prompts)" \
         --only decode --batch-sizes 1,8,64,256 --no-baseline --max-batch-size 256 "${build_flags[@]}" &&
       bench latency --work-dir "$work" --shape "$shape" --only startup,decode,latency --batch-sizes 1,8,64 \
         --no-baseline --max-batch-size 256 "${build_flags[@]}" ;;
     offline-bf16|offline-fp8kv)
-      engine=$(offline_engine "${stage#offline-}" $([ "$stage" = offline-fp8kv ] && echo \
-        --quantization fp8 --kv-cache-dtype fp8)) &&
+      flags=(); [ "$stage" = offline-fp8kv ] && flags=("${fp8kv[@]}")
+      engine=$(offline_engine "${stage#offline-}" "${flags[@]}") &&
       bench "$stage" --engine "$engine" --only offline --offline 2048/2048 --no-baseline ;;
     *)
       echo "unknown stage $stage: build, decode, offline-bf16 or offline-fp8kv" >&2; false ;;
