@@ -17,9 +17,9 @@ clamp first: e4m3fn has no infinity, and an unclamped overflow would become NaN)
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
+
+from kiln.plugins.wide import widened
 
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -64,24 +64,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (q.float() * scale.float()[:, None]).to(dtype)
-
-
-# The CPU executor multiplies by the same e4m3 weights every step, and on a CPU their conversion
-# to float32 costs more than the product (about 20 ns an element: seconds a step for a 135M
-# model), so each live weight keeps its float32 copy, dropped with the weight.
-_WIDE: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
-
-
-def widened(q: torch.Tensor) -> torch.Tensor:
-    """`q` as float32: on the CPU converted once per weight (and again if it is written)."""
-    if q.device.type != "cpu":
-        return q.float()
-    key = id(q)
-    hit = _WIDE.get(key)
-    if hit is None or hit[0]() is not q or hit[1] != q._version:
-        hit = (weakref.ref(q, lambda _, key=key: _WIDE.pop(key, None)), q._version, q.float())
-        _WIDE[key] = hit
-    return hit[2]
 
 
 def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,

@@ -1,7 +1,7 @@
 """PyTorch reference for `linear`: y = x W^T (+ b), optionally all-reduced across TP ranks (row
 parallel) or gathered from them (the vocabulary-parallel LM head: `all_gather_columns`, which the
 CUDA executor calls too); and `project`, the one GEMM every projection's reference runs: in the
-model dtype, or W8A8 with `plugins.fp8`'s numerics when the weight is float8_e4m3fn with its
+model dtype (on a CPU accumulated in float32 and rounded once, as a GPU does: `plugins.wide`), or W8A8 with `plugins.fp8`'s numerics when the weight is float8_e4m3fn with its
 per-output-feature scale; and `project_normed`, the same after an RMSNorm, as the norm plugins'
 references run it."""
 from contextlib import contextmanager
@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from kiln.plugins.fp8 import fp8_linear, normed_row_scales, row_scales
 from kiln.plugins.rms_norm.reference import rms_norm, rstd
+from kiln.plugins.wide import widened
 
 
 # Calibration (builder/calibrate.py) watches what every GEMM multiplies, through this one function.
@@ -34,6 +35,9 @@ def project(x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.
     `input_scale` when given: static per tensor ([1]) or per row ([T])."""
     for observe in _GEMM_INPUT_OBSERVERS:
         observe(x)
+    if weight_scale is None and x.device.type == "cpu" and x.dtype != torch.float32:
+        wide_bias = None if bias is None else bias.float()
+        return torch.nn.functional.linear(x.float(), widened(weight), wide_bias).to(x.dtype)
     if weight_scale is None:
         return torch.nn.functional.linear(x, weight, bias)
     y = fp8_linear(x, weight, weight_scale, input_scale)
