@@ -38,14 +38,15 @@ def write_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tenso
 
 def read_kv(kv_cache: torch.Tensor, layer: int, which: int, blocks: torch.Tensor, length: int,
             kv_scales: Optional[torch.Tensor]) -> torch.Tensor:
-    """The first `length` k (which 0) or v (1) rows held in `blocks`, [length, kv_heads, head_dim] in float32."""
+    """The first `length` k (which 0) or v (1) rows held in each row of `blocks` [S, blocks], [S, length,
+    kv_heads, head_dim] in float32."""
     block_size, kvh, hd = kv_cache.shape[-3:]
     rows = kv_cache[layer, which].view(torch.uint8)[blocks].view(kv_cache.dtype) if kv_cache.dtype == FP8 \
         else kv_cache[layer, which, blocks]
     if _transposed(kv_cache, which):
-        rows = rows.reshape(-1, kvh, hd, block_size).permute(0, 3, 1, 2)
-    rows = rows.reshape(-1, kvh, hd)[:length].float()
-    return rows if kv_scales is None else rows * kv_scales[layer, which][None, :, None]
+        rows = rows.reshape(len(blocks), -1, kvh, hd, block_size).permute(0, 1, 4, 2, 3)
+    rows = rows.reshape(len(blocks), -1, kvh, hd)[:, :length].float()
+    return rows if kv_scales is None else rows * kv_scales[layer, which][None, None, :, None]
 
 
 def _transposed(kv_cache: torch.Tensor, which: int) -> bool:
@@ -57,24 +58,37 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                     query_lens: torch.Tensor, context_lens: torch.Tensor, layer: int,
                     num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                     window: int, kv_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The sequences with the same number of new tokens go through together, padded to the longest
+    context among them: all of a step's decode rows at once (one by one, a CPU spent most of a
+    decode step on the sequences' own small operations)."""
     block_size = kv_cache.shape[3]
     out = torch.empty_like(q)
-    start = 0
-    for s, (n, ctx) in enumerate(zip(query_lens.tolist(), context_lens.tolist())):
-        blocks = block_tables[s, : (ctx + block_size - 1) // block_size].long()
-        k = read_kv(kv_cache, layer, 0, blocks, ctx, kv_scales)
-        v = read_kv(kv_cache, layer, 1, blocks, ctx, kv_scales)
-        qs = q[start:start + n].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
-        scores = torch.einsum("qhgd,khd->hgqk", qs, k) * scale
-        q_pos = torch.arange(ctx - n, ctx)[:, None]
-        k_pos = torch.arange(ctx)[None, :]
+    lens, ctxs = query_lens.long(), context_lens.long()
+    starts = torch.cumsum(lens, 0) - lens
+    for n in lens.unique().tolist():
+        if n == 0:
+            continue
+        seqs = (lens == n).nonzero().flatten()
+        ctx = ctxs[seqs]
+        length = int(ctx.max())
+        used = -(-length // block_size)
+        # A table's entries past its sequence's own blocks are not blocks of it: read block 0 there instead.
+        blocks = block_tables[seqs, :used].long()
+        blocks = blocks.where(torch.arange(used) < -(-ctx[:, None] // block_size), 0)
+        k_pos = torch.arange(length)
+        held = (k_pos < ctx[:, None])[:, :, None, None]
+        k = read_kv(kv_cache, layer, 0, blocks, length, kv_scales)
+        v = read_kv(kv_cache, layer, 1, blocks, length, kv_scales).masked_fill(~held, 0.0)
+        rows = (starts[seqs, None] + torch.arange(n)).flatten()
+        qs = q[rows].view(len(seqs), n, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
+        scores = torch.einsum("sqhgd,skhd->shgqk", qs, k) * scale
+        q_pos = (ctx[:, None] - n + torch.arange(n))[:, :, None]
         allowed = k_pos <= q_pos
         if window > 0:
             allowed &= q_pos - k_pos < window
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        o = torch.einsum("hgqk,khd->qhgd", scores.softmax(-1), v)
-        out[start:start + n] = o.reshape(n, -1).to(q.dtype)
-        start += n
+        scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+        o = torch.einsum("shgqk,skhd->sqhgd", scores.softmax(-1), v)
+        out[rows] = o.reshape(len(rows), -1).to(q.dtype)
     return out
 
 
