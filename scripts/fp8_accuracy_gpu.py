@@ -1,6 +1,6 @@
 """Issue 14's FP8 accuracy check on the GPU, outside pytest (tests/fp8_accuracy_check.py): a
 real model's FP8 engine against its bf16 engine on this GPU (32 chat prompts x 64 tokens,
-teacher-forced agreement, bar 0.90; perplexity of a fixed paragraph within 2%). Needs the FP8 GPU
+teacher-forced agreement, bar 0.90; perplexity over fixed passages within 2%). Needs the FP8 GPU
 kernels (plugins declaring FP8_TARGETS) and the model carried as for scripts/real_model_gpu.sh.
 Writes date, commit, device, the figures and PASS/FAIL to --out; exits 1 when a bar is missed
 and 2 when the model is not on the machine."""

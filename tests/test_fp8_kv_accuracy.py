@@ -16,9 +16,10 @@ from real_models import CHAT_QUESTIONS, chat_prompts
 
 BUILD = dict(dtype="bfloat16", targets=("cpu",), max_batch_size=16, max_seq_len=320, max_num_tokens=256)
 NUM_PROMPTS, MAX_TOKENS = 8, 24
-# Over TEXTS' 1,975 tokens on an Intel Xeon with AMX: +0.36% with calibrated scales, +1.13% at scales 1.0
-# (which put small values in e4m3's subnormals), each +-0.34% (one standard error). The uncalibrated cache
-# gets a bar well above its figure, to catch a broken path rather than a rounding.
+# Over the 1,975 tokens of tests/passages.py, each +-0.34% (one standard error): +0.41% with calibrated scales,
+# +0.68% at scales 1.0 (which put small values in e4m3's subnormals), on an AMD EPYC with AVX2 and references
+# multiplying into float32 (session 59); +0.36% and +1.13% on an Intel Xeon with AMX and torch's bf16 GEMMs
+# before. The uncalibrated cache gets a bar well above its figure, to catch a broken path rather than a rounding.
 UNCALIBRATED_GUARD = 0.05
 
 
