@@ -1,9 +1,9 @@
 """PyTorch reference for `linear`: y = x W^T (+ b), optionally all-reduced across TP ranks (row
 parallel) or gathered from them (the vocabulary-parallel LM head: `all_gather_columns`, which the
 CUDA executor calls too); and `project`, the one GEMM every projection's reference runs: in the
-model dtype (on a CPU accumulated in float32 and rounded once, as a GPU does: `plugins.wide`), or W8A8 with `plugins.fp8`'s numerics when the weight is float8_e4m3fn with its
-per-output-feature scale; and `project_normed`, the same after an RMSNorm, as the norm plugins'
-references run it."""
+model dtype (on a CPU accumulated in float32 and rounded once, as a GPU does: `plugins.wide`), or
+W8A8 with `plugins.fp8`'s numerics when the weight is float8_e4m3fn with its per-output-feature scale;
+and `project_normed`, the same after an RMSNorm, as the norm plugins' references run it."""
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
