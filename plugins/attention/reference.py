@@ -74,15 +74,16 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         used = -(-length // block_size)
         # A table's entries past its sequence's own blocks are not blocks of it: read block 0 there instead.
         blocks = block_tables[seqs, :used].long()
-        blocks = blocks.where(torch.arange(used) < -(-ctx[:, None] // block_size), 0)
-        k_pos = torch.arange(length)
+        blocks = blocks.where(torch.arange(used, device=ctx.device) < -(-ctx[:, None] // block_size), 0)
+        k_pos = torch.arange(length, device=ctx.device)
         held = (k_pos < ctx[:, None])[:, :, None, None]
         k = read_kv(kv_cache, layer, 0, blocks, length, kv_scales)
         v = read_kv(kv_cache, layer, 1, blocks, length, kv_scales).masked_fill(~held, 0.0)
-        rows = (starts[seqs, None] + torch.arange(n)).flatten()
+        positions = torch.arange(n, device=ctx.device)
+        rows = (starts[seqs, None] + positions).flatten()
         qs = q[rows].view(len(seqs), n, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
         scores = torch.einsum("sqhgd,skhd->shgqk", qs, k) * scale
-        q_pos = (ctx[:, None] - n + torch.arange(n))[:, :, None]
+        q_pos = (ctx[:, None] - n + positions)[:, :, None]
         allowed = k_pos <= q_pos
         if window > 0:
             allowed &= q_pos - k_pos < window
