@@ -103,7 +103,7 @@ def greedy_agreement(e: Engines, device: str) -> float:
 
 @functools.cache
 def _nlls(engine: Path, device: str) -> torch.Tensor:
-    """The engine's per-token negative log-likelihoods over PASSAGES (the bf16 engine's once a process)."""
+    """The engine's per-token negative log-likelihoods over the passages (the bf16 engine's once a process)."""
     free_gpu()
     return token_nlls(engine, device, text_tokens(engine, add_special_tokens=True))
 

@@ -35,7 +35,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.
     `input_scale` when given: static per tensor ([1]) or per row ([T])."""
     for observe in _GEMM_INPUT_OBSERVERS:
         observe(x)
-    if weight_scale is None and x.device.type == "cpu" and x.dtype != torch.float32:
+    if weight_scale is None and x.device.type == "cpu":
         wide_bias = None if bias is None else bias.float()
         return torch.nn.functional.linear(x.float(), widened(weight), wide_bias).to(x.dtype)
     if weight_scale is None:
