@@ -23,7 +23,8 @@ from kiln.builder.ir import Graph, layer_of
 from kiln.builder.kernels import compile_all_reduce, compile_kernels
 from kiln.builder.passes import FUSIONS, fold_weights, plan_memory, quantize_kv_cache, shard, vocab_parallel
 from kiln.builder.passes.kv_cache import KV_SCALES, granularity
-from kiln.builder.passes.quantize import hand_off_fp8, has_static_scales, is_fp8, quantize_fp8
+from kiln.builder.passes.quantize import (hand_off_fp8, has_static_scales, is_fp8, quantize_fp8,
+                                          weights_to_quantize)
 from kiln.builder.passes.memory import MemoryPlan
 from kiln.builder.trace import trace
 from kiln.engines.format import write_engine_file
@@ -155,7 +156,11 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
     measured: list[Calibration] = []   # what the "calibrate" pass measured, before anything is quantized
     if calibration:
         def calibrate_pass(g: Graph) -> Graph:
-            measured.append(calibrate(g, calibration, cfg.kv_block_size, progress))
+            gptq = weights_to_quantize(g, cfg.quantize_lm_head) if cfg.gptq else ()
+            if cfg.gptq and not gptq:
+                raise BuildError("--gptq: the checkpoint's weights are FP8 already, so there is nothing to round; "
+                                 "build without --gptq (GPTQ rounds a bf16/fp16 checkpoint's weights)")
+            measured.append(calibrate(g, calibration, cfg.kv_block_size, progress, gptq))
             return g
         passes["calibrate"] = calibrate_pass
     if cfg.kv_cache_dtype == "fp8":
@@ -163,7 +168,8 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
             g, measured[0].kv_scales() if kv_scales is None and measured else kv_scales)
     if cfg.quantization == "fp8":
         passes["quantize_fp8"] = lambda g: quantize_fp8(g, cfg.quantize_lm_head,
-                                                        measured[0].activations if measured else None)
+                                                        measured[0].activations if measured else None,
+                                                        measured[0].rounded if measured else None)
         passes[hand_off_fp8.__name__] = hand_off_fp8
     steps = ["trace", *passes]
     for r in range(cfg.tp_size):
@@ -214,6 +220,9 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
     finally:
         bar.close()
     scales = ("static" if has_static_scales(graph) else "per-token") if cfg.quantization != "none" else ""
+    if measured and measured[0].rounded:
+        notes.append(f"{len(measured[0].rounded)} FP8 weights rounded by GPTQ over the "
+                     f"{sum(map(len, calibration))} tokens of --calibration-prompts")
     return BuildSummary(output, layers, fusions, graph.count_ops(), weight_bytes, arena_bytes, list(cfg.targets),
                         kernel_counts, cfg.quantization, time.time() - start, notes=notes, activation_scales=scales)
 

@@ -15,13 +15,16 @@ cache in e4m3 at 1.0 and 0.36% at calibrated scales, +-0.34% (tests/test_fp8_kv_
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from kiln.builder.gptq import gptq_e4m3
 from kiln.builder.ir import Graph
+from kiln.builder.passes.quantize import GEMM_WEIGHTS
 from kiln.dtypes import torch_dtype
 from kiln.plugins import get_plugin
 from kiln.plugins.fp8 import E4M3_MAX, MIN_SCALE
@@ -61,10 +64,12 @@ def _step(ids: list[int], block_size: int) -> dict[str, torch.Tensor]:
 @dataclass(frozen=True)
 class Calibration:
     """What the prompts measured: the largest magnitude each op's projection input reached (node output ->
-    amax), and the largest the KV cache was written with, per layer, k or v, and KV head."""
+    amax), and the largest the KV cache was written with, per layer, k or v, and KV head; with `gptq`, the
+    weights it names rounded to e4m3 over their inputs (weight name -> (e4m3 weight, scale per row))."""
 
     activations: dict[str, float]
     kv: torch.Tensor   # [layers, 2, kv heads] float32
+    rounded: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def kv_scales(self) -> torch.Tensor:
         """An e4m3 cache's scales: each head's largest magnitude maps to 448 (at least MIN_SCALE: a head
@@ -72,23 +77,52 @@ class Calibration:
         return (self.kv / E4M3_MAX).clamp(min=MIN_SCALE)
 
 
-def calibrate(graph: Graph, prompts: list[list[int]], block_size: int, progress: bool = False) -> Calibration:
-    """Run `graph` (its KV cache not yet quantized) over `prompts` and measure what `Calibration` holds."""
+def calibrate(graph: Graph, prompts: list[list[int]], block_size: int, progress: bool = False,
+              gptq: Collection[str] = ()) -> Calibration:
+    """Run `graph` (its KV cache not yet quantized) over `prompts` and measure what `Calibration` holds,
+    rounding the weights named in `gptq` by GPTQ (`builder.gptq`) over the inputs their projections get.
+    The ops run one at a time over every prompt, so that a weight's inputs are all seen (and their
+    [K, K] statistic freed) before the next op runs; a prompt's tensors are dropped after their last use."""
     layers, two, _, _, kv_heads, head_dim = graph.tensors[KV_CACHE].shape
     kv_dtype = torch_dtype(graph.tensors[KV_CACHE].dtype)
+    envs = [{**_step(ids, block_size),
+             KV_CACHE: torch.zeros(layers, two, math.ceil(len(ids) / block_size), block_size, kv_heads, head_dim,
+                                   dtype=kv_dtype)} for ids in prompts]
+    last_use = {name: i for i, node in enumerate(graph.nodes) for name in node.inputs.values() if name}
+    keep = {KV_CACHE, *graph.outputs}
+    gemm_users = {}   # weight to round -> the index of the last op that multiplies by it
+    for i, node in enumerate(graph.nodes):
+        weight = node.inputs.get(GEMM_WEIGHTS.get(node.op, ""))
+        if weight in gptq:
+            gemm_users[weight] = i
     amax: dict[str, float] = {}
-    kv_amax = torch.zeros(layers, two, kv_heads)
-    for ids in tqdm(prompts, desc="calibrate", unit="prompt", disable=not progress):
-        kv = torch.zeros(layers, two, math.ceil(len(ids) / block_size), block_size, kv_heads, head_dim, dtype=kv_dtype)
-        env = {**graph.weights, **_step(ids, block_size), KV_CACHE: kv}
-        for node in graph.nodes:
-            spec = get_plugin(node.op)
-            args = [env[t] if t else None for t in (node.inputs.get(name) for name in spec.input_names)]
-            seen: list[float] = []
-            with observing_gemm_inputs(lambda x: seen.append(x.detach().abs().amax().float().item())):
+    hessians: dict[str, torch.Tensor] = {}
+    rounded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for i, node in enumerate(tqdm(graph.nodes, desc="calibrate", unit="op", disable=not progress)):
+        spec = get_plugin(node.op)
+        weight = node.inputs.get(GEMM_WEIGHTS.get(node.op, ""))
+        seen: list[float] = []
+
+        def observe(x: torch.Tensor) -> None:
+            seen.append(x.detach().abs().amax().float().item())
+            if weight in gemm_users:
+                x = x.detach().float().reshape(-1, x.shape[-1])
+                hessians[weight] = hessians.get(weight, 0) + x.t() @ x
+
+        for env in envs:
+            args = [graph.weights.get(t, env.get(t)) if t else None
+                    for t in (node.inputs.get(name) for name in spec.input_names)]
+            with observing_gemm_inputs(observe):
                 env[node.output] = spec.call_reference(args, node.attrs)
-            if seen:
-                amax[node.output] = max(amax.get(node.output, 0.0), *seen)
-        # Slots past the prompt stay zero, which no maximum notices.
-        kv_amax = torch.maximum(kv_amax, kv.float().abs().amax(dim=(2, 3, 5)))
-    return Calibration(amax, kv_amax)
+            for name in node.inputs.values():
+                if name and last_use[name] == i and name not in keep:
+                    env.pop(name, None)
+        if seen:
+            amax[node.output] = max(seen)
+        if gemm_users.get(weight) == i:
+            rounded[weight] = gptq_e4m3(graph.weights[weight], hessians.pop(weight))
+    # Slots past a prompt stay zero, which no maximum notices.
+    kv_amax = torch.zeros(layers, two, kv_heads)
+    for env in envs:
+        kv_amax = torch.maximum(kv_amax, env[KV_CACHE].float().abs().amax(dim=(2, 3, 5)))
+    return Calibration(amax, kv_amax, rounded)

@@ -71,11 +71,17 @@ from kiln.models import CheckpointError, read_config
                    "largest value seen, instead of a scale per token at run time (larger values then saturate); "
                    "with --kv-cache-dtype fp8 each layer's k and v get a scale per kv head from the largest "
                    "value written to the cache, unless the checkpoint carries KV scales.")
+@click.option("--gptq", is_flag=True,
+              help="With --quantization fp8 and --calibration-prompts: round each FP8 weight by GPTQ (column by "
+                   "column, each column's rounding error moved onto the columns not yet rounded, so that the "
+                   "projection errs least on the inputs the prompts give it) instead of to its nearest value. "
+                   "The engine's format and speed are unchanged; the build does the rounding on this machine's CPU. "
+                   "Give it a few thousand tokens of text like the model will serve.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_batch_size: int,
                  max_seq_len: int | None, max_num_tokens: int, kv_block_size: int, targets: tuple[str, ...],
                  kv_cache_dtype: str, no_fuse: bool, onnx_out: Path | None, quantization: str, quantize_lm_head: bool,
-                 calibration_prompts: Path | None, quiet: bool) -> None:
+                 calibration_prompts: Path | None, gptq: bool, quiet: bool) -> None:
     """Compile a Hugging Face checkpoint or a GGUF file into a Kiln engine folder.
 
     Traces Kiln's definition of the model, fuses each decoder layer (RMSNorm+QKV+RoPE,
@@ -103,7 +109,8 @@ def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_b
                           max_num_tokens=max_num_tokens, kv_block_size=kv_block_size,
                           targets=tuple(dict.fromkeys(targets)) or default_targets(), fuse=not no_fuse,
                           kv_cache_dtype=kv_cache_dtype, quantization=quantization, quantize_lm_head=quantize_lm_head,
-                          calibration_prompts=None if calibration_prompts is None else str(calibration_prompts))
+                          calibration_prompts=None if calibration_prompts is None else str(calibration_prompts),
+                          gptq=gptq)
         if onnx_out is not None and cfg.quantization != "none":
             raise BuildConfigError(f"--onnx: a --quantization {cfg.quantization} engine has no ONNX form in Kiln yet")
     except BuildConfigError as e:

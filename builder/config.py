@@ -37,6 +37,8 @@ class BuildConfig:
     quantize_lm_head: bool = False
     # A text file of prompts (one a line) for static activation scales (builder/calibrate.py).
     calibration_prompts: str | None = None
+    # Round the FP8 weights by GPTQ over the calibration prompts' inputs (builder/gptq.py), not to nearest.
+    gptq: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -69,6 +71,9 @@ class BuildConfig:
         if self.calibration_prompts is not None and self.quantization == "none" and self.kv_cache_dtype != "fp8":
             raise BuildConfigError("--calibration-prompts needs --quantization fp8 or --kv-cache-dtype fp8: "
                                    "it measures their scales")
+        if self.gptq and (self.quantization != "fp8" or self.calibration_prompts is None):
+            raise BuildConfigError("--gptq needs --quantization fp8 and --calibration-prompts: it rounds the FP8 "
+                                   "weights over the inputs the prompts give each projection")
         no_fp8 = [t for t in self.targets if t not in FP8_TARGETS + ("cpu",)]
         if self.quantization == "fp8" and no_fp8:
             raise BuildConfigError(f"--quantization fp8 needs FP8 tensor cores, which {no_fp8[0]} does not have: "

@@ -56,21 +56,37 @@ def has_static_scales(graph: Graph) -> bool:
                if (key := GEMM_WEIGHTS.get(node.op)) is not None)
 
 
-def quantize_fp8(graph: Graph, lm_head: bool = False, input_amax: dict[str, float] | None = None) -> Graph:
-    """Quantize the decoder layers' GEMM weights (and the LM head's when `lm_head`). With
+def weights_to_quantize(graph: Graph, lm_head: bool = False) -> set[str]:
+    """The GEMM weights `quantize_fp8` rounds to e4m3: the decoder layers' (and the LM head's when
+    `lm_head`) that are not FP8 already."""
+    names = set()
+    for node in graph.nodes:
+        key = GEMM_WEIGHTS.get(node.op)
+        if key is None or node.inputs.get(f"{key}_scale") is not None:
+            continue
+        if lm_head or layer_of(node.source) is not None:
+            names.add(node.inputs[key])
+    return names
+
+
+def quantize_fp8(graph: Graph, lm_head: bool = False, input_amax: dict[str, float] | None = None,
+                 rounded: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> Graph:
+    """Quantize the decoder layers' GEMM weights (and the LM head's when `lm_head`): each to its nearest
+    e4m3 values, or as `rounded` gives it (weight name -> (e4m3 weight, scale per row), from GPTQ). With
     `input_amax` (node output -> the largest magnitude its GEMM input reached, from
     `builder.calibrate`), every FP8 op without an activation scale gets a static one, but for
     PER_TOKEN_OPS (see the module docstring)."""
     g = graph.copy()
+    targets = weights_to_quantize(g, lm_head)
     done: dict[str, tuple[str, str]] = {}  # weight -> (quantized weight, its scale)
     for node in g.nodes:
         key = GEMM_WEIGHTS.get(node.op)
         if key is None:
             continue
+        if node.inputs[key] in targets:
+            _quantize_weight(g, node, key, done, rounded or {})
         if node.inputs.get(f"{key}_scale") is None:
-            if layer_of(node.source) is None and not lm_head:
-                continue
-            _quantize_weight(g, node, key, done)
+            continue
         if (input_amax and node.output in input_amax and node.op not in PER_TOKEN_OPS
                 and node.inputs.get(f"{key}_input_scale") is None):
             scale = torch.tensor([max(input_amax[node.output] / E4M3_MAX, MIN_SCALE)], dtype=torch.float32)
@@ -100,14 +116,16 @@ def hand_off_fp8(graph: Graph) -> Graph:
     return g
 
 
-def _quantize_weight(g: Graph, node: Node, key: str, done: dict[str, tuple[str, str]]) -> None:
-    """Give `node` the e4m3 form of its weight input `key` and the scales, made once per weight."""
+def _quantize_weight(g: Graph, node: Node, key: str, done: dict[str, tuple[str, str]],
+                     rounded: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Give `node` the e4m3 form of its weight input `key` and the scales, made once per weight (taken from
+    `rounded` where it has the weight)."""
     name = node.inputs[key]
     if g.weights[name].dtype == FP8:
         raise ValueError(f"{node.source}: weight {name} is float8 without a scale: the checkpoint lost its "
                          "weight_scale")
     if name not in done:
-        wq, scale = quantize_rows(g.weights[name])
+        wq, scale = rounded[name] if name in rounded else quantize_rows(g.weights[name])
         # A weight that another op reads as it is (a tied embedding) keeps its name for it.
         shared = any(n.op not in GEMM_WEIGHTS for n in g.users(name))
         qname = f"{name}.fp8" if shared else name
