@@ -208,7 +208,8 @@ Examples:
                    "the bf16 engine's stays as it is.")
 @click.option("--calibration-prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="With --quantization: static activation scales for the quantized engine from these prompts "
-                   "(build-engine --calibration-prompts), as calibrated FP8 checkpoints carry them, and with "
+                   "(build-engine --calibration-prompts --activation-scales static), as calibrated FP8 checkpoints "
+                   "carry them, and with "
                    "--kv-cache-dtype fp8 its cache's scales too; with --kv-cache-dtype fp8 alone, the e4m3-cache "
                    "engine's scales.")
 @click.option("--max-batch-size", type=int, default=256, show_default=True, help="Build flag (not with --engine).")
@@ -294,6 +295,7 @@ def bench_engine(ctx: click.Context, engine_dir: Path | None, checkpoint: Path |
         # With --kv-cache-dtype fp8 the quantized engine has the e4m3 cache too, as FP8 serving figures are taken.
         quantized_cfg = (dataclasses.replace(cfg, quantization=quantization, quantize_lm_head=quantize_lm_head,
                                              calibration_prompts=calibration_prompts and str(calibration_prompts),
+                                             activation_scales="static" if calibration_prompts else "per-token",
                                              kv_cache_dtype=kv_cache_dtype)
                          if quantization != "none" else None)
         engine_dir, checkpoint = _resolve_engine(engine_dir, checkpoint, work_dir.expanduser(), device,

@@ -167,8 +167,9 @@ def build_from_model(model: nn.Module, output: str | Path, cfg: BuildConfig, mod
         passes[quantize_kv_cache.__name__] = lambda g: quantize_kv_cache(
             g, measured[0].kv_scales() if kv_scales is None and measured else kv_scales)
     if cfg.quantization == "fp8":
+        static = cfg.activation_scales == "static"
         passes["quantize_fp8"] = lambda g: quantize_fp8(g, cfg.quantize_lm_head,
-                                                        measured[0].activations if measured else None,
+                                                        measured[0].activations if measured and static else None,
                                                         measured[0].rounded if measured else None)
         passes[hand_off_fp8.__name__] = hand_off_fp8
     steps = ["trace", *passes]

@@ -8,7 +8,8 @@ import click
 
 from kiln.builder.build import BuildError, build_engine as run_build
 from kiln.builder.calibrate import CalibrationError
-from kiln.builder.config import FP8_TARGETS, KV_CACHE_DTYPES, TARGETS, BuildConfig, BuildConfigError, default_targets
+from kiln.builder.config import (ACTIVATION_SCALES, FP8_TARGETS, KV_CACHE_DTYPES, TARGETS, BuildConfig,
+                                 BuildConfigError, default_targets)
 from kiln.builder.kernels import KernelError
 from kiln.builder.onnx_export import EXTERNAL_DATA_BYTES, OnnxExportError, export_onnx
 from kiln.builder.passes import KVScalesError, ShardError
@@ -65,12 +66,18 @@ from kiln.models import CheckpointError, read_config
 @click.option("--quantize-lm-head", is_flag=True,
               help="With --quantization fp8, quantize the LM head too (it stays in --dtype otherwise).")
 @click.option("--calibration-prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="With --quantization fp8 or --kv-cache-dtype fp8: a text file of prompts, one a line (a few "
-                   "dozen typical ones). They run through the unquantized model on this machine's CPU. With "
-                   "--quantization fp8 each projection's input gets a static per-tensor FP8 scale from the "
-                   "largest value seen, instead of a scale per token at run time (larger values then saturate); "
-                   "with --kv-cache-dtype fp8 each layer's k and v get a scale per kv head from the largest "
-                   "value written to the cache, unless the checkpoint carries KV scales.")
+              help="A text file of prompts, one a line (a few dozen paragraphs of text like the model will "
+                   "serve), run through the unquantized model on this machine's CPU for what --gptq, "
+                   "--activation-scales static and --kv-cache-dtype fp8 measure. With --kv-cache-dtype fp8 each "
+                   "layer's k and v get a scale per kv head from the largest value written to the cache, unless "
+                   "the checkpoint carries KV scales.")
+@click.option("--activation-scales", type=click.Choice(ACTIVATION_SCALES), default="per-token", show_default=True,
+              help="With --quantization fp8: per-token quantizes each row of a projection's input with its own "
+                   "scale, found as the row is made. static gives o_proj's and down's inputs one scale each, the "
+                   "largest value --calibration-prompts gave them over 448 (larger values saturate): the kernel "
+                   "before them writes their input in e4m3, one launch fewer a layer, for a little accuracy "
+                   "(perplexity +0.1-0.5% on small models, tests/fp8_accuracy_check.py). The projections after an "
+                   "RMSNorm stay per-token. A checkpoint's own input scales are used either way.")
 @click.option("--gptq", is_flag=True,
               help="With --quantization fp8 and --calibration-prompts: round each FP8 weight by GPTQ (column by "
                    "column, each column's rounding error moved onto the columns not yet rounded, so that the "
@@ -81,7 +88,7 @@ from kiln.models import CheckpointError, read_config
 def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_batch_size: int,
                  max_seq_len: int | None, max_num_tokens: int, kv_block_size: int, targets: tuple[str, ...],
                  kv_cache_dtype: str, no_fuse: bool, onnx_out: Path | None, quantization: str, quantize_lm_head: bool,
-                 calibration_prompts: Path | None, gptq: bool, quiet: bool) -> None:
+                 calibration_prompts: Path | None, activation_scales: str, gptq: bool, quiet: bool) -> None:
     """Compile a Hugging Face checkpoint or a GGUF file into a Kiln engine folder.
 
     Traces Kiln's definition of the model, fuses each decoder layer (RMSNorm+QKV+RoPE,
@@ -110,7 +117,7 @@ def build_engine(checkpoint: Path, output: Path, dtype: str, tp_size: int, max_b
                           targets=tuple(dict.fromkeys(targets)) or default_targets(), fuse=not no_fuse,
                           kv_cache_dtype=kv_cache_dtype, quantization=quantization, quantize_lm_head=quantize_lm_head,
                           calibration_prompts=None if calibration_prompts is None else str(calibration_prompts),
-                          gptq=gptq)
+                          activation_scales=activation_scales, gptq=gptq)
         if onnx_out is not None and cfg.quantization != "none":
             raise BuildConfigError(f"--onnx: a --quantization {cfg.quantization} engine has no ONNX form in Kiln yet")
     except BuildConfigError as e:

@@ -10,6 +10,8 @@ from kiln.plugins.fp8 import FP8_TARGETS
 TARGETS = ("cpu", "sm_80", "sm_89", "sm_90", "sm_100")
 # --kv-cache-dtype: "auto" keeps the cache in the model's dtype, "fp8" stores e4m3 (plugins/fp8.py).
 KV_CACHE_DTYPES = ("auto", "fp8")
+# --activation-scales of an FP8 engine (builder/passes/quantize.py).
+ACTIVATION_SCALES = ("per-token", "static")
 # GPU targets whose Triton has e4m3 (float8e4nv) values; sm_80 has none, even for a cache that
 # is only converted in registers (Triton refuses the type there).
 FP8_KV_TARGETS = ("sm_89", "sm_90", "sm_100")
@@ -35,8 +37,11 @@ class BuildConfig:
     # "fp8": the decoder layers' GEMMs run W8A8 in e4m3 (builder/passes/quantize.py).
     quantization: str = "none"
     quantize_lm_head: bool = False
-    # A text file of prompts (one a line) for static activation scales (builder/calibrate.py).
+    # A text file of prompts (one a line) that builder/calibrate.py runs: for an e4m3 cache's scales, static
+    # activation scales and GPTQ.
     calibration_prompts: str | None = None
+    # FP8: "per-token" (each row's own scale, found as the row is made) or "static" (one per tensor, calibrated).
+    activation_scales: str = "per-token"
     # Round the FP8 weights by GPTQ over the calibration prompts' inputs (builder/gptq.py), not to nearest.
     gptq: bool = False
 
@@ -68,9 +73,20 @@ class BuildConfig:
             raise BuildConfigError(f"--quantization {self.quantization}: choose one of {', '.join(QUANTIZATIONS)}")
         if self.quantize_lm_head and self.quantization == "none":
             raise BuildConfigError("--quantize-lm-head needs --quantization fp8")
+        if self.activation_scales not in ACTIVATION_SCALES:
+            raise BuildConfigError(f"--activation-scales {self.activation_scales}: choose one of "
+                                   f"{', '.join(ACTIVATION_SCALES)}")
+        if self.activation_scales == "static" and (self.quantization != "fp8" or self.calibration_prompts is None):
+            raise BuildConfigError("--activation-scales static needs --quantization fp8 and --calibration-prompts: "
+                                   "the static scales are the largest inputs the prompts give each projection")
         if self.calibration_prompts is not None and self.quantization == "none" and self.kv_cache_dtype != "fp8":
             raise BuildConfigError("--calibration-prompts needs --quantization fp8 or --kv-cache-dtype fp8: "
                                    "it measures their scales")
+        if (self.calibration_prompts is not None and self.kv_cache_dtype != "fp8" and not self.gptq
+                and self.activation_scales != "static"):
+            raise BuildConfigError("--calibration-prompts measures nothing in this build: with --quantization fp8 "
+                                   "it is for --gptq (more accurate weights) or --activation-scales static (faster "
+                                   "o_proj and down), and for --kv-cache-dtype fp8's scales; add what you meant")
         if self.gptq and (self.quantization != "fp8" or self.calibration_prompts is None):
             raise BuildConfigError("--gptq needs --quantization fp8 and --calibration-prompts: it rounds the FP8 "
                                    "weights over the inputs the prompts give each projection")

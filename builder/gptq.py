@@ -33,24 +33,23 @@ def gptq_e4m3(weight: torch.Tensor, hessian: torch.Tensor) -> tuple[torch.Tensor
     unseen = h.diagonal() == 0
     h[unseen, unseen] = 1.0
     order = torch.argsort(h.diagonal(), descending=True)
-    w, h = w[:, order].clone(), h[order][:, order]
+    h = h[order][:, order]
     h.diagonal().add_(DAMPING * h.diagonal().mean())
     # The upper Cholesky factor of H^-1: row j holds how column j's error spreads over columns j.. .
     u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    k = w.shape[1]
-    q = torch.empty(w.shape, dtype=FP8, device=device)
-    s = scale[:, None]
+    # Transposed, so that a column of the weight is a contiguous row here.
+    wt = w[:, order].t().contiguous()
+    k = wt.shape[0]
+    qt = torch.empty(wt.shape, dtype=FP8, device=device)
     for start in range(0, k, BLOCK):
         end = min(start + BLOCK, k)
-        block, ub = w[:, start:end], u[start:end, start:end]
+        block, ub = wt[start:end], u[start:end, start:end]
         errors = torch.empty_like(block)
         for j in range(end - start):
-            column = block[:, j:j + 1]
-            rounded = to_e4m3(column, s)
-            q[:, start + j] = rounded[:, 0]
-            error = (column - rounded.float() * s) / ub[j, j]
-            block[:, j:] -= error * ub[j, j:]
-            errors[:, j:j + 1] = error
-        w[:, end:] -= errors @ u[start:end, end:]
+            qt[start + j] = to_e4m3(block[j], scale)
+            errors[j] = (block[j] - qt[start + j].float() * scale) / ub[j, j]
+            block[j + 1:] -= ub[j, j + 1:, None] * errors[j]
+        wt[end:] -= u[start:end, end:].t() @ errors
+    q = qt.t()
     restore = torch.argsort(order)
     return q.view(torch.uint8)[:, restore].view(FP8).cpu(), scale.cpu()

@@ -149,7 +149,7 @@ def test_fp8_engine_compiles_for_the_fp8_targets(activations, factory, fp8_cache
     """Every FP8 op of a W8A8 plan (per token with an e4m3 KV cache, static with a bf16 one) gets its
     FP8 kernels for sm_89 and sm_90 through the builder (the plan's compile shapes are what the
     kernels take): one GEMM per bucket and the quantize pre-pass, the weights stored in e4m3. With
-    static activation scales (--calibration-prompts here: o_proj's and down's) the pre-pass is the one
+    static activation scales (--activation-scales static here: o_proj's and down's) the pre-pass is the one
     that takes the op's scale, and so are the FP8 GEMVs (meta "static"); and
     norm_swiglu's decode tiles and attention_o_proj's decode kernels hand the next GEMM its input in
     e4m3 (`linear.fp8`'s handoff, meta "handoff"), and at one row norm_swiglu's GEMV stages it for down's,
@@ -160,7 +160,7 @@ def test_fp8_engine_compiles_for_the_fp8_targets(activations, factory, fp8_cache
     if activations == "static":
         prompts = tmp_path / "prompts.txt"
         prompts.write_text("The capital of France is Paris.\nOne, two, three, four.\n")
-        extra += ["--calibration-prompts", str(prompts)]
+        extra += ["--calibration-prompts", str(prompts), "--activation-scales", "static"]
     else:
         extra += ["--kv-cache-dtype", "fp8"]
     result = build_cli(factory.checkpoint("qwen3"), tmp_path / "engine", targets, fp8_cache, extra=extra,

@@ -182,7 +182,8 @@ def test_calibration_prompts_give_o_proj_and_down_static_activation_scales(check
     prompts.write_text("The capital of France is Paris.\n\nWrite a haiku about autumn leaves.\nWhat is 17 times 23?\n")
     out = tmp_path / "static"
     result = invoke(build_cli, ["--checkpoint", checkpoints[None], "--output", out, *SMALL, "--target", "cpu",
-                                "--quantization", "fp8", "--calibration-prompts", prompts])
+                                "--quantization", "fp8", "--calibration-prompts", prompts,
+                                "--activation-scales", "static"])
     assert result.exit_code == 0, result.output
     assert "fp8 GEMMs (static activation scales)" in result.output
     ef = read_engine_file(out / "rank0.engine")
@@ -205,7 +206,10 @@ def test_calibration_prompts_give_o_proj_and_down_static_activation_scales(check
 
 @pytest.mark.parametrize("content,flags,words", [
     ("a prompt\n", [], ["--calibration-prompts needs --quantization fp8 or --kv-cache-dtype fp8"]),
-    ("\n  \n", ["--quantization", "fp8"], ["--calibration-prompts", "holds no prompts"]),
+    ("\n  \n", ["--quantization", "fp8", "--gptq"], ["--calibration-prompts", "holds no prompts"]),
+    ("a prompt\n", ["--quantization", "fp8"], ["--calibration-prompts measures nothing", "--gptq",
+                                              "--activation-scales static"]),
+    ("a prompt\n", ["--activation-scales", "static"], ["--activation-scales static needs --quantization fp8"]),
 ])
 def test_calibration_prompts_errors(checkpoints, tmp_path, content, flags, words):
     prompts = tmp_path / "prompts.txt"

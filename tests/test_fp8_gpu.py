@@ -36,9 +36,10 @@ ERROR_RATIO, AGREEMENT_SLACK = 1.25, 0.03
 @pytest.mark.parametrize("family", ["llama3", "qwen2"])
 def test_fp8_gpu_engine_is_as_close_to_the_exact_model_as_its_cpu_reference(family, kv_cache, activations, gpu_workdir,
                                                                             arch, record_property):  # noqa: F811
-    """Static activation scales come from --calibration-prompts: o_proj's and down's, whose inputs the
-    decode attention and SwiGLU kernels then write in e4m3 for them (the handoff of `linear.fp8`) and
-    whose pre-passes elsewhere divide by the op's one scale; the GEMMs are the per-token engine's."""
+    """Static activation scales (--activation-scales static) come from --calibration-prompts: o_proj's and
+    down's, whose inputs the decode attention and SwiGLU kernels then write in e4m3 for them (the handoff of
+    `linear.fp8`) and whose pre-passes elsewhere divide by the op's one scale; the GEMMs are the per-token
+    engine's."""
     if arch not in FP8_TARGETS:
         pytest.skip(f"{arch} has no FP8 tensor cores (FP8 engines are built for {', '.join(FP8_TARGETS)})")
     checkpoint = cached_checkpoint(gpu_workdir, family, **SMALL)
@@ -46,7 +47,7 @@ def test_fp8_gpu_engine_is_as_close_to_the_exact_model_as_its_cpu_reference(fami
     if activations == "static":
         prompts = gpu_workdir / "calibration-prompts.txt"
         prompts.write_text("The capital of France is Paris.\nOnce upon a time there was a small engine.\n")
-        extra += ("--calibration-prompts", str(prompts))
+        extra += ("--calibration-prompts", str(prompts), "--activation-scales", "static")
     engine = cached_engine(gpu_workdir, checkpoint, ["cpu", arch], "float32", **BUILD, extra=extra)
     exact_engine = cached_engine(gpu_workdir, checkpoint, ["cpu"], "float32", **BUILD)
     prompts = make_prompts(SMALL["vocab_size"])

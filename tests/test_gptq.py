@@ -114,9 +114,10 @@ def test_a_gptq_engine_holds_its_rounding_and_says_so(tmp_path):
                                          num_layers=2, seed=7)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The capital of France is Paris.\nWrite a haiku about autumn leaves.\nWhat is 17 times 23?\n")
-    common = ["--checkpoint", checkpoint, *SMALL, "--quantization", "fp8", "--calibration-prompts", prompts]
+    common = ["--checkpoint", checkpoint, *SMALL, "--quantization", "fp8"]
     build(*common, "--output", tmp_path / "nearest")
-    summary = build(*common, "--gptq", "--output", tmp_path / "gptq")
+    summary = build(*common, "--calibration-prompts", prompts, "--gptq", "--output", tmp_path / "gptq")
+    assert "(per-token activation scales)" in summary
     assert "8 FP8 weights rounded by GPTQ over the" in summary
     nearest, gptq = (read_engine_file(tmp_path / e / "rank0.engine").weights for e in ("nearest", "gptq"))
     assert nearest.keys() == gptq.keys()

@@ -265,7 +265,8 @@ def test_fp8_lm_head_is_cut_with_its_scales(tmp_path):
     for tp in (1, 2):
         engines[tp] = tmp_path / f"engine-tp{tp}"
         cfg = BuildConfig(max_batch_size=8, max_seq_len=64, max_num_tokens=64, kv_block_size=4, tp_size=tp,
-                          quantization="fp8", quantize_lm_head=True, calibration_prompts=str(prompts))
+                          quantization="fp8", quantize_lm_head=True, calibration_prompts=str(prompts),
+                          activation_scales="static")
         build_engine(ckpt, engines[tp], cfg)
     whole_engine = load_engine(engines[1], 0)
     whole_head, whole = _lm_head(whole_engine)
