@@ -27,7 +27,9 @@ from fp8_accuracy_check import MODELS, engines, greedy_agreement, passed, perple
               help="cpu: the same comparison with CPU engines (what tests/test_fp8_accuracy.py runs).")
 @click.option("--model", type=click.Choice(MODELS), default="smollm2-135m", show_default=True,
               help="Which real model (tests/real_models.py) to check; scripts/real_model_gpu.sh carries smollm2-135m.")
-def main(workdir: Path, out: Path, device: str, model: str) -> None:
+@click.option("--gptq", is_flag=True, help="Round the FP8 engine's weights by GPTQ over tests/calibration_prompts.txt "
+              "(build-engine --gptq), as tests/test_fp8_accuracy.py's second engine.")
+def main(workdir: Path, out: Path, device: str, model: str, gptq: bool) -> None:
     import torch
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -36,7 +38,7 @@ def main(workdir: Path, out: Path, device: str, model: str) -> None:
         targets = [device_arch()]
     else:
         targets = ["cpu"]
-    built = engines(workdir, targets, model)
+    built = engines(workdir, targets, model, gptq)
     if built is None:
         click.echo(f"{model} is not in KILN_MODEL_CACHE: carry it as scripts/real_model_gpu.sh does", err=True)
         sys.exit(2)
@@ -45,7 +47,8 @@ def main(workdir: Path, out: Path, device: str, model: str) -> None:
     lines = [f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%M:%SZ}",
              f"commit {os.environ.get('KILN_COMMIT', 'unknown')}",
              f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}",
-             f"command python3 scripts/fp8_accuracy_gpu.py --out {out} --device {device} --model {model}",
+             f"command python3 scripts/fp8_accuracy_gpu.py --out {out} --device {device} --model {model}"
+             + (" --gptq" if gptq else ""),
              report(model, agreement, ppl, targets), "PASS" if ok else "FAIL", ""]
     with open(out, "a", encoding="utf-8") as f:
         f.write("\n".join(lines))

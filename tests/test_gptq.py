@@ -10,6 +10,7 @@ from kiln.builder.calibrate import calibrate
 from kiln.builder.cli import build_engine as build_cli
 from kiln.builder.config import BuildConfig, BuildConfigError
 from kiln.builder.gptq import gptq_e4m3
+from kiln.builder.ir import in_spec_order
 from kiln.builder.passes.quantize import quantize_fp8, weights_to_quantize
 from kiln.engines.format import read_engine_file
 from kiln.models.random_checkpoint import write_random_checkpoint
@@ -69,27 +70,43 @@ def test_an_input_channel_the_prompts_never_reached_is_rounded_to_nearest():
     assert not torch.equal(bits(q), bits(nearest))
 
 
-def test_calibration_rounds_the_named_weights_over_every_prompts_inputs_and_the_pass_uses_them():
-    g = make_llama(layers=2)
-    prompts = [[5, 9, 2, 7, 1, 3], [4, 4, 8]]
-    names = sorted(weights_to_quantize(g))
-    assert len(names) == 2 * 7   # q, k, v, o, gate, up, down per layer; not the LM head
-    measured = calibrate(g, prompts, BLOCK_SIZE, gptq=names[:3])
-    assert sorted(measured.rounded) == names[:3]
+def hessians_of(g, prompts: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Each linear weight's sum of x^T x over its inputs, prompt after prompt."""
     hessians: dict[str, torch.Tensor] = {}
     for ids in prompts:
         env = run_graph(g, pack_step([SequenceChunk(ids, 0, [0, 1, 2])], BLOCK_SIZE, 3), new_cache(g))
         for node in nodes_of(g, "linear"):
             x = env[node.inputs["x"]].float()
             hessians[node.inputs["weight"]] = hessians.get(node.inputs["weight"], 0) + x.t() @ x
-    for name in names[:3]:
-        want_q, want_scale = gptq_e4m3(g.weights[name], hessians[name])
-        q, scale = measured.rounded[name]
-        assert torch.equal(bits(q), bits(want_q)) and torch.equal(scale, want_scale)
-    q = quantize_fp8(g, rounded=measured.rounded)
-    for name in names:
+    return hessians
+
+
+def test_calibration_rounds_each_weight_over_its_inputs_with_the_weights_before_it_rounded():
+    g = make_llama(layers=2)
+    prompts = [[5, 9, 2, 7, 1, 3], [4, 4, 8]]
+    in_order = [n.inputs["weight"] for n in nodes_of(g, "linear")]
+    assert sorted(weights_to_quantize(g)) == sorted(in_order[:-1])   # 7 a layer; not the LM head
+    first, later = in_order[0], in_order[9]   # layer 0's q_proj; a projection of layer 1
+    measured = calibrate(g, prompts, BLOCK_SIZE, gptq=[first, later])
+    assert sorted(measured.rounded) == sorted([first, later])
+    # The first is rounded over the model's own inputs ...
+    want_q, want_scale = gptq_e4m3(g.weights[first], hessians_of(g, prompts)[first])
+    q, scale = measured.rounded[first]
+    assert torch.equal(bits(q), bits(want_q)) and torch.equal(scale, want_scale)
+    # ... and the later one over what its op gets with the first running W8A8 with its rounding.
+    g_first = g.copy()
+    node = next(n for n in g_first.nodes if n.inputs.get("weight") == first)
+    node.inputs["weight"] = g_first.add_weight(f"{first}.fp8", q)
+    node.inputs = in_spec_order(node.op, {**node.inputs, "weight_scale": g_first.add_weight(f"{first}.scale", scale)})
+    unrounded_q, _ = gptq_e4m3(g.weights[later], hessians_of(g, prompts)[later])
+    want_q, _ = gptq_e4m3(g.weights[later], hessians_of(g_first, prompts)[later])
+    assert torch.equal(bits(measured.rounded[later][0]), bits(want_q))
+    assert not torch.equal(bits(want_q), bits(unrounded_q))
+    # The quantize pass takes these two as they are and rounds the rest to nearest.
+    quantized = quantize_fp8(g, rounded=measured.rounded)
+    for name in in_order[:-1]:
         want = measured.rounded.get(name) or quantize_rows(g.weights[name])
-        assert torch.equal(bits(q.weights[name]), bits(want[0])), name
+        assert torch.equal(bits(quantized.weights[name]), bits(want[0])), name
 
 
 def test_gptq_needs_fp8_and_calibration_prompts():
