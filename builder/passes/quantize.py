@@ -9,7 +9,9 @@ whole rows with their scales, and a row-parallel split keeps each row's full-row
 rank. Folding a norm weight into an FP8 weight would need a second rounding, so the fold pass
 leaves the norm weight of an FP8 projection to the norm. A weight that is already float8 (a
 pre-quantized checkpoint, `models.fp8_checkpoint`) keeps its own scale, so both ways to an FP8
-engine give the same bytes. With a calibration run's figures (`builder/calibrate.py`) the FP8 ops
+engine give the same bytes. A weight that calibration rounded by GPTQ (`--gptq`, `builder/gptq.py`) is
+taken as it was rounded. With a calibration run's figures (`builder/calibrate.py`, `--activation-scales
+static`) the FP8 ops
 whose input another kernel writes (o_proj, the down projection, any plain projection) also get a
 static activation scale, `<weight>_input_scale` (float32 [1]): that kernel then writes their input in
 e4m3 as it stores it (`hand_off_fp8`), one launch fewer each. The ops that RMSNorm their input
