@@ -24,7 +24,8 @@ combine are programmatic dependent launches: each waits for the kernel before it
 start, so each launch overlaps the end of the kernel before (o_proj's GEMV issues its first weight loads
 before it waits). Built EARLY for a step of one sequence, the decode kernels let the next kernel start
 first and read their first tile of earlier keys before they wait, so that the chain of loads (context
-length, block table, cache) runs while the qkv GEMV does; only the newest key is the qkv kernel's.
+length, block table, cache) runs while the qkv GEMV does; only the newest key is the qkv kernel's: its
+block-table entry is read before the wait too, its K and V beside q after it, and it is attended last.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kiln.plugins.linear.fp8 import HANDOFF_ROWS, store_handoff, to_e4m3
 
 _HANDOFF_MAX = tl.constexpr(HANDOFF_ROWS[1])
+# The newest key's tile in an EARLY kernel: one key, in the smallest tile a dot takes.
+NEWEST_N = tl.constexpr(16)
 
 
 @triton.jit
@@ -129,6 +132,17 @@ def _preload(start, hi, table, k_cache_ptr, v_cache_ptr, kv_head, d, d_ok, NUM_K
     kv_off = ((page.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE) * NUM_KV_HEADS + kv_head) * HEAD_DIM
     k_t = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None], mask=d_ok[:, None] & key_ok[None, :], other=0.0)
     v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    return k_t, v
+
+
+@triton.jit
+def _load_one_key(off, ok, k_cache_ptr, v_cache_ptr, d, d_ok, N: tl.constexpr):
+    """One key's K and V of a bf16 cache row at `off` (where `ok`) as the first of an N-key tile, the others
+    zeros: (k transposed, v), for `_attend`."""
+    first = (tl.arange(0, N) == 0) & ok
+    k_t = tl.load(k_cache_ptr + off + d[:, None] + 0 * first[None, :], mask=d_ok[:, None] & first[None, :],
+                  other=0.0)
+    v = tl.load(v_cache_ptr + off + d[None, :] + 0 * first[:, None], mask=first[:, None] & d_ok[None, :], other=0.0)
     return k_t, v
 
 
@@ -232,8 +246,15 @@ def attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_p
         old_hi = tl.minimum(hi, first_pos)
         k_pre, v_pre = _preload(lo, old_hi, table, k_cache_ptr, v_cache_ptr, kv_head, d, d_ok, NUM_KV_HEADS,
                                 HEAD_DIM, BLOCK_SIZE, BLOCK_N)
+        # The newest key's cache row, found before the wait too: its K and V are then loaded beside q, one
+        # round trip after the wait where the table, K and V had been three (BENCHMARKS.md session 57).
+        newest = (lo <= first_pos) & (first_pos < hi)
+        newest_page = tl.load(table + first_pos // BLOCK_SIZE)
+        newest_off = ((newest_page.to(tl.int64) * BLOCK_SIZE + first_pos % BLOCK_SIZE) * NUM_KV_HEADS
+                      + kv_head) * HEAD_DIM
         if PDL:
             gdc_wait()
+        k_new, v_new = _load_one_key(newest_off, newest, k_cache_ptr, v_cache_ptr, d, d_ok, NEWEST_N)
     q_rows = q_start + tok
     q = tl.load(q_ptr + q_rows[:, None] * q_stride + head[:, None] * HEAD_DIM + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -257,14 +278,11 @@ def attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_p
         acc, m, l = _attend(q, acc, m, l, lo, old_hi, pos, window, table, k_cache_ptr, v_cache_ptr, kv_head, d,
                             d_ok, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, INTERPRETER,
                             k_pre, v_pre)
-        if (lo <= first_pos) & (first_pos < tl.minimum(hi, lo + BLOCK_N)):
-            # The newest key, left out of the preloaded tile: a tile of one key from it.
-            acc, m, l = _attend(q, acc, m, l, first_pos, first_pos + 1, pos, window, table, k_cache_ptr,
-                                v_cache_ptr, kv_head, d, d_ok, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                                True, False, INTERPRETER)
-        lo += BLOCK_N   # the other tiles as any decode's, masked
+        lo += BLOCK_N   # the other earlier keys' tiles as any decode's, masked; the newest key's after them
+        keys_hi = old_hi
     else:
         table = block_tables_ptr + seq.to(tl.int64) * table_stride
+        keys_hi = hi
     # Whole key tiles that every row of the block sees (causal: up to its first query; no window)
     # take no mask: in a long prefill that is all but the tiles on the diagonal.
     visible = lo
@@ -275,10 +293,15 @@ def attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_p
         acc, m, l = _attend(q, acc, m, l, start, hi, pos, window, table, k_cache_ptr, v_cache_ptr, kv_head, d,
                             d_ok, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, scale_ptr is not None,
                             INTERPRETER)
-    for start in range(visible, hi, BLOCK_N):
-        acc, m, l = _attend(q, acc, m, l, start, hi, pos, window, table, k_cache_ptr, v_cache_ptr, kv_head, d,
+    for start in range(visible, keys_hi, BLOCK_N):
+        acc, m, l = _attend(q, acc, m, l, start, keys_hi, pos, window, table, k_cache_ptr, v_cache_ptr, kv_head, d,
                             d_ok, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, scale_ptr is not None,
                             INTERPRETER)
+    if EARLY:
+        if newest:
+            acc, m, l = _attend(q, acc, m, l, first_pos, first_pos + 1, pos, window, table, k_cache_ptr,
+                                v_cache_ptr, kv_head, d, d_ok, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NEWEST_N,
+                                True, False, INTERPRETER, k_new, v_new)
 
     if scale_ptr is not None:
         acc = acc * tl.load(scale_ptr + NUM_KV_HEADS + kv_head)
