@@ -19,7 +19,8 @@ NUM_PROMPTS, MAX_TOKENS = 8, 24
 # Over the 1,975 tokens of tests/passages.py, each +-0.34% (one standard error): +0.41% with calibrated scales,
 # +0.68% at scales 1.0 (which put small values in e4m3's subnormals), on an AMD EPYC with AVX2 and references
 # multiplying into float32 (session 59); +0.36% and +1.13% on an Intel Xeon with AMX and torch's bf16 GEMMs
-# before; session 60's CI run on this AVX2 kind of machine read +0.50% and +0.69%. The uncalibrated cache gets a bar well above its figure, to catch a broken path rather than a rounding.
+# before; session 60's CI run on this AVX2 kind of machine read +0.50% and +0.69%. The uncalibrated cache gets a
+# bar well above its figure, to catch a broken path rather than a rounding.
 UNCALIBRATED_GUARD = 0.05
 
 
