@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from kiln.builder.gptq import gptq_e4m3
 from kiln.builder.ir import Graph
-from kiln.builder.passes.quantize import GEMM_WEIGHTS
+from kiln.builder.passes.quantize import GEMM_WEIGHTS, scale_input
 from kiln.dtypes import torch_dtype
 from kiln.plugins import get_plugin
 from kiln.plugins.fp8 import E4M3_MAX, MIN_SCALE
@@ -125,8 +125,8 @@ def calibrate(graph: Graph, prompts: list[list[int]], block_size: int, progress:
             rounded[weight] = gptq_e4m3(graph.weights[weight], hessians.pop(weight))
             # GPTQ in sequence: the ops after this one see its output as the FP8 engine computes it (the weight
             # rounded, the input quantized per token), and round their weights for that.
-            key = GEMM_WEIGHTS[node.op]
-            outputs = [run(env, dict(zip((key, f"{key}_scale"), rounded[weight]))) for env in envs]
+            given = dict(zip((GEMM_WEIGHTS[node.op], scale_input(node.op)), rounded[weight]))
+            outputs = [run(env, given) for env in envs]
         for env, out in zip(envs, outputs):
             env[node.output] = out
             for name in node.inputs.values():
